@@ -1,0 +1,65 @@
+"""The calibration file that `moe_gate=measured` reads and `moe-inspector sweep` writes.
+
+One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", "hidden",
+"intermediate", "tile_m", "crossover_tokens", "measured_at", "commit"}]}. The crossover is the
+smallest measured token count from which the grouped arm beats the GEMV arm at every larger
+measured width. Knows nothing of how the sweep measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+VERSION = 1
+
+
+def calibration_path() -> Path:
+    """MOEI_CALIBRATION if set, else ~/.cache/moe-inspector/calibration.json."""
+    explicit = os.environ.get("MOEI_CALIBRATION")
+    if explicit:
+        return Path(explicit)
+    return Path.home() / ".cache" / "moe-inspector" / "calibration.json"
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(entry[name] for name in ("device", "k", "experts", "hidden", "intermediate", "tile_m"))
+
+
+def load_entries(path: Path | None = None) -> list[dict]:
+    path = calibration_path() if path is None else path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        return []
+    return [entry for entry in data.get("entries", []) if isinstance(entry, dict)]
+
+
+def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
+                   path: Path | None = None) -> int | None:
+    """The measured crossover for exactly this routing shape on this device, or None."""
+    wanted = (device, k, experts, hidden, intermediate, tile_m)
+    for entry in load_entries(path):
+        try:
+            if _key(entry) == wanted:
+                return int(entry["crossover_tokens"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+def save_entry(entry: dict, path: Path | None = None) -> Path:
+    """Insert or replace the entry for its routing shape; written atomically."""
+    path = calibration_path() if path is None else path
+    entries = [old for old in load_entries(path) if _key(old) != _key(entry)]
+    entries.append(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+        json.dump({"version": VERSION, "entries": entries}, handle, indent=2)
+        temporary = handle.name
+    os.replace(temporary, path)
+    return path

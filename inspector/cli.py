@@ -1,0 +1,61 @@
+"""`moe-inspector`: the TUI when no subcommand is given, else one headless command.
+
+Exit codes: 0 ok, 1 a check failed, 2 bad input or an invalid environment/measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine.errors import UserError
+from inspector.commands import COMMAND_MODULES
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad usage already; keep its message to one line plus the usage."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        self.print_usage(sys.stderr)
+        print(f"moe-inspector: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape); default demo")
+    parser.add_argument("--device", default="auto", help="cuda, cpu or auto (the GPU if there is one)")
+    parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
+                        help="set a flag (repeatable); see `moe-inspector flags`")
+    parser.add_argument("--session", default=None, metavar="FILE", help="open (or start) this session file")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed for random presets (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="moe-inspector",
+        description="Inspect which MoE and attention kernels run, why, how full their tiles are and "
+        "whether fused arms compute what their references compute. With no command: the TUI.",
+    )
+    add_tui_arguments(parser)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"inspector.commands.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            from inspector.tui import launch  # textual is imported only for the TUI
+
+            return launch(args)
+        return int(args.run(args))
+    except UserError as error:
+        print(f"moe-inspector: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("moe-inspector: interrupted", file=sys.stderr)
+        return 130
