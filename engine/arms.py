@@ -1,0 +1,100 @@
+"""The kernel arms the engine can run, and their exact launch counters.
+
+An arm is a registered object: a name, the family it serves (moe or attention), which devices
+it supports, and a launch function. The engine bumps an arm's counter each time it actually
+executes it (never when it only decided it), and counts the Triton kernel launches underneath
+through `kernels.launches`. Kernels are imported lazily, so the CPU path never needs Triton.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import launches
+from kernels.reference import attention_reference, moe_reference
+
+
+def _moe_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.moe_gemv import moe_gemv
+    return moe_gemv(x, w13, w2, ids, weights)
+
+
+def _moe_grouped(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.moe_grouped import moe_grouped
+    return moe_grouped(x, w13, w2, ids, weights, tile_m=tile_m, variant=variant)
+
+
+def _moe_torch_grouped_mm(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.moe_peer import moe_torch_grouped_mm
+    return moe_torch_grouped_mm(x, w13, w2, ids, weights)
+
+
+def _moe_reference(x, w13, w2, ids, weights, *, tile_m, variant):
+    return moe_reference(x, w13, w2, ids, weights)
+
+
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _grouped_mm_supported(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from kernels.moe_peer import grouped_mm_available
+    except ImportError:
+        return False
+    return grouped_mm_available(device)
+
+
+def _attention_fused(q, k, v, sinks, spec, q_start, key_padding):
+    # One or a few queries against a long KV: the split-KV decode kernel; else the prefill kernel.
+    if q.shape[1] <= 4 and k.shape[1] >= 256:
+        from kernels.attention_decode import flash_decode
+        return flash_decode(q, k, v, sinks, spec, q_start, key_padding)
+    from kernels.attention import flash_attention
+    return flash_attention(q, k, v, sinks, spec, q_start, key_padding)
+
+
+def _attention_unfused(q, k, v, sinks, spec, q_start, key_padding):
+    return attention_reference(q, k, v, sinks, spec, q_start, key_padding)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    family: str  # "moe" or "attention"
+    supports: Callable[[torch.device], bool]
+    launch: Callable
+
+
+ARMS: dict[str, Arm] = {arm.name: arm for arm in (
+    Arm("gemv", "moe", _on_cuda, _moe_gemv),
+    Arm("grouped", "moe", _on_cuda, _moe_grouped),
+    Arm("torch_grouped_mm", "moe", _grouped_mm_supported, _moe_torch_grouped_mm),
+    Arm("reference", "moe", lambda device: True, _moe_reference),
+    Arm("fused", "attention", _on_cuda, _attention_fused),
+    Arm("unfused", "attention", lambda device: True, _attention_unfused),
+)}
+
+
+class Counters:
+    """Executed-arm counts (per arm; grouped per variant) and Triton kernel launches, for one run."""
+
+    def __init__(self) -> None:
+        self.arms: Counter[str] = Counter()
+        self._kernel_baseline = launches.snapshot()
+
+    def bump(self, label: str, times: int = 1) -> None:
+        self.arms[label] += times
+
+    def to_json(self) -> dict:
+        arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}
+        arms.update({f"grouped_v{variant}": 0 for variant in (0, 1, 2)})
+        arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
+        arms.update(self.arms)
+        return {"arms": arms, "kernels": launches.since(self._kernel_baseline)}

@@ -1,0 +1,188 @@
+"""MoE dispatch: the uniform-routing closed forms and the gate policies. Plain Python.
+
+n = tokens in the step, k = experts per token, E = routed experts, TILE_M = grouped-GEMM m-tile.
+
+    woken(n, k, E)           = E * (1 - (1 - k/E)^n)       expected distinct experts
+    pairs_per_woken(n, k, E) = n*k / woken(n, k, E)          rows an average woken expert gets
+    tile_fill                = pairs_per_woken / TILE_M
+    tiles_amortize           = pairs_per_woken >= TILE_M     an average m-tile is full
+    min_tokens(k, E, TILE_M) = smallest n with tiles_amortize   (683 at k=6, E=256, TILE_M=16)
+
+Host scalars only, so a decision is safe inside CUDA-graph capture. Uniform routing is the
+conservative assumption: a skewed router wakes fewer experts and fills tiles more than this
+predicts. Knows nothing about tensors, kernels or flags parsing; callers pass plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+GEMV, GROUPED, REFERENCE, TORCH_GROUPED_MM = "gemv", "grouped", "reference", "torch_grouped_mm"
+MOE_ARMS = (GEMV, GROUPED, TORCH_GROUPED_MM, REFERENCE)
+FALLBACK_THRESHOLD = 16  # `measured` without a calibration falls back to threshold:16 (DESIGN.md)
+
+
+def woken_experts(n_tokens: int, k: int, n_experts: int) -> float:
+    if n_tokens <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** n_tokens)
+
+
+def pairs_per_woken_expert(n_tokens: int, k: int, n_experts: int) -> float:
+    woken = woken_experts(n_tokens, k, n_experts)
+    return 0.0 if woken == 0.0 else n_tokens * k / woken
+
+
+def tile_fill(n_tokens: int, k: int, n_experts: int, tile_m: int) -> float:
+    return pairs_per_woken_expert(n_tokens, k, n_experts) / tile_m
+
+
+def tiles_amortize(n_tokens: int, k: int, n_experts: int, tile_m: int) -> bool:
+    return pairs_per_woken_expert(n_tokens, k, n_experts) >= tile_m
+
+
+def min_tokens(k: int, n_experts: int, tile_m: int) -> int:
+    """The exact flip point: tiles amortize at the returned n and not at n - 1.
+
+    pairs_per_woken is non-decreasing in n (it equals n*k/E * 1/(1-(1-k/E)^n), whose second
+    factor falls more slowly than n grows), so a doubling search then bisection finds it.
+    """
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"need 1 <= k <= E, got k={k}, E={n_experts}")
+    if tile_m < 1:
+        raise ValueError(f"tile_m must be >= 1, got {tile_m}")
+    high = 1
+    while not tiles_amortize(high, k, n_experts, tile_m):
+        high *= 2
+    low = high // 2  # does not amortize (or is 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if tiles_amortize(middle, k, n_experts, tile_m):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def curve_row(n_tokens: int, k: int, n_experts: int, tile_m: int) -> dict:
+    return {
+        "n": n_tokens,
+        "woken": woken_experts(n_tokens, k, n_experts),
+        "pairs_per_woken": pairs_per_woken_expert(n_tokens, k, n_experts),
+        "fill": tile_fill(n_tokens, k, n_experts, tile_m),
+        "amortizes": tiles_amortize(n_tokens, k, n_experts, tile_m),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Gate policies
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GateInputs:
+    """Everything a gate reads: host scalars only."""
+
+    n_tokens: int
+    k: int
+    n_experts: int
+    tile_m: int
+    policy: str  # "floor", "tile-fill", "threshold:N", "measured", "gemv", "grouped", "reference"
+    decode_floor: int = 8
+    moe_max_tokens: int = 0
+    grouped_variant: int = 2
+    measured_crossover: int | None = None  # from the calibration file, None when absent
+
+
+@dataclass(frozen=True)
+class Decision:
+    arm: str
+    variant: int | None  # grouped-GEMM variant when arm is grouped
+    reason: str  # in words, for people
+    boundary: int | None  # the token count from which this policy picks grouped, if it has one
+    inputs: dict = field(default_factory=dict)
+
+
+def _describe_fill(g: GateInputs) -> str:
+    pairs = pairs_per_woken_expert(g.n_tokens, g.k, g.n_experts)
+    return (f"{g.n_tokens} tokens x top-{g.k} of {g.n_experts} experts -> {pairs:.2f} pairs per woken "
+            f"expert, m-tiles {100 * pairs / g.tile_m:.1f}% full at TILE_M={g.tile_m}")
+
+
+def _adaptive(g: GateInputs, boundary: int, rule: str) -> Decision:
+    """Shared tail of the floor/tile-fill/threshold/measured policies: the decode floor first,
+    then grouped from `boundary` tokens on."""
+    if g.n_tokens <= g.decode_floor:
+        return Decision(GEMV, None, f"{rule}; but {g.n_tokens} <= decode_floor {g.decode_floor}: GEMV",
+                        boundary, _inputs(g))
+    if g.n_tokens >= boundary:
+        return Decision(GROUPED, g.grouped_variant,
+                        f"{rule}; {g.n_tokens} >= {boundary}: grouped v{g.grouped_variant}", boundary, _inputs(g))
+    return Decision(GEMV, None, f"{rule}; {g.n_tokens} < {boundary}: GEMV", boundary, _inputs(g))
+
+
+def _inputs(g: GateInputs) -> dict:
+    return {
+        "n_tokens": g.n_tokens, "k": g.k, "n_experts": g.n_experts, "tile_m": g.tile_m,
+        "policy": g.policy, "decode_floor": g.decode_floor, "moe_max_tokens": g.moe_max_tokens,
+        "measured_crossover": g.measured_crossover,
+    }
+
+
+def _floor(g: GateInputs) -> Decision:
+    boundary = g.decode_floor + 1
+    return _adaptive(g, boundary, f"floor: grouped iff n > decode_floor {g.decode_floor}")
+
+
+def _tile_fill(g: GateInputs) -> Decision:
+    boundary = min_tokens(g.k, g.n_experts, g.tile_m)
+    return _adaptive(g, boundary, f"tile-fill: {_describe_fill(g)}; tiles amortize from {boundary} tokens")
+
+
+def _threshold(g: GateInputs) -> Decision:
+    boundary = int(g.policy.split(":", 1)[1])
+    return _adaptive(g, boundary, f"threshold: grouped from {boundary} tokens")
+
+
+def _measured(g: GateInputs) -> Decision:
+    if g.measured_crossover is None:
+        return _adaptive(g, FALLBACK_THRESHOLD,
+                         f"measured: no calibration for this GPU and routing shape (run `moe-inspector sweep`), "
+                         f"falling back to threshold:{FALLBACK_THRESHOLD}")
+    return _adaptive(g, g.measured_crossover,
+                     f"measured: this GPU's sweep crossed over at {g.measured_crossover} tokens")
+
+
+def _forced(arm: str) -> Callable[[GateInputs], Decision]:
+    def decide(g: GateInputs) -> Decision:
+        variant = g.grouped_variant if arm == GROUPED else None
+        label = f"grouped v{variant}" if arm == GROUPED else arm
+        return Decision(arm, variant, f"forced by moe_gate={arm}: {label}", None, _inputs(g))
+    return decide
+
+
+POLICIES: dict[str, Callable[[GateInputs], Decision]] = {
+    "floor": _floor,
+    "tile-fill": _tile_fill,
+    "threshold": _threshold,
+    "measured": _measured,
+    "gemv": _forced(GEMV),
+    "grouped": _forced(GROUPED),
+    "reference": _forced(REFERENCE),
+}
+
+
+def decide(g: GateInputs) -> Decision:
+    """The arm for one MoE layer of one step.
+
+    `moe_max_tokens` pins GEMV for n <= value under every policy except `reference`, which is
+    the correctness arm of side-by-side checks and must stay what it says.
+    """
+    name = g.policy.split(":", 1)[0]
+    decision = POLICIES[name](g)
+    if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens and name != "reference":
+        return Decision(GEMV, None,
+                        f"moe_max_tokens={g.moe_max_tokens} pins GEMV for n <= {g.moe_max_tokens} "
+                        f"(the policy alone said {decision.arm}: {decision.reason})",
+                        decision.boundary, decision.inputs)
+    return decision

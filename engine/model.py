@@ -1,0 +1,156 @@
+"""A decoder-only MoE transformer in the DeepSeek-V3/V4 and gpt-oss style, in one file.
+
+Shape legend: B = sequences, T = new tokens per sequence this step, N = B*T, D = hidden,
+F = expert intermediate, E = experts, k = top-k, Hq/Hkv = heads, hd = head dim, V = vocab,
+S = cache capacity (context).
+
+RMSNorm -> attention (RoPE, learned per-head sinks, a per-layer mask) -> RMSNorm -> MoE
+(top-k router, SwiGLU experts w13[E,2F,D], w2[E,D,F]). Which kernel computes attention and the
+experts is not decided here: `forward` asks `layer_hooks` (the engine's dispatcher) for each
+layer. Knows nothing of flags, tokenization or generation loops.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's name and shape; the checkpoint layout."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab_size, c.hidden)}
+    for layer in range(c.n_layers):
+        p = f"layers.{layer}."
+        shapes.update({
+            p + "attn_norm": (c.hidden,),
+            p + "wq": (c.n_heads * c.head_dim, c.hidden),
+            p + "wk": (c.n_kv_heads * c.head_dim, c.hidden),
+            p + "wv": (c.n_kv_heads * c.head_dim, c.hidden),
+            p + "wo": (c.hidden, c.n_heads * c.head_dim),
+            p + "sinks": (c.n_heads,),
+            p + "moe_norm": (c.hidden,),
+            p + "router": (c.n_experts, c.hidden),
+            p + "w13": (c.n_experts, 2 * c.intermediate, c.hidden),
+            p + "w2": (c.n_experts, c.hidden, c.intermediate),
+        })
+    shapes.update({"norm": (c.hidden,), "lm_head": (c.vocab_size, c.hidden)})
+    return shapes
+
+
+def _init_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """None = ones (norm weights). Sinks are logits of order one; matrices 1/sqrt(fan_in)."""
+    if name.endswith("norm"):
+        return None
+    if name.endswith("sinks") or name == "embed":
+        return 1.0
+    return 1.0 / math.sqrt(shape[-1])
+
+
+def random_weights(config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Deterministic weights: every tensor drawn on the CPU from its own generator, seeded by
+    (seed, tensor name), then moved. The same preset and seed give bit-identical weights on
+    every machine, whatever the order of creation. Large tensors are drawn one expert at a time
+    so the host never holds more than one expert in float32 beyond the destination."""
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(config).items():
+        std = _init_std(name, shape)
+        if std is None:
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            continue
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        if len(shape) == 3:
+            destination = torch.empty(shape, dtype=dtype, device=device)
+            for expert in range(shape[0]):
+                block = torch.randn(shape[1:], generator=generator) * std
+                destination[expert].copy_(block.to(dtype))
+            weights[name] = destination
+        else:
+            weights[name] = (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
+    return weights
+
+
+class LayerHooks(Protocol):
+    """What `forward` asks of the engine for each layer."""
+
+    def attention(self, layer: int, q, k_cache, v_cache, sinks, q_start: int, length: int) -> torch.Tensor: ...
+
+    def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights) -> torch.Tensor: ...
+
+
+@dataclass
+class KVCache:
+    """Preallocated per-layer key/value storage: k[layer], v[layer] are [B, S, Hkv, hd]."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, batch: int, capacity: int, device, dtype) -> "KVCache":
+        shape = (batch, capacity, config.n_kv_heads, config.head_dim)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, hd/2] for integer positions [T]."""
+    half = config.head_dim // 2
+    inverse_frequency = config.rope_theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inverse_frequency[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, hd]; rotate-half RoPE in float32."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    first, second = x32[..., :half], x32[..., half:]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router logits; weights are the softmax over the k chosen logits."""
+    logits = h.float() @ router.float().t()  # [N, E]
+    top_logits, top_ids = torch.topk(logits, k, dim=-1)  # [N, k]
+    return top_ids.to(torch.int32), torch.softmax(top_logits, dim=-1)
+
+
+def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor, start: int,
+            cache: KVCache, hooks: LayerHooks) -> torch.Tensor:
+    """tokens [B, T] at positions start..start+T-1 -> logits of the last position [B, V] (fp32)."""
+    c = config
+    batch, steps = tokens.shape
+    x = weights["embed"][tokens]  # [B, T, D]
+    cos, sin = rope_tables(c, torch.arange(start, start + steps, device=tokens.device))
+    for layer in range(c.n_layers):
+        p = f"layers.{layer}."
+        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
+        q = (h @ weights[p + "wq"].t()).view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
+        k = (h @ weights[p + "wk"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
+        v = (h @ weights[p + "wv"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.k[layer][:, start:start + steps] = k
+        cache.v[layer][:, start:start + steps] = v
+        attended = hooks.attention(layer, q, cache.k[layer], cache.v[layer], weights[p + "sinks"],
+                                   start, start + steps)  # [B, T, Hq, hd]
+        x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [N, D]
+        topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k)
+        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids,
+                               topk_weights.to(h.dtype))  # [N, D]
+        x = x + expert_out.view(batch, steps, c.hidden)
+    last = rms_norm(x[:, -1], weights["norm"], c.norm_eps)  # [B, D]
+    return last.float() @ weights["lm_head"].float().t()  # [B, V]

@@ -1,0 +1,277 @@
+"""The engine loop: load a preset, generate greedily at temperature 0, and record for every
+layer of every step which arm was decided, which executed, and why.
+
+On a GPU the executed arm is the decided arm. On a CPU every layer executes its reference arm,
+which emulates the decided arm's semantics (a fused arm with `fused_mask=drop` is computed as
+plain causal attention), so every flag changes what a CPU run computes exactly as on a GPU.
+At most one device->host sync per step carries the next token and every observed count.
+
+Knows nothing of screens, sessions or argument parsing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine import calibration, dispatch
+from engine.arms import ARMS, Counters
+from engine.attention_dispatch import FUSED, UNFUSED, decide_attention
+from engine.config import ModelConfig, from_name
+from engine.errors import UserError
+from engine.flags import ResolvedFlags
+from engine.model import KVCache, forward, random_weights
+from engine.tokenizer import ByteTokenizer
+from kernels.reference import MaskSpec
+
+log = logging.getLogger("moe_inspector.engine")
+
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"unknown device {name!r}: use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is visible here; use --device cpu or auto")
+    return torch.device(name)
+
+
+def device_label(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class _Timer:
+    """Per-call timing: CUDA events on a GPU (read after the step's one sync), the wall clock on
+    a CPU, where work is synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            return (begin, end)
+        return time.perf_counter()
+
+    def stop(self, handle):
+        if self.cuda:
+            handle[1].record()
+            return handle
+        return (time.perf_counter() - handle) * 1e6
+
+    def microseconds(self, stopped) -> float:
+        return stopped[0].elapsed_time(stopped[1]) * 1e3 if self.cuda else stopped
+
+
+class Dispatcher:
+    """The engine's per-run layer hooks: decides, executes, counts and records."""
+
+    def __init__(self, engine: "Engine", flags: ResolvedFlags, timed: bool) -> None:
+        self.engine, self.flags, self.timed = engine, flags, timed
+        self.counters = Counters()
+        self.timer = _Timer(engine.device)
+        self.engaged: set[tuple] = set()
+        self.engagements: list[str] = []
+        config = engine.config
+        self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
+                                                    config.hidden, config.intermediate, flags["tile_m"])
+        self.begin_step(0, PREFILL, 0)
+
+    def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
+        self.step, self.phase, self.n_tokens = step, phase, n_tokens
+        self.moe_records: list[dict] = []
+        self.attention_records: list[dict] = []
+        self.pending_woken: list[torch.Tensor] = []
+        self.pending_times: list[tuple[dict, object]] = []
+
+    def _engage(self, family: str, arm: str, variant, shape_class: str, message: str) -> None:
+        key = (family, arm, variant, shape_class)
+        if key not in self.engaged:
+            self.engaged.add(key)
+            self.engagements.append(message)
+            log.info(message)
+
+    def _run(self, record: dict, launch: Callable):
+        if not self.timed:
+            return launch()
+        handle = self.timer.start()
+        out = launch()
+        self.pending_times.append((record, self.timer.stop(handle)))
+        return out
+
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights):
+        config, flags, device = self.engine.config, self.flags, self.engine.device
+        n = h.shape[0]
+        decision = dispatch.decide(dispatch.GateInputs(
+            n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
+            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
+        arm = ARMS[decision.arm]
+        if arm.supports(device):
+            executed, note = arm, ""
+        else:
+            executed = ARMS[dispatch.REFERENCE]
+            note = (f"{decision.arm} cannot run on {device.type}: the reference arm computes the same function"
+                    if decision.arm != dispatch.REFERENCE else "")
+        predicted = dispatch.woken_experts(n, config.top_k, config.n_experts)
+        record = {
+            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": n, "k": config.top_k,
+            "experts": config.n_experts, "tile_m": flags["tile_m"], "woken_predicted": round(predicted, 2),
+            "woken_observed": None,
+            "pairs_per_woken": round(dispatch.pairs_per_woken_expert(n, config.top_k, config.n_experts), 3),
+            "fill": round(dispatch.tile_fill(n, config.top_k, config.n_experts, flags["tile_m"]), 4),
+            "boundary": decision.boundary, "policy": flags["moe_gate"],
+            "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
+            "reason": decision.reason, "execution_note": note, "us": None,
+        }
+        woken = torch.zeros(config.n_experts, device=h.device, dtype=torch.int32)
+        woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
+        self.pending_woken.append(woken.sum())
+        label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
+        self.counters.bump(label)
+        self._engage("moe", executed.name, decision.variant, self.phase,
+                     f"MoE: {label} engaged ({self.phase}, {n} tokens x top-{config.top_k} of {config.n_experts} "
+                     f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
+                     + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
+        self.moe_records.append(record)
+        return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
+                                                         tile_m=flags["tile_m"], variant=decision.variant))
+
+    def attention(self, layer, q, k_cache, v_cache, sinks, q_start, length):
+        config, flags, device = self.engine.config, self.flags, self.engine.device
+        layer_mask = config.layer_masks[layer]
+        decision = decide_attention(config.head_dim, layer_mask.kind, layer_mask.describe(), flags["flash_512"],
+                                    flags["fused_mask"])
+        spec = (MaskSpec("causal") if decision.applied_mask == "causal"
+                else MaskSpec(layer_mask.kind, layer_mask.window, layer_mask.block))
+        arm = ARMS[decision.arm]
+        executed = arm if arm.supports(device) else ARMS[UNFUSED]
+        note = "" if executed is arm else f"{decision.arm} cannot run on {device.type}: the unfused reference " \
+                                          f"computes its semantics ({decision.applied_mask} mask)"
+        record = {
+            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": q.shape[1], "head_dim": config.head_dim,
+            "decided_arm": decision.arm, "executed_arm": executed.name, "mask": decision.mask,
+            "applied_mask": decision.applied_mask, "declined": decision.declined, "reason": decision.reason,
+            "execution_note": note, "us": None,
+        }
+        self.counters.bump(executed.name)
+        self._engage("attention", executed.name, decision.applied_mask, self.phase,
+                     f"attention: {executed.name} engaged ({self.phase}, {decision.mask} mask, applies "
+                     f"{decision.applied_mask})" + (f"; decided {decision.arm}" if executed is not arm else ""))
+        self.attention_records.append(record)
+        return self._run(record, lambda: executed.launch(q, k_cache[:, :length], v_cache[:, :length], sinks, spec,
+                                                         q_start, None))
+
+    def end_step(self, next_token: torch.Tensor) -> int:
+        """The step's one sync: the next token and every observed count together."""
+        values = torch.cat([next_token.reshape(1).long(), torch.stack(self.pending_woken).long()]).tolist()
+        for record, woken in zip(self.moe_records, values[1:]):
+            record["woken_observed"] = woken
+            record["pairs_per_woken_observed"] = round(record["n_tokens"] * record["k"] / woken, 3)
+        for record, stopped in self.pending_times:
+            record["us"] = round(self.timer.microseconds(stopped), 1)
+        return values[0]
+
+    def step_record(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "n_tokens": self.n_tokens,
+                "moe": self.moe_records, "attention": self.attention_records}
+
+
+@dataclass
+class Generation:
+    model: str
+    device: str
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    flags: ResolvedFlags
+    steps: list[dict]
+    counters: dict
+    logits: list[torch.Tensor] = field(repr=False)  # per step, the last position's [V] fp32 on the CPU
+    engagements: list[str]
+    cancelled: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "device": self.device, "prompt_tokens": len(self.prompt_tokens),
+            "text": self.text, "tokens": self.tokens, "flags": self.flags.to_json(), "steps": self.steps,
+            "counters": self.counters, "engagements": self.engagements, "cancelled": self.cancelled,
+        }
+
+
+class Engine:
+    """A model on a device, ready to generate."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, seed: int = 0,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.config, self.device, self.seed = config, device, seed
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.weights = weights if weights is not None else random_weights(config, seed, device, self.dtype)
+        self.tokenizer = ByteTokenizer()
+
+    @classmethod
+    def load(cls, model: str = "demo", device: str = "auto", seed: int = 0) -> "Engine":
+        return cls(from_name(model), resolve_device(device), seed)
+
+    @property
+    def device_label(self) -> str:
+        return device_label(self.device)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise UserError("the prompt is empty: give some text to run")
+        return self.tokenizer.encode(prompt)
+
+    def check_length(self, prompt_tokens: list[int], max_tokens: int) -> None:
+        context = self.config.max_seq_len
+        if max_tokens < 1:
+            raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+        if len(prompt_tokens) > context:
+            raise UserError(f"the prompt is {len(prompt_tokens)} tokens, longer than the {self.config.name} "
+                            f"context of {context}: shorten it")
+        if len(prompt_tokens) + max_tokens > context:
+            raise UserError(f"the prompt ({len(prompt_tokens)} tokens) plus --max-tokens {max_tokens} exceeds the "
+                            f"{self.config.name} context of {context}: ask for at most "
+                            f"{context - len(prompt_tokens)} tokens")
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | list[int], max_tokens: int, flags: ResolvedFlags,
+                 on_step: Callable[[dict, int], None] | None = None, cancel: threading.Event | None = None,
+                 timed: bool = True) -> Generation:
+        """Greedy decoding at temperature 0; ties go to the lowest token id (argmax takes the first)."""
+        prompt_tokens = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_length(prompt_tokens, max_tokens)
+        dispatcher = Dispatcher(self, flags, timed)
+        cache = KVCache.allocate(self.config, 1, len(prompt_tokens) + max_tokens, self.device, self.dtype)
+        inputs = torch.tensor([prompt_tokens], device=self.device)
+        start, generated, steps, logits_per_step = 0, [], [], []
+        cancelled = False
+        for step in range(max_tokens):
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            dispatcher.begin_step(step, PREFILL if step == 0 else DECODE, inputs.shape[1])
+            logits = forward(self.config, self.weights, inputs, start, cache, dispatcher)  # [1, V]
+            token = dispatcher.end_step(torch.argmax(logits[0]))
+            start += inputs.shape[1]
+            generated.append(token)
+            logits_per_step.append(logits[0].float().cpu())
+            record = dispatcher.step_record()
+            record["token"] = token
+            steps.append(record)
+            if on_step is not None:
+                on_step(record, token)
+            inputs = torch.tensor([[token]], device=self.device)
+        return Generation(
+            model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
+            text=self.tokenizer.decode(generated), flags=flags, steps=steps, counters=dispatcher.counters.to_json(),
+            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled)

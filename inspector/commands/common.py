@@ -1,0 +1,46 @@
+"""Options and output helpers shared by the headless commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from engine.errors import UserError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="preset name: tiny, demo, v4-shape (default demo)")
+    parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of random presets (default 0)")
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
+
+
+def print_json(payload: dict) -> None:
+    json.dump(payload, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def show_engagements() -> None:
+    """Engagement lines (first time an arm runs per shape class) go to stderr, never into --json."""
+    logger = logging.getLogger("moe_inspector.engine")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[engine] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def positive_int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,8,64") from None
+    if not values or any(value < 1 for value in values):
+        raise UserError(f"{option} {text!r}: every value must be an integer >= 1")
+    return values
