@@ -7,4 +7,6 @@ COMMAND_MODULES = [
     "curve",
     "generate",
     "compare",
+    "run",
+    "replay",
 ]

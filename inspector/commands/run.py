@@ -1,0 +1,56 @@
+"""`moe-inspector run SESSION.toml`: run a session headless, write its results file, print a report.
+
+Exit 0 when every step ran and every check held, 1 when a check failed, 2 for an invalid
+session or environment (nothing is run and no results are written).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from inspector.session import atomic_write_text, load_session
+from inspector.session_report import FORMATS, format_for, render
+from inspector.session_runner import results_path_for, run_session, write_results
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="run a session file headless: a report, a results file, an exit code")
+    parser.add_argument("session", metavar="SESSION.toml", help="the session file (see sessions/ for examples)")
+    parser.add_argument("--report", metavar="FILE", help="write the report to FILE instead of printing it")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="report format: md (default), json, jsonl or csv; default from --report's extension")
+    parser.add_argument("--results", metavar="FILE", help="results file (default: SESSION.results.jsonl beside it)")
+    parser.add_argument("--device", default=None, help="override the session's [engine] device: auto, cpu or cuda")
+    parser.set_defaults(run=run)
+
+
+def progress_printer(label: str):
+    """One line per finished step on stderr, so a report on stdout stays clean."""
+    def progress(index: int, total: int, step, result: dict | None) -> None:
+        if result is None:
+            return
+        check = result.get("check")
+        outcome = "" if check is None else f" — check {'held' if check['held'] else 'FAILED'}: {check['detail']}"
+        print(f"[{label}] step {index}/{total} {step.action}: {result['wall_s']:.2f} s{outcome}", file=sys.stderr)
+    return progress
+
+
+def run(args) -> int:
+    session = load_session(args.session)
+    fmt = format_for(args.report, args.format)
+    results_path = results_path_for(args.session, args.results)
+    outcome = run_session(session, args.session, args.device, progress_printer("run"))
+    write_results(results_path, outcome.header, outcome.steps)
+    report = render(outcome.header, outcome.steps, fmt, session.description)
+    if args.report:
+        atomic_write_text(args.report, report)
+        print(f"report: {args.report}", file=sys.stderr)
+    else:
+        sys.stdout.write(report)
+    failed = outcome.failed_checks
+    checks = sum(1 for step in outcome.steps if step["check"] is not None)
+    print(f"[run] {session.name}: {len(outcome.steps)} steps on {outcome.header['device']}, "
+          + (f"{len(failed)} of {checks} checks FAILED" if failed else
+             f"all {checks} checks held" if checks else "no checks")
+          + f"; results in {results_path}", file=sys.stderr)
+    return outcome.exit_code

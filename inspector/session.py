@@ -1,0 +1,538 @@
+"""Session files: the format (version 1), a strict parser and an atomic writer.
+
+A session is a script the TUI records and `moe-inspector run` executes headless:
+
+    [session]
+    version = 1                      # the format version; a newer one is refused, never guessed
+    name = "flash512-mask"
+    description = "optional words"
+
+    [engine]
+    model = "demo"                   # tiny, demo, v4-shape
+    device = "auto"                  # auto, cpu, cuda, cuda:N  (`run --device` overrides it)
+    seed = 0
+
+    [flags]                          # the starting flag state, validated like --set
+    fused_mask = "honor"
+
+    [[config]]                       # a named set of overrides of [flags], for side by side
+    name = "drop"
+    fused_mask = "drop"
+
+    [[step]]
+    action = "prompt"                # prompt, compare, curve, sweep, check-attention, bench
+    prompt = "..."
+    max_tokens = 8
+    config = "drop"                  # optional: run under this config instead of [flags]
+    compare = "honor"                # optional: also run under this config, side by side
+    expect_match = false             # optional check: true = identical tokens, false = diverge
+
+Steps are numbered from 1 in errors, reports and results. The config name `base` is reserved:
+it means [flags] with no overrides (`compare = "base"`).
+
+Flag changes are not steps. [flags] holds the state when the session started; a step that ran
+under other flags names a [[config]] holding the differences (the recorder creates one per
+distinct set of differences, named after them, e.g. `fused_mask=drop`).
+
+Strict: an unknown table or key, a wrong type, an unknown action, a missing required key, a
+flag value `--set` would refuse, a config name that is not defined, or a version other than 1
+is a `UserError` naming the file, the step and the key, with the fix.
+
+Reading needs only tomllib (tomli before Python 3.11); writing imports tomli-w lazily, so the
+GPU machines, which have no tomli-w, can still run sessions. Knows nothing of engines or
+screens: the parser is plain functions over plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from engine import flags as flag_registry
+from engine.errors import UserError
+
+FORMAT_VERSION = 1
+BASE = "base"  # the reserved config name for [flags] alone
+VERDICTS = ("masked", "causal", "unmasked", "none")
+SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
+DTYPES = ("float32", "bfloat16", "float16")
+TEMP_SUFFIX = ".sessionresults.tmp"  # ignored by git, so a killed save leaves nothing to commit
+
+
+# --------------------------------------------------------------------------------------------
+# Field kinds: how a step key is validated and described in errors
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    describe: str  # for people: "an integer >= 1"
+    check: Callable[[Any], bool]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+TEXT = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
+NAME = Kind("a config name (a string)", lambda v: isinstance(v, str) and v != "")
+POSITIVE = Kind("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+NON_NEGATIVE = Kind("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+BOOLEAN = Kind("true or false", lambda v: isinstance(v, bool))
+TOKENS = Kind("a non-empty list of integers >= 1, e.g. [1, 16, 128]",
+              lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) and x >= 1 for x in v))
+ARMS = Kind(f"a non-empty list of arms from {', '.join(SWEEP_ARMS)}",
+            lambda v: isinstance(v, list) and bool(v) and all(x in SWEEP_ARMS for x in v))
+MODE = Kind(f"one of {', '.join(flag_registry.FUSED_MASK_MODES)}", lambda v: v in flag_registry.FUSED_MASK_MODES)
+VERDICT = Kind(f"one of {', '.join(VERDICTS)}", lambda v: v in VERDICTS)
+DTYPE = Kind(f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES)
+
+
+def _field(kind: Kind, default: Any = None, required: bool = False):
+    if required:
+        return field(metadata={"kind": kind, "required": True})
+    return field(default=default, metadata={"kind": kind, "required": False})
+
+
+# --------------------------------------------------------------------------------------------
+# The format as dataclasses. Field order is the order keys are written in.
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PromptStep:
+    """Generate at temperature 0 under `config` (default [flags]); with `compare`, also under it."""
+
+    action = "prompt"
+    prompt: str = _field(TEXT, required=True)
+    max_tokens: int = _field(POSITIVE, 32)
+    config: str | None = _field(NAME)
+    compare: str | None = _field(NAME)
+    expect_match: bool | None = _field(BOOLEAN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareStep:
+    """The same prompt under configs `a` and `b`."""
+
+    action = "compare"
+    prompt: str = _field(TEXT, required=True)
+    max_tokens: int = _field(POSITIVE, 32)
+    a: str = _field(NAME, required=True)
+    b: str = _field(NAME, required=True)
+    expect_match: bool | None = _field(BOOLEAN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveStep:
+    """The uniform-routing tile-fill curve; k and experts default to the model's, tile_m to the flags'."""
+
+    action = "curve"
+    tokens: list[int] | None = _field(TOKENS)
+    k: int | None = _field(POSITIVE)
+    experts: int | None = _field(POSITIVE)
+    tile_m: int | None = _field(POSITIVE)
+    config: str | None = _field(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepStep:
+    """Time the MoE arms across widths on this GPU (writes the calibration `measured` reads)."""
+
+    action = "sweep"
+    tokens: list[int] = _field(TOKENS, required=True)
+    arms: list[str] | None = _field(ARMS)
+    config: str | None = _field(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckAttentionStep:
+    """Fused attention against the masked, causal and unmasked references; shapes default to the model's."""
+
+    action = "check-attention"
+    seq_len: int = _field(POSITIVE, required=True)
+    mode: str = _field(MODE, required=True)
+    head_dim: int | None = _field(POSITIVE)
+    heads: int | None = _field(POSITIVE)
+    kv_heads: int | None = _field(POSITIVE)
+    window: int | None = _field(POSITIVE)
+    block: int | None = _field(POSITIVE)
+    pad: int = _field(NON_NEGATIVE, 0)
+    dtype: str | None = _field(DTYPE)
+    expect: str | None = _field(VERDICT)
+
+
+Step = PromptStep | CompareStep | CurveStep | SweepStep | CheckAttentionStep
+STEP_TYPES: dict[str, type] = {cls.action: cls for cls in
+                               (PromptStep, CompareStep, CurveStep, SweepStep, CheckAttentionStep)}
+ACTIONS = tuple(STEP_TYPES) + ("bench",)
+BENCH_UNAVAILABLE = ("bench is not available in this version (it arrives with issue 7, the measurement issue); "
+                     "remove the step, or time arms with a `sweep` step on a GPU")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str = "demo"
+    device: str = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    flags: Mapping[str, Any]  # validated overrides of [flags]
+
+
+@dataclass(frozen=True)
+class Session:
+    name: str
+    description: str | None = None
+    engine: EngineSpec = EngineSpec()
+    flags: Mapping[str, Any] = field(default_factory=dict)  # validated
+    configs: tuple[Config, ...] = ()
+    steps: tuple[Step, ...] = ()
+    version: int = FORMAT_VERSION
+
+    def config_names(self) -> list[str]:
+        return [BASE] + [config.name for config in self.configs]
+
+    def config_flags(self, name: str | None) -> dict[str, Any]:
+        """[flags] overlaid with the named config's overrides (None or `base`: [flags] alone)."""
+        merged = dict(self.flags)
+        if name not in (None, BASE):
+            merged.update(next(config.flags for config in self.configs if config.name == name))
+        return merged
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+TABLES = ("session", "engine", "flags", "config", "step")
+SESSION_KEYS = ("version", "name", "description")
+ENGINE_KEYS = ("model", "device", "seed")
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return type(value).__name__
+
+
+def _wrong_type(where: str, key: str, expected: str, value: Any) -> UserError:
+    return UserError(f"{where}: key {key!r} must be {expected}, got {_type_name(value)} ({value!r})")
+
+
+def _did_you_mean(value: Any, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_keys(where: str, table: Mapping, allowed: tuple[str, ...]) -> None:
+    for key in table:
+        if key not in allowed:
+            raise UserError(f"{where}: unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed)}")
+
+
+def _table(data: Mapping, key: str, where: str) -> dict:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {key!r} must be a table ([{key}]), got {_type_name(value)}")
+    return value
+
+
+def _parse_header(data: Mapping, where: str) -> tuple[int, str, str | None]:
+    if "session" not in data:
+        raise UserError(f"{where}: missing the [session] table; start the file with "
+                        f"[session], version = {FORMAT_VERSION} and name = \"...\"")
+    table = _table(data, "session", where)
+    here = f"{where}: [session]"
+    # The version first: a newer file may have keys this version does not know.
+    if "version" not in table:
+        raise UserError(f"{here}: missing key 'version'; add version = {FORMAT_VERSION}")
+    version = table["version"]
+    if not _is_int(version):
+        raise _wrong_type(here, "version", "an integer", version)
+    if version > FORMAT_VERSION:
+        raise UserError(f"{here}: version {version} is newer than this moe-inspector reads (version "
+                        f"{FORMAT_VERSION}); upgrade moe-inspector, or save the session again with this one")
+    if version != FORMAT_VERSION:
+        raise UserError(f"{here}: version {version} is not a session format version; use version = {FORMAT_VERSION}")
+    _unknown_keys(here, table, SESSION_KEYS)
+    if "name" not in table:
+        raise UserError(f"{here}: missing key 'name'; add name = \"...\"")
+    if not TEXT.check(table["name"]):
+        raise _wrong_type(here, "name", TEXT.describe, table["name"])
+    description = table.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _wrong_type(here, "description", "a string", description)
+    return version, table["name"], description
+
+
+def _parse_engine(data: Mapping, where: str) -> EngineSpec:
+    table = _table(data, "engine", where)
+    here = f"{where}: [engine]"
+    _unknown_keys(here, table, ENGINE_KEYS)
+    for key in ("model", "device"):
+        if key in table and not TEXT.check(table[key]):
+            raise _wrong_type(here, key, TEXT.describe, table[key])
+    if "seed" in table and not _is_int(table["seed"]):
+        raise _wrong_type(here, "seed", "an integer", table["seed"])
+    return EngineSpec(**table)
+
+
+def _parse_flags(data: Mapping, where: str) -> dict[str, Any]:
+    table = _table(data, "flags", where)
+    return {name: flag_registry.parse_value(name, value, f"{where} [flags]") for name, value in table.items()}
+
+
+def _parse_configs(data: Mapping, where: str) -> tuple[Config, ...]:
+    entries = data.get("config", [])
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise UserError(f"{where}: 'config' must be an array of tables ([[config]] with a name and flag "
+                        f"overrides), got {_type_name(entries)}")
+    configs: list[Config] = []
+    for index, entry in enumerate(entries, start=1):
+        here = f"{where}: config {index}"
+        if "name" not in entry:
+            raise UserError(f"{here}: missing key 'name'; add name = \"...\" so steps can refer to it")
+        name = entry["name"]
+        if not NAME.check(name):
+            raise _wrong_type(here, "name", NAME.describe, name)
+        here = f"{where}: config {index} ({name!r})"
+        if name == BASE:
+            raise UserError(f"{here}: the name {BASE!r} is reserved for [flags] alone; rename the config")
+        if any(config.name == name for config in configs):
+            raise UserError(f"{here}: a config named {name!r} is already defined; config names must be unique")
+        overrides = {}
+        for key, value in entry.items():
+            if key == "name":
+                continue
+            if key not in flag_registry.SPECS:
+                allowed = ("name", *flag_registry.SPECS)
+                raise UserError(f"{here}: unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: "
+                                f"{', '.join(allowed)}")
+            overrides[key] = flag_registry.parse_value(key, value, here)
+        configs.append(Config(name, overrides))
+    return tuple(configs)
+
+
+def step_keys(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str]) -> Step:
+    here = f"{where}: step {index}"
+    if "action" not in entry:
+        raise UserError(f"{here}: missing key 'action'; one of {', '.join(ACTIONS)}")
+    action = entry["action"]
+    if action == "bench":
+        raise UserError(f"{here} (bench): {BENCH_UNAVAILABLE}")
+    if action not in STEP_TYPES:
+        raise UserError(f"{here}: unknown action {action!r}{_did_you_mean(action, ACTIONS)}; allowed: "
+                        f"{', '.join(ACTIONS)}")
+    cls = STEP_TYPES[action]
+    here = f"{where}: step {index} ({action})"
+    allowed = step_keys(cls)
+    _unknown_keys(here, {key: value for key, value in entry.items() if key != "action"}, allowed)
+    values = {}
+    for spec in dataclasses.fields(cls):
+        kind, required = spec.metadata["kind"], spec.metadata["required"]
+        if spec.name not in entry:
+            if required:
+                raise UserError(f"{here}: missing key {spec.name!r} ({kind.describe})")
+            continue
+        value = entry[spec.name]
+        if not kind.check(value):
+            raise _wrong_type(here, spec.name, kind.describe, value)
+        if kind is NAME and value not in config_names:
+            raise UserError(f"{here}: key {spec.name!r} names config {value!r}, which is not defined; "
+                            f"defined: {', '.join(config_names)} (add a [[config]] with name = {value!r})")
+        values[spec.name] = list(value) if isinstance(value, list) else value
+    step = cls(**values)
+    if isinstance(step, PromptStep) and step.expect_match is not None and step.compare is None:
+        raise UserError(f"{here}: expect_match checks two configurations against each other; add "
+                        f"compare = \"<config name>\" or remove expect_match")
+    return step
+
+
+def parse_session(data: Mapping, where: str) -> Session:
+    """A session from parsed TOML (plain dicts and lists); `where` names the source in errors."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where}: a session is a TOML document of tables, got {_type_name(data)}")
+    version, name, description = _parse_header(data, where)
+    for key in data:
+        if key not in TABLES:
+            raise UserError(f"{where}: unknown table {key!r}; allowed: {', '.join(TABLES)}")
+    engine = _parse_engine(data, where)
+    session_flags = _parse_flags(data, where)
+    configs = _parse_configs(data, where)
+    config_names = [BASE] + [config.name for config in configs]
+    entries = data.get("step", [])
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise UserError(f"{where}: 'step' must be an array of tables ([[step]] with an action), "
+                        f"got {_type_name(entries)}")
+    steps = tuple(_parse_step(entry, index, where, config_names) for index, entry in enumerate(entries, start=1))
+    return Session(name=name, description=description, engine=engine, flags=session_flags, configs=configs,
+                   steps=steps, version=version)
+
+
+def loads_session(text: str, where: str = "<session>") -> Session:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{where}: not valid TOML: {error}; fix the syntax there") from None
+    return parse_session(data, where)
+
+
+def load_session(path: str | os.PathLike) -> Session:
+    path = Path(path)
+    where = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such session file; check the path (examples live in sessions/)") from None
+    except IsADirectoryError:
+        raise UserError(f"{where}: is a directory, not a session file; name a .toml file") from None
+    except OSError as error:
+        raise UserError(f"{where}: cannot read the session file ({error.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{where}: not valid TOML: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    return loads_session(text, where)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+def step_to_plain(step: Step) -> dict[str, Any]:
+    """A step as a TOML table: `action` first, then its keys in format order, unset keys left out."""
+    plain: dict[str, Any] = {"action": step.action}
+    for spec in dataclasses.fields(step):
+        value = getattr(step, spec.name)
+        if value is not None:
+            plain[spec.name] = list(value) if isinstance(value, (list, tuple)) else value
+    return plain
+
+
+def _ordered_flags(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: values[name] for name in flag_registry.SPECS if name in values}
+
+
+def session_to_plain(session: Session) -> dict[str, Any]:
+    header: dict[str, Any] = {"version": session.version, "name": session.name}
+    if session.description:
+        header["description"] = session.description
+    engine = {"model": session.engine.model, "device": session.engine.device, "seed": session.engine.seed}
+    plain: dict[str, Any] = {"session": header, "engine": engine, "flags": _ordered_flags(session.flags)}
+    if session.configs:
+        plain["config"] = [{"name": config.name, **_ordered_flags(config.flags)} for config in session.configs]
+    if session.steps:
+        plain["step"] = [step_to_plain(step) for step in session.steps]
+    return plain
+
+
+def dumps_session(session: Session) -> str:
+    """The session as TOML text, tables in format order ([session], [engine], [flags], every
+    [[config]], every [[step]]) with short arrays on one line. Every literal is rendered by
+    tomli-w; only the layout is ours (tomli-w would inline short [[config]] tables and put them
+    first, and spread `tokens = [...]` over one line per number)."""
+    try:
+        import tomli_w
+    except ModuleNotFoundError:
+        raise UserError("writing a session needs tomli-w (pip install tomli-w); reading and running do not") from None
+
+    def literal(value: Any) -> str:
+        if isinstance(value, list):
+            return "[" + ", ".join(literal(item) for item in value) + "]"
+        return tomli_w.dumps({"v": value})[len("v = "):-1]
+
+    def table(heading: str, values: Mapping[str, Any]) -> str:
+        lines = [heading] + [f"{key} = {literal(value)}" for key, value in values.items()]
+        return "\n".join(lines) + "\n"
+
+    plain = session_to_plain(session)
+    chunks = ["# A moe-inspector session: `moe-inspector run FILE` runs it, `moe-inspector replay FILE`\n"
+              "# re-runs it and diffs against the recorded results.\n"]
+    chunks += [table(f"[{name}]", plain[name]) for name in ("session", "engine", "flags")]
+    chunks += [table(f"[[{name}]]", entry) for name in ("config", "step") for entry in plain.get(name, [])]
+    return "\n".join(chunks)
+
+
+def save_session(session: Session, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    text = dumps_session(session)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, text)
+    return path
+
+
+# Tests set this to slow a write down between chunks (to kill the process mid-write).
+_after_chunk: Callable[[int], None] | None = None
+_CHUNK = 64 * 1024
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that a crash or kill leaves either the old file or the new one.
+
+    The bytes go to a hidden temporary file in the same directory (same filesystem, so the rename
+    is atomic), are flushed and fsynced, and then `os.replace` puts them under the real name. The
+    temporary name ends in `.sessionresults.tmp`, which git ignores; a kill can leave one behind,
+    never a half-written file under the real name.
+    """
+    path = Path(path)
+    directory = path.parent
+    temporary = directory / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    mode = (os.stat(path).st_mode & 0o777) if path.exists() else 0o666  # 0o666 is narrowed by the umask
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            for offset in range(0, max(len(data), 1), _CHUNK):
+                handle.write(data[offset:offset + _CHUNK])
+                if _after_chunk is not None:
+                    _after_chunk(offset)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if path.exists():
+            os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable; not every platform lets a directory be opened
+        directory_descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory_descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(directory_descriptor)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))

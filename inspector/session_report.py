@@ -1,0 +1,341 @@
+"""Reports of a session's results: markdown (llama-bench-like tables, one per step kind, and a
+footer with commit, device and versions), json, jsonl (the results file itself) and csv.
+
+Plain functions over the results dicts of `inspector.session_runner`, so a recorded results
+file renders the same as a fresh run. Knows nothing of engines or argument parsing.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import Counter
+from typing import Any, Iterable
+
+FORMATS = ("md", "json", "jsonl", "csv")
+
+
+def format_for(report_path: str | None, explicit: str | None) -> str:
+    """--format if given, else the --report file's extension, else markdown."""
+    if explicit:
+        return explicit
+    if report_path:
+        suffix = report_path.rsplit(".", 1)[-1].lower() if "." in report_path else ""
+        return {"markdown": "md", "md": "md", "json": "json", "jsonl": "jsonl", "csv": "csv"}.get(suffix, "md")
+    return "md"
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries of one run (one configuration of a prompt or compare step)
+# --------------------------------------------------------------------------------------------
+
+def _moe_label(moe: dict, key: str) -> str:
+    arm = moe[key]
+    return f"{arm} v{moe['variant']}" if arm == "grouped" and moe.get("variant") is not None else arm
+
+
+def decided_summary(run: dict) -> str:
+    """What the gates chose over every layer of every generated step, e.g. `moe grouped v0 x16; attn fused x16`."""
+    moe = Counter(_moe_label(entry["moe"], "decided") for entry in run["decisions"] if "moe" in entry)
+    attention = Counter(entry["attention"]["decided"] + (" (mask dropped)" if entry["attention"]["applied_mask"]
+                                                         != entry["attention"]["mask"] else "")
+                        for entry in run["decisions"] if "attention" in entry)
+    parts = []
+    if moe:
+        parts.append("moe " + ", ".join(f"{label} x{count}" for label, count in moe.items()))
+    if attention:
+        parts.append("attn " + ", ".join(f"{label} x{count}" for label, count in attention.items()))
+    return "; ".join(parts)
+
+
+def executed_summary(run: dict) -> str:
+    """What the launch counters say ran: every arm with a non-zero count, then Triton kernels."""
+    counters = run["counters"]
+    arms = ", ".join(f"{name} {count}" for name, count in counters.get("arms", {}).items() if count)
+    kernels = ", ".join(f"{name} {count}" for name, count in counters.get("kernels", {}).items() if count)
+    return arms + (f"; kernels {kernels}" if kernels else "")
+
+
+def prefill_summary(run: dict) -> str:
+    """The prefill width and the MoE arm the gate chose for it (the width is what the gates read)."""
+    prefill = [entry for entry in run["decisions"] if entry["phase"] == "prefill" and "moe" in entry]
+    if not prefill:
+        return ""
+    labels = sorted({_moe_label(entry["moe"], "decided") for entry in prefill})
+    return f"n={prefill[0]['n_tokens']}: {', '.join(labels)}"
+
+
+def stand_ins(steps: Iterable[dict]) -> list[str]:
+    """`decided -> executed` pairs where an arm without an implementation here ran on its reference."""
+    pairs = set()
+    for step in steps:
+        for run in step.get("runs", []):
+            for entry in run["decisions"]:
+                for family in ("moe", "attention"):
+                    if family in entry and entry[family]["decided"] != entry[family]["executed"]:
+                        decided = _moe_label(entry[family], "decided") if family == "moe" else entry[family]["decided"]
+                        pairs.add(f"{decided} -> {entry[family]['executed']}")
+    return sorted(pairs)
+
+
+def _flag_overrides(run: dict, header: dict) -> str:
+    base = {name: entry["value"] for name, entry in header.get("flags", {}).items()}
+    return ", ".join(f"{name}={_format_flag(value)}" for name, value in run["flags"].items()
+                     if base.get(name) != value)
+
+
+def _format_flag(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _text(value: str, width: int = 24) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= width else shown[:width - 1] + "…"
+
+
+def check_cell(check: dict | None) -> str:
+    if check is None:
+        return ""
+    return f"{check['expect']}: {'held' if check['held'] else 'FAILED'}"
+
+
+# --------------------------------------------------------------------------------------------
+# Table rows (shared by markdown and csv)
+# --------------------------------------------------------------------------------------------
+
+def generation_rows(header: dict, steps: list[dict]) -> list[dict]:
+    rows = []
+    for step in steps:
+        if step["action"] not in ("prompt", "compare"):
+            continue
+        numbers = step.get("numbers", {})
+        for side, run in enumerate(step["runs"]):
+            first = side == 0
+            divergence = numbers.get("first_divergence") if first and len(step["runs"]) > 1 else None
+            error = numbers.get("max_logit_rel_err") if first else None
+            rows.append({
+                "step": step["step"], "action": step["action"], "config": run["config"],
+                "overrides": _flag_overrides(run, header), "prompt tokens": run["prompt_tokens"],
+                "tokens": len(run["tokens"]), "text": run["text"], "prefill": prefill_summary(run),
+                "prefill reason": run["reasons"][0] if run.get("reasons") else "",
+                "decided": decided_summary(run), "ran (counters)": executed_summary(run),
+                "first divergence": ("none" if len(step["runs"]) > 1 and first and divergence is None else
+                                     "" if divergence is None else str(divergence)),
+                "max logit rel err": "" if error is None else f"{error:.2e}",
+                "wall s": f"{run['timings']['wall_s']:.2f}",
+                "check": check_cell(step["check"]) if first else "",
+            })
+    return rows
+
+
+def curve_rows(step: dict) -> list[dict]:
+    return [{"step": step["step"], "n": row["n"], "woken": f"{row['woken']:.1f}",
+             "pairs/woken": f"{row['pairs_per_woken']:.2f}", "fill": f"{100 * row['fill']:.1f}%",
+             "amortizes": "yes" if row["amortizes"] else "no"} for row in step["numbers"]["rows"]]
+
+
+def attention_rows(steps: list[dict]) -> list[dict]:
+    rows = []
+    for step in steps:
+        if step["action"] != "check-attention":
+            continue
+        numbers, definition = step["numbers"], step["definition"]
+        rows.append({
+            "step": step["step"], "mode": definition["mode"], "seq_len": definition["seq_len"],
+            "verdict": numbers.get("verdict", ""), "expected": definition.get("expect", ""),
+            "check": check_cell(step["check"]), "dtype": numbers.get("dtype", ""),
+            "sentence": numbers.get("sentence", ""),
+        })
+    return rows
+
+
+def sweep_rows(steps: list[dict]) -> list[dict]:
+    rows = []
+    for step in steps:
+        if step["action"] != "sweep":
+            continue
+        for row in step["numbers"].get("rows", []):
+            rows.append({"step": step["step"], **{key: value for key, value in row.items()
+                                                  if not isinstance(value, (dict, list))}})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None, right: Iterable[str] = ()) -> str:
+    columns = columns or list(rows[0])
+    right = set(right)
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---:" if column in right else "---" for column in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(row.get(column, "")) for column in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def check_counts(steps: list[dict]) -> tuple[int, int]:
+    checks = [step["check"] for step in steps if step.get("check") is not None]
+    held = sum(1 for check in checks if check["held"])
+    return held, len(checks) - held
+
+
+def build_line(header: dict) -> str:
+    """llama-bench's footer: what ran this, where, when."""
+    commit = header.get("commit")
+    build = (commit[:10] + (" (with local changes)" if header.get("commit_dirty") else "")) if commit else "no git"
+    return (f"moe-inspector {header.get('package_version')} · commit {build} · device {header.get('device')} · "
+            f"torch {header.get('torch')} · triton {header.get('triton') or 'not installed'} · "
+            f"python {header.get('python')} · model {header.get('model')} seed {header.get('seed')} · "
+            f"{header.get('started_at')}")
+
+
+def flags_line(header: dict) -> str:
+    return ", ".join(f"{name}={_format_flag(entry['value'])} ({entry['source']})"
+                     for name, entry in header.get("flags", {}).items())
+
+
+def footer(header: dict) -> str:
+    return "\n".join(["---", build_line(header), "", f"flags: {flags_line(header)}"])
+
+
+def render_markdown(header: dict, steps: list[dict], description: str | None = None) -> str:
+    held, failed = check_counts(steps)
+    checks = (f"{held} check{'s' if held != 1 else ''} held, {failed} failed" if held or failed else "no checks")
+    out = [f"# session `{header.get('session')}`: {len(steps)} steps, {checks}", ""]
+    if description:
+        out += [description, ""]
+    rows = [{**row, "text": _text(row["text"])} for row in generation_rows(header, steps)]
+    if rows:
+        out += ["## prompt and compare", "",
+                markdown_table(rows, ["step", "config", "overrides", "tokens", "text", "prefill", "decided",
+                                      "ran (counters)", "first divergence", "max logit rel err", "wall s", "check"],
+                               right=("step", "tokens", "first divergence", "max logit rel err", "wall s")), ""]
+        out += ["Why, at prefill (the first MoE layer of each run):", ""]
+        out += [f"- step {row['step']} {row['config']}, {row['prefill']}: {row['prefill reason']}"
+                for row in rows] + [""]
+    for step in steps:
+        if step["action"] == "curve":
+            numbers = step["numbers"]
+            out += [f"## curve (step {step['step']}): top-{numbers['k']} of {numbers['experts']} experts, "
+                    f"TILE_M={numbers['tile_m']}: m-tiles amortize from {numbers['min_tokens']} tokens", "",
+                    markdown_table(curve_rows(step), ["n", "woken", "pairs/woken", "fill", "amortizes"],
+                                   right=("n", "woken", "pairs/woken", "fill")), ""]
+    rows = attention_rows(steps)
+    if rows:
+        out += ["## check-attention", "",
+                markdown_table(rows, ["step", "mode", "seq_len", "dtype", "verdict", "expected", "check"],
+                               right=("step", "seq_len")), ""]
+        out += [f"- step {row['step']} ({row['mode']}): {row['sentence']}" for row in rows if row["sentence"]] + [""]
+    rows = sweep_rows(steps)
+    if rows:
+        out += ["## sweep", "", markdown_table(rows), ""]
+    notes = []
+    pairs = stand_ins(steps)
+    if pairs:
+        notes.append(f"On {header.get('device')}, arms with no implementation here executed on their reference "
+                     f"({'; '.join(pairs)}). The `decided` column is what the gates chose; `ran (counters)` is "
+                     f"what executed. Identical outputs here show the decisions and the reference math agree, "
+                     f"not that the decided kernels do: run the session on a GPU to compare the kernels.")
+    failures = [f"step {step['step']} ({step['action']}): {step['check']['detail']}"
+                for step in steps if step.get("check") and not step["check"]["held"]]
+    if failures:
+        notes.append("Checks that failed: " + "; ".join(failures))
+    if notes:
+        out += ["## notes", ""] + [f"- {note}" for note in notes] + [""]
+    out.append(footer(header))
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# json, jsonl, csv
+# --------------------------------------------------------------------------------------------
+
+def render_csv(header: dict, steps: list[dict]) -> str:
+    rows = [{"table": "generation", **row} for row in generation_rows(header, steps)]
+    for step in steps:
+        if step["action"] == "curve":
+            rows += [{"table": "curve", **row} for row in curve_rows(step)]
+    rows += [{"table": "check-attention", **row} for row in attention_rows(steps)]
+    rows += [{"table": "sweep", **row} for row in sweep_rows(steps)]
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns or ["table"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def render(header: dict, steps: list[dict], fmt: str, description: str | None = None) -> str:
+    if fmt == "md":
+        return render_markdown(header, steps, description)
+    if fmt == "json":
+        held, failed = check_counts(steps)
+        return json.dumps({"header": header, "steps": steps,
+                           "summary": {"steps": len(steps), "checks_held": held, "checks_failed": failed}},
+                          indent=2, ensure_ascii=False) + "\n"
+    if fmt == "jsonl":
+        from inspector.session_runner import dumps_results
+
+        return dumps_results(header, steps)
+    if fmt == "csv":
+        return render_csv(header, steps)
+    raise ValueError(f"unknown report format {fmt!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Replay
+# --------------------------------------------------------------------------------------------
+
+def _same(old: Any, new: Any) -> str:
+    return "match" if old == new else "DIFFERS"
+
+
+def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
+    rows = []
+    for old, new in zip(recorded, rerun):
+        runs = list(zip(old.get("runs", []), new.get("runs", [])))
+        if runs:
+            for run_old, run_new in runs:
+                rows.append({
+                    "step": old["step"], "action": old["action"], "config": run_old["config"],
+                    "tokens": _same(run_old["tokens"], run_new["tokens"]),
+                    "counters": _same(run_old["counters"], run_new["counters"]),
+                    "decisions": _same(run_old["decisions"], run_new["decisions"]),
+                    "wall s recorded": f"{run_old['timings']['wall_s']:.2f}",
+                    "wall s now": f"{run_new['timings']['wall_s']:.2f}",
+                })
+        else:
+            verdict = (_same(old["numbers"].get("verdict"), new["numbers"].get("verdict"))
+                       if old["action"] == "check-attention" else
+                       _same(old["numbers"], new["numbers"]) if old["action"] == "curve" else "not compared")
+            rows.append({"step": old["step"], "action": old["action"], "config": "", "tokens": "", "counters": "",
+                         "decisions": verdict, "wall s recorded": f"{old['wall_s']:.2f}",
+                         "wall s now": f"{new['wall_s']:.2f}"})
+    return rows
+
+
+def render_replay(recorded_header: dict, recorded: list[dict], rerun_header: dict, rerun: list[dict],
+                  differences: list[str]) -> str:
+    verdict = ("matches the recording" if not differences else
+               f"{len(differences)} difference{'s' if len(differences) != 1 else ''} from the recording")
+    out = [f"# replay of `{recorded_header.get('session')}`: {verdict}", "",
+           "Tokens, counters and decisions must match; timings are shown, not compared.", "",
+           markdown_table(replay_rows(recorded, rerun),
+                          right=("step", "wall s recorded", "wall s now")), ""]
+    if differences:
+        out += ["## differences", ""] + [f"- {difference}" for difference in differences] + [""]
+    held, failed = check_counts(rerun)
+    if failed:
+        out += [f"Checks on the re-run: {held} held, {failed} FAILED.", ""]
+    out += ["---", f"recorded: {build_line(recorded_header)}", "", f"now: {build_line(rerun_header)}", "",
+            f"flags: {flags_line(rerun_header)}"]
+    return "\n".join(out) + "\n"
