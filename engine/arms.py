@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -87,14 +87,25 @@ class Counters:
 
     def __init__(self) -> None:
         self.arms: Counter[str] = Counter()
+        self.graph_replays = 0
         self._kernel_baseline = launches.snapshot()
 
     def bump(self, label: str, times: int = 1) -> None:
         self.arms[label] += times
+
+    def replay(self, arms: Mapping[str, int], kernels: Mapping[str, int]) -> None:
+        """One CUDA-graph replay: every arm and kernel the capture launched, launched once more."""
+        self.arms.update(arms)
+        for name, count in kernels.items():
+            launches.record(name, count)
+        self.graph_replays += 1
 
     def to_json(self) -> dict:
         arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}
         arms.update({f"grouped_v{variant}": 0 for variant in (0, 1, 2)})
         arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
         arms.update(self.arms)
-        return {"arms": arms, "kernels": launches.since(self._kernel_baseline)}
+        counts = {"arms": arms, "kernels": launches.since(self._kernel_baseline)}
+        if self.graph_replays:  # only runs that replayed graphs carry it: generate's layout is unchanged
+            counts["graph_replays"] = self.graph_replays
+        return counts

@@ -106,6 +106,8 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "fused sinks attention for head_dim-512 layers; off = unfused reference"),
     FlagSpec("fused_mask", "honor", "honor, decline or drop", _parse_choice(FUSED_MASK_MODES), "select",
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
+    FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
+             help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
 )}
 
 

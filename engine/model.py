@@ -79,7 +79,8 @@ def random_weights(config: ModelConfig, seed: int, device: torch.device, dtype: 
 class LayerHooks(Protocol):
     """What `forward` asks of the engine for each layer."""
 
-    def attention(self, layer: int, q, k_cache, v_cache, sinks, q_start: int, length: int) -> torch.Tensor: ...
+    def attention(self, layer: int, q, k_cache, v_cache, sinks, q_start: "int | torch.Tensor",
+                  length: int) -> torch.Tensor: ...
 
     def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights) -> torch.Tensor: ...
 
@@ -112,11 +113,15 @@ def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]; rotate-half RoPE in float32."""
+    """x [B, T, H, hd]; cos, sin [T, hd/2] (one position per column) or [B, T, hd/2] (ragged rows);
+    rotate-half RoPE in float32."""
     half = x.shape[-1] // 2
     x32 = x.float()
     first, second = x32[..., :half], x32[..., half:]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
 
 
@@ -127,9 +132,39 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return top_ids.to(torch.int32), torch.softmax(top_logits, dim=-1)
 
 
-def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor, start: int,
-            cache: KVCache, hooks: LayerHooks) -> torch.Tensor:
-    """tokens [B, T] at positions start..start+T-1 -> logits of the last position [B, V] (fp32)."""
+@dataclass(frozen=True)
+class StepLayout:
+    """Where the rows of a ragged batch sit; built on the host (engine.batch_runner), so `forward`
+    needs no host loop over sequences and no device->host sync to place them.
+
+    start        [B] int64   position of each row's first token; rows may differ (ragged)
+    key_length   int         keys attention reads; >= every row's start + its real length
+                             (the whole cache under a CUDA graph: later keys are causally invisible)
+    slots        [B] int64   the cache row each batch row reads and writes; None = row b is cache row b
+    token_index  [N] int64   flat indices into B*T of the real tokens when some rows are shorter than T;
+                             None = every token is real. Only real tokens are routed to the experts and
+                             written to the cache; padding rows are computed and dropped.
+    last_index   [B] int64   the column of each row's last real token; None = T - 1
+    """
+
+    start: torch.Tensor
+    key_length: int
+    slots: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None
+    last_index: torch.Tensor | None = None
+
+
+def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
+            start: "int | torch.Tensor | StepLayout", cache: KVCache, hooks: LayerHooks) -> torch.Tensor:
+    """tokens [B, T] -> logits of each row's last (real) position [B, V] (fp32).
+
+    `start` an int: every row at positions start..start+T-1, row b in cache row b (generate).
+    `start` a [B] tensor or a StepLayout: row b at positions start[b]..start[b]+T-1 (ragged); the
+    keys and values are written with index ops and every layer is one launch per kernel for the
+    whole batch, whatever the positions."""
+    if not isinstance(start, int):
+        layout = start if isinstance(start, StepLayout) else StepLayout(start, cache.k[0].shape[1])
+        return _forward_ragged(config, weights, tokens, layout, cache, hooks)
     c = config
     batch, steps = tokens.shape
     x = weights["embed"][tokens]  # [B, T, D]
@@ -153,4 +188,56 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
                                topk_weights.to(h.dtype))  # [N, D]
         x = x + expert_out.view(batch, steps, c.hidden)
     last = rms_norm(x[:, -1], weights["norm"], c.norm_eps)  # [B, D]
+    return last.float() @ weights["lm_head"].float().t()  # [B, V]
+
+
+def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
+                    layout: StepLayout, cache: KVCache, hooks: LayerHooks) -> torch.Tensor:
+    c = config
+    batch, steps = tokens.shape
+    device = tokens.device
+    positions = layout.start.long()[:, None] + torch.arange(steps, device=device)[None, :]  # [B, T]
+    cos, sin = rope_tables(c, positions.reshape(-1))  # [B*T, hd/2]
+    cos, sin = cos.view(batch, steps, -1), sin.view(batch, steps, -1)
+    rows = torch.arange(batch, device=device) if layout.slots is None else layout.slots
+    cache_rows = rows[:, None].expand(batch, steps).reshape(-1)  # [B*T] where each token's K/V go
+    cache_positions = positions.reshape(-1)  # [B*T]
+    if layout.token_index is not None:
+        cache_rows, cache_positions = cache_rows[layout.token_index], cache_positions[layout.token_index]  # [N]
+    x = weights["embed"][tokens]  # [B, T, D]
+    for layer in range(c.n_layers):
+        p = f"layers.{layer}."
+        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
+        q = (h @ weights[p + "wq"].t()).view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
+        k = (h @ weights[p + "wk"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
+        v = (h @ weights[p + "wv"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_new = k.reshape(batch * steps, c.n_kv_heads, c.head_dim)  # [B*T, Hkv, hd]
+        v_new = v.reshape(batch * steps, c.n_kv_heads, c.head_dim)
+        if layout.token_index is not None:
+            k_new, v_new = k_new[layout.token_index], v_new[layout.token_index]  # [N, Hkv, hd]
+        cache.k[layer].index_put_((cache_rows, cache_positions), k_new)
+        cache.v[layer].index_put_((cache_rows, cache_positions), v_new)
+        if layout.slots is None:
+            k_rows, v_rows = cache.k[layer][:batch], cache.v[layer][:batch]  # views: rows are cache rows
+        else:
+            k_rows = cache.k[layer][:, :layout.key_length].index_select(0, layout.slots)  # [B, Tk, Hkv, hd]
+            v_rows = cache.v[layer][:, :layout.key_length].index_select(0, layout.slots)
+        attended = hooks.attention(layer, q, k_rows, v_rows, weights[p + "sinks"], layout.start,
+                                   layout.key_length)  # [B, T, Hq, hd]
+        x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [B*T, D]
+        if layout.token_index is not None:
+            h = h[layout.token_index]  # [N, D]: padding never reaches the router or the experts
+        topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k)
+        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids,
+                               topk_weights.to(h.dtype))  # [N, D]
+        if layout.token_index is None:
+            x = x + expert_out.view(batch, steps, c.hidden)
+        else:
+            x = x.reshape(batch * steps, c.hidden).index_add(0, layout.token_index, expert_out)
+            x = x.view(batch, steps, c.hidden)
+    last = x[:, -1] if layout.last_index is None else x[torch.arange(batch, device=device), layout.last_index]
+    last = rms_norm(last, weights["norm"], c.norm_eps)  # [B, D]
     return last.float() @ weights["lm_head"].float().t()  # [B, V]

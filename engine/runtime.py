@@ -1,5 +1,6 @@
-"""The engine loop: load a preset, generate greedily at temperature 0, and record for every
-layer of every step which arm was decided, which executed, and why.
+"""The engine loop: load a preset, generate greedily at temperature 0 (one prompt, or many at once
+with continuous batching: `generate_batch`), and record for every layer of every step which arm
+was decided, which executed, and why.
 
 On a GPU the executed arm is the decided arm. On a CPU every layer executes its reference arm,
 which emulates the decided arm's semantics (a fused arm with `fused_mask=drop` is computed as
@@ -26,7 +27,10 @@ from engine.config import ModelConfig, from_name
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import KVCache, forward, random_weights
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 from engine.tokenizer import ByteTokenizer
+from kernels import launches
 from kernels.reference import MaskSpec
 
 log = logging.getLogger("moe_inspector.engine")
@@ -158,7 +162,8 @@ class Dispatcher:
         note = "" if executed is arm else f"{decision.arm} cannot run on {device.type}: the unfused reference " \
                                           f"computes its semantics ({decision.applied_mask} mask)"
         record = {
-            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": q.shape[1], "head_dim": config.head_dim,
+            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": self.n_tokens,
+            "head_dim": config.head_dim,
             "decided_arm": decision.arm, "executed_arm": executed.name, "mask": decision.mask,
             "applied_mask": decision.applied_mask, "declined": decision.declined, "reason": decision.reason,
             "execution_note": note, "us": None,
@@ -173,13 +178,28 @@ class Dispatcher:
 
     def end_step(self, next_token: torch.Tensor) -> int:
         """The step's one sync: the next token and every observed count together."""
-        values = torch.cat([next_token.reshape(1).long(), torch.stack(self.pending_woken).long()]).tolist()
-        for record, woken in zip(self.moe_records, values[1:]):
+        return self.end_step_batch(next_token.reshape(1))[0]
+
+    def end_step_batch(self, next_tokens: torch.Tensor) -> list[int]:
+        """The step's one sync for a batch: each row's next token [B] and every observed count."""
+        rows = next_tokens.numel()
+        values = torch.cat([next_tokens.reshape(-1).long(), torch.stack(self.pending_woken).long()]).tolist()
+        for record, woken in zip(self.moe_records, values[rows:]):
             record["woken_observed"] = woken
             record["pairs_per_woken_observed"] = round(record["n_tokens"] * record["k"] / woken, 3)
         for record, stopped in self.pending_times:
             record["us"] = round(self.timer.microseconds(stopped), 1)
-        return values[0]
+        return values[:rows]
+
+    def replay(self, template: "Dispatcher", kernels: dict[str, int]) -> None:
+        """This step is a CUDA-graph replay of the step `template` captured: its decisions (renumbered
+        to this step), its observed-count outputs (refilled by the replay) and its launches, counted
+        again, since a replayed kernel never passes through Python."""
+        here = {"step": self.step, "phase": self.phase}
+        self.moe_records = [dict(record, **here, graph="replay") for record in template.moe_records]
+        self.attention_records = [dict(record, **here, graph="replay") for record in template.attention_records]
+        self.pending_woken = list(template.pending_woken)
+        self.counters.replay(template.counters.arms, kernels)
 
     def step_record(self) -> dict:
         return {"step": self.step, "phase": self.phase, "n_tokens": self.n_tokens,
@@ -206,6 +226,25 @@ class Generation:
             "text": self.text, "tokens": self.tokens, "flags": self.flags.to_json(), "steps": self.steps,
             "counters": self.counters, "engagements": self.engagements, "cancelled": self.cancelled,
         }
+
+
+@dataclass
+class BatchGeneration:
+    """A batched run: the sequences (in the order given, each with its own request id and time
+    stamps) and, per step, the decision records plus the rows it ran and its clocks."""
+
+    model: str
+    device: str
+    flags: ResolvedFlags
+    sequences: list[Sequence]
+    steps: list[dict]
+    counters: dict
+    engagements: list[str]
+    graphs: str  # "on", or "off (why)"
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [list(sequence.generated) for sequence in self.sequences]
 
 
 class Engine:
@@ -275,3 +314,51 @@ class Engine:
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
             text=self.tokenizer.decode(generated), flags=flags, steps=steps, counters=dispatcher.counters.to_json(),
             logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,
+                       max_slots: int | None = None, token_budget: int | None = None, graphs: bool | None = None,
+                       runner=None, clock: Callable[[], float] = time.perf_counter,
+                       timed: bool = False) -> BatchGeneration:
+        """Greedy decoding of many prompts at once with continuous batching (engine.scheduler) and
+        the batch runner (engine.batch_runner): chunked prefill of `prefill_chunk` tokens, then a
+        decode cohort. Every sequence gets a fresh request id; pass `runner` to reuse a KV cache
+        and its captured graphs across runs."""
+        from engine.batch_runner import BatchRunner  # it imports this module for the Dispatcher
+
+        counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts, strict=True)]
+        for sequence in sequences:
+            self.check_length(list(sequence.prompt), sequence.max_tokens)
+        if runner is None:
+            runner = BatchRunner(self, max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs)
+        chunk = flags["prefill_chunk"]
+        scheduler = Scheduler(runner.max_slots, runner.capacity, token_budget or max(chunk, 2048), chunk)
+        dispatcher = Dispatcher(self, flags, timed)
+        arrived = clock()
+        for sequence in sequences:
+            scheduler.add(sequence, arrived)
+        steps = []
+        while scheduler.has_work():
+            steps.append(self._batch_step(scheduler, runner, dispatcher, clock))
+        return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
+                               steps=steps, counters=dispatcher.counters.to_json(),
+                               engagements=dispatcher.engagements, graphs=runner.graphs_note)
+
+    @staticmethod
+    def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
+        kernels_before, host_started = launches.snapshot(), time.perf_counter()
+        started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
+        batch = scheduler.schedule(now=started)
+        next_tokens, timing = runner.run(batch, dispatcher)
+        ended = clock()
+        scheduler.postprocess(batch, next_tokens, now=ended)
+        record = dispatcher.step_record()
+        record.update(
+            started=started, ended=ended, host_us=(timing.launched_at - host_started) * 1e6,
+            device_us=timing.device_us, graph=timing.graph, eager_reason=timing.eager_reason,
+            kernel_launches=launches.since(kernels_before),
+            rows=[{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
+                   "tokens": len(row.tokens), "emitted": token if row.emits else None}
+                  for row, token in zip(batch.rows, next_tokens)])
+        return record

@@ -9,7 +9,8 @@ from engine.errors import UserError
 def test_defaults_match_the_design():
     resolved = flags.resolve(environ={})
     assert resolved.values == {"moe_gate": "measured", "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2,
-                               "tile_m": 16, "flash_512": True, "fused_mask": "honor"}
+                               "tile_m": 16, "flash_512": True, "fused_mask": "honor",
+                               "prefill_chunk": 512}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 
 
@@ -35,6 +36,7 @@ def test_bad_environment_value_warns_and_keeps_the_default():
     ("decode_floor=-1", ">= 0"),
     ("flash_512=maybe", "on or off"),
     ("fused_mask=ignore", "honor, decline or drop"),
+    ("prefill_chunk=8", ">= 16"),
     ("no_such_flag=1", "unknown flag"),
     ("tile_m", "FLAG=VALUE"),
 ])

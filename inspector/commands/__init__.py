@@ -9,4 +9,5 @@ COMMAND_MODULES = [
     "compare",
     "run",
     "replay",
+    "bench",
 ]

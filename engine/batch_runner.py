@@ -1,0 +1,205 @@
+"""The model runner for scheduled batches: turns a `Batch` (engine.scheduler) into tensors, runs
+one forward for all its rows, and returns each row's next token, with the step's clocks.
+
+- Ragged rows in one launch per layer: each row's start position, cache row and real length
+  travel as small index tensors (one host->device copy per step) in a `StepLayout`; the forward
+  writes keys and values with index ops and hands attention per-row start positions. There is
+  no loop over sequences on the host, so launches per step do not grow with the batch.
+- A preallocated KV cache: `max_slots` rows of `capacity` positions, allocated once.
+- CUDA graphs for decode steps on a GPU, one per batch size, captured the first time a decode
+  cohort of that size occupies cache rows 0..B-1 (the scheduler hands out the lowest free slot,
+  so a cohort that starts together stays there). The graph reads the whole cache (later keys are
+  causally invisible), so its inputs are just the tokens and positions, copied into static
+  buffers. A replay counts what the capture launched, once more (`Counters.replay`).
+  The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
+  computes something real. Steps a graph cannot serve run eagerly, and the step says why.
+
+Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import dispatch
+from engine.arms import ARMS
+from engine.attention_dispatch import UNFUSED, decide_attention
+from engine.model import KVCache, StepLayout, forward
+from engine.scheduler import DECODE, Batch
+from kernels import launches
+
+
+@dataclass
+class StepTiming:
+    launched_at: float  # time.perf_counter() when the last launch (or the replay) was issued
+    device_us: float | None  # CUDA events around the step's work; None on a CPU (no separate device clock)
+    graph: str  # "replay", "capture" or "eager"
+    eager_reason: str = ""  # why a GPU decode step did not replay a graph
+
+
+@dataclass
+class _DecodeGraph:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: torch.Tensor  # [2, B] int64 static: row 0 the tokens fed, row 1 their positions
+    staging: torch.Tensor  # [2, B] int64 pinned host copy of the next inputs
+    next_tokens: torch.Tensor  # [B] int64 static output
+    template: object  # the capture's Dispatcher: decisions, arm counts, observed-count outputs
+    kernels: dict[str, int]  # Triton launches the capture recorded (and a replay repeats)
+
+
+class BatchRunner:
+    def __init__(self, engine, max_slots: int, capacity: int, graphs: bool | None = None) -> None:
+        self.engine, self.max_slots, self.capacity = engine, max_slots, capacity
+        self.device = engine.device
+        self.cache = KVCache.allocate(engine.config, max_slots, capacity, engine.device, engine.dtype)
+        cuda = self.device.type == "cuda"
+        self.graphs_enabled = cuda and (graphs is None or graphs)
+        self.graphs_note = ("on" if self.graphs_enabled else
+                            "off (--graphs off)" if cuda else "off (CPU: no CUDA graphs)")
+        self._graphs: dict[tuple, _DecodeGraph] = {}
+        self._refused: dict[tuple, str] = {}  # why a graph cannot serve this (size, flags); "" = it can
+        self._flags_key: tuple = (None, ())
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
+        self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
+
+    def run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
+        """One step: every row's next token (one sync, in the dispatcher) and the step's clocks."""
+        if not self.label_steps:
+            return self._run(batch, dispatcher)
+        with torch.profiler.record_function(f"moei.step.{batch.step}"):
+            return self._run(batch, dispatcher)
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(key[0] for key in self._graphs)
+
+    def _run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
+        dispatcher.begin_step(batch.step, batch.phase, batch.n_tokens)
+        events = self._events  # reused: read after the step's sync, before the next step records them
+        if events is not None:
+            events[0].record()
+        graph_mode, reason = "eager", ""
+        if batch.phase == DECODE and self.graphs_enabled:
+            reason = self._graph_blocker(batch, dispatcher)
+        if batch.phase == DECODE and self.graphs_enabled and not reason:
+            next_tokens, graph_mode = self._decode_with_graph(batch, dispatcher)
+        else:
+            next_tokens = self._eager(batch, dispatcher)
+        if events is not None:
+            events[1].record()
+        launched_at = time.perf_counter()
+        tokens = dispatcher.end_step_batch(next_tokens)
+        device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
+        return tokens, StepTiming(launched_at, device_us, graph_mode, reason)
+
+    # ---------------------------------------------------------------------------------- eager
+
+    def _eager(self, batch: Batch, dispatcher) -> torch.Tensor:
+        rows, width = batch.rows, batch.width
+        size = len(rows)
+        ragged = any(len(row.tokens) != width for row in rows)
+        contiguous = batch.slots == list(range(size))
+        # Everything the layout needs in one host tensor, so one host->device copy per step.
+        packed = [token for row in rows for token in (*row.tokens, *[0] * (width - len(row.tokens)))]  # [B*T]
+        packed += [row.start for row in rows]  # [B]
+        if not contiguous:
+            packed += batch.slots  # [B]
+        if ragged:
+            packed += [index * width + column for index, row in enumerate(rows) for column in range(len(row.tokens))]
+            packed += [len(row.tokens) - 1 for row in rows]  # [B]
+        on_device = torch.tensor(packed, dtype=torch.int64).to(self.device)
+        pieces = iter(on_device.split([size * width, size] + ([] if contiguous else [size])
+                                      + ([batch.n_tokens, size] if ragged else [])))
+        tokens = next(pieces).view(size, width)  # [B, T]
+        start = next(pieces)  # [B]
+        slots = None if contiguous else next(pieces)
+        token_index, last_index = (next(pieces), next(pieces)) if ragged else (None, None)
+        # A decode step in cache rows 0..B-1 reads the whole slot, exactly as its graph does, so an
+        # eager decode step launches the same kernels as a replay (same tokens, same counters).
+        key_length = self.capacity if batch.phase == DECODE and contiguous else batch.key_length
+        layout = StepLayout(start, key_length, slots, token_index, last_index)
+        logits = forward(self.engine.config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]
+        return torch.argmax(logits, dim=-1)
+
+    # ---------------------------------------------------------------------------------- graphs
+
+    def _graph_key(self, size: int, dispatcher) -> tuple:
+        # A capture freezes the decisions of its flags: a run with other flags needs its own graph.
+        flags = dispatcher.flags
+        if self._flags_key[0] is not flags:
+            self._flags_key = (flags, tuple(sorted(flags.values.items())))
+        return (size, self._flags_key[1])
+
+    def _graph_blocker(self, batch: Batch, dispatcher) -> str:
+        """Why this decode step cannot replay a graph ("" when it can)."""
+        size = len(batch.rows)
+        if batch.slots != list(range(size)):
+            return f"decode rows sit in cache rows {batch.slots}, not 0..{size - 1}"
+        key = self._graph_key(size, dispatcher)
+        if key not in self._refused:  # decided once per size and flags: host time matters at batch 1
+            self._refused[key] = self._capture_blocker(size, dispatcher)
+        return self._refused[key]
+
+    def _capture_blocker(self, size: int, dispatcher) -> str:
+        config, flags = self.engine.config, dispatcher.flags
+        decision = dispatch.decide(dispatch.GateInputs(
+            n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
+            grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
+        if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(self.device):
+            return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
+        for mask in config.layer_masks:
+            attention = decide_attention(config.head_dim, mask.kind, mask.describe(), flags["flash_512"],
+                                         flags["fused_mask"])
+            if attention.arm == UNFUSED:
+                return "the unfused attention reference syncs the host, which a CUDA graph cannot capture"
+        return ""
+
+    def _decode_with_graph(self, batch: Batch, dispatcher) -> tuple[torch.Tensor, str]:
+        size = len(batch.rows)
+        key = self._graph_key(size, dispatcher)
+        captured = self._graphs.get(key)
+        values = [[row.tokens[0] for row in batch.rows], [row.start for row in batch.rows]]
+        if captured is None:
+            return self._capture(batch, dispatcher, key, values), "capture"
+        captured.staging.numpy()[:] = values
+        captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
+        captured.graph.replay()
+        dispatcher.replay(captured.template, captured.kernels)
+        return captured.next_tokens, "replay"
+
+    def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
+        """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
+        from engine.runtime import Dispatcher  # runtime imports this module
+
+        config, weights, size = self.engine.config, self.engine.weights, len(batch.rows)
+        inputs = torch.tensor(values, dtype=torch.int64, device=self.device)  # [2, B] static
+        layout = StepLayout(inputs[1], self.capacity)  # rows 0..B-1, the whole cache as keys
+        tokens = inputs[0].view(size, 1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            next_tokens = torch.argmax(forward(config, weights, tokens, layout, self.cache, dispatcher), dim=-1)
+        torch.cuda.current_stream().wait_stream(side)
+
+        template = Dispatcher(self.engine, dispatcher.flags, timed=False)
+        template.begin_step(batch.step, DECODE, size)
+        before = launches.snapshot()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                static_next = torch.argmax(forward(config, weights, tokens, layout, self.cache, template), dim=-1)
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
+            self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            static_next = None
+        kernels = launches.since(before)
+        for name, count in kernels.items():  # captured, not launched: the replays will count them
+            launches.record(name, -count)
+        if static_next is not None:
+            staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
+            self._graphs[key] = _DecodeGraph(graph, inputs, staging, static_next, template, kernels)
+        return next_tokens

@@ -1,0 +1,716 @@
+"""Benchmarks that cannot silently measure nothing: llama-bench rows over the batched engine.
+
+Rows (one per test and batch size B; `@ bB` is left off at B = 1):
+    ppN        B sequences, each an N-token prompt and one generated token: prompt tokens / the
+               time from the first prefill step's start to the end of the step that finished
+               the last prompt.
+    tgN        B sequences, each a short prompt then N generated tokens: generated tokens / time
+               inside the steady window (below), or `admitting` when there is none.
+Each row runs a warm-up repetition (compilation, graph capture) that is excluded, then `reps`
+timed ones: t/s is their mean +- sample stddev, llama-bench style.
+
+The rules (DESIGN.md, issue 7), each enforced here rather than trusted:
+- Refusal: a repetition with zero prompt tokens, fewer tokens than asked, zero time or a
+  non-finite rate raises MeasurementError (exit 2) before anything is printed.
+- Stamps: each step is stamped before it runs (engine.runtime), so a request that finishes inside
+  the step that processed it (every pp request) still has a start time.
+- Two clocks: wall (perf_counter around whole steps) and device (CUDA events around each step's
+  work, summed over the window). On a CPU there is no separate device clock: "n/a", not a copy
+  of the wall clock. Disagreement over 5 % is flagged.
+- Steady state: a decode rate only from the window in which every sequence is admitted and has at
+  least `depth_floor` generated tokens, while the whole cohort still decodes
+  (`steady_window`, a plain function over a timeline). Aggregate generated tokens/s in 2-second
+  bins over the whole run give the trajectory.
+- Counters: every row carries each arm's launch counter, the Triton kernel launches and the
+  CUDA-graph replays of its timed repetitions.
+- Profile: kernel-level device time, calls, share of the window's device time and launches per
+  step from torch.profiler over the same window of one extra repetition; an empty profile is
+  an error, not a table of zeros.
+
+Knows nothing of argument parsing or of the TUI: `run_bench` returns a report; `format_*` print it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from engine.errors import MeasurementError, UserError
+from engine.model import tensor_shapes
+
+CLOCK_TOLERANCE = 0.05  # wall and device clocks may differ by this fraction before a row is flagged
+TRAJECTORY_BIN_S = 2.0
+SPARK = "▁▂▃▄▅▆▇█"
+TIME_SOURCE: Callable[[], float] = time.perf_counter  # tests replace it to inject timings
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowSpec:
+    kind: str  # "pp" or "tg"
+    tokens: int  # N: prompt tokens (pp) or generated tokens (tg)
+    batch: int
+    prompt_len: int
+    max_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.tokens}" + (f" @ b{self.batch}" if self.batch > 1 else "")
+
+
+def row_specs(pp: Iterable[int], tg: Iterable[int], batches: Iterable[int], tg_prompt: int) -> list[RowSpec]:
+    batches = list(batches)
+    rows = [RowSpec("pp", n, b, n, 1) for n in pp for b in batches]
+    rows += [RowSpec("tg", n, b, tg_prompt, n) for n in tg for b in batches]
+    return rows
+
+
+def default_depth_floor(generated: int) -> int:
+    """8 generated tokens per sequence, or a quarter of the row's tokens when that is fewer."""
+    return min(8, max(1, generated // 4))
+
+
+def prompts_for(spec: RowSpec, seed: int, repetition: int, vocab_size: int) -> list[list[int]]:
+    """Distinct, deterministic prompts: identical rows would route identically and wake fewer experts."""
+    prompts = []
+    for index in range(spec.batch):
+        generator = random.Random(zlib.crc32(f"{seed}:{spec.name}:{repetition}:{index}".encode()))
+        prompts.append([generator.randrange(vocab_size) for _ in range(spec.prompt_len)])
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------
+# Steady state and the trajectory: plain functions over a timeline
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepEvent:
+    started: float
+    ended: float
+    emitted: tuple[int, ...]  # request ids that received a token in this step
+
+
+@dataclass(frozen=True)
+class SteadyWindow:
+    first: int  # index of the first event inside the window
+    last: int  # index of the last event inside the window
+    started: float  # the end of the event at which every sequence reached the floor
+    ended: float
+    tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_floor: int) -> SteadyWindow | None:
+    """The window in which every sequence is admitted and has >= depth_floor generated tokens and
+    the whole cohort still decodes; None while any sequence is still admitting (then a row says
+    `admitting`, never a number). It opens at the end of the step where the last sequence reached
+    the floor and closes at the last step in which every sequence received a token."""
+    wanted = set(request_ids)
+    depth = dict.fromkeys(wanted, 0)
+    opening = None
+    for index, event in enumerate(events):
+        for request_id in event.emitted:
+            if request_id in depth:
+                depth[request_id] += 1
+        if min(depth.values(), default=0) >= depth_floor:
+            opening = index
+            break
+    if opening is None:
+        return None
+    last, tokens = None, 0
+    for index in range(opening + 1, len(events)):
+        if not wanted <= set(events[index].emitted):
+            break
+        last, tokens = index, tokens + sum(1 for request_id in events[index].emitted if request_id in wanted)
+    if last is None:
+        return None
+    return SteadyWindow(opening + 1, last, events[opening].ended, events[last].ended, tokens)
+
+
+def trajectory(events: list[StepEvent], origin: float, bin_s: float = TRAJECTORY_BIN_S) -> list[float]:
+    """Aggregate generated tokens/s in bins of `bin_s` seconds from `origin` to the last step's end
+    (the last bin is divided by the part of it the run covered)."""
+    if not events or not all(math.isfinite(event.ended) for event in events) or not math.isfinite(origin):
+        return []
+    end = max(event.ended for event in events)
+    count = max(1, math.ceil((end - origin) / bin_s - 1e-9))
+    tokens = [0] * count
+    for event in events:  # a step ending on a boundary belongs to the bin it ends
+        index = math.ceil((event.ended - origin) / bin_s - 1e-9) - 1
+        tokens[min(count - 1, max(0, index))] += len(event.emitted)
+    rates = []
+    for index, total in enumerate(tokens):
+        covered = min(bin_s, end - (origin + index * bin_s))
+        rates.append(total / covered if covered > 0 else 0.0)
+    return rates
+
+
+def sparkline(values: list[float]) -> str:
+    top = max(values, default=0.0)
+    if top <= 0:
+        return SPARK[0] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, int(value / top * (len(SPARK) - 1) + 0.5))] for value in values)
+
+
+# --------------------------------------------------------------------------------------------
+# One repetition: measured, or refused
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Repetition:
+    wall_s: float
+    device_s: float | None
+    tokens: int
+    ttft_s: float  # mean over the sequences
+    steady: SteadyWindow | None = None
+    steps: int = 0  # steps inside the measured window
+    host_us: float | None = None  # per step, mean over the window (the Python side up to the launch/replay)
+    device_us: float | None = None  # per step, mean over the window
+    graph_steps: int = 0  # window steps served by a graph replay
+    trajectory: list[float] = field(default_factory=list)
+    window_steps: list[int] = field(default_factory=list)  # step numbers inside the window
+
+    @property
+    def device_rate(self) -> float | None:
+        return None if not self.device_s else self.tokens / self.device_s
+
+
+def _refuse(spec: RowSpec, label: str, reason: str) -> None:
+    raise MeasurementError(f"{spec.name}, {label}: {reason}; refusing to print a number (no table)")
+
+
+def events_of(steps: list[dict]) -> list[StepEvent]:
+    return [StepEvent(step["started"], step["ended"],
+                      tuple(row["request_id"] for row in step["rows"] if row["emitted"] is not None))
+            for step in steps]
+
+
+def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int, label: str = "rep",
+            bin_s: float = TRAJECTORY_BIN_S) -> Repetition:
+    """One repetition's numbers from its sequences (time stamps, tokens) and step records, or a
+    MeasurementError naming what makes it invalid."""
+    asked_prompt = spec.prompt_len * spec.batch
+    prompt_tokens = sum(row["tokens"] for step in steps if step["phase"] == "prefill" for row in step["rows"])
+    if spec.kind == "pp" and prompt_tokens == 0:
+        _refuse(spec, label, "zero prompt tokens were processed")
+    if prompt_tokens < asked_prompt:
+        _refuse(spec, label, f"{prompt_tokens} prompt tokens processed, fewer than the {asked_prompt} asked")
+    if len(sequences) != spec.batch:
+        _refuse(spec, label, f"{len(sequences)} sequences ran, fewer than the {spec.batch} asked")
+    for sequence in sequences:
+        if len(sequence.generated) < spec.max_tokens:
+            _refuse(spec, label, f"request {sequence.request_id} generated {len(sequence.generated)} tokens, "
+                                 f"fewer than the {spec.max_tokens} asked")
+        if None in (sequence.arrived_at, sequence.first_scheduled_at, sequence.first_token_at):
+            _refuse(spec, label, f"request {sequence.request_id} has no time stamp for its first step or token")
+    ttft = statistics.fmean(sequence.first_token_at - sequence.arrived_at for sequence in sequences)
+    events = events_of(steps)
+    origin = min(sequence.arrived_at for sequence in sequences)
+    bins = trajectory(events, origin, bin_s)
+
+    if spec.kind == "pp":
+        window = [step for step in steps if step["phase"] == "prefill"]
+        tokens = prompt_tokens
+        wall = max(sequence.first_token_at for sequence in sequences) - min(step["started"] for step in window)
+        steady = None
+    else:
+        request_ids = [sequence.request_id for sequence in sequences]
+        steady = steady_window(events, request_ids, depth_floor)
+        if steady is None:
+            return Repetition(0.0, None, 0, ttft, None, trajectory=bins)
+        window = steps[steady.first:steady.last + 1]
+        tokens, wall = steady.tokens, steady.seconds
+    if tokens <= 0:
+        _refuse(spec, label, "zero tokens inside the measured window")
+    if not wall > 0 and not math.isnan(wall):
+        _refuse(spec, label, f"zero time: the window measured {wall:.3g} s")
+    rate = tokens / wall if wall else math.nan
+    if not math.isfinite(rate) or rate <= 0:
+        _refuse(spec, label, f"the rate is {rate} (tokens {tokens}, time {wall} s), not a finite positive number")
+    device_values = [step["device_us"] for step in window]
+    device_s = None if any(value is None for value in device_values) else sum(device_values) / 1e6
+    if device_s is not None and not device_s > 0:
+        _refuse(spec, label, f"zero device time over {len(window)} steps")
+    host_values = [step["host_us"] for step in window]
+    return Repetition(
+        wall_s=wall, device_s=device_s, tokens=tokens, ttft_s=ttft, steady=steady, steps=len(window),
+        host_us=statistics.fmean(host_values), device_us=None if device_s is None else device_s * 1e6 / len(window),
+        graph_steps=sum(step["graph"] == "replay" for step in window), trajectory=bins,
+        window_steps=[step["step"] for step in window])
+
+
+# --------------------------------------------------------------------------------------------
+# Rows over repetitions
+# --------------------------------------------------------------------------------------------
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def _add_counts(total: dict, counters: dict) -> None:
+    for family in ("arms", "kernels"):
+        for name, count in counters.get(family, {}).items():
+            total[family][name] = total[family].get(name, 0) + count
+    total["graph_replays"] += counters.get("graph_replays", 0)
+
+
+@dataclass
+class Row:
+    spec: RowSpec
+    repetitions: list[Repetition]
+    counters: dict  # summed over the timed repetitions
+    depth_floor: int
+    profile: list[dict] | None = None
+    profile_note: str = ""
+
+    @property
+    def admitting(self) -> bool:
+        return self.spec.kind == "tg" and any(rep.steady is None for rep in self.repetitions)
+
+    def to_json(self) -> dict:
+        reps = self.repetitions
+        payload = {"test": self.spec.name, "kind": self.spec.kind, "tokens": self.spec.tokens,
+                   "batch": self.spec.batch, "prompt_tokens": self.spec.prompt_len,
+                   "generated_tokens": self.spec.max_tokens, "reps": len(reps), "depth_floor": self.depth_floor,
+                   "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
+                   "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory}}
+        if self.admitting:
+            payload.update(state="admitting", tps_wall=None, tps_device=None, clock_disagreement=None,
+                           clock_flag=False, ms_per_token=None, ms_per_step=None)
+        else:
+            wall = [rep.tokens / rep.wall_s for rep in reps]
+            device = None if any(rep.device_s is None for rep in reps) else [rep.tokens / rep.device_s for rep in reps]
+            disagreement = None
+            if device is not None:
+                disagreement = max(abs(rep.wall_s - rep.device_s) / rep.wall_s for rep in reps)
+            payload.update(
+                state="prefill" if self.spec.kind == "pp" else "steady",
+                tps_wall=mean_std(wall), tps_device=None if device is None else mean_std(device),
+                clock_disagreement=disagreement,
+                clock_flag=disagreement is not None and disagreement > CLOCK_TOLERANCE,
+                ms_per_token=1e3 / statistics.fmean(wall),
+                ms_per_step=statistics.fmean(rep.wall_s / rep.steps * 1e3 for rep in reps),
+                window_steps=statistics.fmean(rep.steps for rep in reps),
+                host_us_per_step=statistics.fmean(rep.host_us for rep in reps),
+                device_us_per_step=None if device is None else statistics.fmean(rep.device_us for rep in reps),
+                graph_steps=sum(rep.graph_steps for rep in reps))
+            if payload["device_us_per_step"]:
+                payload["host_share"] = payload["host_us_per_step"] / payload["device_us_per_step"]
+        if self.profile is not None:
+            payload["profile"] = {"note": self.profile_note, "kernels": self.profile}
+        return payload
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel shares from a profile: a plain function over events
+# --------------------------------------------------------------------------------------------
+
+def kernel_shares(kernels: list[tuple[str, float, float]], step_ranges: dict[int, tuple[float, float]],
+                  window: set[int], window_device_us: float | None, run_steps: int = 0) -> tuple[list[dict], str]:
+    """Per-kernel device time, calls, share and launches per step over the window's steps.
+
+    kernels: (name, start_us, duration_us) device events; step_ranges: step -> (start_us, end_us)
+    of each step on the host, in the profiler's clock (a step ends after its sync, so its kernels
+    start inside it). Without a window or step ranges every kernel of the run (`run_steps` steps)
+    counts and the note says so. An empty profile is a MeasurementError, never a table of zeros."""
+    if not kernels:
+        raise MeasurementError("--profile: the profiler recorded no device kernels (no CUDA activity: a CPU run, "
+                               "or a profiler without CUPTI); refusing to print a table of zeros")
+    if window and step_ranges:
+        note, steps = f"steps {min(window)}-{max(window)} ({len(window)} steps)", len(window)
+        inside = [(start, end) for step, (start, end) in step_ranges.items() if step in window]
+        chosen = [kernel for kernel in kernels if any(start <= kernel[1] <= end for start, end in inside)]
+    else:
+        why = "no measured window: the run was admitting" if not window else "no step markers in the profile"
+        note, steps, chosen = f"whole run ({why})", max(1, run_steps or len(step_ranges)), kernels
+        window_device_us = None  # the window's device time does not cover the whole run
+    if not chosen:
+        raise MeasurementError(f"--profile: no device kernel started inside the measured window ({note})")
+    totals: dict[str, list[float]] = {}
+    for name, _, duration in chosen:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+    busy = sum(entry[0] for entry in totals.values())
+    denominator = window_device_us if window_device_us else busy
+    rows = [{"kernel": name, "device_us": round(total, 1), "calls": calls, "us_per_call": round(total / calls, 2),
+             "share": total / denominator, "launches_per_step": calls / steps}
+            for name, (total, calls) in sorted(totals.items(), key=lambda item: -item[1][0])]
+    return rows, note
+
+
+def _profile_events(prof) -> tuple[list[tuple[str, float, float]], dict[int, tuple[float, float]]]:
+    kernels, steps = [], {}
+    for event in prof.events():
+        name = event.name
+        if name.startswith("moei.step."):
+            if event.device_type == torch.autograd.DeviceType.CPU:
+                steps[int(name.rsplit(".", 1)[1])] = (event.time_range.start, event.time_range.end)
+            continue
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+            kernels.append((name, event.time_range.start, event.time_range.elapsed_us()))
+    return kernels, steps
+
+
+# --------------------------------------------------------------------------------------------
+# The bound and the copy bandwidth (targets of issue 7)
+# --------------------------------------------------------------------------------------------
+
+def active_weight_bytes(config, element_bytes: int) -> dict:
+    """Weights one decode token reads: every dense weight, k of E experts, one embedding row."""
+    experts = dense = 0
+    for name, shape in tensor_shapes(config).items():
+        elements = math.prod(shape)
+        if name.endswith(("w13", "w2")):
+            experts += elements * config.top_k // config.n_experts
+        elif name == "embed":
+            dense += shape[1]
+        else:
+            dense += elements
+    return {"experts": experts * element_bytes, "dense": dense * element_bytes,
+            "total": (experts + dense) * element_bytes}
+
+
+def copy_bandwidth(device: torch.device) -> dict:
+    """Device-to-device copy bandwidth, (read + write) bytes / time, measured now."""
+    cuda = device.type == "cuda"
+    size = (1 << 30) if cuda else (64 << 20)
+    if cuda:
+        size = min(size, torch.cuda.mem_get_info(device)[0] // 4)
+    source = torch.empty(size // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    repeats = 10 if cuda else 3
+    if cuda:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            target.copy_(source)
+        end.record()
+        end.synchronize()
+        seconds = begin.elapsed_time(end) / 1e3
+    else:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            target.copy_(source)
+        seconds = time.perf_counter() - started
+    moved = 2 * source.numel() * 4 * repeats
+    del source, target
+    return {"bytes_per_s": moved / seconds, "buffer_bytes": size,
+            "clock": "CUDA events" if cuda else "wall (CPU)"}
+
+
+# --------------------------------------------------------------------------------------------
+# The harness
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    rows: list[Row]
+    footer: dict
+    targets: dict
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "device": self.device, "rows": [row.to_json() for row in self.rows],
+                "targets": self.targets, "footer": self.footer}
+
+
+def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | None = None,
+              profile: bool = False, depth_floor: int | None = None, token_budget: int | None = None,
+              progress=None, weights_note: str = "", clock: Callable[[], float] | None = None) -> Report:
+    """Every row: one warm-up repetition, `reps` timed ones, and one profiled one with `profile`.
+    Raises MeasurementError (exit 2) on the first invalid repetition; nothing is printed here."""
+    from engine.batch_runner import BatchRunner
+
+    if reps < 1:
+        raise UserError(f"--reps must be >= 1, got {reps}")
+    for spec in specs:
+        engine.check_length(list(range(spec.prompt_len)), spec.max_tokens)
+    clock = clock or TIME_SOURCE
+    rows = []
+    for spec in specs:
+        floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
+        runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
+        repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0}
+
+        def run_once(repetition: int):
+            prompts = prompts_for(spec, engine.seed, repetition, engine.config.vocab_size)
+            return engine.generate_batch(prompts, spec.max_tokens, flags, runner=runner, token_budget=token_budget,
+                                         clock=clock)
+
+        for repetition in range(reps + 1):
+            result = run_once(repetition)
+            label = "warm-up" if repetition == 0 else f"rep {repetition}"
+            measured = measure(spec, result.sequences, result.steps, floor, label)
+            if repetition > 0:  # the warm-up (compilation, graph capture) is excluded
+                repetitions.append(measured)
+                _add_counts(counts, result.counters)
+            if progress is not None:
+                progress.advance(note=f"{spec.name} {label}")
+        row = Row(spec, repetitions, counts, floor)
+        row.counters["steps"] = sum(rep.steps for rep in repetitions)
+        row.counters["graphs"] = runner.graphs_note
+        if profile:
+            row.profile, row.profile_note = _profiled_repetition(spec, runner, run_once, reps + 1, floor)
+            if progress is not None:
+                progress.advance(note=f"{spec.name} profile")
+        rows.append(row)
+        del runner
+    targets = _targets(engine, rows)
+    return Report(engine.config.name, engine.device_label, rows,
+                  footer(engine, flags, graphs_note(engine, graphs), weights_note), targets)
+
+
+def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor: int) -> tuple[list[dict], str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    runner.label_steps = True
+    try:
+        with profile(activities=activities) as prof:
+            result = run_once(repetition)
+    finally:
+        runner.label_steps = False
+    kernels, step_ranges = _profile_events(prof)
+    measured = measure(spec, result.sequences, result.steps, floor, "profiled rep")
+    window = set(measured.window_steps)
+    device_us = None if measured.device_s is None else measured.device_s * 1e6
+    rows, note = kernel_shares(kernels, step_ranges, window, device_us, len(result.steps))
+    return rows, f"{note} of one extra repetition under torch.profiler (not in the timings)"
+
+
+def _targets(engine, rows: list[Row]) -> dict:
+    """The issue-7 targets, printed for the batch-1 decode rows: the ratio to the weight-bandwidth
+    bound, and host time per decode step as a share of its device time."""
+    singles = [row for row in rows if row.spec.kind == "tg" and row.spec.batch == 1 and not row.admitting]
+    if not singles:
+        return {}
+    element_bytes = torch.empty((), dtype=engine.dtype).element_size()
+    weights = active_weight_bytes(engine.config, element_bytes)
+    bandwidth = copy_bandwidth(engine.device)
+    bound = bandwidth["bytes_per_s"] / weights["total"]
+    targets = {"active_weight_bytes_per_token": weights, "copy_bandwidth": bandwidth, "rows": []}
+    for row in singles:
+        data = row.to_json()
+        measured = data["tps_wall"]["mean"]
+        entry = {"test": row.spec.name, "tps": measured, "bound_tps": bound, "ratio_to_bound": bound / measured,
+                 "target_ratio": 1.3, "host_us_per_step": data["host_us_per_step"],
+                 "device_us_per_step": data["device_us_per_step"], "host_share": data.get("host_share"),
+                 "target_host_share": 0.20, "graph_steps": data["graph_steps"],
+                 "window_steps": data["window_steps"] * len(row.repetitions)}
+        targets["rows"].append(entry)
+    return targets
+
+
+def graphs_note(engine, graphs: bool | None) -> str:
+    if engine.device.type != "cuda":
+        return "off (CPU: no CUDA graphs)"
+    return "off (--graphs off)" if graphs is False else "on for decode steps"
+
+
+def _git(*arguments: str) -> str:
+    try:
+        completed = subprocess.run(["git", *arguments], capture_output=True, text=True, timeout=5,
+                                   cwd=Path(__file__).resolve().parent)
+        return completed.stdout.strip() if completed.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def footer(engine, flags, graphs: str, weights_note: str) -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = "absent"
+    try:
+        import numpy
+
+        versions["numpy"] = numpy.__version__
+    except ImportError:
+        versions["numpy"] = "absent"
+    if engine.device.type == "cuda":
+        versions["cuda"] = torch.version.cuda
+    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "commit": commit + ("+dirty" if dirty else ""), "device": engine.device_label, "versions": versions,
+        "model": engine.config.name, "dtype": str(engine.dtype).replace("torch.", ""), "flags": flags.describe(),
+        "graphs": graphs, "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
+        "clocks": ("wall = perf_counter around whole steps; device = CUDA events around each step's work"
+                   if engine.device.type == "cuda" else
+                   "wall = perf_counter around whole steps; device = n/a (a CPU has no separate device clock)"),
+    }
+
+
+def device_random_weights(config, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights drawn on the GPU from a seeded CUDA generator per tensor: seconds instead of the CPU
+    draw's minutes at v4-shape width. For timing only: they are NOT the weights `random_weights`
+    gives (generate, compare and sessions use those), and the report says so."""
+    from engine.model import _init_std
+
+    weights = {}
+    for name, shape in tensor_shapes(config).items():
+        std = _init_std(name, shape)
+        if std is None:
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            continue
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        weights[name] = torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
+    return weights
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+ARM_COLUMNS = (("gemv", "gemv"), ("grouped_v0", "grp0"), ("grouped_v1", "grp1"), ("grouped_v2", "grp2"),
+               ("torch_grouped_mm", "tgmm"), ("reference", "ref"), ("fused", "fused"), ("unfused", "unfused"))
+
+
+def _rate_cell(stats: dict | None) -> str:
+    return "n/a" if stats is None else f"{stats['mean']:.2f} ± {stats['std']:.2f}"
+
+
+def _row_cells(data: dict) -> list[str]:
+    if data["state"] == "admitting":
+        wall = device = "admitting"
+        clocks = ms_token = ms_step = host = "—"
+    else:
+        wall, device = _rate_cell(data["tps_wall"]), _rate_cell(data["tps_device"])
+        disagreement = data["clock_disagreement"]
+        clocks = "n/a" if disagreement is None else f"{100 * disagreement:.1f} %"
+        clocks += " ⚠" if data["clock_flag"] else ""
+        ms_token = f"{data['ms_per_token']:.3f}"
+        ms_step = f"{data['ms_per_step']:.2f}"
+        host = f"{data['host_us_per_step']:.0f}"
+        if data.get("device_us_per_step"):
+            host += f" / {data['device_us_per_step']:.0f} ({100 * data['host_share']:.0f} %)"
+    arms = data["counters"]["arms"]
+    return ([data["test"], wall, device, clocks, f"{data['ttft_ms']['mean']:.1f}", ms_token, ms_step, host]
+            + [str(arms.get(name, 0)) for name, _ in ARM_COLUMNS]
+            + [str(data["counters"]["graph_replays"]), str(sum(data["counters"]["kernels"].values()))])
+
+
+HEADER = (["test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "ms/step", "host µs/step"]
+          + [short for _, short in ARM_COLUMNS] + ["replays", "kernels"])
+
+
+def format_markdown(report: Report) -> str:
+    payload = report.to_json()
+    lines = [f"| {' | '.join(HEADER)} |", "|" + "|".join("---:" if i else ":---" for i in range(len(HEADER))) + "|"]
+    for data in payload["rows"]:
+        lines.append(f"| {' | '.join(_row_cells(data))} |")
+    lines.append("")
+    lines.append("t/s: mean ± stddev over the timed repetitions (warm-up excluded); pp: prompt tokens/s, "
+                 "tg: generated tokens/s in the steady window (every sequence admitted with at least the depth "
+                 "floor of tokens, whole cohort decoding), else `admitting`. ms/tok = 1000 / t/s; ms/step = wall "
+                 "time per step in the window. Δclock: worst |wall - device| / wall over the repetitions, ⚠ over "
+                 f"{100 * CLOCK_TOLERANCE:.0f} %. Arm columns: launches of each arm over the timed repetitions "
+                 "(CUDA-graph replays counted); kernels: Triton launches.")
+    trajectories = [(data["test"], data["trajectory"]["tokens_per_s"])
+                    for data in payload["rows"] if data["kind"] == "tg"]
+    if trajectories:
+        lines += ["", f"Generated tokens/s in {TRAJECTORY_BIN_S:g}-second bins over the last repetition:"]
+        for name, values in trajectories:
+            peak = max(values, default=0.0)
+            lines.append(f"- {name}: {sparkline(values)}  ({len(values)} bins, peak {peak:.1f} t/s)")
+    targets = payload["targets"]
+    if targets:
+        weights, bandwidth = targets["active_weight_bytes_per_token"], targets["copy_bandwidth"]
+        lines += ["", "Targets (issue 7):"]
+        for entry in targets["rows"]:
+            lines.append(
+                f"- {entry['test']} @ b1: {entry['tps']:.1f} t/s against a bound of {entry['bound_tps']:.1f} t/s "
+                f"(active weights {weights['total'] / 1e6:.1f} MB per token over a copy bandwidth of "
+                f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s measured in this run, {bandwidth['clock']}): "
+                f"{entry['ratio_to_bound']:.2f}x the bound (target <= {entry['target_ratio']}x)")
+            if entry["host_share"] is None:
+                lines.append(f"- host time per decode step @ b1: {entry['host_us_per_step']:.0f} µs; device time n/a "
+                             f"on this device, so no share")
+            else:
+                graph_state = "graphs OFF"
+                if entry["graph_steps"]:
+                    graph_state = (f"graphs on ({entry['graph_steps']} of {entry['window_steps']:.0f} window steps "
+                                   "replayed)")
+                lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs of "
+                             f"{entry['device_us_per_step']:.1f} µs device = {100 * entry['host_share']:.1f} % "
+                             f"(target < {100 * entry['target_host_share']:.0f} %)")
+    for data in payload["rows"]:
+        if "profile" not in data:
+            continue
+        lines += ["", f"Kernel shares, {data['test']} ({data['profile']['note']}):", "",
+                  "| kernel | device µs | calls | µs/call | share | launches/step |",
+                  "|:---|---:|---:|---:|---:|---:|"]
+        kernels = data["profile"]["kernels"]
+        for entry in kernels[:20]:
+            name = entry["kernel"] if len(entry["kernel"]) <= 64 else entry["kernel"][:61] + "..."
+            lines.append(f"| {name.replace('|', '/')} | {entry['device_us']:.1f} | {entry['calls']} | "
+                         f"{entry['us_per_call']:.2f} | {100 * entry['share']:.1f} % | "
+                         f"{entry['launches_per_step']:.2f} |")
+        if len(kernels) > 20:
+            lines.append(f"| ({len(kernels) - 20} more kernels in the JSON) | | | | | |")
+        busy, calls = sum(entry["device_us"] for entry in kernels), sum(entry["calls"] for entry in kernels)
+        share, per_step = sum(entry["share"] for entry in kernels), sum(entry["launches_per_step"] for entry in kernels)
+        lines.append(f"| **GPU busy** | {busy:.1f} | {calls} | | {100 * share:.1f} % | {per_step:.2f} |")
+    foot = payload["footer"]
+    lines += ["", f"{foot['model']} ({foot['dtype']}) on {foot['device']} · commit {foot['commit']} · "
+              + " · ".join(f"{name} {version}" for name, version in foot["versions"].items()),
+              f"flags: {foot['flags']} · graphs {foot['graphs']} · weights: {foot['weights']}",
+              f"clocks: {foot['clocks']}"]
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(report: Report) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    columns = ["test", "kind", "tokens", "batch", "state", "tps_wall_mean", "tps_wall_std", "tps_device_mean",
+               "tps_device_std", "clock_disagreement", "clock_flag", "ttft_ms", "ms_per_token", "ms_per_step",
+               "host_us_per_step", "device_us_per_step"] + [name for name, _ in ARM_COLUMNS] + [
+               "graph_replays", "kernel_launches", "commit", "device"]
+    writer.writerow(columns)
+    payload = report.to_json()
+    for data in payload["rows"]:
+        wall, device = data["tps_wall"] or {}, data["tps_device"] or {}
+        writer.writerow([data["test"], data["kind"], data["tokens"], data["batch"], data["state"], wall.get("mean"),
+                         wall.get("std"), device.get("mean"), device.get("std"), data["clock_disagreement"],
+                         data["clock_flag"], data["ttft_ms"]["mean"], data["ms_per_token"], data["ms_per_step"],
+                         data.get("host_us_per_step"), data.get("device_us_per_step")]
+                        + [data["counters"]["arms"].get(name, 0) for name, _ in ARM_COLUMNS]
+                        + [data["counters"]["graph_replays"], sum(data["counters"]["kernels"].values()),
+                           payload["footer"]["commit"], payload["footer"]["device"]])
+    return buffer.getvalue()
+
+
+def format_json(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=2, default=str) + "\n"

@@ -1,0 +1,154 @@
+"""Continuous batching: which sequences run in the next step, with which tokens at which positions.
+Plain Python, no torch, so every policy decision is tested without a model or a GPU.
+
+Policy (nano-vllm's, plus chunked prefill):
+  1. Prefill first. Sequences already admitted but with part of their prompt uncached continue,
+     oldest first; then waiting sequences are admitted, in arrival order, while a KV slot is free.
+     Each row gets the next chunk of its prompt, at most `prefill_chunk` tokens, and the step at
+     most `token_budget` tokens in all (the last row may get a shorter chunk to fit).
+  2. Otherwise a decode step: every admitted sequence whose prompt is cached feeds its last token.
+Steps are prefill steps or decode steps, never mixed. A row whose chunk reaches the end of its
+prompt emits the sequence's first generated token; every decode row emits one token.
+
+A slot is a row of the preallocated KV cache; a sequence keeps the lowest free slot from
+admission until it finishes. Rows are ragged: each has its own start position (and, in prefill,
+its own length). Knows nothing of tensors, clocks or models: the caller passes times and tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.sequence import FINISHED, RUNNING, WAITING, Sequence
+
+PREFILL, DECODE = "prefill", "decode"
+MIN_PREFILL_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a step."""
+
+    sequence: Sequence
+    start: int  # position of the first token fed
+    tokens: tuple[int, ...]  # tokens fed, at positions start .. start + len - 1
+    emits: bool  # the last position's logits give the sequence's next token
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Batch:
+    step: int
+    phase: str  # PREFILL or DECODE
+    rows: tuple[Row, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(row.tokens) for row in self.rows)
+
+    @property
+    def width(self) -> int:
+        """T: the longest row; shorter rows are padded to it in the forward."""
+        return max(len(row.tokens) for row in self.rows)
+
+    @property
+    def key_length(self) -> int:
+        """Keys attention must read: every row's end position."""
+        return max(row.end for row in self.rows)
+
+    @property
+    def slots(self) -> list[int]:
+        return [row.sequence.slot for row in self.rows]
+
+
+class Scheduler:
+    def __init__(self, max_slots: int, capacity: int, token_budget: int, prefill_chunk: int) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if prefill_chunk < MIN_PREFILL_CHUNK:
+            raise ValueError(f"prefill_chunk must be >= {MIN_PREFILL_CHUNK}, got {prefill_chunk}")
+        if token_budget < prefill_chunk:
+            raise ValueError(f"token_budget ({token_budget}) must be >= prefill_chunk ({prefill_chunk})")
+        self.max_slots, self.capacity = max_slots, capacity
+        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, in admission order
+        self.free_slots = list(range(max_slots))
+        self.steps = 0
+
+    def add(self, sequence: Sequence, now: float | None = None) -> None:
+        if sequence.positions_needed > self.capacity:
+            raise ValueError(f"request {sequence.request_id} needs {sequence.positions_needed} cache positions "
+                             f"(prompt {sequence.prompt_len} + {sequence.max_tokens} tokens - 1); a slot holds "
+                             f"{self.capacity}")
+        if sequence.status != WAITING or sequence.generated or sequence.cached:
+            raise ValueError(f"request {sequence.request_id} was already run: make a new Sequence")
+        sequence.arrived_at = now
+        self.waiting.append(sequence)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float | None = None) -> Batch:
+        """The next step. `now` is stamped on sequences run for the first time, before the step runs."""
+        if not self.has_work():
+            raise RuntimeError("nothing to schedule: every sequence has finished")
+        rows = self._prefill_rows()
+        phase = PREFILL
+        if not rows:
+            phase = DECODE
+            rows = [Row(sequence, sequence.cached, (sequence.generated[-1],), True) for sequence in self.running]
+        for row in rows:
+            if row.sequence.first_scheduled_at is None:
+                row.sequence.first_scheduled_at = now
+        batch = Batch(self.steps, phase, tuple(rows))
+        self.steps += 1
+        return batch
+
+    def _prefill_rows(self) -> list[Row]:
+        rows: list[Row] = []
+        budget = self.token_budget
+        for sequence in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                return rows
+            rows.append(self._chunk(sequence, budget))
+            budget -= len(rows[-1].tokens)
+        while self.waiting and self.free_slots and budget > 0:
+            sequence = self.waiting.popleft()
+            sequence.slot = self.free_slots.pop(0)  # lowest free slot: decode cohorts stay contiguous
+            sequence.status = RUNNING
+            self.running.append(sequence)
+            rows.append(self._chunk(sequence, budget))
+            budget -= len(rows[-1].tokens)
+        return rows
+
+    def _chunk(self, sequence: Sequence, budget: int) -> Row:
+        length = min(self.prefill_chunk, budget, sequence.prompt_len - sequence.cached)
+        tokens = sequence.prompt[sequence.cached:sequence.cached + length]
+        return Row(sequence, sequence.cached, tokens, sequence.cached + length == sequence.prompt_len)
+
+    def postprocess(self, batch: Batch, next_tokens: list[int], now: float | None = None) -> list[Sequence]:
+        """Advance every row by the step's result (one token per row); return the sequences that finished."""
+        if len(next_tokens) != len(batch.rows):
+            raise ValueError(f"{len(next_tokens)} tokens for {len(batch.rows)} rows")
+        finished = []
+        for row, token in zip(batch.rows, next_tokens):
+            sequence = row.sequence
+            sequence.cached = row.end
+            if not row.emits:
+                continue
+            sequence.generated.append(int(token))
+            sequence.token_times.append(now)
+            if sequence.first_token_at is None:
+                sequence.first_token_at = now
+            if len(sequence.generated) == sequence.max_tokens:
+                sequence.status, sequence.finished_at = FINISHED, now
+                self.running.remove(sequence)
+                self.free_slots.append(sequence.slot)
+                self.free_slots.sort()
+                finished.append(sequence)
+        return finished

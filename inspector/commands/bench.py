@@ -1,0 +1,118 @@
+"""`moe-inspector bench`: llama-bench-style pp/tg rows over the batched engine, refusing any row
+that would be a lie (exit 2, no table). The harness lives in engine.bench; this module parses
+options and prints. The progress bar goes to stderr, so stdout is the table (or JSON/CSV) only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine import bench
+from engine import flags as flag_registry
+from engine.config import from_name
+from engine.errors import UserError
+from engine.progress import Progress
+from engine.runtime import Engine, resolve_device
+
+
+def _token_list(text: str, option: str) -> list[int]:
+    """Comma-separated positive integers; `none` (or 0) for no rows of this kind."""
+    if text.strip().lower() in ("none", "0", ""):
+        return []
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 128,512, or none") from None
+    if not values or any(value < 1 for value in values):
+        raise UserError(f"{option} {text!r}: every value must be an integer >= 1 (or `none` for no rows)")
+    return values
+
+
+def _switch(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("on", "true", "1", "yes"):
+        return True
+    if lowered in ("off", "false", "0", "no"):
+        return False
+    raise UserError(f"--graphs {text!r}: use on or off")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="llama-bench-style pp/tg rows with both clocks, launch counters and refusal of invalid rows")
+    parser.add_argument("--model", default="demo", help="preset name: tiny, demo, v4-shape (default demo)")
+    parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    parser.add_argument("--pp", default="128,512,2048",
+                        help="prompt lengths of the pp rows (default 128,512,2048; none for no pp rows)")
+    parser.add_argument("--tg", default="128", help="generated tokens of the tg rows (default 128; none)")
+    parser.add_argument("--batch", default="1,8,32", help="sequences per row (default 1,8,32)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per row, after one warm-up (default 5)")
+    parser.add_argument("--tg-prompt", type=int, default=32, help="prompt tokens of each tg sequence (default 32)")
+    parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
+                        help=f"set a flag, repeatable; flags: {', '.join(flag_registry.SPECS)}")
+    parser.add_argument("--format", choices=("md", "json", "csv"), default="md", help="output format (default md)")
+    parser.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON report to FILE")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel device time, calls, share and launches per step (torch.profiler, one extra "
+                             "repetition per row); needs device activity")
+    parser.add_argument("--graphs", default="on", help="CUDA graphs for decode steps on a GPU: on (default) or off")
+    parser.add_argument("--gpu-weights", action="store_true",
+                        help="draw random weights on the GPU (seconds, not minutes, at v4-shape width); timing only: "
+                             "not the CPU-drawn weights generate/compare use, and the footer says so")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="prompt tokens per prefill step over all sequences (default max(prefill_chunk, 2048))")
+    parser.add_argument("--depth-floor", type=int, default=None,
+                        help="generated tokens every sequence needs before a decode window opens "
+                             "(default min(8, tg/4))")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    resolved = flag_registry.resolve(args.set_flags)
+    pp, tg = _token_list(args.pp, "--pp"), _token_list(args.tg, "--tg")
+    batches = _token_list(args.batch, "--batch")
+    if not batches:
+        raise UserError("--batch: give at least one batch size, e.g. 1,8,32")
+    if not pp and not tg:
+        raise UserError("--pp and --tg are both empty: nothing to measure")
+    if args.tg_prompt < 1:
+        raise UserError(f"--tg-prompt must be >= 1, got {args.tg_prompt}")
+    if args.depth_floor is not None and args.depth_floor < 1:
+        raise UserError(f"--depth-floor must be >= 1, got {args.depth_floor}")
+    if args.token_budget is not None and args.token_budget < resolved["prefill_chunk"]:
+        raise UserError(f"--token-budget {args.token_budget} is below prefill_chunk={resolved['prefill_chunk']}: "
+                        "raise it or lower the chunk with --set prefill_chunk=N")
+    graphs = _switch(args.graphs)
+    specs = bench.row_specs(pp, tg, batches, args.tg_prompt)
+    config = from_name(args.model)
+    device = resolve_device(args.device)
+    for spec in specs:  # before drawing weights: a bad row costs nothing
+        needed = spec.prompt_len + spec.max_tokens
+        if needed > config.max_seq_len:
+            raise UserError(f"{spec.name} needs {needed} positions, more than the {config.name} context of "
+                            f"{config.max_seq_len}: choose shorter --pp/--tg/--tg-prompt")
+    weights, weights_note = None, ""
+    if args.gpu_weights:
+        if device.type != "cuda":
+            raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")
+        import torch
+
+        weights = bench.device_random_weights(config, args.seed, device, torch.bfloat16)
+        weights_note = (f"random, seed {args.seed}, drawn on the GPU by a seeded CUDA generator "
+                        "(timing only: not the CPU-drawn weights of generate/compare)")
+    engine = Engine(config, device, args.seed, weights=weights)
+    progress = None if args.no_progress else Progress(len(specs) * (args.reps + 1 + int(args.profile)),
+                                                      f"bench {config.name}")
+    try:
+        report = bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, profile=args.profile,
+                                 depth_floor=args.depth_floor, token_budget=args.token_budget,
+                                 progress=progress, weights_note=weights_note)
+    finally:
+        if progress is not None:
+            progress.close()
+    if args.json_out:
+        Path(args.json_out).write_text(bench.format_json(report))
+    print({"md": bench.format_markdown, "json": bench.format_json, "csv": bench.format_csv}[args.format](report),
+          end="")
+    return 0

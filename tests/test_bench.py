@@ -1,0 +1,276 @@
+"""The bench harness: the steady-state rule on synthetic timelines, the refusal rules (each kind
+refused with exit 2 and no table), kernel shares, and the command end to end on `tiny`."""
+
+import json
+import math
+
+import pytest
+
+from engine import bench, flags
+from engine.errors import MeasurementError
+from engine.runtime import Engine
+from engine.sequence import Sequence
+from inspector.cli import main
+
+# --------------------------------------------------------------------------------------------
+# Steady state over synthetic timelines (no model)
+# --------------------------------------------------------------------------------------------
+
+
+def timeline(emitted_per_step, step_s=0.5, start=0.0):
+    return [bench.StepEvent(start + i * step_s, start + (i + 1) * step_s, tuple(ids))
+            for i, ids in enumerate(emitted_per_step)]
+
+
+def test_admitting_window_gives_no_rate():
+    # Sequence 3 is still queued for prefill when the run ends: 1, 2 decode, 3 never reaches the floor.
+    events = timeline([[1], [1, 2], [1, 2], [1, 2], [1, 2, 3], [1, 2, 3]])
+    assert bench.steady_window(events, [1, 2, 3], depth_floor=4) is None
+
+
+def test_cohort_wide_but_shallow_is_still_admitting():
+    # The waitsteady follow-up: every sequence admitted (cohort width reached) but only 2 tokens deep.
+    events = timeline([[1], [2], [3], [1, 2, 3], [1, 2, 3]])
+    assert bench.steady_window(events, [1, 2, 3], depth_floor=3) is None
+    window = bench.steady_window(events, [1, 2, 3], depth_floor=2)  # depth 2 reached at step 3: one step left
+    assert (window.first, window.last, window.tokens) == (4, 4, 3)
+    events = timeline([[1], [2], [3], [1, 2, 3]])
+    assert bench.steady_window(events, [1, 2, 3], depth_floor=2) is None  # no step after the floor is met
+
+
+def test_steady_window_gives_the_decode_rate():
+    # Ramp: three prefill steps emit one first token each, then all three decode for 8 steps of 0.25 s;
+    # then sequence 1 finishes and the cohort shrinks (ramp-down, excluded).
+    ramp = [[1], [2], [3]]
+    steady = [[1, 2, 3]] * 8
+    tail = [[2, 3], [3]]
+    events = timeline(ramp, step_s=1.0) + timeline(steady + tail, step_s=0.25, start=3.0)
+    window = bench.steady_window(events, [1, 2, 3], depth_floor=2)
+    # depth 2 everywhere after the first steady step (index 3): the window is steps 4..10
+    assert (window.first, window.last) == (4, 10)
+    assert window.started == pytest.approx(3.25) and window.ended == pytest.approx(5.0)
+    assert window.tokens == 7 * 3
+    assert window.rate == pytest.approx(21 / 1.75)
+
+
+def test_trajectory_bins_and_sparkline():
+    events = timeline([[1]] * 4 + [[1, 2, 3, 4]] * 8, step_s=0.5)  # 6 s: 2 s bins
+    rates = bench.trajectory(events, origin=0.0, bin_s=2.0)
+    assert rates == pytest.approx([4 / 2.0, 16 / 2.0, 16 / 2.0])
+    assert bench.sparkline(rates)[0] < bench.sparkline(rates)[-1]
+    partial = bench.trajectory(timeline([[1]] * 5, step_s=0.5), origin=0.0, bin_s=2.0)
+    assert partial == pytest.approx([4 / 2.0, 1 / 0.5])  # the last bin divided by the half second it covered
+
+
+# --------------------------------------------------------------------------------------------
+# Refusal on injected timings (the harness function)
+# --------------------------------------------------------------------------------------------
+
+
+def fake_run(spec, *, prompt_tokens=None, generated=None, step_times=(0.0, 1.0), stamp=True):
+    """Sequences and step records of a pp row's single prefill step, with chosen defects."""
+    sequences, rows = [], []
+    for _ in range(spec.batch):
+        sequence = Sequence(range(spec.prompt_len), spec.max_tokens)
+        sequence.arrived_at = 0.0
+        sequence.first_scheduled_at = step_times[0] if stamp else None
+        sequence.first_token_at = step_times[1]
+        sequence.generated = [5] * (spec.max_tokens if generated is None else generated)
+        sequences.append(sequence)
+        rows.append({"request_id": sequence.request_id,
+                     "tokens": spec.prompt_len if prompt_tokens is None else prompt_tokens, "emitted": 5})
+    steps = [{"step": 0, "phase": "prefill", "started": step_times[0], "ended": step_times[1], "rows": rows,
+              "device_us": None, "host_us": 10.0, "graph": "eager"}]
+    return sequences, steps
+
+
+PP = bench.RowSpec("pp", 64, 2, 64, 1)
+
+
+def test_a_valid_prefill_row_is_measured():
+    measured = bench.measure(PP, *fake_run(PP, step_times=(0.0, 0.5)), depth_floor=1)
+    assert measured.tokens == 128 and measured.wall_s == 0.5 and measured.device_s is None
+
+
+@pytest.mark.parametrize("defect, fragment", [
+    (dict(prompt_tokens=0), "zero prompt tokens"),
+    (dict(prompt_tokens=40), "80 prompt tokens processed, fewer than the 128 asked"),
+    (dict(generated=0), "generated 0 tokens, fewer than the 1 asked"),
+    (dict(step_times=(2.0, 2.0)), "zero time"),
+    (dict(step_times=(0.0, math.nan)), "not a finite positive number"),
+    (dict(step_times=(0.0, math.inf)), "not a finite positive number"),
+    (dict(stamp=False), "no time stamp"),
+])
+def test_each_invalid_row_kind_is_refused(defect, fragment):
+    with pytest.raises(MeasurementError, match=fragment) as caught:
+        bench.measure(PP, *fake_run(PP, **defect), depth_floor=1)
+    assert caught.value.exit_code == 2 and "pp64 @ b2" in str(caught.value)
+
+
+def test_a_decode_row_without_a_steady_window_says_admitting():
+    spec = bench.RowSpec("tg", 4, 2, 8, 4)
+    sequences = [Sequence(range(8), 4) for _ in range(2)]
+    first, second = sequences
+    for sequence in sequences:
+        sequence.arrived_at, sequence.first_scheduled_at, sequence.first_token_at = 0.0, 0.0, 1.0
+        sequence.generated = [1, 2, 3, 4]
+
+    def step(index, phase, rows):
+        return {"step": index, "phase": phase, "started": float(index), "ended": index + 1.0, "device_us": None,
+                "host_us": 1.0, "graph": "eager", "rows": rows}
+
+    prefill = [{"request_id": s.request_id, "tokens": 8, "emitted": 1} for s in sequences]
+    # the second sequence only decodes after the first has finished: never both at depth >= 2
+    steps = [step(0, "prefill", prefill[:1])] + [step(i, "decode", [{"request_id": first.request_id, "tokens": 1,
+                                                                      "emitted": 1}]) for i in (1, 2, 3)]
+    steps += [step(4, "prefill", prefill[1:])] + [step(i, "decode", [{"request_id": second.request_id, "tokens": 1,
+                                                                       "emitted": 1}]) for i in (5, 6, 7)]
+    measured = bench.measure(spec, sequences, steps, depth_floor=2)
+    assert measured.steady is None
+    row = bench.Row(spec, [measured], {"arms": {}, "kernels": {}, "graph_replays": 0}, 2)
+    assert row.to_json()["state"] == "admitting" and row.to_json()["tps_wall"] is None
+    report = bench.Report("tiny", "cpu", [row], {"commit": "x", "device": "cpu", "versions": {}, "model": "tiny",
+                                                 "dtype": "float32", "flags": "", "graphs": "off", "weights": "",
+                                                 "clocks": ""}, {})
+    assert "| tg4 @ b2 | admitting | admitting |" in bench.format_markdown(report)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel shares
+# --------------------------------------------------------------------------------------------
+
+
+def test_kernel_shares_aggregate_by_kernel_over_the_window():
+    steps = {0: (0.0, 100.0), 1: (100.0, 200.0), 2: (200.0, 300.0)}
+    kernels = [("prefill_gemm", 10.0, 80.0),  # step 0: outside the window
+               ("gemv", 110.0, 20.0), ("attn", 140.0, 10.0), ("gemv", 160.0, 20.0),
+               ("gemv", 210.0, 20.0), ("attn", 240.0, 10.0), ("gemv", 260.0, 20.0)]
+    rows, note = bench.kernel_shares(kernels, steps, window={1, 2}, window_device_us=100.0)
+    assert [row["kernel"] for row in rows] == ["gemv", "attn"]
+    gemv, attention = rows
+    assert (gemv["device_us"], gemv["calls"], gemv["launches_per_step"], gemv["share"]) == (80.0, 4, 2.0, 0.8)
+    assert (attention["calls"], attention["share"]) == (2, 0.2)
+    assert "2 steps" in note
+    rows, note = bench.kernel_shares(kernels, steps, window=set(), window_device_us=None, run_steps=3)
+    assert "whole run" in note and "admitting" in note
+    assert sum(row["share"] for row in rows) == pytest.approx(1.0)
+    assert {row["kernel"]: row["calls"] for row in rows} == {"prefill_gemm": 1, "gemv": 4, "attn": 2}
+    assert {row["kernel"]: row["launches_per_step"] for row in rows}["gemv"] == pytest.approx(4 / 3)
+
+
+def test_an_empty_profile_is_an_error_not_a_table_of_zeros():
+    with pytest.raises(MeasurementError, match="no device kernels"):
+        bench.kernel_shares([], {0: (0.0, 1.0)}, {0}, 1.0)
+
+
+def test_active_weight_bytes_match_the_config_expert_bytes():
+    from engine.config import PRESETS
+
+    config = PRESETS["v4-shape"]
+    weights = bench.active_weight_bytes(config, element_bytes=2)
+    assert weights["experts"] == config.active_expert_bytes_per_token * config.n_layers
+    assert weights["total"] > weights["experts"] > weights["dense"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Real runs on tiny: stamps, the command, refusal through the CLI
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Engine.load("tiny", "cpu", seed=0)
+
+
+def test_prefill_only_requests_are_timed_with_an_injected_clock(tiny):
+    ticks = iter(range(1000))
+    spec = bench.RowSpec("pp", 24, 3, 24, 1)
+    result = tiny.generate_batch(bench.prompts_for(spec, 0, 0, 256), 1, flags.resolve(environ={}),
+                                 clock=lambda: float(next(ticks)))
+    assert len(result.steps) == 1  # every request finishes inside the step that processed it
+    measured = bench.measure(spec, result.sequences, result.steps, depth_floor=1)
+    step = result.steps[0]
+    assert measured.wall_s == step["ended"] - step["started"] > 0 and measured.tokens == 72
+    assert all(sequence.first_scheduled_at == step["started"] for sequence in result.sequences)
+
+
+@pytest.fixture(scope="module")
+def bench_json():
+    import io
+    from contextlib import redirect_stdout
+
+    output = io.StringIO()
+    with redirect_stdout(output):
+        code = main(["bench", "--model", "tiny", "--device", "cpu", "--pp", "24", "--tg", "8", "--batch", "1,3",
+                     "--reps", "2", "--tg-prompt", "6", "--format", "json", "--no-progress"])
+    assert code == 0
+    return json.loads(output.getvalue())
+
+
+def test_bench_rows_carry_rates_clocks_and_counters(bench_json):
+    rows = {row["test"]: row for row in bench_json["rows"]}
+    assert list(rows) == ["pp24", "pp24 @ b3", "tg8", "tg8 @ b3"]
+    layers = 2
+    for row in rows.values():
+        assert row["reps"] == 2 and len(row["tps_wall"]["values"]) == 2
+        assert all(math.isfinite(value) and value > 0 for value in row["tps_wall"]["values"])
+        assert row["tps_device"] is None and row["clock_disagreement"] is None  # CPU: no device clock
+        arms = row["counters"]["arms"]
+        assert set(arms) >= {"gemv", "grouped_v0", "grouped_v1", "grouped_v2", "reference", "fused", "unfused"}
+        assert arms["gemv"] == arms["grouped_v2"] == arms["fused"] == 0  # the CPU runs the references only
+    assert rows["pp24 @ b3"]["counters"]["arms"]["reference"] == 2 * layers  # one prefill step per rep
+    tg = rows["tg8 @ b3"]
+    assert tg["state"] == "steady" and tg["depth_floor"] == 2
+    # 3 sequences x 8 tokens: the window starts once all have 2 tokens and holds 6 decode steps
+    assert tg["window_steps"] == 6 and tg["tps_wall"]["mean"] > 0
+    assert tg["counters"]["arms"]["reference"] == 2 * (1 + 7) * layers  # 1 prefill + 7 decode steps, 2 reps
+    assert tg["trajectory"]["tokens_per_s"] and tg["trajectory"]["bin_s"] == 2.0
+    footer = bench_json["footer"]
+    assert {"commit", "device", "versions", "flags", "graphs", "clocks"} <= set(footer)
+    assert "n/a" in footer["clocks"] and footer["versions"]["torch"]
+    assert bench_json["targets"]["rows"][0]["test"] == "tg8"
+
+
+def test_markdown_and_csv_come_from_the_same_report(tiny):
+    report = bench.run_bench(tiny, flags.resolve(environ={}), [bench.RowSpec("tg", 4, 2, 5, 4)], 1)
+    markdown = bench.format_markdown(report)
+    assert markdown.startswith("| test | t/s (wall) | t/s (device) |") and "| tg4 @ b2 |" in markdown
+    assert "commit" in markdown and "Generated tokens/s in 2-second bins" in markdown
+    lines = bench.format_csv(report).splitlines()
+    assert lines[0].startswith("test,kind,tokens,batch,state") and lines[1].startswith("tg4 @ b2,tg,4,2,steady")
+
+
+@pytest.mark.parametrize("clock, fragment", [
+    (lambda: 5.0, "zero time"),
+    (lambda: math.nan, "not a finite positive number"),
+])
+def test_refusal_through_the_command_exits_2_with_no_table(monkeypatch, capsys, clock, fragment):
+    monkeypatch.setattr(bench, "TIME_SOURCE", clock)
+    code = main(["bench", "--model", "tiny", "--device", "cpu", "--pp", "16", "--tg", "none", "--batch", "1",
+                 "--reps", "1", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    last = captured.err.strip().splitlines()[-1]  # (earlier in-process tests may leave logging noise above it)
+    assert last.startswith("moe-inspector: error: pp16") and fragment in last
+
+
+def test_profile_without_device_activity_exits_2(capsys):
+    code = main(["bench", "--model", "tiny", "--device", "cpu", "--pp", "16", "--tg", "none", "--batch", "1",
+                 "--reps", "1", "--profile", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and "no device kernels" in captured.err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--pp", "none", "--tg", "none"], "nothing to measure"),
+    (["--pp", "600"], "more than the tiny context of 512"),
+    (["--batch", "0"], "at least one batch size"),
+    (["--batch", "2,-1"], "every value must be an integer >= 1"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--graphs", "maybe"], "use on or off"),
+    (["--gpu-weights"], "--gpu-weights draws weights on a GPU"),
+    (["--set", "prefill_chunk=4"], "prefill_chunk"),
+])
+def test_bad_bench_options_exit_2(capsys, argv, fragment):
+    code = main(["bench", "--model", "tiny", "--device", "cpu", "--tg", "none", "--pp", "16", "--no-progress"] + argv)
+    assert code == 2 and fragment in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""The batched runtime on a GPU: CUDA-graph decode equals eager decode (tokens and counters),
+replays are counted, launches per decode step do not grow with the batch, and the bench runs
+end to end with both clocks and a kernel profile."""
+
+import io
+import json
+import random
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+from engine import bench, flags
+from engine.batch_runner import BatchRunner
+from engine.runtime import Engine
+from inspector.cli import main
+
+pytestmark = pytest.mark.gpu
+
+
+def resolved(*settings):
+    return flags.resolve(list(settings), environ={})
+
+
+def prompts(lengths, seed=0):
+    generator = random.Random(seed)
+    return [[generator.randrange(256) for _ in range(length)] for length in lengths]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Engine.load("demo", "cuda", seed=0)
+
+
+@pytest.mark.parametrize("gate", ["moe_gate=tile-fill", "moe_gate=grouped", "moe_max_tokens=4096"])
+def test_graph_decode_gives_the_eager_tokens_and_counts_every_replay(demo, gate):
+    batch = prompts([40, 17, 130, 64])  # ragged prompts: decode rows at four different positions
+    eager = demo.generate_batch(batch, 12, resolved(gate), graphs=False)
+    graphed = demo.generate_batch(batch, 12, resolved(gate), graphs=True)
+    assert graphed.tokens == eager.tokens
+    decode = [step for step in graphed.steps if step["phase"] == "decode"]
+    modes = [step["graph"] for step in decode]
+    assert modes[0] == "capture" and set(modes[1:]) == {"replay"}, [step["eager_reason"] for step in decode]
+    assert graphed.counters["graph_replays"] == len(decode) - 1
+    # replays are counted exactly: the same arm and Triton-kernel totals as the eager run
+    assert graphed.counters["arms"] == eager.counters["arms"]
+    assert graphed.counters["kernels"] == eager.counters["kernels"]
+    for step in decode[1:]:
+        assert len(step["moe"]) == demo.config.n_layers and all(record["graph"] == "replay" for record in step["moe"])
+        assert all(record["woken_observed"] >= 1 for record in step["moe"])  # refilled by each replay
+        assert step["kernel_launches"] == decode[1]["kernel_launches"]
+
+
+def _device_kernels_per_decode_step(engine, batch_size, gate):
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = BatchRunner(engine, batch_size, 16 + 8, graphs=True)
+    batch = prompts([16] * batch_size, seed=batch_size)
+    engine.generate_batch(batch, 8, resolved(gate), runner=runner)  # warm-up: compile, capture
+    runner.label_steps = True
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = engine.generate_batch(batch, 8, resolved(gate), runner=runner)
+    runner.label_steps = False
+    kernels, ranges = bench._profile_events(prof)
+    replays = [step for step in result.steps if step["graph"] == "replay"]
+    assert len(replays) == 7, [step["graph"] for step in result.steps]
+    per_step = []
+    for step in replays:
+        start, end = ranges[step["step"]]
+        per_step.append(sum(1 for _, begin, _ in kernels if start <= begin <= end))
+    return replays, per_step
+
+
+@pytest.mark.parametrize("gate", ["moe_gate=gemv", "moe_gate=grouped"])
+def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
+    single, single_kernels = _device_kernels_per_decode_step(demo, 1, gate)
+    wide, wide_kernels = _device_kernels_per_decode_step(demo, 32, gate)
+    # the engine's own counters: one launch of each arm per layer and the same Triton launches per step
+    for step in single + wide:
+        assert len(step["moe"]) == len(step["attention"]) == demo.config.n_layers
+    assert single[-1]["kernel_launches"] == wide[-1]["kernel_launches"]
+    arms = [{record["executed_arm"] for record in steps[-1]["moe"]} for steps in (single, wide)]
+    assert arms[0] == arms[1], arms
+    # every device kernel the profiler saw: a host loop over sequences would add >= 31 per layer;
+    # cuBLAS may pick a split-K variant (one extra reduction) for some of the 5 GEMMs per layer at M=32
+    assert len(set(single_kernels)) == 1 and len(set(wide_kernels)) == 1, (single_kernels, wide_kernels)
+    assert abs(wide_kernels[0] - single_kernels[0]) <= 5 * demo.config.n_layers + 1, (single_kernels, wide_kernels)
+
+
+def test_batched_prefill_at_batch_1_gives_generates_first_token(demo):
+    for prompt in prompts([23, 300], seed=5):
+        single = demo.generate(prompt, 1, resolved())
+        batched = demo.generate_batch([prompt], 1, resolved())
+        assert batched.tokens == [single.tokens]
+
+
+def test_gpu_drawn_weights_are_seeded():
+    from engine.config import PRESETS
+
+    first = bench.device_random_weights(PRESETS["tiny"], 3, torch.device("cuda"), torch.bfloat16)
+    second = bench.device_random_weights(PRESETS["tiny"], 3, torch.device("cuda"), torch.bfloat16)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_bench_on_demo_has_both_clocks_graphs_targets_and_a_profile():
+    output = io.StringIO()
+    with redirect_stdout(output):
+        code = main(["bench", "--model", "demo", "--pp", "64", "--tg", "16", "--batch", "1,4", "--reps", "2",
+                     "--format", "json", "--profile", "--no-progress"])
+    assert code == 0
+    report = json.loads(output.getvalue())
+    rows = {row["test"]: row for row in report["rows"]}
+    for row in rows.values():
+        assert row["tps_device"] is not None and row["tps_device"]["mean"] > 0
+        assert row["clock_disagreement"] is not None
+        kernels = row["profile"]["kernels"]
+        assert kernels and sum(entry["calls"] for entry in kernels) > 0
+    for name in ("tg16", "tg16 @ b4"):
+        assert rows[name]["state"] == "steady"
+        assert rows[name]["graph_steps"] > 0 and rows[name]["counters"]["graph_replays"] > 0
+    target = report["targets"]["rows"][0]
+    assert target["test"] == "tg16" and target["host_share"] is not None and target["ratio_to_bound"] > 0
+    assert report["footer"]["versions"]["cuda"]

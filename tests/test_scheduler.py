@@ -1,0 +1,167 @@
+"""The scheduler without a model (admission, chunking, ragged positions, ids, exact token counts),
+then batched greedy decoding on `tiny` against `Engine.generate`, prompt by prompt."""
+
+import pytest
+
+from engine import flags
+from engine.runtime import Engine
+from engine.scheduler import DECODE, PREFILL, Scheduler
+from engine.sequence import Sequence
+
+
+def drive(scheduler, sequences, token=lambda batch, row: 7):
+    """Run the scheduler to completion with a fake model; return the batches it made."""
+    for sequence in sequences:
+        scheduler.add(sequence, now=0.0)
+    batches = []
+    while scheduler.has_work():
+        batch = scheduler.schedule(now=float(len(batches)))
+        assert len(scheduler.running) <= scheduler.max_slots
+        batches.append(batch)
+        scheduler.postprocess(batch, [token(batch, row) for row in batch.rows], now=len(batches) - 0.5)
+    return batches
+
+
+def test_admission_respects_the_token_budget_and_the_chunk():
+    scheduler = Scheduler(max_slots=8, capacity=64, token_budget=32, prefill_chunk=16)
+    sequences = [Sequence(range(20), 2) for _ in range(5)]
+    batches = drive(scheduler, sequences)
+    first = batches[0]
+    assert first.phase == PREFILL
+    assert [(row.sequence, row.start, len(row.tokens)) for row in first.rows] == [
+        (sequences[0], 0, 16), (sequences[1], 0, 16)]  # budget spent: the other three wait
+    second = batches[1]  # admitted sequences continue first, then new ones fill the budget
+    assert [(row.sequence, row.start, len(row.tokens)) for row in second.rows] == [
+        (sequences[0], 16, 4), (sequences[1], 16, 4), (sequences[2], 0, 16), (sequences[3], 0, 8)]
+    for batch in batches:
+        assert batch.n_tokens <= 32
+        assert all(len(row.tokens) <= 16 for row in batch.rows)
+        assert batch.phase in (PREFILL, DECODE)
+
+
+def test_a_long_prompt_is_prefilled_in_chunk_pieces_and_emits_once():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=16, prefill_chunk=16)
+    sequence = Sequence(range(40), 3)
+    batches = drive(scheduler, [sequence])
+    prefill = [batch.rows[0] for batch in batches if batch.phase == PREFILL]
+    assert [(row.start, len(row.tokens), row.emits) for row in prefill] == [(0, 16, False), (16, 16, False),
+                                                                              (32, 8, True)]
+    assert [tuple(row.tokens) for row in prefill] == [tuple(range(0, 16)), tuple(range(16, 32)), tuple(range(32, 40))]
+    decode = [batch.rows[0] for batch in batches if batch.phase == DECODE]
+    assert [row.start for row in decode] == [40, 41]  # the last generated token is never fed back
+
+
+def test_decode_rows_are_ragged_each_at_its_own_position():
+    scheduler = Scheduler(max_slots=3, capacity=64, token_budget=64, prefill_chunk=16)
+    sequences = [Sequence(range(5), 4), Sequence(range(11), 4), Sequence(range(2), 4)]
+    batches = drive(scheduler, sequences, token=lambda batch, row: 100 + batch.step)
+    decodes = [batch for batch in batches if batch.phase == DECODE]
+    assert [row.start for row in decodes[0].rows] == [5, 11, 2]
+    assert [row.start for row in decodes[1].rows] == [6, 12, 3]
+    assert decodes[0].key_length == 12 and decodes[0].width == 1
+    # each decode row feeds the token its sequence received last
+    assert [row.tokens for row in decodes[1].rows] == [(100 + decodes[0].step,)] * 3
+
+
+def test_every_sequence_finishes_with_exactly_the_asked_tokens_and_slots_are_reused():
+    scheduler = Scheduler(max_slots=2, capacity=64, token_budget=32, prefill_chunk=16)
+    asked = [1, 5, 3, 8, 2, 6]
+    sequences = [Sequence(range(3 + 7 * index), count) for index, count in enumerate(asked)]
+    batches = drive(scheduler, sequences)
+    assert [len(sequence.generated) for sequence in sequences] == asked
+    assert all(sequence.finished and sequence.finished_at is not None for sequence in sequences)
+    assert scheduler.free_slots == [0, 1] and not scheduler.running
+    used = {row.sequence.slot for batch in batches for row in batch.rows}
+    assert used == {0, 1}
+    for batch in batches:  # one row per sequence per step, never two sequences in one slot
+        assert len({row.sequence.request_id for row in batch.rows}) == len(batch.rows)
+        assert len(set(batch.slots)) == len(batch.slots)
+
+
+def test_a_request_finishing_inside_its_first_step_is_stamped_before_it():
+    scheduler = Scheduler(max_slots=4, capacity=64, token_budget=64, prefill_chunk=16)
+    sequence = Sequence(range(10), 1)
+    scheduler.add(sequence, now=1.0)
+    batch = scheduler.schedule(now=2.0)
+    scheduler.postprocess(batch, [9], now=3.0)
+    assert (sequence.arrived_at, sequence.first_scheduled_at, sequence.first_token_at, sequence.finished_at) == (
+        1.0, 2.0, 3.0, 3.0)
+
+
+def test_request_ids_are_distinct_across_requests_and_repetitions():
+    first = [Sequence((1, 2), 1) for _ in range(4)]
+    second = [Sequence((1, 2), 1) for _ in range(4)]  # a repetition of the same requests
+    ids = [sequence.request_id for sequence in first + second]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    (dict(max_slots=0, capacity=8, token_budget=32, prefill_chunk=16), "max_slots"),
+    (dict(max_slots=1, capacity=8, token_budget=32, prefill_chunk=8), "prefill_chunk must be >= 16"),
+    (dict(max_slots=1, capacity=8, token_budget=16, prefill_chunk=32), "token_budget"),
+])
+def test_bad_scheduler_settings(arguments, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Scheduler(**arguments)
+
+
+def test_a_request_larger_than_a_slot_is_refused_and_a_sequence_cannot_run_twice():
+    scheduler = Scheduler(max_slots=1, capacity=10, token_budget=16, prefill_chunk=16)
+    with pytest.raises(ValueError, match="needs 12 cache positions"):
+        scheduler.add(Sequence(range(8), 5))
+    sequence = Sequence(range(4), 2)
+    drive(scheduler, [sequence])
+    with pytest.raises(ValueError, match="already run"):
+        scheduler.add(sequence)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched greedy decoding on tiny equals single-sequence generate
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Engine.load("tiny", "cpu", seed=0)
+
+
+PROMPTS = [
+    list(b"hello experts"),  # 13 tokens: one chunk
+    list(b"abc"),  # 3 tokens: shorter than everyone, ragged prefill row
+    list(b"The fused path must honour the composite mask." * 2),  # 94 tokens: six chunks of 16
+    list(b"xyzw" * 5),  # 20 tokens: admitted late (only 3 slots), into a reused slot
+]
+ASKED = [5, 7, 4, 6]
+
+
+def test_batched_greedy_tokens_equal_generate_for_each_prompt(tiny):
+    resolved = flags.resolve(["prefill_chunk=16"], environ={})
+    batched = tiny.generate_batch(PROMPTS, ASKED, resolved, max_slots=3, token_budget=32)
+    for prompt, count, sequence in zip(PROMPTS, ASKED, batched.sequences):
+        assert sequence.generated == tiny.generate(prompt, count, resolved).tokens, sequence.request_id
+    phases = {step["phase"] for step in batched.steps}
+    assert phases == {"prefill", "decode"}
+    # ragged steps happened: a prefill step with rows of different lengths and starts, and a decode
+    # step with rows at different positions
+    assert any(len({row["tokens"] for row in step["rows"]}) > 1 for step in batched.steps if step["phase"] == "prefill")
+    assert any(len({row["start"] for row in step["rows"]}) > 1 for step in batched.steps if step["phase"] == "decode")
+    # a slot was reused by the late request
+    late = batched.sequences[3]
+    assert late.slot in {sequence.slot for sequence in batched.sequences[:3]}
+
+
+def test_batched_steps_record_one_decision_per_layer_whatever_the_batch(tiny):
+    resolved = flags.resolve(["prefill_chunk=16"], environ={})
+    batched = tiny.generate_batch(PROMPTS[:2], 3, resolved)
+    layers = tiny.config.n_layers
+    for step in batched.steps:
+        assert [record["layer"] for record in step["moe"]] == list(range(layers))
+        assert [record["layer"] for record in step["attention"]] == list(range(layers))
+        assert step["n_tokens"] == sum(row["tokens"] for row in step["rows"])
+        for record in step["moe"] + step["attention"]:
+            assert record["n_tokens"] == step["n_tokens"] and record["phase"] == step["phase"]
+        assert step["started"] <= step["ended"]
+    assert batched.counters["arms"]["reference"] == layers * len(batched.steps)
+    first_ids = [sequence.request_id for sequence in batched.sequences]
+    again = tiny.generate_batch(PROMPTS[:2], 3, resolved)
+    assert again.tokens == batched.tokens
+    assert not set(first_ids) & {sequence.request_id for sequence in again.sequences}
