@@ -7,6 +7,7 @@ COMMAND_MODULES = [
     "curve",
     "generate",
     "compare",
+    "check_attention",
     "run",
     "replay",
     "bench",

@@ -1,0 +1,324 @@
+"""Flash-decoding: a few queries per sequence against a long KV, the KV walk split across programs
+(split-K) and merged by a second kernel. Same math, layout and masks as `kernels.attention`; its
+reference is `kernels.reference.attention_reference`.
+
+Shapes:
+    q           [B, Tq, Hq, hd]   Tq small (decode: 1; speculative / tiny chunks: a few)
+    k, v        [B, Tk, Hkv, hd]  any strides but head_dim's (views of the KV cache)
+    sinks       [Hq] or None;  key_padding [B, Tk] or None;  q_start int or [B]
+    partials    [S, B, Tq, Hq, hd] float32   each split's accumulator, scaled by exp2(-its max)
+    stats       [S, B * Tq * Hq] float32 x 2 each split's running max (base 2) and running sum
+    out         [B, Tq, Hq, hd]   q's dtype
+
+Why two kernels: one query row is too little work to fill an H200 (132 SMs) from one program
+per (sequence, head); splitting the walk over keys gives S programs per (sequence, kv head) and
+every SM a share of the KV stream. The splits start from max = -inf and sum = 0 — no sink —
+and the combine starts from the sink: sigma_h enters the denominator exactly once, however many
+splits there are. A split that saw no visible key leaves (max -inf, sum 0) and weighs 0.
+
+Grouped-query heads: the Hq / Hkv query heads of one kv head, times Tq, are the rows of one
+program's tile, so each K/V byte is read once per split, not once per query head. BLOCK_M is that
+row count rounded up to 16 (tl.dot's minimum); at one query and one head per group, 15 of 16
+rows are padding, which costs tensor-core time a bandwidth-bound kernel has to spare.
+
+Block sizes at head_dim 512: Q 16 x 512 x 2 B = 16 KB; per stage K and V tiles of 32 x 512 x 2 B
+= 32 KB each: 16 + 2 x 64 = 144 KB of shared memory at 2 stages (3 stages = 208 KB fits too, with
+little to spare; the benchmark sweeps it). The accumulator 16 x 512 fp32 is 64 registers per
+thread at 4 warps. Splits: one wave of programs (splits x B x Hkv ~ SM count), each streaming
+>= 1 MB of KV at the benchmark shape; the combine reads S x hd x 4 B per row, < 1 % of the KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches
+from kernels.attention_common import (
+    _key_walk_bounds,
+    _LOG2_E,
+    _attend_key_tile,
+    _visible_keys,
+    check_attention_inputs,
+    is_power_of_two,
+    output_buffer,
+    remember_compiled,
+)
+from kernels.reference import MaskSpec
+
+# The combine holds [splits, BLOCK_D] of partials per program; 128 x 32 fp32 fits its registers.
+MAX_SPLITS = 128
+MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per step of a split's walk
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or not is_power_of_two(self.block_n):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+
+
+# Head dim -> config; shared memory per program = Q + stages x (K + V tiles), see the docstring.
+CONFIGS = {
+    64: DecodeConfig(block_n=64, num_stages=3),
+    128: DecodeConfig(block_n=64, num_stages=3),
+    256: DecodeConfig(block_n=64, num_stages=2),
+    512: DecodeConfig(block_n=32, num_stages=2),
+}
+
+
+@triton.jit
+def _flash_decode_split_kernel(
+    q_ptr,  # [B, Tq, Hq, hd]
+    k_ptr,  # [B, Tk, Hkv, hd]
+    v_ptr,  # [B, Tk, Hkv, hd]
+    partial_out_ptr,  # [S, B * Tq * Hq, hd] float32
+    partial_max_ptr,  # [S, B * Tq * Hq] float32
+    partial_sum_ptr,  # [S, B * Tq * Hq] float32
+    q_start_ptr,  # [B] int32
+    padding_ptr,  # [B, Tk] uint8 (unused without HAS_PADDING)
+    query_len,  # Tq
+    key_len,  # Tk
+    query_heads,  # Hq
+    kv_heads,  # Hkv
+    kv_group,  # Hq // Hkv
+    num_rows,  # B * Tq * Hq, the stats' split stride
+    walk_per_split,  # virtual keys per split, a multiple of BLOCK_N
+    window,
+    summary_block,
+    qk_scale_log2,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_partial_split,  # of partial_out
+    stride_padding_b, stride_padding_t,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SUMMARIES: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: split pid_split of the key walk of one (sequence, kv head), all its
+    kv_group x Tq query rows. Grid: (S, B * Hkv)."""
+    pid_split = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    batch = pid_bk // kv_heads
+    kv_head = pid_bk % kv_heads
+
+    rows = tl.arange(0, BLOCK_M)  # row = group_member * Tq + t
+    row_valid = rows < kv_group * query_len
+    query_index = rows % query_len
+    head = kv_head * kv_group + rows // query_len
+    q_start = tl.load(q_start_ptr + batch)
+    positions = q_start + query_index
+    dims = tl.arange(0, HEAD_DIM)
+
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb
+    q = tl.load(
+        q_base + query_index.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    padding_row = padding_ptr + batch.to(tl.int64) * stride_padding_b
+
+    band_lo, band_len, walk_len = _key_walk_bounds(
+        q_start, q_start + query_len - 1, key_len, window, summary_block, CAUSAL, HAS_WINDOW, HAS_SUMMARIES
+    )
+    walk_begin = pid_split * walk_per_split
+    walk_end = tl.minimum(walk_begin + walk_per_split, walk_len)
+
+    # No sink here: the combine adds it once.
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    accumulator = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for walk_start in range(walk_begin, walk_end, BLOCK_N):
+        walk_index = walk_start + tl.arange(0, BLOCK_N)
+        keys, key_in_range, visible = _visible_keys(
+            walk_index, walk_end, positions, band_lo, band_len, key_len, window, summary_block,
+            padding_row, stride_padding_t, CAUSAL, HAS_WINDOW, HAS_SUMMARIES, HAS_PADDING,
+        )
+        accumulator, running_max, running_sum = _attend_key_tile(
+            accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
+            dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
+        )
+
+    out_rows = (batch * query_len + query_index) * query_heads + head  # [BLOCK_M] row of (b, t, h)
+    stats_offsets = pid_split.to(tl.int64) * num_rows + out_rows
+    tl.store(partial_max_ptr + stats_offsets, running_max, mask=row_valid)
+    tl.store(partial_sum_ptr + stats_offsets, running_sum, mask=row_valid)
+    partial_base = partial_out_ptr + pid_split.to(tl.int64) * stride_partial_split
+    tl.store(
+        partial_base + out_rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=row_valid[:, None]
+    )
+
+
+@triton.jit
+def _flash_decode_combine_kernel(
+    partial_out_ptr,  # [S, R, hd] float32, R = B * Tq * Hq rows ordered (b, t, h)
+    partial_max_ptr,  # [S, R] float32
+    partial_sum_ptr,  # [S, R] float32
+    sinks_ptr,  # [Hq] float32 (unused without HAS_SINKS)
+    out_ptr,  # [B, Tq, Hq, hd]
+    num_splits,  # S
+    num_rows,  # R
+    query_len,  # Tq
+    query_heads,  # Hq
+    stride_partial_split,
+    stride_ob, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,  # next power of two >= S
+    HAS_SINKS: tl.constexpr,
+):
+    """out = (sum_s acc_s 2^(m_s - M)) / (2^(sigma - M) + sum_s l_s 2^(m_s - M)),
+    M = max(sigma, max_s m_s). Grid: (R, HEAD_DIM // BLOCK_D)."""
+    row = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    head = row % query_heads
+    query_index = (row // query_heads) % query_len
+    batch = row // (query_heads * query_len)
+
+    splits = tl.arange(0, SPLITS)
+    split_valid = splits < num_splits
+    stats_offsets = splits.to(tl.int64) * num_rows + row
+    maxes = tl.load(partial_max_ptr + stats_offsets, mask=split_valid, other=float("-inf"))
+    sums = tl.load(partial_sum_ptr + stats_offsets, mask=split_valid, other=0.0)
+    sink = float("-inf")
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2_E
+    sink_takes_all = sink == float("inf")
+    # A +inf sink is left out of the max (inf - inf is NaN); its weight 2^(inf - M) = inf then
+    # drives every output to 0, made exact by the where below.
+    total_max = tl.maximum(tl.max(maxes, 0), tl.where(sink_takes_all, float("-inf"), sink))
+    safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # nothing seen, no sink
+    weights = tl.math.exp2(maxes - safe_max)  # [SPLITS]; empty splits: 2^-inf = 0
+    denominator = tl.sum(sums * weights, 0) + tl.math.exp2(sink - safe_max)
+
+    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    partials = tl.load(
+        partial_out_ptr + splits.to(tl.int64)[:, None] * stride_partial_split + row.to(tl.int64) * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )  # [SPLITS, BLOCK_D]
+    out = tl.sum(partials * weights[:, None], 0) / tl.where(denominator == 0.0, 1.0, denominator)
+    out = tl.where(sink_takes_all, 0.0, out)  # sigma = +inf: all mass on the sink
+    out_base = out_ptr + batch.to(tl.int64) * stride_ob + query_index.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out_base + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _walk_upper_bound(spec: MaskSpec, key_len: int, query_len: int) -> int:
+    """The longest key walk any sequence can have (host-side, no device read: graph-safe)."""
+    if spec.kind in ("window", "composite"):
+        band = min(key_len, spec.window + query_len - 1)
+    else:
+        band = key_len
+    summaries = triton.cdiv(key_len, spec.block) if spec.kind == "composite" else 0
+    return band + summaries
+
+
+def _default_splits(device: torch.device, programs_per_split: int, walk_tiles: int) -> int:
+    if device.type == "cuda":
+        # One wave: splits x B x Hkv programs ~ the SM count (1 program per SM at 144 KB of smem).
+        target = torch.cuda.get_device_properties(device).multi_processor_count // programs_per_split
+    else:
+        target = 4  # the interpreter: enough splits to exercise the combine, few programs
+    return max(1, min(target, walk_tiles, MAX_SPLITS))
+
+
+def flash_decode(
+    q: torch.Tensor,  # [B, Tq, Hq, hd], Tq small
+    k: torch.Tensor,  # [B, Tk, Hkv, hd]
+    v: torch.Tensor,  # [B, Tk, Hkv, hd]
+    sinks: torch.Tensor | None,  # [Hq]
+    spec: MaskSpec,
+    q_start: torch.Tensor | int,  # [B] or int
+    key_padding: torch.Tensor | None = None,  # [B, Tk] bool, True = padded
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,  # [B, Tq, Hq, hd] to write into
+    num_splits: int | None = None,  # None: one wave of programs on this device
+    config: DecodeConfig | None = None,  # overrides the head-dim table (benchmark sweeps)
+) -> torch.Tensor:  # [B, Tq, Hq, hd]
+    """Split-KV attention with sinks, equal to `attention_reference` with the same arguments."""
+    inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
+    config = config or CONFIGS[inputs.head_dim]
+    group = inputs.query_heads // inputs.kv_heads
+    rows = group * inputs.query_len
+    if rows > MAX_ROWS:
+        raise ValueError(
+            f"flash_decode takes (Hq / Hkv) * Tq <= {MAX_ROWS} rows per program, got {group} x "
+            f"{inputs.query_len}; use kernels.attention.flash_attention for longer chunks"
+        )
+    out = output_buffer(q, out)
+    if inputs.query_len == 0:
+        return out
+
+    walk_tiles = max(1, triton.cdiv(_walk_upper_bound(spec, inputs.key_len, inputs.query_len), config.block_n))
+    programs_per_split = inputs.batch * inputs.kv_heads
+    if num_splits is None:
+        num_splits = _default_splits(q.device, programs_per_split, walk_tiles)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    tiles_per_split = triton.cdiv(walk_tiles, num_splits)
+    num_splits = triton.cdiv(walk_tiles, tiles_per_split)  # no split left with nothing to walk
+
+    head_dim = inputs.head_dim
+    num_rows = inputs.batch * inputs.query_len * inputs.query_heads
+    partial_out = torch.empty(num_splits, num_rows, head_dim, dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
+
+    mask = inputs.mask
+    block_m = max(16, triton.next_power_of_2(rows))
+    # Accumulator registers per thread = block_m * hd / (32 * warps): 64 at (16, 512, 4 warps).
+    num_warps = 4 if block_m * head_dim <= 16 * 512 else 8
+    compiled = _flash_decode_split_kernel[(num_splits, programs_per_split)](
+        q, k, v, partial_out, partial_max, partial_sum, inputs.q_start, mask.padding,
+        inputs.query_len, inputs.key_len, inputs.query_heads, inputs.kv_heads, group, num_rows,
+        tiles_per_split * config.block_n, mask.window, mask.summary_block, inputs.qk_scale_log2,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        partial_out.stride(0),
+        mask.padding_strides[0], mask.padding_strides[1],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        CAUSAL=mask.causal,
+        HAS_WINDOW=mask.has_window,
+        HAS_SUMMARIES=mask.has_summaries,
+        HAS_PADDING=mask.has_padding,
+        DOT_PRECISION=inputs.dot_precision,
+        num_warps=num_warps,
+        num_stages=config.num_stages,
+    )
+    launches.record("flash_decode_split")
+    remember_compiled(f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {config}", compiled)
+
+    splits_pow2 = triton.next_power_of_2(num_splits)
+    block_d = min(head_dim, max(16, 4096 // splits_pow2))
+    compiled = _flash_decode_combine_kernel[(num_rows, head_dim // block_d)](
+        partial_out, partial_max, partial_sum, inputs.sinks, out,
+        num_splits, num_rows, inputs.query_len, inputs.query_heads,
+        partial_out.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        SPLITS=splits_pow2,
+        HAS_SINKS=inputs.has_sinks,
+        num_warps=4,
+    )
+    launches.record("flash_decode_combine")
+    remember_compiled(f"flash_decode_combine hd{head_dim} splits{splits_pow2}", compiled)
+    return out

@@ -1,0 +1,337 @@
+"""The fused prefill kernel (kernels.attention) and the split-KV decode kernel
+(kernels.attention_decode) against the unfused reference, across mask kinds, chunked-prefill
+offsets, odd lengths, head dims, grouped-query heads, fully masked rows and infinite sinks.
+
+CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1) at small sizes in fp32 and fp16 —
+not bf16, whose tl.dot the interpreter computes on the raw bits. GPU (-m gpu): bf16, larger.
+Every input is fresh random data; every output buffer is poisoned with NaN before the kernel
+writes it, so a row the kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import launches
+from kernels.attention import PrefillConfig, flash_attention
+from kernels.attention_decode import DecodeConfig, flash_decode
+from kernels.reference import MaskSpec, attention_reference
+
+# ‖out − ref‖ / ‖ref‖ allowed, per working dtype, against a float32 reference:
+# - float32: the kernel uses exp2 and rescales tile by tile; measured ~3e-7. 1e-5 is 30x that and
+#   still 4 orders below what a wrong mask costs (0.1 .. 1).
+# - float16: probabilities and the output are rounded to fp16 (2^-11 relative each); measured
+#   ~5e-4. 4e-3 leaves 8x.
+# - bfloat16 (GPU only): 8x coarser than fp16 (2^-8), the issue's bound.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
+
+COMPOSITE = MaskSpec("composite", window=8, block=4)
+MASKS = {
+    "causal": MaskSpec("causal"),
+    "window": MaskSpec("window", window=8),
+    "composite": COMPOSITE,
+    "none": MaskSpec("none"),
+}
+
+
+def make_inputs(batch, q_len, k_len, heads, kv_heads, head_dim, dtype, seed, device="cpu"):
+    """q as a slice of a packed [B, Tq, Hq + 2, hd] projection, k/v as views of a longer KV cache
+    [B, Tk + 5, Hkv, hd]: the strides the engine passes, none of them contiguous."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    q = draw(batch, q_len, heads + 2, head_dim)[:, :, 1 : heads + 1]  # [B, Tq, Hq, hd] view
+    k_cache = draw(batch, k_len + 5, kv_heads, head_dim)  # [B, ctx, Hkv, hd]
+    v_cache = draw(batch, k_len + 5, kv_heads, head_dim)
+    sinks = torch.randn(heads, generator=generator, device=device)  # [Hq] float32
+    return q, k_cache[:, :k_len], v_cache[:, :k_len], sinks
+
+
+def reference(q, k, v, sinks, spec, q_start, key_padding):
+    """float32 reference from the (exactly representable) upcast inputs."""
+    return attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start, key_padding)
+
+
+def poisoned_like(q):
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+def relative_error(out, ref):
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches(out, ref, dtype):
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel's output (or a row it never wrote)"
+    error = relative_error(out, ref)
+    assert error <= TOLERANCE[dtype], f"relative error {error:.3g} > {TOLERANCE[dtype]:.0e}"
+
+
+def padding_for(batch, k_len, device="cpu"):
+    padding = torch.zeros(batch, k_len, dtype=torch.bool, device=device)  # [B, Tk]
+    padding[0, 4] = True  # a block-start (summary) key of COMPOSITE
+    padding[0, k_len - 7] = True  # inside the window band of the last queries
+    padding[1, :3] = True  # a left-padded second sequence
+    return padding
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_prefill_masks_offsets_gqa(mask_name, dtype):
+    # 13 queries x 37 keys: neither a multiple of a block; q_start 24 puts sequence 0's chunk at the
+    # end of its cache (chunked prefill), 10 puts sequence 1's in the middle (later keys are future);
+    # Hq 4 over Hkv 2 (GQA); padding on a summary key, inside the band, and left-padding.
+    q, k, v, sinks = make_inputs(2, 13, 37, 4, 2, 64, dtype, seed=1)
+    q_start = torch.tensor([24, 10])
+    padding = padding_for(2, 37)
+    spec = MASKS[mask_name]
+    out = flash_attention(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_head_dims(head_dim, dtype):
+    # Every head dim in the kernel's table, short so the interpreter stays fast; at 512 the output
+    # columns are split over two programs (block_dv 256), which this exercises.
+    q, k, v, sinks = make_inputs(2, 7, 21, 4, 2, head_dim, dtype, seed=head_dim)
+    q_start = torch.tensor([14, 3])
+    padding = padding_for(2, 21)
+    out = flash_attention(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q))
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, q_start, padding), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_many_tiles_band_and_summaries(dtype):
+    # Small blocks (16 x 16, 2 column programs) over 45 queries and 83 keys: the walk crosses from
+    # the window band into the gathered block-start keys mid-tile, and several row tiles differ in
+    # their band; q_start 38 and 0 (a whole prompt), one sequence padded at the front.
+    q, k, v, sinks = make_inputs(2, 45, 83, 2, 1, 64, dtype, seed=7)
+    q_start = torch.tensor([38, 0])
+    padding = torch.zeros(2, 83, dtype=torch.bool)
+    padding[1, :6] = True
+    spec = MaskSpec("composite", window=11, block=5)
+    config = PrefillConfig(block_m=16, block_n=16, block_dv=32, num_warps=4, num_stages=1)
+    out = flash_attention(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), config=config)
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), dtype)
+
+
+def test_prefill_drop_is_plain_causal():
+    # The incident, reproduced by the caller's arguments: causal and no padding. The output equals
+    # the causal reference and sits far from the composite one.
+    q, k, v, sinks = make_inputs(1, 33, 33, 2, 2, 64, torch.float32, seed=3)
+    padding = torch.zeros(1, 33, dtype=torch.bool)
+    padding[0, :2] = True
+    dropped = flash_attention(q, k, v, sinks, MaskSpec("causal"), 0, None)
+    assert_matches(dropped, reference(q, k, v, sinks, MaskSpec("causal"), 0, None), torch.float32)
+    assert relative_error(dropped, reference(q, k, v, sinks, COMPOSITE, 0, padding)) > 0.1
+
+
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_prefill_fully_masked_rows_are_zero(with_sinks):
+    # Padding covers the whole window and every block start (0, 8) of queries 0..9: those rows see
+    # nothing and must be exactly 0, with or without a sink, and never NaN.
+    q, k, v, sinks = make_inputs(1, 16, 16, 2, 2, 64, torch.float32, seed=5)
+    sinks = sinks if with_sinks else None
+    padding = torch.zeros(1, 16, dtype=torch.bool)
+    padding[0, :10] = True
+    spec = MaskSpec("composite", window=4, block=8)
+    out = flash_attention(q, k, v, sinks, spec, 0, padding, out=poisoned_like(q))
+    assert torch.equal(out[0, :10], torch.zeros_like(out[0, :10]))
+    assert_matches(out, reference(q, k, v, sinks, spec, 0, padding), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_infinite_sinks(dtype):
+    # sigma = -inf (no sink), +inf (all mass on the sink: output 0), 0 and a large finite one, one
+    # per query head, with GQA so two heads share a kv head.
+    q, k, v, _ = make_inputs(1, 19, 19, 4, 2, 64, dtype, seed=11)
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.0, 6.0])
+    out = flash_attention(q, k, v, sinks, COMPOSITE, 0, None, out=poisoned_like(q))
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, 0, None), dtype)
+
+
+def test_prefill_counts_one_launch():
+    q, k, v, sinks = make_inputs(1, 5, 5, 2, 2, 64, torch.float32, seed=2)
+    before = launches.snapshot()
+    flash_attention(q, k, v, sinks, COMPOSITE, 0, None)
+    assert launches.since(before) == {"flash_attention": 1}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"head_dim": 96}, "head_dim 96"),  # not a supported head dim
+        ({"kv_heads": 3}, "multiple of key-value heads"),  # 4 query heads over 3 kv heads
+    ],
+)
+def test_prefill_rejects_bad_shapes(change, message):
+    shape = {"head_dim": 64, "kv_heads": 2} | change
+    q = torch.randn(1, 4, 4, shape["head_dim"])
+    k = torch.randn(1, 4, shape["kv_heads"], shape["head_dim"])
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, k.clone(), None, COMPOSITE)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode (split KV + combine)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_decode_masks_offsets_gqa(query_len, mask_name, dtype):
+    # One and three queries (decode, a tiny speculative chunk) per sequence at positions 70 and 30
+    # of a 77-key cache; GQA 4/2 packs 2 x Tq rows per program; padding as in prefill; block_n 16
+    # gives the walk several splits, the last ones shorter or empty.
+    q, k, v, sinks = make_inputs(2, query_len, 77, 4, 2, 64, dtype, seed=query_len)
+    q_start = torch.tensor([70, 30])
+    padding = padding_for(2, 77)
+    spec = MASKS[mask_name]
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=5,
+                       config=DecodeConfig(block_n=16, num_stages=1))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_sink_counted_once_for_any_split_count(num_splits):
+    # A large sink (sigma = 4) makes a sink counted per split visible at once; the answer must not
+    # depend on how the walk is split.
+    q, k, v, _ = make_inputs(1, 1, 130, 2, 2, 64, torch.float32, seed=13)
+    sinks = torch.tensor([4.0, -1.0])
+    out = flash_decode(q, k, v, sinks, MaskSpec("causal"), 129, None, out=poisoned_like(q),
+                       num_splits=num_splits, config=DecodeConfig(block_n=16, num_stages=1))
+    assert_matches(out, reference(q, k, v, sinks, MaskSpec("causal"), 129, None), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_head_dim_512(dtype):
+    # The incident's head dim with its own table entry (block_n 32), GQA 4/1, composite + padding.
+    q, k, v, sinks = make_inputs(2, 1, 45, 4, 1, 512, dtype, seed=17)
+    q_start = torch.tensor([44, 20])
+    padding = padding_for(2, 45)
+    out = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=3)
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, q_start, padding), dtype)
+
+
+def test_decode_infinite_sinks_and_fully_masked_rows():
+    # Sequence 1's query at position 9 sees only padded keys (its whole window and block starts
+    # 0, 4, 8): 0 without NaN for every finite sink; sigma = +inf zeroes head 1 everywhere.
+    q, k, v, _ = make_inputs(2, 1, 40, 4, 2, 64, torch.float32, seed=19)
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.0, 6.0])
+    padding = torch.zeros(2, 40, dtype=torch.bool)
+    padding[1, :10] = True
+    q_start = torch.tensor([39, 9])
+    out = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=4,
+                       config=DecodeConfig(block_n=16, num_stages=1))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, q_start, padding), torch.float32)
+
+
+def test_decode_counts_split_and_combine():
+    q, k, v, sinks = make_inputs(1, 1, 20, 2, 2, 64, torch.float32, seed=23)
+    before = launches.snapshot()
+    flash_decode(q, k, v, sinks, COMPOSITE, 19, None)
+    assert launches.since(before) == {"flash_decode_split": 1, "flash_decode_combine": 1}
+
+
+def test_decode_refuses_prefill_sized_chunks():
+    q, k, v, sinks = make_inputs(1, 40, 40, 4, 1, 64, torch.float32, seed=29)  # 4 x 40 rows > 64
+    with pytest.raises(ValueError, match="flash_attention"):
+        flash_decode(q, k, v, sinks, COMPOSITE, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16, serving-sized shapes, CUDA graphs, the compiler's resource report
+# ------------------------------------------------------------------------------------------------
+
+GPU_MASKS = {
+    "causal": MaskSpec("causal"),
+    "window": MaskSpec("window", window=256),
+    "composite": MaskSpec("composite", window=256, block=64),
+}
+
+
+def gpu_padding(batch, k_len):
+    padding = torch.zeros(batch, k_len, dtype=torch.bool, device="cuda")
+    padding[0, 64] = True  # a block start
+    padding[-1, :100] = True  # left padding covering the first queries' whole windows
+    return padding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("mask_name", list(GPU_MASKS))
+def test_gpu_prefill_bf16(mask_name, head_dim):
+    # 1000 keys, a 333-query chunk at offsets 667 / 200 (not multiples of any block), GQA 8/2.
+    q, k, v, sinks = make_inputs(2, 333, 1000, 8, 2, head_dim, torch.bfloat16, seed=head_dim, device="cuda")
+    q_start = torch.tensor([667, 200], device="cuda")
+    padding = gpu_padding(2, 1000)
+    spec = GPU_MASKS[mask_name]
+    out = flash_attention(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_drop_and_infinite_sinks_bf16():
+    q, k, v, _ = make_inputs(1, 515, 515, 8, 8, 512, torch.bfloat16, seed=31, device="cuda")
+    sinks = torch.tensor([float("-inf"), float("inf")] + [0.5] * 6, device="cuda")
+    spec = GPU_MASKS["composite"]
+    out = flash_attention(q, k, v, sinks, spec, 0, None, out=poisoned_like(q))
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, spec, 0, None), torch.bfloat16)
+    dropped = flash_attention(q, k, v, sinks, MaskSpec("causal"), 0, None)
+    assert_matches(dropped, reference(q, k, v, sinks, MaskSpec("causal"), 0, None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("mask_name", list(GPU_MASKS))
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_gpu_decode_bf16(query_len, mask_name, head_dim):
+    q, k, v, sinks = make_inputs(2, query_len, 4099, 8, 2, head_dim, torch.bfloat16, seed=head_dim, device="cuda")
+    q_start = torch.tensor([4099 - query_len, 1500], device="cuda")
+    padding = gpu_padding(2, 4099)
+    spec = GPU_MASKS[mask_name]
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    # The engine captures decode: no host reads of device values, allocations from the graph pool.
+    q, k, v, sinks = make_inputs(1, 1, 8192, 8, 8, 512, torch.bfloat16, seed=37, device="cuda")
+    spec = GPU_MASKS["composite"]
+    q_start = torch.tensor([8191], device="cuda")
+    out = torch.empty_like(q)
+    flash_decode(q, k, v, sinks, spec, q_start, None, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_decode(q, k, v, sinks, spec, q_start, None, out=out)
+    q.copy_(torch.randn_like(q))  # fresh inputs, same buffers
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_head_dim_512_fits_without_spills():
+    from kernels.attention_common import resource_report
+
+    q, k, v, sinks = make_inputs(1, 128, 128, 8, 8, 512, torch.bfloat16, seed=41, device="cuda")
+    flash_attention(q, k, v, sinks, GPU_MASKS["composite"], 0, None)
+    flash_decode(q[:, :1], k, v, sinks, GPU_MASKS["composite"], 127, None)
+    rows = [row for row in resource_report() if "hd512" in row["kernel"] and "bfloat16" in row["kernel"]]
+    assert rows, "no head_dim-512 bf16 kernel in the resource report"
+    for row in rows:
+        assert row["n_spills"] == 0, row
+        assert row["shared_bytes"] <= 227 * 1024, row
+
