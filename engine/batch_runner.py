@@ -9,8 +9,11 @@ one forward for all its rows, and returns each row's next token, with the step's
 - CUDA graphs for decode steps on a GPU, one per batch size, captured the first time a decode
   cohort of that size occupies cache rows 0..B-1 (the scheduler hands out the lowest free slot,
   so a cohort that starts together stays there). The graph reads the whole cache (later keys are
-  causally invisible), so its inputs are just the tokens and positions, copied into static
-  buffers. A replay counts what the capture launched, once more (`Counters.replay`).
+  causally invisible), so its inputs are just the tokens and positions in a static buffer. The
+  graph writes its own next inputs (its tokens, one position on), so while the cohort is steady
+  a step copies nothing from the host; the host checks that the buffer holds what the scheduler
+  feeds and copies only when it does not. A replay counts what the capture launched, once more
+  (`Counters.replay`).
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
 
@@ -48,6 +51,9 @@ class _DecodeGraph:
     next_tokens: torch.Tensor  # [B] int64 static output
     template: object  # the capture's Dispatcher: decisions, arm counts, observed-count outputs
     kernels: dict[str, int]  # Triton launches the capture recorded (and a replay repeats)
+    # What `inputs` holds after the last replay (the graph feeds its own output one position on):
+    # (request ids, tokens, positions); a step that matches needs no host->device copy.
+    holds: tuple | None = None
 
 
 class BatchRunner:
@@ -85,14 +91,18 @@ class BatchRunner:
         graph_mode, reason = "eager", ""
         if batch.phase == DECODE and self.graphs_enabled:
             reason = self._graph_blocker(batch, dispatcher)
+        replayed = None
         if batch.phase == DECODE and self.graphs_enabled and not reason:
-            next_tokens, graph_mode = self._decode_with_graph(batch, dispatcher)
+            next_tokens, graph_mode, replayed = self._decode_with_graph(batch, dispatcher)
         else:
             next_tokens = self._eager(batch, dispatcher)
         if events is not None:
             events[1].record()
         launched_at = time.perf_counter()
         tokens = dispatcher.end_step_batch(next_tokens)
+        if replayed is not None:
+            replayed.holds = (tuple(row.sequence.request_id for row in batch.rows), tuple(tokens),
+                              tuple(row.start + 1 for row in batch.rows))
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
         return tokens, StepTiming(launched_at, device_us, graph_mode, reason)
 
@@ -159,18 +169,21 @@ class BatchRunner:
                 return "the unfused attention reference syncs the host, which a CUDA graph cannot capture"
         return ""
 
-    def _decode_with_graph(self, batch: Batch, dispatcher) -> tuple[torch.Tensor, str]:
+    def _decode_with_graph(self, batch: Batch, dispatcher) -> tuple[torch.Tensor, str, _DecodeGraph | None]:
         size = len(batch.rows)
         key = self._graph_key(size, dispatcher)
         captured = self._graphs.get(key)
-        values = [[row.tokens[0] for row in batch.rows], [row.start for row in batch.rows]]
+        fed, starts = [row.tokens[0] for row in batch.rows], [row.start for row in batch.rows]
         if captured is None:
-            return self._capture(batch, dispatcher, key, values), "capture"
-        captured.staging.numpy()[:] = values
-        captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
+            return self._capture(batch, dispatcher, key, [fed, starts]), "capture", None
+        wanted = (tuple(row.sequence.request_id for row in batch.rows), tuple(fed), tuple(starts))
+        if captured.holds != wanted:  # a new cohort (or the first replay): copy the inputs in
+            captured.staging.numpy()[:] = [fed, starts]
+            captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
+        captured.holds = None  # until this replay's outputs are known
         captured.graph.replay()
         dispatcher.replay(captured.template, captured.kernels)
-        return captured.next_tokens, "replay"
+        return captured.next_tokens, "replay", captured
 
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
@@ -193,6 +206,10 @@ class BatchRunner:
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 static_next = torch.argmax(forward(config, weights, tokens, layout, self.cache, template), dim=-1)
+                # The cohort's next step feeds these tokens one position on: the graph prepares its own
+                # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
+                inputs[0].copy_(static_next)
+                inputs[1].add_(1)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             static_next = None
