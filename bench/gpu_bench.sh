@@ -33,10 +33,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 
 # 1. GPU tests of the batched runtime: graph decode == eager, replays counted, launches per
 #    decode step equal at batch 1 and 32, bench end to end with a profile.
-step 130 gpu_tests python3 -m pytest -m gpu tests/test_runtime_gpu.py -q -p no:cacheprovider -rA > "$OUT/gpu_tests.txt"
+step 110 gpu_tests python3 -m pytest -m gpu tests/test_runtime_gpu.py -q -p no:cacheprovider -rA > "$OUT/gpu_tests.txt"
 
 # 2. demo: pp and tg rows at batch 1, 8, 32 (JSON and the markdown table from one run).
-step 130 bench_demo python3 -m inspector bench --model demo --pp 128,512,2048 --tg 128 --batch 1,8,32 \
+step 120 bench_demo python3 -m inspector bench --model demo --pp 128,512,2048 --tg 128 --batch 1,8,32 \
     --reps 3 --format md --json-out "$OUT/bench_demo.json" > "$OUT/bench_demo.md"
 
 # 3. v4-shape: one layer at DeepSeek-V4-Flash width (12.9 GB of bf16 experts), weights drawn on
