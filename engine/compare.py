@@ -107,8 +107,10 @@ class CheckConfig:
         return MaskSpec("composite", window=self.window, block=self.block)
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: "str | torch.device") -> str:
     """auto -> cuda when a GPU is visible, else cpu; cuda without one is the user's error."""
+    if isinstance(device, torch.device):
+        device = device.type
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be one of auto, cpu, cuda, got {device!r}")
     if device == "auto":
@@ -225,7 +227,7 @@ def check_attention(
     pad: int,
     mode: str = "honor",
     device: str = "auto",
-    dtype: str | None = None,  # None: bf16 on cuda, fp32 on cpu
+    dtype: "str | torch.dtype | None" = None,  # None: bf16 on cuda, fp32 on cpu
     seed: int = 0,
     sink_values: tuple[float, ...] = SINK_SWEEP,
 ) -> dict:
@@ -233,6 +235,8 @@ def check_attention(
     Raises UserError for bad options. `result["ok"]` is True when the fused output sits on the
     masked reference and every sink of the sweep does too."""
     device = resolve_device(device)
+    if isinstance(dtype, torch.dtype):
+        dtype = next((name for name, value in DTYPES.items() if value == dtype), str(dtype))
     config = CheckConfig(
         seq_len=seq_len, head_dim=head_dim, heads=heads, kv_heads=heads if kv_heads is None else kv_heads,
         window=window, block=block, pad=pad, mode=mode, device=device,

@@ -25,7 +25,6 @@ from inspector.session_runner import check_attention_function, read_results, res
 REPOSITORY = Path(__file__).resolve().parent.parent
 SESSIONS = REPOSITORY / "sessions"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sessions"
-HAS_CHECK_ATTENTION = check_attention_function() is not None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -198,19 +197,8 @@ def test_flash512_mask_side_by_side_diverges(tmp_path):
             if entry["layer"] == 0} == {"composite(W=128,B=64)"}
 
 
-class CheckAttentionNotInThisBuild(Exception):
-    """Raised by the test below, only after it saw the session refused by name (exit 2)."""
-
-
-@pytest.mark.xfail(not HAS_CHECK_ATTENTION, raises=CheckAttentionNotInThisBuild, strict=False,
-                   reason="engine.compare.check_attention is not in this build yet (it lands from the attention "
-                          "branch); until then the session exits 2 naming it")
 def test_flash512_mask_runs_with_check_attention(capsys, tmp_path):
     code, out, err, results = run_example(capsys, tmp_path, "flash512-mask")
-    if not HAS_CHECK_ATTENTION:
-        # Refused by name before anything ran, never skipped silently; any other failure is a real one.
-        assert code == 2 and "check-attention is not available in this build" in err and not results.exists()
-        raise CheckAttentionNotInThisBuild(err)
     assert code == 0, err
     _, steps = read_results(results, "flash512-mask")
     verdicts = [step["numbers"]["verdict"] for step in steps if step["action"] == "check-attention"]

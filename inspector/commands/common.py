@@ -25,11 +25,26 @@ def print_json(payload: dict) -> None:
     sys.stdout.write("\n")
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time (tests and the TUI swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def show_engagements() -> None:
     """Engagement lines (first time an arm runs per shape class) go to stderr, never into --json."""
     logger = logging.getLogger("moe_inspector.engine")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("[engine] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
