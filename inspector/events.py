@@ -1,0 +1,167 @@
+"""What travels from the engine's worker thread to the UI, and the typed messages the UI posts.
+
+The worker never touches a widget and never calls into the UI thread: its `on_step` callback
+only puts a plain event on an `EngineQueue`. A timer on the UI thread drains the queue every
+`DRAIN_INTERVAL` seconds and turns what it found into a few batched Textual messages (all the
+steps of one side that arrived since the last drain become one `StepsArrived`), so a fast
+engine cannot flood the UI and a slow UI cannot slow the engine.
+
+Knows nothing of widgets or screens; the screens handle the messages.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+from textual.message import Message
+
+from engine.flags import ResolvedFlags
+from engine.runtime import Generation
+
+DRAIN_INTERVAL = 0.05  # seconds: fast enough to look live, slow enough to batch a decode burst
+
+A, B = "A", "B"  # the two sides of a side-by-side run: the flags panel, and the reference configuration
+
+
+# --------------------------------------------------------------------------------------------
+# Engine -> UI queue (plain values, created on the worker thread)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepEvent:
+    run_id: int
+    side: str
+    record: dict  # the engine's step record: step, phase, n_tokens, moe [...], attention [...], token
+    token: int
+
+
+@dataclass(frozen=True)
+class SideDoneEvent:
+    run_id: int
+    side: str
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class RunDoneEvent:
+    run_id: int
+    comparison: dict | None  # engine.sidebyside.compare(a, b), None when B never ran
+    cancelled: bool
+
+
+@dataclass(frozen=True)
+class RunErrorEvent:
+    run_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class CheckDoneEvent:
+    """The attention check finished: `result` is check_attention's dict, or `error` says why not."""
+
+    result: dict | None
+    error: str | None
+
+
+class EngineQueue:
+    """A thread-safe mailbox: `put` from any thread, `drain` on the UI thread only."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, event: Any) -> None:
+        self._queue.put(event)
+
+    def drain(self) -> list[Message]:
+        """Everything queued so far, as messages; consecutive steps of one side are one message."""
+        messages: list[Message] = []
+        while True:
+            try:
+                event = self._queue.get_nowait()
+            except queue.Empty:
+                return messages
+            if isinstance(event, StepEvent):
+                last = messages[-1] if messages else None
+                if isinstance(last, StepsArrived) and (last.run_id, last.side) == (event.run_id, event.side):
+                    last.steps.append(event.record)
+                    last.tokens.append(event.token)
+                else:
+                    messages.append(StepsArrived(event.run_id, event.side, [event.record], [event.token]))
+            elif isinstance(event, SideDoneEvent):
+                messages.append(SideFinished(event.run_id, event.side, event.generation))
+            elif isinstance(event, RunDoneEvent):
+                messages.append(RunFinished(event.run_id, event.comparison, event.cancelled))
+            elif isinstance(event, RunErrorEvent):
+                messages.append(RunFailed(event.run_id, event.message))
+            elif isinstance(event, CheckDoneEvent):
+                messages.append(AttentionCheckFinished(event.result, event.error))
+            else:  # a bug in a producer: fail loudly rather than drop it
+                raise TypeError(f"unknown engine event {event!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Messages (UI thread)
+# --------------------------------------------------------------------------------------------
+
+class RunStarted(Message, bubble=False):
+    def __init__(self, run_id: int, prompt: str, max_tokens: int, flags_a: ResolvedFlags,
+                 flags_b: ResolvedFlags) -> None:
+        super().__init__()
+        self.run_id, self.prompt, self.max_tokens = run_id, prompt, max_tokens
+        self.flags_a, self.flags_b = flags_a, flags_b
+
+
+class StepsArrived(Message, bubble=False):
+    def __init__(self, run_id: int, side: str, steps: list[dict], tokens: list[int]) -> None:
+        super().__init__()
+        self.run_id, self.side, self.steps, self.tokens = run_id, side, steps, tokens
+
+
+class SideFinished(Message, bubble=False):
+    def __init__(self, run_id: int, side: str, generation: Generation) -> None:
+        super().__init__()
+        self.run_id, self.side, self.generation = run_id, side, generation
+
+
+class RunFinished(Message, bubble=False):
+    def __init__(self, run_id: int, comparison: dict | None, cancelled: bool) -> None:
+        super().__init__()
+        self.run_id, self.comparison, self.cancelled = run_id, comparison, cancelled
+
+
+class RunFailed(Message, bubble=False):
+    def __init__(self, run_id: int, message: str) -> None:
+        super().__init__()
+        self.run_id, self.message = run_id, message
+
+
+class FlagChanged(Message):
+    """A flag of configuration A took a new valid value; `flags` is the whole new set."""
+
+    def __init__(self, name: str, value: Any, flags: ResolvedFlags) -> None:
+        super().__init__()
+        self.name, self.value, self.flags = name, value, flags
+
+
+class FlagRefused(Message):
+    """A value the user typed was refused; `message` names the flag and the allowed values."""
+
+    def __init__(self, name: str, text: str, message: str) -> None:
+        super().__init__()
+        self.name, self.text, self.message = name, text, message
+
+
+class ConfigBChanged(Message):
+    """Configuration B's overrides on top of A changed."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        super().__init__()
+        self.overrides = overrides
+
+
+class AttentionCheckFinished(Message, bubble=False):
+    def __init__(self, result: dict | None, error: str | None) -> None:
+        super().__init__()
+        self.result, self.error = result, error

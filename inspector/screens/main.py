@@ -1,0 +1,345 @@
+"""The main screen: flags (A), prompt, A and B side by side, divergence, dispatch log, counters.
+
+A run generates the prompt at temperature 0 through A (the flags panel) and then B (A's flags
+with B's overrides) in one thread worker. The worker's `on_step` only puts events on the
+screen's `EngineQueue`; a timer drains it on the UI thread and posts batched messages, whose
+handlers below update the widgets. Nothing here blocks the UI thread on the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Input
+
+from engine.errors import UserError
+from engine.flags import ResolvedFlags
+from engine.runtime import Engine
+from engine.sidebyside import compare, first_divergence
+from inspector import events
+from inspector.events import A, B, EngineQueue
+from inspector.widgets.config_b_row import ConfigBRow, describe_overrides
+from inspector.widgets.counters_table import CountersTable
+from inspector.widgets.dispatch_log import DispatchLog
+from inspector.widgets.divergence_bar import DivergenceBar, common_prefix_divergence
+from inspector.widgets.flags_panel import FlagsPanel
+from inspector.widgets.output_pane import OutputPane, token_text
+from inspector.widgets.prompt_bar import PromptBar
+from inspector.widgets.status_bar import StatusBar
+
+B_SOURCE = "B override"
+
+
+@dataclass
+class Run:
+    """One side-by-side run, as the UI has seen it so far."""
+
+    id: int
+    prompt: str
+    max_tokens: int
+    flags: dict[str, ResolvedFlags]  # side -> flags
+    cancel: threading.Event = field(default_factory=threading.Event)
+    tokens: dict[str, list[int]] = field(default_factory=lambda: {A: [], B: []})
+    steps: dict[str, list[dict]] = field(default_factory=lambda: {A: [], B: []})
+    generations: dict[str, Any] = field(default_factory=dict)
+    comparison: dict | None = None
+    running: bool = True
+    cancelled: bool = False
+
+    def moe_observations(self) -> list[tuple[int, float]]:
+        """(n_tokens, observed pairs per woken expert) of every MoE layer of every step, A and B."""
+        return sorted({(record["n_tokens"], record["pairs_per_woken_observed"])
+                       for side in (A, B) for step in self.steps[side] for record in step["moe"]
+                       if record.get("pairs_per_woken_observed") is not None})
+
+
+def parse_max_tokens(text: str) -> int:
+    text = text.strip()
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"max tokens {text!r}: give a whole number >= 1 (e.g. 48)")
+    return int(text)
+
+
+def describe_token(token: int) -> str:
+    return token_text(token)[0]
+
+
+class MainScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel run"),
+        Binding("f2", "tile_fill", "Tile fill"),
+        Binding("f3", "attention_check", "Attention check"),
+        Binding("f4", "edit_b", "Edit B"),
+        Binding("f5", "follow", "Follow log"),
+        Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
+    ]
+
+    def __init__(self, engine: Engine, flags: ResolvedFlags, b_overrides: dict[str, Any], max_tokens: int,
+                 timed: bool) -> None:
+        super().__init__()
+        self.engine, self.initial_flags, self.timed = engine, flags, timed
+        self.b_overrides = dict(b_overrides)
+        self.default_max_tokens = max_tokens
+        self.queue = EngineQueue()
+        self.current_run: Run | None = None
+        self._next_run_id = 1
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(self.engine, id="status")
+        with Horizontal(id="body"):
+            yield FlagsPanel(self.initial_flags, id="flags")
+            with Vertical(id="work"):
+                yield PromptBar(self.default_max_tokens, id="prompt-bar")
+                yield ConfigBRow(self.b_overrides, id="b-row")
+                with Horizontal(id="outputs"):
+                    yield OutputPane(A, id="pane-a")
+                    yield OutputPane(B, id="pane-b")
+                yield DivergenceBar(id="divergence")
+                with Horizontal(id="lower"):
+                    yield DispatchLog(self.engine.config.n_layers, id="log")
+                    yield CountersTable(id="counters")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#pane-a", OutputPane).reset("the flags panel")
+        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.query_one("#prompt", Input).focus()
+        self.set_interval(events.DRAIN_INTERVAL, self.drain)
+
+    @property
+    def flags(self) -> ResolvedFlags:
+        """Configuration A, as the flags panel holds it now."""
+        return self.query_one(FlagsPanel).flags
+
+    def flags_b(self, flags_a: ResolvedFlags) -> ResolvedFlags:
+        return flags_a.with_overrides(self.b_overrides, B_SOURCE)
+
+    @property
+    def running(self) -> bool:
+        return self.current_run is not None and self.current_run.running
+
+    # -- starting and stopping a run ---------------------------------------------------------------
+
+    def on_prompt_bar_run(self, message: PromptBar.Run) -> None:
+        self.start_run(message.prompt, message.max_tokens_text)
+
+    def start_run(self, prompt: str, max_tokens_text: str) -> bool:
+        status = self.query_one(StatusBar)
+        try:
+            max_tokens = parse_max_tokens(max_tokens_text)
+            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens)
+        except UserError as error:
+            status.set_activity(f"not run: {error}", running=False)
+            self.notify(str(error), title="not run", severity="error")
+            return False
+        if self.running:  # a new prompt replaces the running one
+            self.current_run.cancel.set()
+        flags_a = self.flags
+        flags_b = self.flags_b(flags_a)
+        run = Run(self._next_run_id, prompt, max_tokens, {A: flags_a, B: flags_b})
+        self._next_run_id += 1
+        self.current_run = run
+        self.query_one("#pane-a", OutputPane).reset("the flags panel")
+        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.query_one(DispatchLog).clear()
+        self.query_one(CountersTable).reset()
+        divergence = self.query_one(DivergenceBar)
+        divergence.show_line("A running; B waits")
+        divergence.show_errors([])
+        status.set_activity(f"running A: 0/{max_tokens}", running=True)
+        self.refresh_bindings()
+        self.app.record_action({
+            "action": "prompt", "prompt": prompt, "max_tokens": max_tokens,
+            "flags": dict(flags_a.values),
+            "compare": {"name": B, "overrides": dict(self.b_overrides), "flags": dict(flags_b.values)},
+        })
+        self.post_message(events.RunStarted(run.id, prompt, max_tokens, flags_a, flags_b))
+        self.generate(run)
+        return True
+
+    @work(thread=True, exclusive=True, group="generation")
+    def generate(self, run: Run) -> None:
+        """A then B on the worker thread. Only puts events on the queue; never touches a widget."""
+        results = {}
+        for side in (A, B):
+            if run.cancel.is_set():
+                break
+
+            def on_step(record: dict, token: int, side: str = side) -> None:
+                self.queue.put(events.StepEvent(run.id, side, record, token))
+
+            try:
+                generation = self.engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
+                                                  cancel=run.cancel, timed=self.timed)
+            except UserError as error:
+                self.queue.put(events.RunErrorEvent(run.id, str(error)))
+                return
+            results[side] = generation
+            self.queue.put(events.SideDoneEvent(run.id, side, generation))
+        comparison = compare(results[A], results[B]) if len(results) == 2 else None
+        self.queue.put(events.RunDoneEvent(run.id, comparison, run.cancel.is_set()))
+
+    def cancel_run(self) -> bool:
+        if not self.running:
+            return False
+        self.current_run.cancel.set()
+        self.query_one(StatusBar).set_activity("cancelling…", running=True)
+        return True
+
+    def on_unmount(self) -> None:
+        if self.current_run is not None:
+            self.current_run.cancel.set()
+
+    # -- the queue -----------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        for message in self.queue.drain():
+            self.post_message(message)
+
+    def _current(self, run_id: int) -> Run | None:
+        return self.current_run if self.current_run is not None and self.current_run.id == run_id else None
+
+    def on_steps_arrived(self, message: events.StepsArrived) -> None:
+        run = self._current(message.run_id)
+        if run is None:
+            return
+        side = message.side
+        run.tokens[side].extend(message.tokens)
+        run.steps[side].extend(message.steps)
+        self.query_one(f"#pane-{side.lower()}", OutputPane).extend(message.tokens)
+        self.query_one(DispatchLog).add_steps(side, message.steps)
+        self.query_one(CountersTable).add_steps(side, message.steps)
+        self.query_one(StatusBar).set_activity(
+            f"running {side}: {len(run.tokens[side])}/{run.max_tokens}"
+            + (" (cancelling…)" if run.cancel.is_set() else ""), running=True)
+        if side == B:
+            self._show_divergence(run, common_prefix_divergence(run.tokens[A], run.tokens[B]), final=False)
+
+    def on_side_finished(self, message: events.SideFinished) -> None:
+        run = self._current(message.run_id)
+        if run is None:
+            return
+        generation = message.generation
+        run.generations[message.side] = generation
+        self.query_one(CountersTable).set_final(message.side, generation.counters)
+        count = len(generation.tokens)
+        note = f"cancelled after {count} tokens" if generation.cancelled else f"{count} tokens"
+        self.query_one(f"#pane-{message.side.lower()}", OutputPane).set_note(note)
+        if message.side == A and not generation.cancelled:
+            self.query_one(DivergenceBar).show_line("B running; A done")
+
+    def on_run_finished(self, message: events.RunFinished) -> None:
+        run = self._current(message.run_id)
+        if run is None:
+            return
+        run.running, run.cancelled, run.comparison = False, message.cancelled, message.comparison
+        bar = self.query_one(DivergenceBar)
+        if message.comparison is not None:
+            bar.show_errors(message.comparison["logit_rel_err"])
+        if message.cancelled:
+            index = common_prefix_divergence(run.tokens[A], run.tokens[B])
+            if B in run.generations and run.tokens[B]:
+                self._show_divergence(run, index, final=False)
+            else:
+                bar.show_line("cancelled before B ran: nothing to compare")
+            activity = "cancelled"
+        else:
+            self._show_divergence(run, first_divergence(run.tokens[A], run.tokens[B]), final=True)
+            activity = f"done: A {len(run.tokens[A])} + B {len(run.tokens[B])} tokens"
+        self.query_one(StatusBar).set_activity(activity, running=False)
+        self.refresh_bindings()
+
+    def on_run_failed(self, message: events.RunFailed) -> None:
+        run = self._current(message.run_id)
+        if run is None:
+            return
+        run.running = False
+        self.query_one(StatusBar).set_activity(f"failed: {message.message}", running=False)
+        self.notify(message.message, title="run failed", severity="error")
+        self.refresh_bindings()
+
+    def _show_divergence(self, run: Run, index: int | None, final: bool) -> None:
+        for side in (A, B):
+            self.query_one(f"#pane-{side.lower()}", OutputPane).mark_divergence(index)
+        bar = self.query_one(DivergenceBar)
+        compared = min(len(run.tokens[A]), len(run.tokens[B]))
+        if index is None:
+            suffix = "" if final else " so far"
+            bar.show_line(f"A and B agree on all {compared} tokens{suffix}")
+            return
+        token_a = describe_token(run.tokens[A][index]) if index < len(run.tokens[A]) else "(ended)"
+        token_b = describe_token(run.tokens[B][index]) if index < len(run.tokens[B]) else "(ended)"
+        bar.show_line(f"diverges at token {index} (step {index}): A {token_a!r} vs B {token_b!r}", diverged=True)
+
+    # -- flags and configuration B --------------------------------------------------------------------
+
+    def on_flag_changed(self, message: events.FlagChanged) -> None:
+        self.app.record_action({"action": "flag", "config": A, "flag": message.name, "value": message.value,
+                                "flags": dict(message.flags.values)})
+
+    def on_flag_refused(self, message: events.FlagRefused) -> None:
+        self.notify(message.message, title=f"{message.name}: refused", severity="warning")
+
+    def set_b_overrides(self, overrides: dict[str, Any] | None) -> None:
+        if overrides is None or overrides == self.b_overrides:
+            return
+        self.b_overrides = dict(overrides)
+        self.query_one(ConfigBRow).set_overrides(self.b_overrides)
+        self.app.record_action({"action": "config", "name": B, "overrides": dict(self.b_overrides)})
+        self.post_message(events.ConfigBChanged(dict(self.b_overrides)))
+
+    # -- actions -------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "cancel":
+            return True if self.running else None  # shown dimmed when nothing runs
+        return True
+
+    def action_cancel(self) -> None:
+        self.cancel_run()
+
+    def action_run_prompt(self) -> None:
+        bar = self.query_one(PromptBar)
+        self.start_run(bar.prompt, bar.max_tokens_text)
+
+    def action_clear_filters(self) -> None:
+        self.query_one(DispatchLog).clear_filters()
+
+    def set_flag(self, name: str, value: Any) -> None:
+        """From the command palette: a value for a select/bool flag, or None to focus an int flag's box."""
+        panel = self.query_one(FlagsPanel)
+        if value is None:
+            panel.row(name).query_one(f"#control-{name}").focus()
+            return
+        panel.set_flag(name, value)
+
+    def action_follow(self) -> None:
+        self.query_one(DispatchLog).resume_follow()
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt", Input).focus()
+
+    def action_edit_b(self) -> None:
+        from inspector.screens.edit_b import EditBScreen
+
+        self.app.push_screen(EditBScreen(self.b_overrides), self.set_b_overrides)
+
+    def action_tile_fill(self) -> None:
+        from inspector.screens.tile_fill import TileFillScreen
+
+        observations = self.current_run.moe_observations() if self.current_run is not None else []
+        self.app.push_screen(TileFillScreen(self.engine, self.flags, observations, self.app.sweep_path))
+
+    def action_attention_check(self) -> None:
+        from inspector.screens.attention_check import AttentionCheckScreen
+
+        self.app.push_screen(AttentionCheckScreen(self.engine, self.flags))

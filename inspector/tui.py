@@ -1,0 +1,36 @@
+"""`moe-inspector` with no subcommand: resolve the flags, load the engine, run the TUI.
+
+A bad `--set` value or an unknown model/device is reported before the screen is taken over
+(exit 2), never as a traceback inside the app.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from engine import flags as flag_registry
+from engine.errors import UserError
+from engine.runtime import Engine
+
+
+def launch(args) -> int:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            flags = flag_registry.resolve(args.set_flags)
+        print(f"moe-inspector: loading {args.model} on {args.device} …", file=sys.stderr, flush=True)
+        engine = Engine.load(args.model, args.device, args.seed)
+    except UserError as error:
+        print(f"moe-inspector: error: {error}", file=sys.stderr)
+        return error.exit_code
+    notes = [str(warning.message) for warning in caught]
+    if getattr(args, "session", None):
+        notes.append(f"--session {args.session}: sessions are not available in this build yet; "
+                     "the flags and actions are not recorded")
+
+    from inspector.app import InspectorApp  # textual is imported only once the engine is ready
+
+    app = InspectorApp(engine, flags, startup_notes=notes)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,48 @@
+"""The top line: which model, on which device (and whether it runs reference arms), and what runs now."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from engine.runtime import Engine
+
+
+def device_text(engine: Engine) -> str:
+    """`cpu: reference arms` where no kernel can run; else the GPU's name."""
+    if engine.device.type == "cpu":
+        return "cpu: reference arms"
+    return f"{engine.device_label} ({engine.device})"
+
+
+def model_text(engine: Engine) -> str:
+    c = engine.config
+    return (f"{c.name} · {c.n_layers} layers · top-{c.top_k} of {c.n_experts} experts · "
+            f"head_dim {c.head_dim} · context {c.max_seq_len} · seed {engine.seed}")
+
+
+class StatusBar(Static):
+    """Model, device, and the state of the current generation."""
+
+    def __init__(self, engine: Engine, id: str | None = None) -> None:  # noqa: A002 - Textual's name
+        super().__init__(id=id)
+        self.engine = engine
+        self.activity = "idle"
+        self.running = False
+
+    def on_mount(self) -> None:
+        self._render_line()
+
+    def set_activity(self, activity: str, running: bool) -> None:
+        self.activity, self.running = activity, running
+        self.set_class(running, "-running")
+        self._render_line()
+
+    def _render_line(self) -> None:
+        line = Text()
+        line.append(" moe-inspector ", style="bold reverse")
+        line.append(f"  {model_text(self.engine)}  │  ")
+        line.append(device_text(self.engine), style="bold")
+        line.append("  │  ")
+        line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
+        self.update(line)

@@ -1,0 +1,335 @@
+"""The Textual inspector driven through Pilot on the `tiny` preset (CPU, seconds).
+
+Each test asserts on state and on the typed messages the app posts (captured with run_test's
+message_hook), not on pixels; the pixels are in test_tui_snapshots.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import pytest
+from textual.widgets import Input, Select, Switch
+
+from engine import flags as flag_registry
+from engine.runtime import Engine
+from inspector import events
+from inspector.app import InspectorApp
+from inspector.screens.attention_check import NOT_AVAILABLE, AttentionCheckScreen
+from inspector.screens.edit_b import EditBScreen
+from inspector.screens.help import HelpScreen
+from inspector.screens.main import MainScreen
+from inspector.screens.tile_fill import TileFillScreen, load_sweep
+from inspector.widgets.dispatch_log import DispatchLog
+from inspector.widgets.flag_row import FlagRow
+from inspector.widgets.flags_panel import TUI, FlagsPanel
+from inspector.widgets.output_pane import OutputPane
+
+SIZE = (200, 50)
+LONGER_THAN_TINY_WINDOW = "The quick brown fox jumps over the lazy dog"  # 43 bytes > tiny's window of 16
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load("tiny", "cpu", 0)
+
+
+class RecordingApp(InspectorApp):
+    """The app with the session hook recording, and every posted message kept."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.actions: list[dict] = []
+        self.messages: list = []
+
+    def record_action(self, action: dict) -> None:
+        self.actions.append(action)
+
+
+def synchronously(test):
+    """Run an async Pilot test with asyncio.run (no asyncio plugin for pytest is needed)."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+    return run
+
+
+def make_app(engine: Engine, **kwargs) -> RecordingApp:
+    return RecordingApp(engine, flag_registry.resolve([], environ={}), timed=False, **kwargs)
+
+
+async def wait_until(pilot, condition, timeout: float = 20.0) -> None:
+    waited = 0.0
+    while not condition():
+        assert waited < timeout, "timed out waiting for the app"
+        await pilot.pause(0.05)
+        waited += 0.05
+
+
+async def run_prompt(pilot, app: RecordingApp, prompt: str, max_tokens: int | None = None) -> MainScreen:
+    main = app.main_screen
+    if max_tokens is not None:
+        main.query_one("#max-tokens").value = str(max_tokens)
+    main.query_one("#prompt").value = prompt
+    main.query_one("#prompt").focus()
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: main.current_run is not None and not main.current_run.running)
+    await pilot.pause()
+    return main
+
+
+def of_type(app: RecordingApp, kind: type) -> list:
+    """Messages of one type, each once (the hook sees a bubbling message at every node it reaches)."""
+    unique = {id(message): message for message in app.messages if isinstance(message, kind)}
+    return list(unique.values())
+
+
+@synchronously
+async def test_run_fills_both_panes_and_the_log(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
+        main = await run_prompt(pilot, app, "hello", max_tokens=6)
+        run = main.current_run
+        assert len(run.tokens[events.A]) == len(run.tokens[events.B]) == 6
+        assert main.query_one("#pane-a", OutputPane).tokens == run.tokens[events.A]
+        assert main.query_one("#pane-b", OutputPane).tokens == run.tokens[events.B]
+        layers = engine.config.n_layers
+        log = main.query_one(DispatchLog)
+        assert len(log.entries) == log.shown == 2 * 6 * 2 * layers  # 2 sides x 6 steps x (MoE + attention) x layers
+        # Messages: one start, batched steps, both sides finished, one end; never one message per token.
+        assert len(of_type(app, events.RunStarted)) == 1
+        batches = of_type(app, events.StepsArrived)
+        assert sum(len(batch.tokens) for batch in batches) == 12
+        assert [message.side for message in of_type(app, events.SideFinished)] == [events.A, events.B]
+        (finished,) = of_type(app, events.RunFinished)
+        assert not finished.cancelled and len(finished.comparison["logit_rel_err"]) == 6
+        # Counters are the engine's once a side finishes: B runs every layer on its reference arms.
+        counters = main.query_one("#counters")
+        assert counters.count(events.B, "reference") == 6 * layers and counters.count(events.B, "gemv") == 0
+        assert counters.count(events.B, "unfused") == 6 * layers and counters.count(events.B, "fused") == 0
+        # The session hook saw the prompt with both configurations, as plain values.
+        (prompt_action,) = [action for action in app.actions if action["action"] == "prompt"]
+        assert prompt_action["max_tokens"] == 6 and prompt_action["flags"]["fused_mask"] == "honor"
+        assert prompt_action["compare"]["flags"]["moe_gate"] == "reference"
+        json.dumps(prompt_action)  # plain data, ready for a session file
+
+
+@synchronously
+async def test_fused_mask_drop_is_resolved_in_the_next_run(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
+        main = app.main_screen
+        select = main.query_one("#control-fused_mask")
+        select.focus()
+        await pilot.press("enter", "down", "down", "enter")  # honor -> decline -> drop
+        await pilot.pause()
+        panel = main.query_one(FlagsPanel)
+        assert panel.flags["fused_mask"] == "drop" and panel.flags.sources["fused_mask"] == TUI
+        assert [(m.name, m.value) for m in of_type(app, events.FlagChanged)] == [("fused_mask", "drop")]
+        assert "drop · tui" in str(panel.row("fused_mask").query_one(".flag-status").render())
+
+        run = (await run_prompt(pilot, app, LONGER_THAN_TINY_WINDOW, max_tokens=8)).current_run
+        composite_layer = next(layer for layer, mask in enumerate(engine.config.layer_masks) if mask.kind != "causal")
+        a_records = [r for step in run.steps[events.A] for r in step["attention"] if r["layer"] == composite_layer]
+        b_records = [r for step in run.steps[events.B] for r in step["attention"] if r["layer"] == composite_layer]
+        assert {r["decided_arm"] for r in a_records} == {"fused"}
+        assert {r["applied_mask"] for r in a_records} == {"causal"}  # the mask was dropped
+        assert {r["applied_mask"] for r in b_records} == {engine.config.layer_masks[composite_layer].describe()}
+        assert run.flags[events.A].sources["fused_mask"] == TUI
+        # A computes plain causal attention where B honours the mask: the panes part, visibly.
+        assert max(run.comparison["logit_rel_err"]) > 1e-3
+        index = main.query_one("#pane-a", OutputPane).divergence
+        assert index is not None and main.query_one("#pane-b", OutputPane).divergence == index
+        assert f"diverges at token {index}" in str(main.query_one("#divergence-line").render())
+        flag_actions = [action for action in app.actions if action["action"] == "flag"]
+        assert flag_actions[-1]["flag"] == "fused_mask" and flag_actions[-1]["value"] == "drop"
+
+
+@synchronously
+async def test_invalid_flag_input_is_refused_in_place(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
+        main = app.main_screen
+        panel = main.query_one(FlagsPanel)
+        box = main.query_one("#control-decode_floor")
+        box.focus()
+        box.value = "-3"
+        await pilot.press("enter")
+        await pilot.pause()
+        (refused,) = of_type(app, events.FlagRefused)
+        assert refused.name == "decode_floor" and "an integer >= 0" in refused.message  # names the allowed values
+        assert panel.flags["decode_floor"] == 8 and panel.flags.sources["decode_floor"] == "default"
+        assert box.value == "8"  # the previous valid value, kept
+        row = panel.row("decode_floor")
+        assert row.refusal is not None and "refused" in str(row.query_one(".flag-status").render())
+        assert not of_type(app, events.FlagChanged)
+
+        threshold = main.query_one("#control-moe_gate-threshold")
+        threshold.focus()
+        threshold.value = "0"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert panel.flags["moe_gate"] == "measured"
+        assert "threshold:N (N >= 1)" in of_type(app, events.FlagRefused)[-1].message
+
+        threshold.value = "24"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert panel.flags["moe_gate"] == "threshold:24" and panel.flags.sources["moe_gate"] == TUI
+        assert main.query_one("#control-moe_gate").value == "threshold"
+
+        box.focus()
+        box.value = "3"
+        await pilot.press("tab")  # leaving the box applies it too
+        await pilot.pause()
+        assert panel.flags["decode_floor"] == 3 and row.refusal is None
+
+
+@synchronously
+async def test_cancel_stops_a_long_generation(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
+        main = app.main_screen
+        # Started directly: Pilot's key presses wait for the app to go idle, which a run defers.
+        assert main.start_run("hello", "400")
+        await wait_until(pilot, lambda: len(main.current_run.tokens[events.A]) >= 3)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not main.current_run.running)
+        run = main.current_run
+        assert run.cancelled and run.cancel.is_set()
+        assert 3 <= len(run.tokens[events.A]) < 400 and run.tokens[events.B] == []
+        (finished,) = of_type(app, events.RunFinished)
+        assert finished.cancelled and finished.comparison is None
+        assert "cancelled" in str(main.query_one("#status").render())
+
+
+@synchronously
+async def test_ctrl_q_quits_and_cancels_the_running_generation(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = app.main_screen
+        assert main.start_run("hello", "400")
+        await wait_until(pilot, lambda: main.current_run.tokens[events.A])
+        run = main.current_run
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        assert run.cancel.is_set()
+    assert app.return_code == 0
+
+
+@synchronously
+async def test_edit_b_applies_and_refuses(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        await pilot.pause()
+        assert isinstance(app.screen, EditBScreen)
+        box = app.screen.query_one("#b-overrides")
+        box.value = "fused_mask=sideways"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, EditBScreen)  # refused in place
+        assert "honor, decline or drop" in str(app.screen.query_one("#b-refusal").render())
+        box.value = "flash_512=off, fused_mask=decline"
+        await pilot.press("enter")
+        await pilot.pause()
+        main = app.main_screen
+        assert app.screen is main and main.b_overrides == {"flash_512": False, "fused_mask": "decline"}
+        assert "fused_mask=decline" in str(main.query_one("#b-row").render())
+        assert app.actions[-1] == {"action": "config", "name": "B",
+                                   "overrides": {"flash_512": False, "fused_mask": "decline"}}
+
+
+@synchronously
+async def test_tile_fill_help_and_palette(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await run_prompt(pilot, app, "hello", max_tokens=3)
+        await pilot.press("f2")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, TileFillScreen)
+        assert any(n == 5 for n, _ in screen.observations)  # the 5-token prefill, observed
+        assert any(n == 1 for n, _ in screen.observations)  # decode steps
+        assert screen.min_tokens == 64 and screen.boundary == 16  # top-2 of 8 at TILE_M=16; measured -> threshold:16
+        assert app.actions[-1]["action"] == "curve"
+        await pilot.press("escape")
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, MainScreen)
+        # The palette offers every flag value; picking one sets it like the panel would.
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"decline")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert app.main_screen.flags["fused_mask"] == "decline"
+
+
+@synchronously
+async def test_attention_check_screen(engine):
+    result = {
+        "discrimination": {"masked_vs_causal": 0.41, "control": 2.1e-3},
+        "errors": {"masked": 0.39, "causal": 1.2e-3, "unmasked": 0.52},
+        "control": 2.0e-3, "ablation": {"window": 0.3, "summaries": 0.1, "padding": 0.02},
+        "worst": {"query": 40, "key": 3}, "sink_sweep": {"-inf": 1e-3, "0": 1.1e-3},
+        "verdict": "causal", "sentence": "the fused output sits on the causal reference: the mask was dropped",
+    }
+    calls = []
+
+    def fake_check(**parameters):
+        calls.append(parameters)
+        return result
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        app.push_screen(AttentionCheckScreen(engine, app.main_screen.flags, check=None))
+        await pilot.pause()
+        await pilot.press("f7")
+        assert NOT_AVAILABLE in str(app.screen.query_one("#check-output").render())
+        app.pop_screen()
+        screen = AttentionCheckScreen(engine, app.main_screen.flags, check=fake_check)
+        app.push_screen(screen)
+        await pilot.pause()
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: screen.result is not None)
+        (parameters,) = calls
+        assert parameters["head_dim"] == engine.config.head_dim and parameters["heads"] == engine.config.n_heads
+        assert parameters["window"] == 16 and parameters["block"] == 8 and parameters["mode"] == "honor"
+        assert app.actions[-1]["action"] == "check-attention"
+
+
+def test_sweep_file_is_optional_and_checked(tmp_path):
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": [
+        {"n": 1, "us": {"gemv": 10.0, "grouped_v2": 30.0}},
+        {"n": 16, "us": {"gemv": 40.0, "grouped_v2": 35.0}},
+        {"n": 64, "us": {"gemv": 150.0, "grouped_v2": 60.0}},
+    ]}))
+    loaded = load_sweep(str(sweep))
+    assert loaded["crossover"] == 16 and [n for n, _ in loaded["rows"]] == [1, 16, 64]
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(Exception, match="not JSON"):
+        load_sweep(str(tmp_path / "bad.json"))
+    with pytest.raises(Exception, match="cannot read"):
+        load_sweep(str(tmp_path / "missing.json"))
+
+
+@synchronously
+async def test_start_prompt_focused_and_every_flag_has_its_widget(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.focused is not None and app.focused.id == "prompt"
+        assert "cpu: reference arms" in str(app.main_screen.query_one("#status").render())
+        panel = app.main_screen.query_one(FlagsPanel)
+        for name, spec in flag_registry.SPECS.items():
+            assert isinstance(panel.row(name), FlagRow)
+            control = panel.row(name).query_one(f"#control-{name}")
+            assert isinstance(control, {"bool": Switch, "select": Select, "int": Input}[spec.kind]), name
