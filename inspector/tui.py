@@ -19,7 +19,7 @@ def launch(args) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             flags = flag_registry.resolve(args.set_flags)
-        print(f"moe-inspector: loading {args.model} on {args.device} …", file=sys.stderr, flush=True)
+        print(f"moe-inspector: loading model {args.model} (device {args.device}) …", file=sys.stderr, flush=True)
         engine = Engine.load(args.model, args.device, args.seed)
     except UserError as error:
         print(f"moe-inspector: error: {error}", file=sys.stderr)

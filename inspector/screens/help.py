@@ -19,6 +19,7 @@ KEYS = (
     ("f3", "attention check screen: fused vs masked / causal / unmasked references"),
     ("f4", "edit configuration B (A's flags with overrides)"),
     ("f5", "dispatch log: follow the newest rows again"),
+    ("f6", "focus the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box)"),
     ("ctrl+l", "focus the prompt box"),
     ("tab / shift+tab", "move between the prompt, the flags, the log filters and the tables"),
     ("ctrl+p", "command palette: every action, and every flag value"),

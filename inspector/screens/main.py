@@ -20,7 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input
 
 from engine.errors import UserError
-from engine.flags import ResolvedFlags
+from engine.flags import DEFAULT, ResolvedFlags
 from engine.runtime import Engine
 from engine.sidebyside import compare, first_divergence
 from inspector import events
@@ -67,6 +67,12 @@ def parse_max_tokens(text: str) -> int:
     return int(text)
 
 
+def describe_changed(flags: ResolvedFlags) -> str:
+    """A's title: the flags not at their defaults, or that it runs on defaults."""
+    changed = {name: flags[name] for name, source in flags.sources.items() if source != DEFAULT}
+    return describe_overrides(changed) if changed else "default flags"
+
+
 def describe_token(token: int) -> str:
     return token_text(token)[0]
 
@@ -78,6 +84,7 @@ class MainScreen(Screen):
         Binding("f3", "attention_check", "Attention check"),
         Binding("f4", "edit_b", "Edit B"),
         Binding("f5", "follow", "Follow log"),
+        Binding("f6", "focus_flags", "Flags"),
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
     ]
 
@@ -110,7 +117,7 @@ class MainScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#pane-a", OutputPane).reset("the flags panel")
+        self.query_one("#pane-a", OutputPane).reset(describe_changed(self.initial_flags))
         self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
         self.query_one("#prompt", Input).focus()
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
@@ -148,7 +155,7 @@ class MainScreen(Screen):
         run = Run(self._next_run_id, prompt, max_tokens, {A: flags_a, B: flags_b})
         self._next_run_id += 1
         self.current_run = run
-        self.query_one("#pane-a", OutputPane).reset("the flags panel")
+        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags_a))
         self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
         self.query_one(DispatchLog).clear()
         self.query_one(CountersTable).reset()
@@ -278,7 +285,7 @@ class MainScreen(Screen):
             return
         token_a = describe_token(run.tokens[A][index]) if index < len(run.tokens[A]) else "(ended)"
         token_b = describe_token(run.tokens[B][index]) if index < len(run.tokens[B]) else "(ended)"
-        bar.show_line(f"diverges at token {index} (step {index}): A {token_a!r} vs B {token_b!r}", diverged=True)
+        bar.show_line(f"diverges at token {index} (step {index}): A '{token_a}' vs B '{token_b}'", diverged=True)
 
     # -- flags and configuration B --------------------------------------------------------------------
 
@@ -327,6 +334,11 @@ class MainScreen(Screen):
 
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt", Input).focus()
+
+    def action_focus_flags(self) -> None:
+        panel = self.query_one(FlagsPanel)
+        first = next(iter(panel.flags.values))
+        panel.row(first).query_one(f"#control-{first}").focus()
 
     def action_edit_b(self) -> None:
         from inspector.screens.edit_b import EditBScreen

@@ -25,6 +25,7 @@ ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("Follow dispatch log", "scroll the log to its newest row and keep following", "screen.follow"),
     ("Clear log filters", "show every row of the dispatch log", "screen.clear_filters"),
     ("Focus prompt", "put the cursor in the prompt box", "screen.focus_prompt"),
+    ("Focus flags", "move to the flags panel (configuration A)", "screen.focus_flags"),
     ("Help", "every key, and what each panel shows", "app.help"),
     ("Quit", "cancel any run and leave", "app.quit"),
 )

@@ -31,6 +31,12 @@ def curve_tokens(limit: int) -> list[int]:
     return sorted({max(1, round(2 ** (step / 4))) for step in range(0, int(4 * math.log2(limit)) + 1)})
 
 
+def powers_of_two(plt, axis: str, limit: float) -> None:
+    """Ticks at 1, 2, 4, ... on a log axis (plotext's own log ticks land between them)."""
+    ticks = [2 ** power for power in range(0, math.ceil(math.log2(max(limit, 2))) + 1)]
+    (plt.xticks if axis == "x" else plt.yticks)(ticks, [str(tick) for tick in ticks])
+
+
 def policy_boundary(engine: Engine, flags: ResolvedFlags) -> tuple[int | None, str]:
     """The smallest n at which the current flags pick the grouped arm, and why (None: never, by policy)."""
     c = engine.config
@@ -133,7 +139,8 @@ class TileFillScreen(Screen):
         self.k, self.experts, self.tile_m = c.top_k, c.n_experts, flags["tile_m"]
         self.min_tokens = dispatch.min_tokens(self.k, self.experts, self.tile_m)
         self.boundary, self.boundary_reason = policy_boundary(engine, flags)
-        self.limit = 2 ** math.ceil(math.log2(max(8 * self.min_tokens, 1024)))
+        widest = max([4 * self.min_tokens, 256] + [n for n, _ in observations])
+        self.limit = 2 ** math.ceil(math.log2(widest))
 
     def compose(self) -> ComposeResult:
         yield Static(self._summary(), id="tile-summary")
@@ -167,20 +174,22 @@ class TileFillScreen(Screen):
         plt.clear_figure()
         tokens = curve_tokens(self.limit)
         pairs = [dispatch.pairs_per_woken_expert(n, self.k, self.experts) for n in tokens]
-        plt.title(f"pairs per woken expert vs n (top-{self.k} of {self.experts}, uniform routing)")
+        plt.title(f"pairs per woken expert vs n (top-{self.k} of {self.experts}, uniform routing; log-log)")
         plt.xscale("log")
+        plt.yscale("log")
+        powers_of_two(plt, "x", self.limit)
+        powers_of_two(plt, "y", max(pairs))
         plt.plot(tokens, pairs, label="predicted", marker="braille")
         plt.hline(self.tile_m, "red")
-        plt.text(f"TILE_M={self.tile_m}", tokens[1], self.tile_m, color="red")
+        plt.text(f"TILE_M={self.tile_m}: tiles full above", 2, self.tile_m * 1.25, color="red")
         if self.boundary is not None and self.boundary <= self.limit:
             plt.vline(self.boundary, "orange")
-            plt.text(f"policy: grouped from {self.boundary}", self.boundary, max(pairs) * 0.9, color="orange")
-        shown = [(n, observed) for n, observed in self.observations if n <= self.limit]
-        if shown:
-            plt.scatter([n for n, _ in shown], [observed for _, observed in shown], label="observed (last run)",
-                        marker="x", color="green")
+            plt.text(f"grouped from n={self.boundary}", self.boundary, max(pairs) / 2, color="orange")
+        if self.observations:
+            plt.scatter([n for n, _ in self.observations], [observed for _, observed in self.observations],
+                        label="observed (last run)", marker="x", color="green")
         plt.xlabel("n tokens in the step (log)")
-        plt.ylabel("pairs per woken expert")
+        plt.ylabel("pairs per woken expert (log)")
 
     def draw_sweep(self) -> None:
         plot = self.query_one("#sweep-plot", PlotextPlot)
@@ -189,8 +198,9 @@ class TileFillScreen(Screen):
         plt.clear_figure()
         rows, crossover = self.sweep["rows"], self.sweep["crossover"]
         arms = sorted({arm for _, timings in rows for arm in timings})
-        plt.title("µs per arm vs n (sweep)")
+        plt.title("µs per arm vs n (sweep; log-x)")
         plt.xscale("log")
+        powers_of_two(plt, "x", max(n for n, _ in rows))
         for arm in arms:
             points = [(n, timings[arm]) for n, timings in rows if arm in timings]
             plt.plot([n for n, _ in points], [us for _, us in points], label=arm, marker="braille")
