@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
 
 import pytest
+from rich.console import Console
 from textual.widgets import Input, Select, Switch
 
 from engine import flags as flag_registry
 from engine.runtime import Engine
 from inspector import events
 from inspector.app import InspectorApp
-from inspector.screens.attention_check import NOT_AVAILABLE, AttentionCheckScreen
+from inspector.screens.attention_check import NOT_AVAILABLE, AttentionCheckScreen, render_result
 from inspector.screens.edit_b import EditBScreen
 from inspector.screens.help import HelpScreen
 from inspector.screens.main import MainScreen
@@ -117,7 +119,7 @@ async def test_run_fills_both_panes_and_the_log(engine):
 
 
 @synchronously
-async def test_fused_mask_drop_is_resolved_in_the_next_run(engine):
+async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
     app = make_app(engine)
     async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
         main = app.main_screen
@@ -145,6 +147,15 @@ async def test_fused_mask_drop_is_resolved_in_the_next_run(engine):
         assert f"diverges at token {index}" in str(main.query_one("#divergence-line").render())
         flag_actions = [action for action in app.actions if action["action"] == "flag"]
         assert flag_actions[-1]["flag"] == "fused_mask" and flag_actions[-1]["value"] == "drop"
+    # The session hook's payloads are what the session recorder (issue 6) reads.
+    recorder_module = pytest.importorskip("inspector.session_recorder")
+    recorder = recorder_module.SessionRecorder(tmp_path / "recorded.toml", {"model": "tiny", "seed": 0},
+                                               flag_registry.resolve([], environ={}))
+    for action in app.actions:
+        recorder.append(action)
+    (step,) = recorder.steps
+    assert step.prompt == LONGER_THAN_TINY_WINDOW and step.max_tokens == 8
+    assert recorder.session.flags["fused_mask"] == "drop"
 
 
 @synchronously
@@ -274,12 +285,17 @@ async def test_tile_fill_help_and_palette(engine):
 
 @synchronously
 async def test_attention_check_screen(engine):
-    result = {
-        "discrimination": {"masked_vs_causal": 0.41, "control": 2.1e-3},
-        "errors": {"masked": 0.39, "causal": 1.2e-3, "unmasked": 0.52},
-        "control": 2.0e-3, "ablation": {"window": 0.3, "summaries": 0.1, "padding": 0.02},
-        "worst": {"query": 40, "key": 3}, "sink_sweep": {"-inf": 1e-3, "0": 1.1e-3},
-        "verdict": "causal", "sentence": "the fused output sits on the causal reference: the mask was dropped",
+    result = {  # the shape of engine.compare.check_attention's answer, for a dropped mask
+        "discrimination": {"masked_vs_causal": 0.76, "masked_vs_unmasked": 0.9, "control": 8.8e-08,
+                           "ratio": 8.6e6, "threshold": 100.0, "fires": True},
+        "errors": {"masked": 0.83, "causal": 1.6e-07, "unmasked": 1.2},
+        "control": 8.8e-08,
+        "ablation": {"window_off": {"effect": 0.45, "fused": 0.5}, "summaries_off": {"effect": 0.18, "fused": 0.6},
+                     "padding_off": {"effect": 0.59, "fused": 0.3}, "nearest": "padding_off"},
+        "worst": {"query": 64, "head": 0, "key": 9, "why_masked_differs": "outside the window"},
+        "sink_sweep": [{"sink": "-inf", "error": 0.8, "control": 8.8e-08, "finite": True, "ok": False}],
+        "verdict": "causal", "sentence": "The fused output sits on the causal reference: the mask was dropped.",
+        "ok": False,
     }
     calls = []
 
@@ -302,7 +318,13 @@ async def test_attention_check_screen(engine):
         (parameters,) = calls
         assert parameters["head_dim"] == engine.config.head_dim and parameters["heads"] == engine.config.n_heads
         assert parameters["window"] == 16 and parameters["block"] == 8 and parameters["mode"] == "honor"
-        assert app.actions[-1]["action"] == "check-attention"
+        assert parameters["device"] == "cpu" and parameters["dtype"] == engine.dtype
+        assert app.actions[-1]["action"] == "check-attention" and app.actions[-1]["dtype"] == "torch.float32"
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(render_result(result))
+    shown = console.export_text()
+    assert "verdict: causal" in shown and "check FAILED" in shown and "padding_off" in shown
+    assert "causal reference      1.600e-07" in shown
 
 
 def test_sweep_file_is_optional_and_checked(tmp_path):
