@@ -8,6 +8,7 @@ COMMAND_MODULES = [
     "generate",
     "compare",
     "check_attention",
+    "sweep",
     "run",
     "replay",
     "bench",

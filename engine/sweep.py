@@ -1,0 +1,424 @@
+"""The MoE arms sweep: times every MoE arm on one layer per token count, against this GPU's own
+ceilings measured in the same run, and finds the GEMV/grouped crossover the `measured` gate uses.
+
+Shape legend: n = tokens, k = experts per token, E = experts, D = hidden, F = expert intermediate.
+
+Per token count n it reports
+    woken experts   observed (distinct experts in the drawn routing, mean over the rotated sets)
+    bandwidth bound (woken * 3*D*F weights + n*D read + n*D written) * bytes / copy bandwidth
+    tensor bound    2 * n*k * 3*D*F FLOPs / bf16 matmul rate
+    each arm        median device µs per call, its ratio to the larger bound, its relative error
+                    against `moe_reference` on the same inputs, and its launches per call
+    align           median µs of `moe_align` alone (the sort/schedule every grouped call pays)
+
+How it times (so the numbers mean what they say): inputs (x, routing) rotate among ROTATIONS
+sets; before each timed call a clean read of twice the L2 evicts everything (a read, not a write,
+so no dirty lines are written back inside the timed call), then a device spin gives the host time
+to queue all of the arm's launches, so the CUDA events measure device time as under a CUDA graph,
+not Python launch overhead. Median of up to MAX_REPS calls.
+
+Knows nothing of screens or sessions; the model shapes are a local table until the preset
+registry (engine/config.py) lands.
+"""
+
+from __future__ import annotations
+
+import datetime as _datetime
+import math
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import MeasurementError, UserError
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    experts: int  # E
+    top_k: int  # k
+    hidden: int  # D
+    intermediate: int  # F
+
+    def expert_weight_bytes(self, element_bytes: int = 2) -> int:
+        """w13 (2F x D) plus w2 (D x F) of one expert."""
+        return 3 * self.hidden * self.intermediate * element_bytes
+
+
+def moe_shape(model: str) -> MoeShape:
+    """The MoE layer shape of a preset (engine.config), so the sweep times what the model runs."""
+    from engine.config import from_name
+
+    config = from_name(model)
+    return MoeShape(experts=config.n_experts, top_k=config.top_k, hidden=config.hidden,
+                    intermediate=config.intermediate)
+
+
+ARMS = ("gemv", "grouped_v0", "grouped_v1", "grouped_v2", "torch_grouped_mm")
+GROUPED_ARMS = ("grouped_v0", "grouped_v1", "grouped_v2")
+DEFAULT_TOKENS = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 683, 1024, 2048, 4096, 8192)
+MAX_TOKENS = 65536
+ROTATIONS = 4  # routing / activation sets cycled through the timed calls
+MIN_REPS = 5
+MAX_REPS = 100
+BUDGET_MS = 150.0  # target timed milliseconds per (arm, n); MIN_REPS wins for slow calls
+SPIN_CYCLES = 1_000_000  # ~0.5 ms at H200 clocks: longer than any arm's host launch time
+MATMUL_SIZE = 8192
+COPY_BYTES = 1 << 30  # bytes of the copy source (the copy moves twice this)
+CHECK_TOLERANCE = 1e-2  # relative error vs reference in bf16 (see tests/test_moe_kernels.py)
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4), sorted and without repeats; a bad value is a UserError naming it."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or not 1 <= int(part) <= MAX_TOKENS:
+            raise UserError(f"--tokens: {part!r} is not a token count; give integers in 1..{MAX_TOKENS} "
+                            "separated by commas, e.g. --tokens 1,2,4,8,16")
+        values.append(int(part))
+    return tuple(sorted(set(values)))
+
+
+def parse_arms(text: str) -> tuple[str, ...]:
+    arms = []
+    for part in text.split(","):
+        part = part.strip()
+        if part not in ARMS:
+            raise UserError(f"--arms: unknown arm {part!r}; choose from {', '.join(ARMS)}")
+        if part not in arms:
+            arms.append(part)
+    return tuple(arms)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str
+    tokens: tuple[int, ...] = DEFAULT_TOKENS
+    arms: tuple[str, ...] = ARMS
+    skew: float = 0.0
+    tile_m: int = 16
+    seed: int = 0
+    calibration: Path | None = None
+    shape: MoeShape = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", moe_shape(self.model))
+        if not self.tokens:
+            raise UserError("--tokens: give at least one token count")
+        if not self.arms:
+            raise UserError("--arms: give at least one arm")
+        if not (math.isfinite(self.skew) and self.skew >= 0):
+            raise UserError(f"--skew: {self.skew} is not a Zipf exponent; give a number >= 0 (0 = uniform)")
+        from kernels.moe_grouped import TILE_M_CHOICES  # the gate's TILE_M comes from the kernel
+
+        if self.tile_m not in TILE_M_CHOICES:
+            raise UserError(f"--tile-m: {self.tile_m} is not supported; choose from "
+                            f"{', '.join(map(str, TILE_M_CHOICES))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic of the bounds and the crossover: plain functions over plain values
+# ---------------------------------------------------------------------------------------------
+
+def bandwidth_bound_us(shape: MoeShape, tokens: int, woken_experts: float, copy_bandwidth_gbs: float,
+                       element_bytes: int = 2) -> float:
+    moved = woken_experts * shape.expert_weight_bytes(element_bytes) + 2 * tokens * shape.hidden * element_bytes
+    return moved / (copy_bandwidth_gbs * 1e9) * 1e6
+
+
+def tensor_core_bound_us(shape: MoeShape, tokens: int, matmul_tflops: float) -> float:
+    flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
+    return flops / (matmul_tflops * 1e12) * 1e6
+
+
+def crossover_tokens(rows: list[dict]) -> int | None:
+    """Smallest measured n from which the best grouped variant beats GEMV at every larger
+    measured n; None when GEMV or every grouped variant was not measured, or GEMV wins the last."""
+    crossover = None
+    for row in sorted(rows, key=lambda r: r["tokens"], reverse=True):
+        arms = row["arms"]
+        grouped = [arms[name]["us"] for name in GROUPED_ARMS if arms.get(name, {}).get("us") is not None]
+        gemv = arms.get("gemv", {}).get("us")
+        if gemv is None or not grouped:
+            return None
+        if min(grouped) < gemv:
+            crossover = row["tokens"]
+        else:
+            break
+    return crossover
+
+
+def zipf_popularity(experts: int, skew: float, permutation: list[int]) -> list[float]:
+    """Expert e's share of routing: (rank + 1)^-skew, ranks in a fixed random order."""
+    weights = [0.0] * experts
+    for rank, expert in enumerate(permutation):
+        weights[expert] = (rank + 1) ** -skew
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def git_commit() -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (needs a CUDA GPU)
+# ---------------------------------------------------------------------------------------------
+
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("sweep needs a CUDA GPU; this machine has none (torch.cuda.is_available() is "
+                        "False). Run it on the GPU machine, e.g. `bash bench/gpu_moe.sh`")
+
+
+class _Timer:
+    """Median device time of a callable, with L2 evicted by a clean read and launches queued
+    ahead of the timed region (see the module docstring)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch = torch
+        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (60 << 20)
+        self.flush = torch.ones(2 * l2_bytes // 4, dtype=torch.float32, device=device)
+        self.flush_sink = torch.empty((), dtype=torch.float32, device=device)
+        self.spin = getattr(torch.cuda, "_sleep", None)
+
+    def median_us(self, fn, budget_ms: float = BUDGET_MS) -> float:
+        torch = self.torch
+        fn()  # compile / warm up
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        estimate_ms = max(start.elapsed_time(end), 1e-3)
+        reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / estimate_ms)))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for begin, finish in events:
+            torch.sum(self.flush, dim=0, out=self.flush_sink)
+            if self.spin is not None:
+                self.spin(SPIN_CYCLES)
+            begin.record()
+            fn()
+            finish.record()
+        torch.cuda.synchronize()
+        times_us = [begin.elapsed_time(finish) * 1e3 for begin, finish in events]
+        median = statistics.median(times_us)
+        if not (math.isfinite(median) and median > 0):
+            raise MeasurementError(f"a timing came back as {median} µs: refusing to report it")
+        return median
+
+
+def _copy_bandwidth_gbs(timer: _Timer, device) -> float:
+    import torch
+
+    source = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    us = timer.median_us(lambda: target.copy_(source))
+    del source, target
+    return 2 * COPY_BYTES / (us * 1e-6) / 1e9
+
+
+def _matmul_tflops(timer: _Timer, device, generator) -> float:
+    import torch
+
+    size = MATMUL_SIZE
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device, generator=generator)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device, generator=generator)
+    c = torch.empty(size, size, dtype=torch.bfloat16, device=device)
+    us = timer.median_us(lambda: torch.mm(a, b, out=c))
+    del a, b, c
+    return 2 * size**3 / (us * 1e-6) / 1e12
+
+
+def _random_weights(shape: MoeShape, device, generator):
+    """bf16 experts drawn on the GPU in place (12.9 GB at v4-shape: never through the host)."""
+    import torch
+
+    E, D, F = shape.experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(E, 2 * F, D, dtype=torch.bfloat16, device=device, generator=generator)
+    w13.mul_(D**-0.5)
+    w2 = torch.randn(E, D, F, dtype=torch.bfloat16, device=device, generator=generator)
+    w2.mul_(F**-0.5)
+    return w13, w2
+
+
+def _routing(shape: MoeShape, tokens: int, popularity, device, generator):
+    """top-k experts per token without replacement: uniform, or weighted by `popularity` (the
+    Gumbel top-k trick samples k distinct experts with probability proportional to it)."""
+    import torch
+
+    scores = torch.rand(tokens, shape.experts, device=device, generator=generator)
+    if popularity is not None:
+        gumbel = -torch.log(-torch.log(scores.clamp_min(1e-20)))
+        scores = popularity.log().unsqueeze(0) + gumbel
+    topk_ids = scores.topk(shape.top_k, dim=1).indices.to(torch.int32)
+    logits = torch.randn(tokens, shape.top_k, device=device, generator=generator)
+    topk_weights = torch.softmax(logits, dim=1)
+    return topk_ids, topk_weights
+
+
+def _arm_functions(arms, tile_m: int):
+    from kernels.moe_gemv import moe_gemv
+    from kernels.moe_grouped import moe_grouped
+    from kernels.moe_peer import moe_torch_grouped_mm
+
+    table = {
+        "gemv": moe_gemv,
+        "grouped_v0": lambda *a: moe_grouped(*a, tile_m=tile_m, variant=0),
+        "grouped_v1": lambda *a: moe_grouped(*a, tile_m=tile_m, variant=1),
+        "grouped_v2": lambda *a: moe_grouped(*a, tile_m=tile_m, variant=2),
+        "torch_grouped_mm": moe_torch_grouped_mm,
+    }
+    return {arm: table[arm] for arm in arms}
+
+
+def run_sweep(config: SweepConfig, progress=None) -> dict:
+    """Measure everything `config` asks for; returns the JSON-ready result. Needs CUDA."""
+    require_cuda()
+    import torch
+
+    from engine import calibration
+    from kernels import launches
+    from kernels.moe_align import moe_align
+    from kernels.moe_grouped import ROWS_PER_PROGRAM
+    from kernels.moe_peer import grouped_mm_available
+    from kernels.reference import moe_reference
+
+    def step(note: str = "") -> None:
+        if progress is not None:
+            progress.advance(note=note)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    shape = config.shape
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed)
+    timer = _Timer(device)
+    copy_gbs = _copy_bandwidth_gbs(timer, device)
+    step("copy bandwidth")
+    matmul_tflops = _matmul_tflops(timer, device, generator)
+    step("matmul rate")
+
+    w13, w2 = _random_weights(shape, device, generator)
+    popularity = None
+    if config.skew > 0:
+        permutation = torch.randperm(shape.experts, generator=generator, device=device).tolist()
+        popularity = torch.tensor(zipf_popularity(shape.experts, config.skew, permutation), device=device)
+    arm_functions = _arm_functions(config.arms, config.tile_m)
+    unavailable = {}
+    if "torch_grouped_mm" in arm_functions and not grouped_mm_available(device):
+        unavailable["torch_grouped_mm"] = "torch._grouped_mm does not run on this GPU"
+        del arm_functions["torch_grouped_mm"]
+
+    rows = []
+    check_failed = False
+    for tokens in config.tokens:
+        sets = []
+        for _ in range(ROTATIONS):
+            x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device=device, generator=generator)
+            topk_ids, topk_weights = _routing(shape, tokens, popularity, device, generator)
+            sets.append((x, topk_ids, topk_weights))
+        woken = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
+        reference = moe_reference(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
+        reference_norm = reference.norm().item()
+
+        arms_result = {}
+        for arm, function in arm_functions.items():
+            before = launches.snapshot()
+            out = function(sets[0][0], w13, w2, sets[0][1], sets[0][2])
+            per_call = launches.since(before)
+            rel_err = (out.float() - reference).norm().item() / max(reference_norm, 1e-30)
+            del out
+            check_failed |= not rel_err <= CHECK_TOLERANCE
+            counter = iter(range(1 << 62))
+
+            def call(function=function, counter=counter):
+                x, ids, weights = sets[next(counter) % ROTATIONS]
+                return function(x, w13, w2, ids, weights)
+
+            arms_result[arm] = {"us": timer.median_us(call), "rel_err": rel_err, "launches_per_call": per_call}
+            step(f"n={tokens} {arm}")
+        for arm, why in unavailable.items():
+            arms_result[arm] = {"us": None, "rel_err": None, "launches_per_call": {}, "unavailable": why}
+            step(f"n={tokens} {arm} unavailable")
+
+        align_counter = iter(range(1 << 62))
+        align_us = timer.median_us(lambda: moe_align(sets[next(align_counter) % ROTATIONS][1], shape.experts,
+                                                     config.tile_m, window_rows=ROWS_PER_PROGRAM))
+        step(f"n={tokens} align")
+        del reference, sets
+
+        bandwidth_us = bandwidth_bound_us(shape, tokens, woken, copy_gbs)
+        tensor_us = tensor_core_bound_us(shape, tokens, matmul_tflops)
+        bound = max(bandwidth_us, tensor_us)
+        for result in arms_result.values():
+            result["ratio"] = None if result["us"] is None else result["us"] / bound
+        rows.append({
+            "tokens": tokens,
+            "woken_experts": woken,
+            "pairs_per_woken_expert": tokens * shape.top_k / woken,
+            "bandwidth_bound_us": bandwidth_us,
+            "tensor_core_bound_us": tensor_us,
+            "bound_us": bound,
+            "align_us": align_us,
+            "arms": arms_result,
+        })
+
+    crossover = crossover_tokens(rows)
+    device_name = torch.cuda.get_device_name(device)
+    commit = git_commit()
+    calibration_file = None
+    calibration_note = None
+    if crossover is None:
+        calibration_note = "no crossover measured (needs gemv and a grouped arm, grouped winning at the largest n)"
+    elif config.skew > 0:
+        calibration_note = "skewed routing: the calibration (uniform routing) was not written"
+    else:
+        calibration_file = str(calibration.save_entry({
+            "device": device_name,
+            "k": shape.top_k,
+            "experts": shape.experts,
+            "hidden": shape.hidden,
+            "intermediate": shape.intermediate,
+            "tile_m": config.tile_m,
+            "crossover_tokens": crossover,
+            "measured_at": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit,
+        }, config.calibration))
+    return {
+        "device": device_name,
+        "model": config.model,
+        "shape": {"experts": shape.experts, "top_k": shape.top_k, "hidden": shape.hidden,
+                  "intermediate": shape.intermediate},
+        "dtype": "bfloat16",
+        "tile_m": config.tile_m,
+        "skew": config.skew,
+        "copy_bandwidth_gbs": copy_gbs,
+        "matmul_tflops": matmul_tflops,
+        "rows": rows,
+        "crossover_tokens": crossover,
+        "calibration_path": calibration_file,
+        "calibration_note": calibration_note,
+        "check_tolerance": CHECK_TOLERANCE,
+        "check_failed": check_failed,
+        "commit": commit,
+        "versions": {"torch": torch.__version__, "triton": _triton_version()},
+    }
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
