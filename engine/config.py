@@ -93,8 +93,8 @@ PRESETS: dict[str, ModelConfig] = {
     # The embedded default: byte vocab, 64 experts top-6, head_dim 512 with sinks and the
     # composite mask, 4096 context, so every flag has something to act on.
     "demo": ModelConfig(
-        name="demo", n_layers=2, hidden=256, intermediate=128, n_experts=64, top_k=6,
-        n_heads=4, n_kv_heads=1, head_dim=512, vocab_size=256, max_seq_len=4096,
+        name="demo", n_layers=2, hidden=256, intermediate=48, n_experts=64, top_k=6,
+        n_heads=2, n_kv_heads=1, head_dim=512, vocab_size=256, max_seq_len=4096,
         layer_masks=_alternating(2, window=128, block=64),
     ),
     # DeepSeek-V4-Flash-like width for kernel timing on an H200; random weights.
