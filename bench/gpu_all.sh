@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one call, for a lent H200 whose time is short.
+#
+#   bash bench/gpu_all.sh tests      GPU tests of every module, check-attention, attention bench, short sweep
+#   bash bench/gpu_all.sh final      train the demo checkpoint, full sweep, bench tables, demo samples
+#
+# Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
+# tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-tests}
+WORK=${WORK:-/tmp/moei-gpu}
+OUT=${OUT:-bench/results/latest}
+rm -rf "$WORK"; mkdir -p "$WORK" "$OUT"
+export PYTHONUNBUFFERED=1 MOEI_CALIBRATION="$WORK/calibration.json"
+commit=$(git rev-parse HEAD 2>/dev/null || cat bench/COMMIT 2>/dev/null || echo unknown)
+export MOEI_COMMIT=$commit
+started=$SECONDS
+
+stage() {  # stage LIMIT_S NAME COMMAND... ; output to $WORK/NAME.log
+    local limit=$1 name=$2; shift 2
+    echo "== $name (limit ${limit}s, at $((SECONDS - started))s)"
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+    local rc=$?
+    echo "   exit $rc$([ $rc -eq 124 ] && echo ' (time limit)')"
+    tail -n "${TAIL:-6}" "$WORK/$name.log" | sed 's/^/   | /'
+}
+
+{
+    echo "commit $commit"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+    python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+} > "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt"
+
+if [ "$mode" = tests ]; then
+    TAIL=25 stage 330 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_moe_kernels.py tests/test_attention_kernels.py tests/test_engine_gpu.py tests/test_runtime_gpu.py
+    stage 60 check_honor python3 -m inspector check-attention --device cuda
+    stage 60 check_drop python3 -m inspector check-attention --device cuda --mode drop
+    TAIL=30 stage 150 attention_bench python3 bench/attention_bench.py
+    stage 60 moe_compile_report python3 bench/moe_compile_report.py
+    TAIL=30 stage 150 sweep_short python3 -m inspector sweep --model v4-shape --tokens 1,8,16,128,512,2048,8192
+else
+    TAIL=4 stage 300 train_demo python3 train/train_demo.py --minutes 3.5 --out "$WORK/demo.safetensors"
+    cp "$WORK"/demo.safetensors "$WORK"/demo.json engine/weights/ 2>/dev/null
+    TAIL=30 stage 240 sweep_v4 python3 -m inspector sweep --model v4-shape \
+        --tokens 1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192 --json --calibration "$WORK/calibration.json"
+    TAIL=30 OUT=$WORK stage 200 bench_all bash bench/gpu_bench.sh
+fi
+
+echo "total $((SECONDS - started))s"
+
+tar -czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
+
