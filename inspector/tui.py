@@ -10,6 +10,7 @@ import sys
 import warnings
 
 from engine import flags as flag_registry
+from engine.config import from_name
 from engine.errors import UserError
 from engine.runtime import Engine
 
@@ -19,6 +20,7 @@ def launch(args) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             flags = flag_registry.resolve(args.set_flags)
+        from_name(args.model)  # an unknown model is refused before anything is loaded
         print(f"moe-inspector: loading model {args.model} (device {args.device}) …", file=sys.stderr, flush=True)
         engine = Engine.load(args.model, args.device, args.seed)
     except UserError as error:

@@ -116,6 +116,20 @@ async def test_run_fills_both_panes_and_the_log(engine):
         assert prompt_action["max_tokens"] == 6 and prompt_action["flags"]["fused_mask"] == "honor"
         assert prompt_action["compare"]["flags"]["moe_gate"] == "reference"
         json.dumps(prompt_action)  # plain data, ready for a session file
+        # Filters rewrite the log from the kept records; follow mode stops on scrolling up, f5 resumes.
+        main.query_one("#filter-arm").value = "fused"
+        await pilot.pause()
+        assert log.shown == 6 * layers  # A's attention layers only: B runs unfused
+        main.query_one("#filter-arm").clear()
+        await pilot.pause()
+        assert log.shown == len(log.entries) and log.follow
+        await wait_until(pilot, lambda: log.lines.scroll_y == log.lines.max_scroll_y > 0)  # settled at the end
+        log.lines.scroll_to(y=0, animate=False)
+        await pilot.pause()
+        assert not log.follow
+        await pilot.press("f5")
+        await pilot.pause()
+        assert log.follow and log.lines.scroll_y == log.lines.max_scroll_y
 
 
 @synchronously

@@ -46,7 +46,11 @@ async def drop_the_mask_and_run(pilot) -> None:
             break
         await pilot.pause(0.05)
     assert not main.current_run.running
-    await pilot.pause(0.2)  # the log's scroll to its end happens after a refresh
+    lines = main.query_one("#log-lines")
+    for _ in range(100):  # the log scrolls to its end after a refresh
+        await pilot.pause(0.02)
+        if lines.scroll_y == lines.max_scroll_y > 0:
+            break
     await steady(pilot)
 
 

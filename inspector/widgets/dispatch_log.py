@@ -190,7 +190,7 @@ class DispatchLog(Vertical):
     def on_select_changed(self, event: Select.Changed) -> None:
         event.stop()
         key = event.select.id.removeprefix("filter-")
-        value = None if event.value is Select.BLANK else event.value
+        value = None if event.value == Select.NULL else event.value
         if self.filters[key] != value:
             self.filters[key] = value
             self._rewrite()
