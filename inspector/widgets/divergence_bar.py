@@ -4,7 +4,7 @@ against B as a sparkline (flat at zero while they compute the same thing)."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
 
@@ -17,7 +17,7 @@ def common_prefix_divergence(tokens_a: list[int], tokens_b: list[int]) -> int | 
     return None
 
 
-class DivergenceBar(Horizontal):
+class DivergenceBar(Vertical):
     def __init__(self, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
         self.divergence: int | None = None
@@ -25,8 +25,9 @@ class DivergenceBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Static("no run yet", id="divergence-line")
-        yield Static("", id="error-label")
-        yield Sparkline([], id="error-sparkline")
+        with Horizontal(id="error-row"):
+            yield Static("logit rel err/step (A vs B):", id="error-label")
+            yield Sparkline([], id="error-sparkline")
 
     def show_line(self, text: str, diverged: bool = False) -> None:
         line = self.query_one("#divergence-line", Static)
@@ -36,9 +37,11 @@ class DivergenceBar(Horizontal):
     def show_errors(self, errors: list[float]) -> None:
         self.errors = list(errors)
         self.query_one("#error-sparkline", Sparkline).data = self.errors
-        if errors:
+        if errors and max(errors) == 0.0:
+            label = f"logit rel err/step (A vs B): 0 at all {len(errors)} steps (bit-identical logits)"
+        elif errors:
             worst = max(range(len(errors)), key=errors.__getitem__)
-            label = f"logit rel err/step: max {errors[worst]:.2e} @ step {worst}"
+            label = f"logit rel err/step (A vs B): max {errors[worst]:.2e} at step {worst}"
         else:
-            label = ""
+            label = "logit rel err/step (A vs B):"
         self.query_one("#error-label", Static).update(label)

@@ -39,10 +39,12 @@ class StatusBar(Static):
         self._render_line()
 
     def _render_line(self) -> None:
+        # What runs comes first: on a narrow terminal the model's details are what gets cut.
         line = Text()
         line.append(" moe-inspector ", style="bold reverse")
-        line.append(f"  {model_text(self.engine)}  │  ")
-        line.append(device_text(self.engine), style="bold")
-        line.append("  │  ")
+        line.append("  ")
         line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
+        line.append("  │  ")
+        line.append(device_text(self.engine), style="bold")
+        line.append(f"  │  {model_text(self.engine)}")
         self.update(line)
