@@ -28,11 +28,12 @@ def launch(args) -> int:
         return error.exit_code
     notes = [str(warning.message) for warning in caught]
     if getattr(args, "session", None):
-        notes.append(f"--session {args.session}: sessions are not available in this build yet; "
-                     "the flags and actions are not recorded")
+        notes.append(f"--session {args.session}: the TUI does not record into sessions in this build; "
+                     f"run the file headless with `moe-inspector run {args.session}`")
 
     from inspector.app import InspectorApp  # textual is imported only once the engine is ready
 
-    app = InspectorApp(engine, flags, startup_notes=notes)
+    # `--sweep FILE` (optional) preloads the tile-fill screen's µs-per-arm plot.
+    app = InspectorApp(engine, flags, startup_notes=notes, sweep_path=getattr(args, "sweep", None))
     app.run()
     return app.return_code or 0

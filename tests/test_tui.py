@@ -369,3 +369,17 @@ async def test_start_prompt_focused_and_every_flag_has_its_widget(engine):
             assert isinstance(panel.row(name), FlagRow)
             control = panel.row(name).query_one(f"#control-{name}")
             assert isinstance(control, {"bool": Switch, "select": Select, "int": Input}[spec.kind]), name
+
+
+def test_launch_refuses_bad_input_before_the_app_starts(capsys):
+    from argparse import Namespace
+
+    from inspector.tui import launch
+
+    bad_flag = Namespace(model="tiny", device="cpu", seed=0, session=None, set_flags=["fused_mask=sideways"])
+    assert launch(bad_flag) == 2
+    assert "fused_mask" in capsys.readouterr().err
+    bad_model = Namespace(model="huge", device="cpu", seed=0, session=None, set_flags=[])
+    assert launch(bad_model) == 2
+    error = capsys.readouterr().err
+    assert "unknown model 'huge'" in error and "loading" not in error

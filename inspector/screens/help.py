@@ -12,7 +12,7 @@ from textual.widgets import Static
 
 KEYS = (
     ("enter", "in the prompt (or max tokens) box: run the prompt through A, then B, at temperature 0"),
-    ("escape", "cancel the running generation (sets its cancel event; the engine stops at the next step)"),
+    ("escape", "main screen: cancel the running generation (the engine stops at its next step)"),
     ("f1  ?", "this help (? only outside text boxes)"),
     ("f2", "tile-fill screen: predicted pairs per woken expert against n, TILE_M, the policy's boundary, "
            "this run's observed points; a sweep file's µs per arm"),
@@ -20,7 +20,9 @@ KEYS = (
     ("f4", "edit configuration B (A's flags with overrides)"),
     ("f5", "dispatch log: follow the newest rows again"),
     ("f6", "focus the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box)"),
-    ("ctrl+l", "focus the prompt box"),
+    ("ctrl+l", "focus the prompt box (on the tile-fill screen: the sweep file box)"),
+    ("f7", "attention check screen: run the check (Enter in a size box does too)"),
+    ("escape", "on the tile-fill, attention check, help and edit-B screens: back to the main screen"),
     ("tab / shift+tab", "move between the prompt, the flags, the log filters and the tables"),
     ("ctrl+p", "command palette: every action, and every flag value"),
     ("ctrl+q", "quit (a running generation is cancelled first)"),
