@@ -78,11 +78,18 @@ def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
     # the engine's own counters: one launch of each arm per layer and the same Triton launches per step
     for step in single + wide:
         assert len(step["moe"]) == len(step["attention"]) == demo.config.n_layers
-    assert single[-1]["kernel_launches"] == wide[-1]["kernel_launches"]
+    # Alignment adds its prefix-scan kernel once n*k exceeds one block of 64 pairs (kernels/moe_align.py):
+    # a fixed extra launch per layer, not one per sequence. Everything else launches identically.
+    single_launches, wide_launches = dict(single[-1]["kernel_launches"]), dict(wide[-1]["kernel_launches"])
+    assert wide_launches.pop("moe_align.scan", 0) <= demo.config.n_layers
+    single_launches.pop("moe_align.scan", None)
+    assert single_launches == wide_launches
     arms = [{record["executed_arm"] for record in steps[-1]["moe"]} for steps in (single, wide)]
     assert arms[0] == arms[1], arms
     # every device kernel the profiler saw: a host loop over sequences would add >= 31 per layer;
     # cuBLAS may pick a split-K variant (one extra reduction) for some of the 5 GEMMs per layer at M=32
+    # the first replay after capture may copy its inputs once; the steady replays launch a fixed set
+    single_kernels, wide_kernels = single_kernels[1:], wide_kernels[1:]
     assert len(set(single_kernels)) == 1 and len(set(wide_kernels)) == 1, (single_kernels, wide_kernels)
     assert abs(wide_kernels[0] - single_kernels[0]) <= 5 * demo.config.n_layers + 1, (single_kernels, wide_kernels)
 
