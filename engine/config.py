@@ -8,6 +8,7 @@ Knows nothing about weights or devices; `engine.model` builds a model from a con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
@@ -37,6 +38,37 @@ class LayerMask:
         return "causal"
 
 
+QK_NORMS = ("none", "per_head", "full")
+ROUTERS = ("topk_softmax", "softmax_topk")
+EXPERT_ACTIVATIONS = ("swiglu", "gpt_oss_clamped")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (gpt-oss): low frequencies interpolated by `factor`, high ones kept, a ramp
+    between the dimensions that turn `beta_fast` and `beta_slow` times over `original_max_position`;
+    cos and sin are multiplied by `attention_factor` (so the scores by its square)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the ramp's ends to whole dimensions
+    attention_factor: float | None = None  # None: 0.1 * ln(factor) + 1 (1 when factor <= 1)
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position < 1:
+            raise ValueError(f"yarn scaling needs factor > 0 and original_max_position >= 1, got {self}")
+        if self.beta_fast <= 0 or self.beta_slow <= 0:
+            raise ValueError(f"yarn scaling needs beta_fast, beta_slow > 0, got {self}")
+
+    @property
+    def resolved_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -54,6 +86,21 @@ class ModelConfig:
     shared_expert: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Architecture features of the Hugging Face families (engine.hf_loader). The defaults are the
+    # presets' own architecture, so every preset computes bit-identically with or without them.
+    sinks: bool = True  # learned per-head attention sinks (gpt-oss); False: no sink column at all
+    attention_bias: bool = False  # biases on q/k/v/o projections (gpt-oss)
+    qk_norm: str = "none"  # RMSNorm of q and k before RoPE: per_head [hd] (Qwen3-MoE) or full [H*hd] (OLMoE)
+    clip_qkv: float | None = None  # clamp q, k, v to +-clip after projection (OLMoE option)
+    router: str = "topk_softmax"  # topk_softmax: softmax over the k chosen logits; softmax_topk: over all E
+    router_bias: bool = False  # a bias on the router logits (gpt-oss)
+    norm_topk_prob: bool = True  # softmax_topk only: renormalise the k chosen probabilities to sum to 1
+    expert_activation: str = "swiglu"  # swiglu, or gpt_oss_clamped (alpha, limit below)
+    activation_alpha: float = 1.702  # gpt_oss_clamped: glu = gate * sigmoid(alpha * gate)
+    activation_limit: float = 7.0  # gpt_oss_clamped: gate <= limit, -limit <= up <= limit
+    expert_bias: bool = False  # biases on w13 [E, 2F] and w2 [E, D] (gpt-oss)
+    rope_scaling: YarnScaling | None = None  # None: plain RoPE at rope_theta
+    tie_embeddings: bool = False  # the output head is the embedding matrix
 
     def __post_init__(self) -> None:
         positive = ("n_layers", "hidden", "intermediate", "n_experts", "top_k", "n_heads",
@@ -69,6 +116,22 @@ class ModelConfig:
             raise ValueError(f"{self.name}: head_dim must be even for RoPE")
         if len(self.layer_masks) != self.n_layers:
             raise ValueError(f"{self.name}: {len(self.layer_masks)} layer masks for {self.n_layers} layers")
+        choices = {"qk_norm": QK_NORMS, "router": ROUTERS, "expert_activation": EXPERT_ACTIVATIONS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{self.name}: {name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.expert_bias and self.expert_activation != "gpt_oss_clamped":
+            raise ValueError(f"{self.name}: expert biases come only with the gpt_oss_clamped activation "
+                             f"(the family that has them); no other family is computed")
+        if self.activation_limit <= 0:
+            raise ValueError(f"{self.name}: activation_limit must be > 0")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"{self.name}: clip_qkv must be > 0 or None")
+
+    @property
+    def plain_experts(self) -> bool:
+        """True when the experts compute plain SwiGLU without biases: what every kernel arm computes."""
+        return self.expert_activation == "swiglu" and not self.expert_bias
 
     @property
     def active_expert_bytes_per_token(self) -> int:

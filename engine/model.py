@@ -8,6 +8,12 @@ RMSNorm -> attention (RoPE, learned per-head sinks, a per-layer mask) -> RMSNorm
 (top-k router, SwiGLU experts w13[E,2F,D], w2[E,D,F]). Which kernel computes attention and the
 experts is not decided here: `forward` asks `layer_hooks` (the engine's dispatcher) for each
 layer. Knows nothing of flags, tokenization or generation loops.
+
+The Hugging Face families (engine.hf_loader) switch on features of the config, each absent from the
+presets: q/k/v/o biases, q/k RMSNorm (per head or over the full projection), clip_qkv, no sinks,
+YaRN RoPE, a router bias and softmax-then-top-k routing, tied embeddings, and gpt-oss experts
+(biases and the clamped SwiGLU), which only the reference arm computes: `forward` hands them to the
+hooks as `FamilyExperts`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
+from kernels.reference import moe_reference_gpt_oss
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -40,7 +47,22 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "w13": (c.n_experts, 2 * c.intermediate, c.hidden),
             p + "w2": (c.n_experts, c.hidden, c.intermediate),
         })
-    shapes.update({"norm": (c.hidden,), "lm_head": (c.vocab_size, c.hidden)})
+        if not c.sinks:
+            del shapes[p + "sinks"]
+        if c.attention_bias:
+            shapes.update({p + "bq": (c.n_heads * c.head_dim,), p + "bk": (c.n_kv_heads * c.head_dim,),
+                           p + "bv": (c.n_kv_heads * c.head_dim,), p + "bo": (c.hidden,)})
+        if c.qk_norm == "per_head":
+            shapes.update({p + "q_norm": (c.head_dim,), p + "k_norm": (c.head_dim,)})
+        elif c.qk_norm == "full":
+            shapes.update({p + "q_norm": (c.n_heads * c.head_dim,), p + "k_norm": (c.n_kv_heads * c.head_dim,)})
+        if c.router_bias:
+            shapes[p + "router_bias"] = (c.n_experts,)
+        if c.expert_bias:
+            shapes.update({p + "b13": (c.n_experts, 2 * c.intermediate), p + "b2": (c.n_experts, c.hidden)})
+    shapes["norm"] = (c.hidden,)
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.hidden)
     return shapes
 
 
@@ -82,7 +104,9 @@ class LayerHooks(Protocol):
     def attention(self, layer: int, q, k_cache, v_cache, sinks, q_start: "int | torch.Tensor",
                   length: int) -> torch.Tensor: ...
 
-    def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights) -> torch.Tensor: ...
+    def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights,
+            experts: "FamilyExperts | None" = None) -> torch.Tensor:
+        """`experts` is passed only for layers whose experts are not plain SwiGLU (see FamilyExperts)."""
 
 
 @dataclass
@@ -106,10 +130,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, hd/2] for integer positions [T]."""
+    if config.rope_scaling is not None:
+        return _yarn_rope_tables(config, positions)
     half = config.head_dim // 2
     inverse_frequency = config.rope_theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * inverse_frequency[None, :]
     return angles.cos(), angles.sin()
+
+
+def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """YaRN (arXiv 2309.00071), written as transformers' `_compute_yarn_parameters` computes it, so the
+    frequencies agree to the last bit: dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), more than `beta_fast` times kept, a
+    linear ramp between; cos and sin carry the attention factor."""
+    yarn, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+
+    def correction_dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dimension(yarn.beta_fast), correction_dimension(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
+    position_frequency = base ** (torch.arange(0, dim, 2).float() / dim)  # [hd/2]
+    extrapolation = 1 - ramp  # 1: keep the original frequency
+    inverse_frequency = (1.0 / (yarn.factor * position_frequency)) * (1 - extrapolation) \
+        + (1.0 / position_frequency) * extrapolation
+    angles = positions.float()[:, None] * inverse_frequency.to(positions.device)[None, :]  # [T, hd/2]
+    scale = yarn.resolved_attention_factor
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,11 +177,94 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
 
 
-def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the router logits; weights are the softmax over the k chosen logits."""
+def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+          kind: str = "topk_softmax", norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router logits (plus `bias`). `topk_softmax`: the weights are the softmax over the k
+    chosen logits (the presets, gpt-oss; Mixtral's softmax-top-k-renormalise is the same function).
+    `softmax_topk`: the softmax over all E, then the top k, renormalised to sum 1 only when
+    `norm_topk_prob` (Qwen3-MoE, OLMoE)."""
     logits = h.float() @ router.float().t()  # [N, E]
+    if bias is not None:
+        logits = logits + bias.float()
+    if kind == "softmax_topk":
+        top_probabilities, top_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [N, k]
+        if norm_topk_prob:
+            top_probabilities = top_probabilities / top_probabilities.sum(dim=-1, keepdim=True)
+        return top_ids.to(torch.int32), top_probabilities
     top_logits, top_ids = torch.topk(logits, k, dim=-1)  # [N, k]
     return top_ids.to(torch.int32), torch.softmax(top_logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class FamilyExperts:
+    """Expert math that no kernel arm computes: gpt-oss's biases and clamped SwiGLU. `forward` hands
+    it to the hooks' `moe` as `experts=`; the dispatcher runs it on the reference arm and records why."""
+
+    description: str
+    b13: torch.Tensor | None  # [E, 2F]
+    b2: torch.Tensor | None  # [E, D]
+    alpha: float
+    limit: float
+
+    def __call__(self, h, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+        return moe_reference_gpt_oss(h, w13, w2, topk_ids, topk_weights, self.b13, self.b2, self.alpha, self.limit)
+
+
+def family_experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> FamilyExperts | None:
+    """The layer's expert extras, or None when its experts are plain SwiGLU (every arm computes them)."""
+    if config.plain_experts:
+        return None
+    p = f"layers.{layer}."
+    return FamilyExperts(
+        f"gpt-oss experts (clamped SwiGLU alpha={config.activation_alpha:g} limit={config.activation_limit:g}"
+        + (", biases)" if config.expert_bias else ")"),
+        weights.get(p + "b13"), weights.get(p + "b2"), config.activation_alpha, config.activation_limit)
+
+
+def _attention_inputs(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, h: torch.Tensor,
+                      batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [B, T, D] -> q [B, T, Hq, hd], k, v [B, T, Hkv, hd], before RoPE: projections, their biases,
+    clip_qkv and the q/k RMSNorm as the config asks."""
+    c = config
+    q, k, v = h @ weights[p + "wq"].t(), h @ weights[p + "wk"].t(), h @ weights[p + "wv"].t()  # [B, T, H*hd]
+    if c.attention_bias:
+        q, k, v = q + weights[p + "bq"], k + weights[p + "bk"], v + weights[p + "bv"]
+    if c.qk_norm == "full":  # OLMoE: over the whole projection, before clipping and the head split
+        q, k = rms_norm(q, weights[p + "q_norm"], c.norm_eps), rms_norm(k, weights[p + "k_norm"], c.norm_eps)
+    if c.clip_qkv is not None:
+        q, k, v = (tensor.clamp(-c.clip_qkv, c.clip_qkv) for tensor in (q, k, v))
+    q = q.view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
+    k = k.view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
+    v = v.view(batch, steps, c.n_kv_heads, c.head_dim)
+    if c.qk_norm == "per_head":  # Qwen3-MoE: each head on its own
+        q, k = rms_norm(q, weights[p + "q_norm"], c.norm_eps), rms_norm(k, weights[p + "k_norm"], c.norm_eps)
+    return q, k, v
+
+
+def _attention_output(config: ModelConfig, weights: dict[str, torch.Tensor], p: str,
+                      attended: torch.Tensor) -> torch.Tensor:
+    """attended [B, T, Hq, hd] -> [B, T, D]."""
+    batch, steps = attended.shape[:2]
+    out = attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+    return out + weights[p + "bo"] if config.attention_bias else out
+
+
+def _experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, h: torch.Tensor,
+             hooks: "LayerHooks") -> torch.Tensor:
+    """h [N, D] (normed) -> the routed experts' sum [N, D], computed by whatever arm the hooks pick."""
+    c, p = config, f"layers.{layer}."
+    topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k, weights.get(p + "router_bias"), c.router,
+                                   c.norm_topk_prob)
+    extras = family_experts(c, weights, layer)
+    if extras is None:
+        return hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids, topk_weights.to(h.dtype))
+    return hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids, topk_weights.to(h.dtype),
+                     experts=extras)
+
+
+def output_head(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The [V, D] matrix of the logits: the embedding itself when tied."""
+    return weights["embed"] if config.tie_embeddings else weights["lm_head"]
 
 
 @dataclass(frozen=True)
@@ -172,23 +307,19 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
-        q = (h @ weights[p + "wq"].t()).view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
-        k = (h @ weights[p + "wk"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
-        v = (h @ weights[p + "wv"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)
+        q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[layer][:, start:start + steps] = k
         cache.v[layer][:, start:start + steps] = v
-        attended = hooks.attention(layer, q, cache.k[layer], cache.v[layer], weights[p + "sinks"],
+        attended = hooks.attention(layer, q, cache.k[layer], cache.v[layer], weights.get(p + "sinks"),
                                    start, start + steps)  # [B, T, Hq, hd]
-        x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+        x = x + _attention_output(c, weights, p, attended)
 
         h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [N, D]
-        topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k)
-        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids,
-                               topk_weights.to(h.dtype))  # [N, D]
+        expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
         x = x + expert_out.view(batch, steps, c.hidden)
     last = rms_norm(x[:, -1], weights["norm"], c.norm_eps)  # [B, D]
-    return last.float() @ weights["lm_head"].float().t()  # [B, V]
+    return last.float() @ output_head(c, weights).float().t()  # [B, V]
 
 
 def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
@@ -208,9 +339,7 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
-        q = (h @ weights[p + "wq"].t()).view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
-        k = (h @ weights[p + "wk"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
-        v = (h @ weights[p + "wv"].t()).view(batch, steps, c.n_kv_heads, c.head_dim)
+        q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_new = k.reshape(batch * steps, c.n_kv_heads, c.head_dim)  # [B*T, Hkv, hd]
         v_new = v.reshape(batch * steps, c.n_kv_heads, c.head_dim)
@@ -223,16 +352,14 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
         else:
             k_rows = cache.k[layer][:, :layout.key_length].index_select(0, layout.slots)  # [B, Tk, Hkv, hd]
             v_rows = cache.v[layer][:, :layout.key_length].index_select(0, layout.slots)
-        attended = hooks.attention(layer, q, k_rows, v_rows, weights[p + "sinks"], layout.start,
+        attended = hooks.attention(layer, q, k_rows, v_rows, weights.get(p + "sinks"), layout.start,
                                    layout.key_length)  # [B, T, Hq, hd]
-        x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+        x = x + _attention_output(c, weights, p, attended)
 
         h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [B*T, D]
         if layout.token_index is not None:
             h = h[layout.token_index]  # [N, D]: padding never reaches the router or the experts
-        topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k)
-        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids,
-                               topk_weights.to(h.dtype))  # [N, D]
+        expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
         if layout.token_index is None:
             x = x + expert_out.view(batch, steps, c.hidden)
         else:
@@ -240,4 +367,4 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
             x = x.view(batch, steps, c.hidden)
     last = x[:, -1] if layout.last_index is None else x[torch.arange(batch, device=device), layout.last_index]
     last = rms_norm(last, weights["norm"], c.norm_eps)  # [B, D]
-    return last.float() @ weights["lm_head"].float().t()  # [B, V]
+    return last.float() @ output_head(c, weights).float().t()  # [B, V]

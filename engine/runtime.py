@@ -13,6 +13,7 @@ Knows nothing of screens, sessions or argument parsing.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from engine import calibration, dispatch
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import FUSED, UNFUSED, decide_attention
-from engine.config import ModelConfig, from_name
+from engine.config import PRESETS, ModelConfig, from_name
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import KVCache, forward, random_weights
@@ -251,14 +252,29 @@ class Engine:
     """A model on a device, ready to generate."""
 
     def __init__(self, config: ModelConfig, device: torch.device, seed: int = 0,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None) -> None:
         self.config, self.device, self.seed = config, device, seed
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dtype = self.dtype_for(device)
         self.weights = weights if weights is not None else random_weights(config, seed, device, self.dtype)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+
+    @staticmethod
+    def dtype_for(device: torch.device) -> torch.dtype:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @classmethod
     def load(cls, model: str = "demo", device: str = "auto", seed: int = 0) -> "Engine":
+        """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader). A preset
+        name wins over a directory of the same name (write ./NAME for the directory)."""
+        if model not in PRESETS and os.path.isdir(model):
+            from engine.hf_loader import load_checkpoint  # tokenizers is imported only for directories
+
+            torch_device = resolve_device(device)
+            loaded = load_checkpoint(model, torch_device, cls.dtype_for(torch_device))
+            return cls(loaded.config, torch_device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer)
+        if model not in PRESETS and (os.sep in model or "/" in model or os.path.exists(model)):
+            raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
+                            f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
         return cls(from_name(model), resolve_device(device), seed)
 
     @property

@@ -53,6 +53,47 @@ def moe_reference(
     return out.to(x.dtype)
 
 
+def moe_reference_gpt_oss(
+    x: torch.Tensor,  # [T, D]
+    w13: torch.Tensor,  # [E, 2F, D]  rows 0..F-1 gate, F..2F-1 up
+    w2: torch.Tensor,  # [E, D, F]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k] float
+    b13: torch.Tensor | None,  # [E, 2F] gate then up, like w13's rows; None = no bias
+    b2: torch.Tensor | None,  # [E, D]
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:  # [T, D]
+    """gpt-oss experts: biases and the clamped SwiGLU.
+
+        gate, up = split(w13_e x + b13_e);  gate = min(gate, limit);  up = clamp(up, -limit, limit)
+        out[t] = sum_j w[t,j] * (w2_e @ ((up + 1) * gate * sigmoid(alpha * gate)) + b2_e)
+
+    The down bias sits inside the routing weight. Same naive walk over woken experts as
+    `moe_reference`, in float32.
+    """
+    T, D = x.shape
+    f = w13.shape[1] // 2
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
+    flat_weights = topk_weights.reshape(-1).float()  # [T*k]
+    flat_tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])  # [T*k]
+    for expert in torch.unique(flat_ids).tolist():
+        pair = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = flat_tokens[pair]
+        gate_up = x[tokens].float() @ w13[expert].float().t()  # [P, 2F]
+        if b13 is not None:
+            gate_up = gate_up + b13[expert].float()
+        gate = gate_up[:, :f].clamp(max=limit)  # [P, F]
+        up = gate_up[:, f:].clamp(-limit, limit)
+        hidden = (up + 1) * (gate * torch.sigmoid(alpha * gate))  # [P, F]
+        down = hidden @ w2[expert].float().t()  # [P, D]
+        if b2 is not None:
+            down = down + b2[expert].float()
+        out.index_add_(0, tokens, down * flat_weights[pair, None])
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Attention masks and sinks
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,510 @@
+"""Hugging Face-format MoE checkpoints: a directory with `config.json`, `*.safetensors` (one file, or
+shards named by `model.safetensors.index.json`) and `tokenizer.json` becomes a `ModelConfig`, the
+engine's weights and a tokenizer.
+
+Families, by the `architectures` entry of config.json:
+    GptOssForCausalLM    sinks; alternating sliding-window / full layers (`layer_types`); q/k/v/o
+                         biases; a router bias; experts with interleaved gate/up columns, biases and
+                         the clamped SwiGLU (alpha, limit); YaRN RoPE. Experts in float, or MXFP4
+                         (`*_blocks` + `*_scales`), dequantized here.
+    Qwen3MoeForCausalLM  q/k RMSNorm per head; softmax-then-top-k routing (`norm_topk_prob`)
+    MixtralForCausalLM   top-k-then-softmax routing; an optional sliding window
+    OlmoeForCausalLM     q/k RMSNorm over the full projection; optional clip_qkv; softmax-then-top-k
+
+The engine's layout (engine.model.tensor_shapes) from the checkpoint's names (L layer, e expert;
+`model.layers.L.` written `L.`):
+    embed, norm, lm_head      model.embed_tokens.weight, model.norm.weight, lm_head.weight (embed when tied)
+    attn_norm, moe_norm       L.input_layernorm.weight, L.post_attention_layernorm.weight
+    wq wk wv wo (bq bk bv bo) L.self_attn.{q,k,v,o}_proj.weight (.bias)
+    q_norm k_norm, sinks      L.self_attn.{q,k}_norm.weight, L.self_attn.sinks
+    router (router_bias)      L.mlp.router.weight (.bias) | L.mlp.gate.weight | L.block_sparse_moe.gate.weight
+    w13[e] = [gate_e; up_e]   L.mlp.experts.e.{gate,up}_proj.weight | Mixtral ...experts.e.{w1,w3}.weight |
+                              gpt-oss L.mlp.experts.gate_up_proj[e].T, gate = even columns, up = odd
+    w2[e]                     L.mlp.experts.e.down_proj.weight | Mixtral ...experts.e.w2.weight |
+                              gpt-oss L.mlp.experts.down_proj[e].T
+    b13, b2                   gpt-oss gate_up_proj_bias (de-interleaved), down_proj_bias
+
+Reading is lazy (engine.checkpoint): one tensor, or one expert, at a time, copied to its destination
+at once, with a progress bar on stderr. Anything this module does not map is an error that names
+it: another architecture (MLA attention, a dense model, shared experts), a feature these families do
+not have here, a tensor of the wrong shape, a tensor nothing uses. Never a model that computes
+something else. Knows nothing of dispatch or generation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from engine.checkpoint import Checkpoint
+from engine.config import LayerMask, ModelConfig, YarnScaling
+from engine.errors import UserError
+from engine.hf_tokenizer import HFTokenizer
+from engine.model import tensor_shapes
+from engine.progress import Progress
+
+ARCHITECTURES = {
+    "GptOssForCausalLM": "gpt-oss",
+    "Qwen3MoeForCausalLM": "qwen3-moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
+}
+MODEL_TYPES = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "olmoe": "OlmoeForCausalLM"}  # for a config.json without `architectures`
+# Tensors a checkpoint may hold that the forward does not need (recomputed from config.json).
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+
+# e2m1 (FP4) code -> value: sign bit 3, exponent bits 2..1, mantissa bit 0 (OCP MX spec v1.0, table 5).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values per e8m0 scale
+E8M0_BIAS, E8M0_NAN = 127, 255
+
+
+@dataclass
+class LoadedCheckpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: HFTokenizer
+    family: str
+
+
+def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dtype,
+                    stream: TextIO | None = None) -> LoadedCheckpoint:
+    """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory."""
+    directory = Path(directory)
+    config, family = read_config(directory)
+    tokenizer = HFTokenizer(directory / "tokenizer.json")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
+                        f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
+    checkpoint = Checkpoint.open(directory)
+    try:
+        weights = _load_weights(config, family, checkpoint, device, dtype, stream)
+    finally:
+        checkpoint.close()
+    return LoadedCheckpoint(config, weights, tokenizer, family)
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+# ------------------------------------------------------------------------------------------------
+
+class _Fields:
+    """config.json's values, with errors that name the file and the key."""
+
+    def __init__(self, values: dict, path: Path) -> None:
+        self.values, self.path = values, path
+
+    def get(self, key: str, default=None):
+        value = self.values.get(key)
+        return default if value is None else value
+
+    def integer(self, key: str, default: int | None = None, *aliases: str) -> int:
+        for name in (key, *aliases):
+            value = self.values.get(name)
+            if value is not None:
+                break
+        else:
+            if default is None:
+                raise UserError(f"{self.path}: no {key!r}: config.json must give it for this architecture")
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"{self.path}: {key!r} is {value!r}, expected a non-negative integer")
+        return value
+
+    def fail(self, problem: str, fix: str) -> UserError:
+        return UserError(f"{self.path}: {problem}: {fix}")
+
+
+def read_config(directory: Path) -> tuple[ModelConfig, str]:
+    """The engine's config and the family name of config.json in `directory`."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
+                        f"(give --model a preset name or a Hugging Face-format directory)")
+    try:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path}: not valid JSON ({error}); download it again") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    fields = _Fields(values, path)
+    family = _family(fields)
+    try:
+        config = _FAMILY_CONFIGS[family](fields, f"{family}:{directory.resolve().name}")
+    except ValueError as error:  # ModelConfig's own validation
+        raise UserError(f"{path}: {error}") from None
+    return config, family
+
+
+def _family(fields: _Fields) -> str:
+    architectures = fields.get("architectures") or []
+    model_type = fields.get("model_type", "<no architectures, no model_type>")
+    architecture = architectures[0] if architectures else MODEL_TYPES.get(model_type, model_type)
+    supported = ", ".join(ARCHITECTURES)
+    if fields.get("kv_lora_rank") or fields.get("q_lora_rank"):
+        raise fields.fail(f"architecture {architecture} uses MLA attention (kv_lora_rank="
+                          f"{fields.get('kv_lora_rank')}): multi-head latent attention is not supported",
+                          f"supported architectures are {supported}")
+    if architecture not in ARCHITECTURES:
+        experts = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+        if not any(fields.get(key) for key in experts):
+            raise fields.fail(f"architecture {architecture} is a dense model (no experts in config.json)",
+                              f"this inspector runs Mixture-of-Experts models: {supported}")
+        raise fields.fail(f"architecture {architecture} is not supported", f"supported architectures are {supported}")
+    return ARCHITECTURES[architecture]
+
+
+def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str) -> dict:
+    """The fields every family shares, checked for features none of them has here."""
+    hidden, heads = fields.integer("hidden_size"), fields.integer("num_attention_heads")
+    n_experts = fields.integer(experts_key, 0, "num_local_experts", "num_experts")
+    if n_experts == 0:
+        raise fields.fail(f"{experts_key} is 0: a dense model", "this inspector runs Mixture-of-Experts models")
+    if fields.get("shared_expert_intermediate_size") or fields.get("n_shared_experts"):
+        raise fields.fail("shared experts are not supported", "use a model without shared experts")
+    quantization = fields.get("quantization_config")
+    if quantization is not None and name.split(":")[0] != "gpt-oss":
+        raise fields.fail(f"a quantized checkpoint (quant_method={quantization.get('quant_method')!r}) is not "
+                          f"supported", "give a bf16, fp16 or fp32 checkpoint")
+    if fields.get("partial_rotary_factor", 1.0) != 1.0:
+        raise fields.fail(f"partial_rotary_factor {fields.get('partial_rotary_factor')} is not supported",
+                          "only full-width RoPE is")
+    return dict(
+        name=name, n_layers=fields.integer("num_hidden_layers"), hidden=hidden,
+        intermediate=fields.integer(intermediate_key), n_experts=n_experts,
+        top_k=fields.integer("num_experts_per_tok", None, "experts_per_token"),
+        n_heads=heads, n_kv_heads=fields.integer("num_key_value_heads", heads),
+        head_dim=fields.integer("head_dim", hidden // heads if heads else 0),
+        vocab_size=fields.integer("vocab_size"), max_seq_len=fields.integer("max_position_embeddings"),
+        norm_eps=float(fields.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+    )
+
+
+def _require_silu(fields: _Fields) -> None:
+    if fields.get("hidden_act", "silu") != "silu":
+        raise fields.fail(f"hidden_act {fields.get('hidden_act')!r} is not supported", "the experts compute SwiGLU (silu)")
+
+
+def _rope(fields: _Fields, default_theta: float, default_parameters: dict | None = None) -> tuple[float, YarnScaling | None]:
+    """rope_theta and YaRN scaling, from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    parameters = fields.get("rope_parameters") or fields.get("rope_scaling") or default_parameters or {}
+    if any(isinstance(value, dict) for value in parameters.values()):
+        raise fields.fail("per-layer-type RoPE parameters are not supported", "give one rope_parameters dict")
+    theta = float(parameters.get("rope_theta") or fields.get("rope_theta", default_theta))
+    kind = parameters.get("rope_type") or parameters.get("type") or "default"
+    if parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise fields.fail(f"partial_rotary_factor {parameters['partial_rotary_factor']} is not supported",
+                          "only full-width RoPE is")
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise fields.fail(f"rope_type {kind!r} is not supported", "default and yarn RoPE are")
+    max_positions = fields.integer("max_position_embeddings")
+    original = int(parameters.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
+                   or max_positions)
+    factor = float(parameters.get("factor") or max_positions / original)
+    attention_factor = parameters.get("attention_factor")
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:  # as transformers' _compute_yarn_parameters
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    try:
+        return theta, YarnScaling(factor=factor, original_max_position=original,
+                                  beta_fast=float(parameters.get("beta_fast") or 32.0),
+                                  beta_slow=float(parameters.get("beta_slow") or 1.0),
+                                  truncate=bool(parameters.get("truncate", True)),
+                                  attention_factor=None if attention_factor is None else float(attention_factor))
+    except ValueError as error:
+        raise fields.fail(f"rope parameters {parameters}: {error}", "fix rope_parameters") from None
+
+
+def _uniform_masks(fields: _Fields, n_layers: int, window: int | None) -> tuple[LayerMask, ...]:
+    if window is None:
+        return tuple(LayerMask("causal") for _ in range(n_layers))
+    if not isinstance(window, int) or window < 1:
+        raise fields.fail(f"sliding_window {window!r} is not a positive integer", "fix config.json")
+    return tuple(LayerMask("window", window) for _ in range(n_layers))
+
+
+def _gpt_oss_config(fields: _Fields, name: str) -> ModelConfig:
+    common = _common(fields, name, "num_local_experts", "intermediate_size")
+    quantization = fields.get("quantization_config")
+    if quantization is not None and quantization.get("quant_method") != "mxfp4":
+        raise fields.fail(f"quant_method {quantization.get('quant_method')!r} is not supported",
+                          "gpt-oss checkpoints load in float or MXFP4")
+    n_layers, window = common["n_layers"], fields.integer("sliding_window", 128)
+    layer_types = fields.get("layer_types") or ["sliding_attention" if layer % 2 == 0 else "full_attention"
+                                                for layer in range(n_layers)]
+    if len(layer_types) != n_layers:
+        raise fields.fail(f"{len(layer_types)} layer_types for {n_layers} layers", "give one per layer")
+    masks = []
+    for layer, kind in enumerate(layer_types):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise fields.fail(f"layer_types[{layer}] {kind!r} is not supported",
+                              "gpt-oss layers are sliding_attention or full_attention")
+        masks.append(LayerMask("window", window) if kind == "sliding_attention" else LayerMask("causal"))
+    # transformers' GptOssConfig default, used when config.json gives no rope parameters
+    default_yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                    "original_max_position_embeddings": 4096}
+    theta, yarn = _rope(fields, 150000.0, default_yarn)
+    return ModelConfig(
+        **common, layer_masks=tuple(masks), rope_theta=theta, rope_scaling=yarn, sinks=True,
+        attention_bias=bool(fields.get("attention_bias", True)), router="topk_softmax", router_bias=True,
+        expert_activation="gpt_oss_clamped", expert_bias=True,
+        activation_alpha=float(fields.get("swiglu_alpha", 1.702)), activation_limit=float(fields.get("swiglu_limit", 7.0)),
+    )
+
+
+def _qwen3_moe_config(fields: _Fields, name: str) -> ModelConfig:
+    _require_silu(fields)
+    common = _common(fields, name, "num_experts", "moe_intermediate_size")
+    if fields.get("mlp_only_layers") or fields.get("decoder_sparse_step", 1) != 1:
+        raise fields.fail(f"dense MLP layers (mlp_only_layers={fields.get('mlp_only_layers')}, decoder_sparse_step="
+                          f"{fields.get('decoder_sparse_step')}) are not supported", "every layer must be MoE")
+    window = fields.get("sliding_window") if fields.get("use_sliding_window", False) else None
+    theta, yarn = _rope(fields, 10000.0)
+    return ModelConfig(
+        **common, layer_masks=_uniform_masks(fields, common["n_layers"], window), rope_theta=theta,
+        rope_scaling=yarn, sinks=False, attention_bias=bool(fields.get("attention_bias", False)),
+        qk_norm="per_head", router="softmax_topk", norm_topk_prob=bool(fields.get("norm_topk_prob", False)),
+    )
+
+
+def _mixtral_config(fields: _Fields, name: str) -> ModelConfig:
+    _require_silu(fields)
+    common = _common(fields, name, "num_local_experts", "intermediate_size")
+    theta, yarn = _rope(fields, 1e6)
+    return ModelConfig(
+        **common, layer_masks=_uniform_masks(fields, common["n_layers"], fields.get("sliding_window")),
+        rope_theta=theta, rope_scaling=yarn, sinks=False, router="topk_softmax",
+    )
+
+
+def _olmoe_config(fields: _Fields, name: str) -> ModelConfig:
+    _require_silu(fields)
+    common = _common(fields, name, "num_experts", "intermediate_size")
+    theta, yarn = _rope(fields, 10000.0)
+    clip = fields.get("clip_qkv")
+    return ModelConfig(
+        **common, layer_masks=_uniform_masks(fields, common["n_layers"], None), rope_theta=theta,
+        rope_scaling=yarn, sinks=False, attention_bias=bool(fields.get("attention_bias", False)), qk_norm="full",
+        clip_qkv=None if clip is None else float(clip), router="softmax_topk",
+        norm_topk_prob=bool(fields.get("norm_topk_prob", False)),
+    )
+
+
+_FAMILY_CONFIGS = {"gpt-oss": _gpt_oss_config, "qwen3-moe": _qwen3_moe_config, "mixtral": _mixtral_config,
+                   "olmoe": _olmoe_config}
+
+
+# ------------------------------------------------------------------------------------------------
+# Where each engine tensor comes from
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Direct:
+    """One checkpoint tensor of the engine tensor's own shape."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _PerExpert:
+    """One checkpoint tensor per expert and part: engine[e] = cat(part_0[e], part_1[e], ...) along rows."""
+
+    patterns: tuple[str, ...]  # each with {e}
+
+
+@dataclass(frozen=True)
+class _GptOssFused:
+    """gpt-oss float experts, all experts in one tensor, transposed from the engine's layout:
+    gate_up_proj [E, D, 2F] (gate = even columns, up = odd) -> w13 [E, 2F, D];
+    down_proj [E, F, D] -> w2 [E, D, F]; gate_up_proj_bias [E, 2F] (interleaved) -> b13 [E, 2F]."""
+
+    name: str
+    kind: str  # "gate_up", "down" or "gate_up_bias"
+
+
+@dataclass(frozen=True)
+class _Mxfp4:
+    """gpt-oss MXFP4 experts: {prefix}_blocks [E, R, C/32, 16] uint8 (two e2m1 codes a byte, low nibble
+    first) and {prefix}_scales [E, R, C/32] uint8 (e8m0) -> [E, R, C]; gate_up rows interleave gate
+    (even) and up (odd) and are split into w13's gate-then-up rows."""
+
+    prefix: str
+    interleaved_rows: bool
+
+
+def _layer_sources(config: ModelConfig, family: str, checkpoint: Checkpoint, layer: int) -> dict[str, object]:
+    hf, p = f"model.layers.{layer}.", f"layers.{layer}."
+    attention = hf + "self_attn."
+    sources: dict[str, object] = {
+        p + "attn_norm": _Direct(hf + "input_layernorm.weight"),
+        p + "moe_norm": _Direct(hf + "post_attention_layernorm.weight"),
+        p + "wq": _Direct(attention + "q_proj.weight"), p + "wk": _Direct(attention + "k_proj.weight"),
+        p + "wv": _Direct(attention + "v_proj.weight"), p + "wo": _Direct(attention + "o_proj.weight"),
+    }
+    if config.attention_bias:
+        sources.update({p + "bq": _Direct(attention + "q_proj.bias"), p + "bk": _Direct(attention + "k_proj.bias"),
+                        p + "bv": _Direct(attention + "v_proj.bias"), p + "bo": _Direct(attention + "o_proj.bias")})
+    if config.qk_norm != "none":
+        sources.update({p + "q_norm": _Direct(attention + "q_norm.weight"),
+                        p + "k_norm": _Direct(attention + "k_norm.weight")})
+    if config.sinks:
+        sources[p + "sinks"] = _Direct(attention + "sinks")
+    if family == "gpt-oss":
+        experts = hf + "mlp.experts."
+        sources.update({p + "router": _Direct(hf + "mlp.router.weight"),
+                        p + "router_bias": _Direct(hf + "mlp.router.bias"),
+                        p + "b2": _Direct(experts + "down_proj_bias"),
+                        p + "b13": _GptOssFused(experts + "gate_up_proj_bias", "gate_up_bias")})
+        if experts + "gate_up_proj_blocks" in checkpoint or experts + "down_proj_blocks" in checkpoint:
+            sources.update({p + "w13": _Mxfp4(experts + "gate_up_proj", interleaved_rows=True),
+                            p + "w2": _Mxfp4(experts + "down_proj", interleaved_rows=False)})
+        else:
+            sources.update({p + "w13": _GptOssFused(experts + "gate_up_proj", "gate_up"),
+                            p + "w2": _GptOssFused(experts + "down_proj", "down")})
+    elif family == "mixtral":
+        moe = hf + "block_sparse_moe."
+        sources.update({p + "router": _Direct(moe + "gate.weight"),
+                        p + "w13": _PerExpert((moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight")),
+                        p + "w2": _PerExpert((moe + "experts.{e}.w2.weight",))})
+    else:  # qwen3-moe, olmoe
+        moe = hf + "mlp."
+        sources.update({p + "router": _Direct(moe + "gate.weight"),
+                        p + "w13": _PerExpert((moe + "experts.{e}.gate_proj.weight", moe + "experts.{e}.up_proj.weight")),
+                        p + "w2": _PerExpert((moe + "experts.{e}.down_proj.weight",))})
+    return sources
+
+
+def weight_sources(config: ModelConfig, family: str, checkpoint: Checkpoint) -> dict[str, object]:
+    """Engine tensor name -> where it comes from, for every tensor `tensor_shapes(config)` lists."""
+    sources: dict[str, object] = {"embed": _Direct("model.embed_tokens.weight"), "norm": _Direct("model.norm.weight")}
+    if not config.tie_embeddings:
+        sources["lm_head"] = _Direct("lm_head.weight")
+    for layer in range(config.n_layers):
+        sources.update(_layer_sources(config, family, checkpoint, layer))
+    missing = set(tensor_shapes(config)) ^ set(sources)
+    assert not missing, f"mapping and tensor_shapes disagree on {sorted(missing)}"  # a bug here, not bad input
+    return sources
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float32. blocks [..., G, 16] uint8, two e2m1 codes a byte (element 2i in the low nibble,
+    2i+1 in the high); scales [..., G] uint8, e8m0 (2^(s - 127)) for each block of 32 elements.
+    Returns [..., G * 32]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    low, high = (blocks & 0x0F).long(), (blocks >> 4).long()  # [..., G, 16]
+    values = torch.stack([table[low], table[high]], dim=-1).flatten(-2)  # [..., G, 32]: low, high, low, ...
+    exponents = scales.to(torch.int32) - E8M0_BIAS  # [..., G]
+    values = torch.ldexp(values, exponents[..., None].to(torch.float32))
+    return values.flatten(-2)  # [..., G*32]
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+    destination.copy_(source)  # casts dtype and moves device in one step; the CPU piece is then dropped
+
+
+def _fill(destination: torch.Tensor, engine_name: str, source, checkpoint: Checkpoint) -> list[str]:
+    """Read `source` into `destination` (the engine's shape, dtype and device); the checkpoint names used."""
+    shape = tuple(destination.shape)
+    why = f"engine tensor {engine_name}"
+    if isinstance(source, _Direct):
+        checkpoint.expect(source.name, shape, why=why)
+        _copy(destination, checkpoint.read(source.name))
+        return [source.name]
+    if isinstance(source, _PerExpert):
+        experts, rows = shape[0], shape[1] // len(source.patterns)
+        names = []
+        for expert in range(experts):
+            for part, pattern in enumerate(source.patterns):
+                name = pattern.format(e=expert)
+                checkpoint.expect(name, (rows, shape[2]), why=why)
+                _copy(destination[expert, part * rows:(part + 1) * rows], checkpoint.read(name))
+                names.append(name)
+        return names
+    if isinstance(source, _GptOssFused):
+        experts = shape[0]
+        if source.kind == "gate_up_bias":  # [E, 2F], interleaved
+            checkpoint.expect(source.name, shape, why=why)
+            interleaved = checkpoint.read(source.name)
+            half = shape[1] // 2
+            _copy(destination[:, :half], interleaved[:, 0::2])
+            _copy(destination[:, half:], interleaved[:, 1::2])
+            return [source.name]
+        stored = (experts, shape[2], shape[1])  # the transpose of the engine's [E, rows, cols]
+        checkpoint.expect(source.name, stored, why=why)
+        half = shape[1] // 2
+        for expert in range(experts):  # one expert at a time: never a second full copy
+            piece = checkpoint.read(source.name, expert)  # [cols, rows]
+            if source.kind == "gate_up":
+                _copy(destination[expert, :half], piece[:, 0::2].t())
+                _copy(destination[expert, half:], piece[:, 1::2].t())
+            else:
+                _copy(destination[expert], piece.t())
+        return [source.name]
+    if isinstance(source, _Mxfp4):
+        experts, rows, columns = shape
+        if columns % MXFP4_BLOCK:
+            raise UserError(f"{checkpoint.directory}: {source.prefix}_blocks: {columns} columns are not a multiple "
+                            f"of the MXFP4 block of {MXFP4_BLOCK}")
+        groups = columns // MXFP4_BLOCK
+        blocks_name, scales_name = source.prefix + "_blocks", source.prefix + "_scales"
+        checkpoint.expect(blocks_name, (experts, rows, groups, MXFP4_BLOCK // 2), ("U8",), why=why)
+        checkpoint.expect(scales_name, (experts, rows, groups), ("U8",), why=why)
+        for expert in range(experts):
+            scales = checkpoint.read(scales_name, expert)  # [R, G]
+            if (scales == E8M0_NAN).any():
+                raise UserError(f"{checkpoint.entries[scales_name].file}: tensor {scales_name} holds the e8m0 NaN "
+                                f"scale 255 (expert {expert}): the checkpoint is corrupt")
+            values = dequantize_mxfp4(checkpoint.read(blocks_name, expert), scales)  # [R, C] float32
+            if source.interleaved_rows:
+                _copy(destination[expert, :rows // 2], values[0::2])
+                _copy(destination[expert, rows // 2:], values[1::2])
+            else:
+                _copy(destination[expert], values)
+        return [blocks_name, scales_name]
+    raise TypeError(f"unknown weight source {source!r}")
+
+
+def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
+                  device: torch.device, dtype: torch.dtype, stream: TextIO | None) -> dict[str, torch.Tensor]:
+    sources = weight_sources(config, family, checkpoint)
+    shapes = tensor_shapes(config)
+    used: set[str] = set()
+    weights: dict[str, torch.Tensor] = {}
+    progress = Progress(len(sources), f"loading {checkpoint.directory.name}",
+                        stream=sys.stderr if stream is None else stream)
+    try:
+        for engine_name, source in sources.items():
+            destination = torch.empty(shapes[engine_name], dtype=dtype, device=device)
+            used.update(_fill(destination, engine_name, source, checkpoint))
+            weights[engine_name] = destination
+            progress.advance(note=engine_name)
+    finally:
+        progress.close()
+    unused = sorted(name for name in checkpoint.names() - used
+                    if not name.endswith(_IGNORABLE_SUFFIXES) and not (config.tie_embeddings and name == "lm_head.weight"))
+    if unused:
+        entry = checkpoint.entries[unused[0]]
+        raise UserError(f"{entry.file}: tensor {unused[0]}"
+                        f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} is not used by the {family} "
+                        f"mapping of config.json: the checkpoint has a feature config.json does not declare, or one "
+                        f"this engine does not support; nothing was run")
+    return weights
