@@ -56,12 +56,13 @@ BUDGET_S = 150.0  # stop sweeping past this, so the whole run stays under 3 minu
 
 PREFILL_SWEEP = [
     None,  # the config table's entry for head_dim 512 (see kernels/attention.py)
-    PrefillConfig(block_m=64, block_n=32, block_dv=512, num_warps=8, num_stages=2),  # full-width acc
-    PrefillConfig(block_m=64, block_n=64, block_dv=256, num_warps=8, num_stages=1),
+    PrefillConfig(block_m=64, block_n=32, block_dv=256, num_warps=8, num_stages=2),  # split output columns
+    PrefillConfig(block_m=64, block_n=16, block_dv=512, num_warps=8, num_stages=3),  # deeper pipeline, 160 KB
 ]
 DECODE_SWEEP = [
     (None, None),  # table entry, one wave of programs
-    (DecodeConfig(block_n=32, num_stages=3), None),  # 208 KB of shared memory
+    (DecodeConfig(block_n=32, num_stages=2), None),  # the earlier table entry
+    (DecodeConfig(block_n=16, num_stages=4), None),
     (None, "double"),  # two waves of programs
 ]
 
