@@ -25,7 +25,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from engine.provenance import commit_label  # noqa: E402
 from kernels import launches  # noqa: E402
 from kernels.attention import CONFIGS as PREFILL_CONFIGS, PrefillConfig, flash_attention  # noqa: E402
 from kernels.attention_common import format_resource_report, resource_report  # noqa: E402
@@ -70,13 +70,7 @@ START = time.perf_counter()
 
 
 def commit() -> str:
-    if os.environ.get("MOEI_COMMIT"):
-        return os.environ["MOEI_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (set MOEI_COMMIT)"
+    return commit_label()
 
 
 class InvalidMeasurement(Exception):

@@ -13,7 +13,7 @@ WORK=${WORK:-/tmp/moei-gpu}
 OUT=${OUT:-bench/results/latest}
 rm -rf "$WORK"; mkdir -p "$WORK" "$OUT"
 export PYTHONUNBUFFERED=1 MOEI_CALIBRATION="$WORK/calibration.json"
-commit=$(git rev-parse HEAD 2>/dev/null || cat bench/COMMIT 2>/dev/null || echo unknown)
+commit=$(cat bench/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 export MOEI_COMMIT=$commit
 started=$SECONDS
 

@@ -39,17 +39,16 @@ import math
 import platform
 import random
 import statistics
-import subprocess
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
 from engine.errors import MeasurementError, UserError
 from engine.model import tensor_shapes
+from engine.provenance import commit_label
 
 CLOCK_TOLERANCE = 0.05  # wall and device clocks may differ by this fraction before a row is flagged
 TRAJECTORY_BIN_S = 2.0
@@ -536,15 +535,6 @@ def graphs_note(engine, graphs: bool | None) -> str:
     return "off (--graphs off)" if graphs is False else "on for decode steps"
 
 
-def _git(*arguments: str) -> str:
-    try:
-        completed = subprocess.run(["git", *arguments], capture_output=True, text=True, timeout=5,
-                                   cwd=Path(__file__).resolve().parent)
-        return completed.stdout.strip() if completed.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     try:
@@ -561,10 +551,8 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
         versions["numpy"] = "absent"
     if engine.device.type == "cuda":
         versions["cuda"] = torch.version.cuda
-    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
-        "commit": commit + ("+dirty" if dirty else ""), "device": engine.device_label, "versions": versions,
+        "commit": commit_label(), "device": engine.device_label, "versions": versions,
         "model": engine.config.name, "dtype": str(engine.dtype).replace("torch.", ""), "flags": flags.describe(),
         "graphs": graphs, "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
         "clocks": ("wall = perf_counter around whole steps; device = CUDA events around each step's work"

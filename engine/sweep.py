@@ -26,11 +26,11 @@ from __future__ import annotations
 import datetime as _datetime
 import math
 import statistics
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import MeasurementError, UserError
+from engine.provenance import commit_and_dirty
 
 
 @dataclass(frozen=True)
@@ -159,12 +159,7 @@ def zipf_popularity(experts: int, skew: float, permutation: list[int]) -> list[f
 
 
 def git_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=5, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout.strip() or None
+    return commit_and_dirty()[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any, Callable
 from engine import flags as flag_registry
 from engine.config import ModelConfig, from_name
 from engine.errors import UserError
+from engine.provenance import commit_and_dirty
 from engine.tokenizer import ByteTokenizer
 from inspector.session import (BASE, CheckAttentionStep, CompareStep, CurveStep, PromptStep, Session, Step,
                                SweepStep, atomic_write_text, step_to_plain)
@@ -77,18 +77,7 @@ def package_version() -> str:
 
 def git_commit() -> tuple[str | None, bool]:
     """(HEAD of the checkout this package runs from, whether tracked files differ from it)."""
-    def git(*arguments: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(REPOSITORY), *arguments], capture_output=True, text=True,
-                                  timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return None, False
-    return commit, bool(git("status", "--porcelain", "--untracked-files=no"))
+    return commit_and_dirty()
 
 
 def triton_version() -> str | None:
