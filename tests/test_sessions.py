@@ -20,6 +20,7 @@ from inspector.session import (TEMP_SUFFIX, CompareStep, PromptStep, dumps_sessi
                                parse_session, save_session)
 from inspector.session_recorder import SessionRecorder
 from inspector.session_report import render
+from engine.config import PRESETS
 from inspector.session_runner import check_attention_function, read_results, results_path_for, run_session
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -226,7 +227,7 @@ def test_check_attention_steps_call_engine_compare_with_the_model_shape(monkeypa
     checks = dataclasses.replace(session, steps=session.steps[1:])
     outcome = run_session(checks, "flash512-mask.toml", "cpu")
     assert outcome.exit_code == 0 and [step["check"]["held"] for step in outcome.steps] == [True, True]
-    assert calls[0] == {"seq_len": 256, "head_dim": 512, "heads": 4, "kv_heads": 1, "window": 128, "block": 64,
+    assert calls[0] == {"seq_len": 256, "head_dim": 512, "heads": PRESETS["demo"].n_heads, "kv_heads": 1, "window": 128, "block": 64,
                         "pad": 3, "mode": "honor", "device": torch.device("cpu"), "dtype": torch.float32, "seed": 0}
     assert outcome.steps[0]["numbers"]["errors"]["masked"] == pytest.approx(1e-7)  # tensors become JSON numbers
     report = render(outcome.header, outcome.steps, "md")
