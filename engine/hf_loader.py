@@ -161,8 +161,9 @@ def _family(fields: _Fields) -> str:
     return ARCHITECTURES[architecture]
 
 
-def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str) -> dict:
-    """The fields every family shares, checked for features none of them has here."""
+def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str, quantized: bool = False) -> dict:
+    """The fields every family shares, checked for features none of them has here. `quantized`: the
+    family reads its own quantization_config (gpt-oss MXFP4); for the others any is an error."""
     hidden, heads = fields.integer("hidden_size"), fields.integer("num_attention_heads")
     n_experts = fields.integer(experts_key, 0, "num_local_experts", "num_experts")
     if n_experts == 0:
@@ -170,7 +171,7 @@ def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str)
     if fields.get("shared_expert_intermediate_size") or fields.get("n_shared_experts"):
         raise fields.fail("shared experts are not supported", "use a model without shared experts")
     quantization = fields.get("quantization_config")
-    if quantization is not None and name.split(":")[0] != "gpt-oss":
+    if quantization is not None and not quantized:
         raise fields.fail(f"a quantized checkpoint (quant_method={quantization.get('quant_method')!r}) is not "
                           f"supported", "give a bf16, fp16 or fp32 checkpoint")
     if fields.get("partial_rotary_factor", 1.0) != 1.0:
@@ -235,7 +236,7 @@ def _uniform_masks(fields: _Fields, n_layers: int, window: int | None) -> tuple[
 
 
 def _gpt_oss_config(fields: _Fields, name: str) -> ModelConfig:
-    common = _common(fields, name, "num_local_experts", "intermediate_size")
+    common = _common(fields, name, "num_local_experts", "intermediate_size", quantized=True)
     quantization = fields.get("quantization_config")
     if quantization is not None and quantization.get("quant_method") != "mxfp4":
         raise fields.fail(f"quant_method {quantization.get('quant_method')!r} is not supported",
