@@ -30,6 +30,7 @@ from engine.flags import ResolvedFlags
 from engine.model import KVCache, forward, random_weights
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.shipped import load_shipped, shipped_directory
 from engine.tokenizer import ByteTokenizer
 from kernels import launches
 from kernels.reference import MaskSpec
@@ -220,10 +221,12 @@ class Generation:
     logits: list[torch.Tensor] = field(repr=False)  # per step, the last position's [V] fp32 on the CPU
     engagements: list[str]
     cancelled: bool = False
+    weights: str = ""  # where the weights came from: a shipped checkpoint or "random, seed N"
 
     def to_json(self) -> dict:
         return {
-            "model": self.model, "device": self.device, "prompt_tokens": len(self.prompt_tokens),
+            "model": self.model, "device": self.device, "weights": self.weights,
+            "prompt_tokens": len(self.prompt_tokens),
             "text": self.text, "tokens": self.tokens, "flags": self.flags.to_json(), "steps": self.steps,
             "counters": self.counters, "engagements": self.engagements, "cancelled": self.cancelled,
         }
@@ -252,10 +255,12 @@ class Engine:
     """A model on a device, ready to generate."""
 
     def __init__(self, config: ModelConfig, device: torch.device, seed: int = 0,
-                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None,
+                 weights_source: str | None = None) -> None:
         self.config, self.device, self.seed = config, device, seed
         self.dtype = self.dtype_for(device)
         self.weights = weights if weights is not None else random_weights(config, seed, device, self.dtype)
+        self.weights_source = weights_source or (f"random, seed {seed}" if weights is None else "given")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
 
     @staticmethod
@@ -263,9 +268,14 @@ class Engine:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @classmethod
-    def load(cls, model: str = "demo", device: str = "auto", seed: int = 0) -> "Engine":
+    def load(cls, model: str = "demo", device: str = "auto", seed: int = 0, weights: str = "auto") -> "Engine":
         """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader). A preset
-        name wins over a directory of the same name (write ./NAME for the directory)."""
+        name wins over a directory of the same name (write ./NAME for the directory).
+
+        weights="auto" loads a preset's shipped checkpoint where one exists (the trained demo), else
+        random weights from `seed`; weights="random" always draws random weights."""
+        if weights not in ("auto", "random"):
+            raise UserError(f"--weights {weights!r}: use auto (a shipped checkpoint where there is one) or random")
         if model not in PRESETS and os.path.isdir(model):
             from engine.hf_loader import load_checkpoint  # tokenizers is imported only for directories
 
@@ -275,7 +285,13 @@ class Engine:
         if model not in PRESETS and (os.sep in model or "/" in model or os.path.exists(model)):
             raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
                             f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-        return cls(from_name(model), resolve_device(device), seed)
+        config, torch_device = from_name(model), resolve_device(device)
+        directory = shipped_directory(model) if weights == "auto" else None
+        if directory is None:
+            return cls(config, torch_device, seed)
+        return cls(config, torch_device, seed, weights=load_shipped(config, directory, torch_device,
+                                                                     cls.dtype_for(torch_device)),
+                   weights_source=f"trained checkpoint {directory.relative_to(directory.parents[2])}")
 
     @property
     def device_label(self) -> str:
@@ -329,7 +345,7 @@ class Engine:
         return Generation(
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
             text=self.tokenizer.decode(generated), flags=flags, steps=steps, counters=dispatcher.counters.to_json(),
-            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled)
+            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled, weights=self.weights_source)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,

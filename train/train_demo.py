@@ -1,6 +1,6 @@
 """Train the embedded `demo` checkpoint: plain torch, text that ships with every Python.
 
-    python3 train/train_demo.py --minutes 4 --out engine/weights/demo.safetensors
+    python3 train/train_demo.py --minutes 4 --out engine/weights/demo/model.safetensors
 
 Data: the English documentation in `pydoc_data/topics.py` plus standard-library sources (a
 fixed, sorted list of top-level modules), byte-level. The script records what it trained on
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--balance-weight", type=float, default=0.01)
-    parser.add_argument("--out", default="engine/weights/demo.safetensors")
+    parser.add_argument("--out", default="engine/weights/demo/model.safetensors")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = {name: tensor.detach().to(torch.bfloat16).cpu().contiguous() for name, tensor in weights.items()}
     save_file(tensors, str(out), metadata={"moe_inspector": json.dumps({"preset": config.name}),
                                            "training": json.dumps(record)})
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    (out.parent / "training.json").write_text(json.dumps(record, indent=2))
     print(f"saved {out} ({os.path.getsize(out) / 1e6:.2f} MB) after {step} steps; "
           f"last validation loss {curve[-1]['validation_loss'] if curve else 'n/a'}")
     return 0

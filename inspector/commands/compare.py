@@ -21,7 +21,7 @@ def run(args) -> int:
     base = flag_registry.resolve(args.set_flags)
     flags_a = base.with_overrides(flag_registry.parse_assignments(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(flag_registry.parse_assignments(args.b, "--b"), flag_registry.COMMAND_LINE)
-    engine = Engine.load(args.model, args.device, args.seed)
+    engine = Engine.load(args.model, args.device, args.seed, args.weights)
     if not args.json:
         show_engagements()
     result_a = engine.generate(args.prompt, args.max_tokens, flags_a)

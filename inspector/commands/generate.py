@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
 
 def print_generation(result: Generation, label: str = "") -> None:
     heading = f"[{label}] " if label else ""
-    print(f"{heading}{result.model} on {result.device}; flags: {result.flags.describe()}")
+    print(f"{heading}{result.model} ({result.weights}) on {result.device}; flags: {result.flags.describe()}")
     print(f"{heading}text: {result.text!r}")
     print(f"{'step':>4} {'phase':<8} {'n':>5} {'layer':>5}  {'decided':<9} {'executed':<10} {'woken':>11} "
           f"{'fill':>7} {'us':>9}  reason")
@@ -45,7 +45,7 @@ def print_generation(result: Generation, label: str = "") -> None:
 
 def run(args) -> int:
     resolved = flag_registry.resolve(args.set_flags)
-    engine = Engine.load(args.model, args.device, args.seed)
+    engine = Engine.load(args.model, args.device, args.seed, args.weights)
     if not args.json:
         show_engagements()
     result = engine.generate(args.prompt, args.max_tokens, resolved)
