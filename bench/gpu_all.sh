@@ -2,7 +2,8 @@
 # Every GPU test and benchmark in one call, for a lent H200 whose time is short.
 #
 #   bash bench/gpu_all.sh tests      GPU tests of every module, check-attention, attention bench, short sweep
-#   bash bench/gpu_all.sh final      train the demo checkpoint, full sweep, bench tables, demo samples
+#   bash bench/gpu_all.sh train      train the demo checkpoint (engine/weights/demo/), sample it, drop vs honor
+#   bash bench/gpu_all.sh final      GPU tests again, check-attention, attention bench, full sweep, bench tables
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -41,12 +42,24 @@ if [ "$mode" = tests ]; then
     TAIL=30 stage 150 attention_bench python3 bench/attention_bench.py
     stage 60 moe_compile_report python3 bench/moe_compile_report.py
     TAIL=30 stage 150 sweep_short python3 -m inspector sweep --model v4-shape --tokens 1,8,16,128,512,2048,8192
-else
-    TAIL=4 stage 300 train_demo python3 train/train_demo.py --minutes 3.5 --out "$WORK/demo.safetensors"
-    cp "$WORK"/demo.safetensors "$WORK"/demo.json engine/weights/ 2>/dev/null
-    TAIL=30 stage 240 sweep_v4 python3 -m inspector sweep --model v4-shape \
-        --tokens 1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192 --json --calibration "$WORK/calibration.json"
-    TAIL=30 OUT=$WORK stage 200 bench_all bash bench/gpu_bench.sh
+elif [ "$mode" = train ]; then
+    TAIL=8 stage 330 train_demo python3 train/train_demo.py --minutes "${MINUTES:-4}" --out engine/weights/demo/model.safetensors
+    cp engine/weights/demo/model.safetensors engine/weights/demo/training.json "$OUT"/ 2>/dev/null
+    DOC="Python supports the usual logical conditions from mathematics: a comparison operator checks two values"
+    TAIL=3 stage 60 sample_doc python3 -m inspector generate --model demo --prompt "$DOC" --max-tokens 64 --json
+    python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'])" "$WORK/sample_doc.log" 2>/dev/null || true
+    LONG=$(python3 -c "import pydoc_data.topics as t; print(t.topics['if'][:600])")
+    TAIL=3 stage 60 drop_vs_honor python3 -m inspector compare --model demo --prompt "$LONG" --max-tokens 64 \
+        --a fused_mask=drop --b fused_mask=honor --json
+else  # final: everything measured again on the committed tree
+    TAIL=25 stage 150 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_moe_kernels.py tests/test_attention_kernels.py tests/test_engine_gpu.py tests/test_runtime_gpu.py
+    stage 45 check_honor python3 -m inspector check-attention --device cuda
+    stage 45 check_drop python3 -m inspector check-attention --device cuda --mode drop
+    TAIL=14 stage 80 attention_bench python3 bench/attention_bench.py
+    TAIL=24 stage 100 sweep_v4 python3 -m inspector sweep --model v4-shape \
+        --tokens 1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192 --calibration "$WORK/calibration.json"
+    TAIL=40 OUT=$WORK/bench stage 200 bench_all bash bench/gpu_bench.sh
 fi
 
 echo "total $((SECONDS - started))s"
