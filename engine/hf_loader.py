@@ -190,10 +190,12 @@ def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str,
 
 def _require_silu(fields: _Fields) -> None:
     if fields.get("hidden_act", "silu") != "silu":
-        raise fields.fail(f"hidden_act {fields.get('hidden_act')!r} is not supported", "the experts compute SwiGLU (silu)")
+        raise fields.fail(f"hidden_act {fields.get('hidden_act')!r} is not supported",
+                          "the experts compute SwiGLU (silu)")
 
 
-def _rope(fields: _Fields, default_theta: float, default_parameters: dict | None = None) -> tuple[float, YarnScaling | None]:
+def _rope(fields: _Fields, default_theta: float,
+          default_parameters: dict | None = None) -> tuple[float, YarnScaling | None]:
     """rope_theta and YaRN scaling, from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
     parameters = fields.get("rope_parameters") or fields.get("rope_scaling") or default_parameters or {}
     if any(isinstance(value, dict) for value in parameters.values()):
@@ -260,7 +262,8 @@ def _gpt_oss_config(fields: _Fields, name: str) -> ModelConfig:
         **common, layer_masks=tuple(masks), rope_theta=theta, rope_scaling=yarn, sinks=True,
         attention_bias=bool(fields.get("attention_bias", True)), router="topk_softmax", router_bias=True,
         expert_activation="gpt_oss_clamped", expert_bias=True,
-        activation_alpha=float(fields.get("swiglu_alpha", 1.702)), activation_limit=float(fields.get("swiglu_limit", 7.0)),
+        activation_alpha=float(fields.get("swiglu_alpha", 1.702)),
+        activation_limit=float(fields.get("swiglu_limit", 7.0)),
     )
 
 
@@ -381,7 +384,8 @@ def _layer_sources(config: ModelConfig, family: str, checkpoint: Checkpoint, lay
     else:  # qwen3-moe, olmoe
         moe = hf + "mlp."
         sources.update({p + "router": _Direct(moe + "gate.weight"),
-                        p + "w13": _PerExpert((moe + "experts.{e}.gate_proj.weight", moe + "experts.{e}.up_proj.weight")),
+                        p + "w13": _PerExpert((moe + "experts.{e}.gate_proj.weight",
+                                                moe + "experts.{e}.up_proj.weight")),
                         p + "w2": _PerExpert((moe + "experts.{e}.down_proj.weight",))})
     return sources
 
@@ -500,8 +504,8 @@ def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
             progress.advance(note=engine_name)
     finally:
         progress.close()
-    unused = sorted(name for name in checkpoint.names() - used
-                    if not name.endswith(_IGNORABLE_SUFFIXES) and not (config.tie_embeddings and name == "lm_head.weight"))
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()  # some tied checkpoints store it anyway
+    unused = sorted(name for name in checkpoint.names() - used - ignorable if not name.endswith(_IGNORABLE_SUFFIXES))
     if unused:
         entry = checkpoint.entries[unused[0]]
         raise UserError(f"{entry.file}: tensor {unused[0]}"

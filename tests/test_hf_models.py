@@ -83,11 +83,11 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(parameter.shape, generator=generator)
             if name.endswith("norm.weight"):
                 parameter.copy_(1.0 + 0.3 * noise)
-            elif name.endswith("bias") or name.endswith("sinks"):
+            elif name.endswith(("bias", "sinks")):
                 parameter.copy_(0.5 * noise)
             elif "embed_tokens" in name:
                 parameter.copy_(noise)
-            elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):  # gpt-oss [E, in, out]
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss [E, in, out]
                 parameter.copy_(noise / math.sqrt(parameter.shape[1]))
             elif parameter.dim() == 3:  # [E, out, in]
                 parameter.copy_(noise / math.sqrt(parameter.shape[2]))
@@ -173,7 +173,7 @@ def test_logits_and_greedy_tokens_match_transformers(family, built, references):
     for prompt_ids, tokens, logits in references[family]:
         result = engine.generate(prompt_ids, NEW_TOKENS, flags.resolve(environ={}), timed=False)
         assert result.tokens == tokens, f"{family}: greedy tokens differ"
-        for step, (ours, theirs) in enumerate(zip(result.logits, logits)):
+        for step, (ours, theirs) in enumerate(zip(result.logits, logits, strict=True)):
             error = _relative_error(ours, theirs)
             assert error <= RELATIVE_TOLERANCE, f"{family}: step {step} relative error {error:.2e}"
             worst = max(worst, error)
@@ -262,7 +262,8 @@ def test_reads_are_one_tensor_or_one_expert_at_a_time(built, monkeypatch):
                         or original(self, name, index))
     load_checkpoint(built["gpt-oss"][0], torch.device("cpu"), torch.float32)
     assert len(reads) == len(set(reads))
-    expert_reads = [(name, index) for name, index in reads if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    expert_reads = [(name, index) for name, index in reads
+                    if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert expert_reads and all(index is not None for _, index in expert_reads)
     assert len(expert_reads) == 2 * 2 * 8  # layers x (gate_up, down) x experts
 
@@ -290,10 +291,10 @@ RELEASED_CONFIGS = {
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "vocab_size": 151936, "hidden_act": "silu"},
         dict(n_experts=128, top_k=8, intermediate=768, head_dim=128, qk_norm="per_head", norm_topk_prob=True)),
     "Mixtral-8x7B": ({
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "num_local_experts": 8,
-        "num_experts_per_tok": 2, "rope_theta": 1000000.0, "sliding_window": None, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-05, "vocab_size": 32000, "hidden_act": "silu", "tie_word_embeddings": False},
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1000000.0, "sliding_window": None,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "vocab_size": 32000, "hidden_act": "silu", "tie_word_embeddings": False},
         dict(n_experts=8, top_k=2, head_dim=128, router="topk_softmax", sinks=False)),
     "OLMoE-1B-7B-0924": ({
         "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
@@ -418,7 +419,7 @@ def test_truncated_file_exits_2_naming_file_and_tensor(built, tmp_path, capsys):
 def test_missing_shard_tensor_exits_2(built, tmp_path, capsys):
     directory = _copy_checkpoint(built, "qwen3-moe", tmp_path / "qwen")
     index = json.loads((directory / "model.safetensors.index.json").read_text())
-    shard = sorted(set(index["weight_map"].values()))[-1]
+    shard = max(index["weight_map"].values())
     (directory / shard).unlink()
     code, err = _run_cli(directory, capsys)
     assert code == 2 and shard in err and "missing" in err
@@ -455,12 +456,13 @@ def test_missing_tokenizer_json_exits_2(built, tmp_path, capsys):
 
 
 def test_a_tensor_the_mapping_does_not_use_is_an_error(built, tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     directory = _copy_checkpoint(built, "qwen3-moe", tmp_path / "qwen")
     index_path = directory / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    save_file({"model.layers.0.mlp.shared_expert.up_proj.weight": torch.ones(4, 64)}, str(directory / "extra.safetensors"))
+    save_file({"model.layers.0.mlp.shared_expert.up_proj.weight": torch.ones(4, 64)},
+              str(directory / "extra.safetensors"))
     index["weight_map"]["model.layers.0.mlp.shared_expert.up_proj.weight"] = "extra.safetensors"
     index_path.write_text(json.dumps(index))
     with pytest.raises(UserError, match="shared_expert.up_proj.weight.*not used"):
