@@ -281,7 +281,8 @@ class Engine:
 
             torch_device = resolve_device(device)
             loaded = load_checkpoint(model, torch_device, cls.dtype_for(torch_device))
-            return cls(loaded.config, torch_device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer)
+            return cls(loaded.config, torch_device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
+                       weights_source=f"{loaded.family} checkpoint {model}")
         if model not in PRESETS and (os.sep in model or "/" in model or os.path.exists(model)):
             raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
                             f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
