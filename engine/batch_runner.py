@@ -160,6 +160,8 @@ class BatchRunner:
             n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
             grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
+        if not config.plain_experts:
+            return "this family's experts (biases, clamped SwiGLU) run on the reference arm, which syncs the host"
         if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(self.device):
             return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
         for mask in config.layer_masks:

@@ -114,7 +114,9 @@ class Dispatcher:
         self.pending_times.append((record, self.timer.stop(handle)))
         return out
 
-    def moe(self, layer, h, w13, w2, topk_ids, topk_weights):
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None):
+        """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
+        e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
         decision = dispatch.decide(dispatch.GateInputs(
@@ -122,7 +124,11 @@ class Dispatcher:
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
             grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
         arm = ARMS[decision.arm]
-        if arm.supports(device):
+        if experts is not None:
+            executed = ARMS[dispatch.REFERENCE]
+            note = (f"{decision.arm} computes plain SwiGLU experts: the reference arm computes {experts.description}"
+                    if decision.arm != dispatch.REFERENCE else "")
+        elif arm.supports(device):
             executed, note = arm, ""
         else:
             executed = ARMS[dispatch.REFERENCE]
@@ -149,6 +155,8 @@ class Dispatcher:
                      f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
                      + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
         self.moe_records.append(record)
+        if experts is not None:
+            return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
         return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
                                                          tile_m=flags["tile_m"], variant=decision.variant))
 

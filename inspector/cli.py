@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape); default demo")
+    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto (the GPU if there is one)")
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                         help="set a flag (repeatable); see `moe-inspector flags`")

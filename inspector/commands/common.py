@@ -11,7 +11,7 @@ from engine.errors import UserError
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="preset name: tiny, demo, v4-shape (default demo)")
+    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
