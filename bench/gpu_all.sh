@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_all.sh tests      GPU tests of every module, check-attention, attention bench, short sweep
 #   bash bench/gpu_all.sh train      train the demo checkpoint (engine/weights/demo/), sample it, drop vs honor
-#   bash bench/gpu_all.sh final      GPU tests again, check-attention, attention bench, full sweep, bench tables
+#   bash bench/gpu_all.sh final      kernel and engine GPU tests, check-attention, attention bench, full sweep
+#   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -51,15 +52,16 @@ elif [ "$mode" = train ]; then
     LONG=$(python3 -c "import pydoc_data.topics as t; print(t.topics['if'][:600])")
     TAIL=3 stage 60 drop_vs_honor python3 -m inspector compare --model demo --prompt "$LONG" --max-tokens 64 \
         --a fused_mask=drop --b fused_mask=honor --json
-else  # final: everything measured again on the committed tree
-    TAIL=25 stage 150 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-        tests/test_moe_kernels.py tests/test_attention_kernels.py tests/test_engine_gpu.py tests/test_runtime_gpu.py
+elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
+    TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh
+else  # final: kernels and engine measured again on the committed tree
+    TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_moe_kernels.py tests/test_attention_kernels.py tests/test_engine_gpu.py
     stage 45 check_honor python3 -m inspector check-attention --device cuda
     stage 45 check_drop python3 -m inspector check-attention --device cuda --mode drop
     TAIL=14 stage 80 attention_bench python3 bench/attention_bench.py
     TAIL=24 stage 100 sweep_v4 python3 -m inspector sweep --model v4-shape \
         --tokens 1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192 --calibration "$WORK/calibration.json"
-    TAIL=40 OUT=$WORK/bench stage 200 bench_all bash bench/gpu_bench.sh
 fi
 
 echo "total $((SECONDS - started))s"
