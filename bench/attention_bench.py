@@ -39,7 +39,7 @@ import triton  # noqa: E402
 
 from engine.provenance import commit_label  # noqa: E402
 from kernels import launches  # noqa: E402
-from kernels.attention import CONFIGS as PREFILL_CONFIGS, PrefillConfig, flash_attention  # noqa: E402
+from kernels.attention import CONFIGS as PREFILL_CONFIGS, MASK_CONFIGS, PrefillConfig, flash_attention  # noqa: E402
 from kernels.attention_common import format_resource_report, resource_report  # noqa: E402
 from kernels.attention_decode import DecodeConfig, flash_decode  # noqa: E402
 from kernels.reference import MaskSpec, attention_reference, visible_mask  # noqa: E402
@@ -188,7 +188,7 @@ def bench_prefill(q, k, v, sinks, reference, visible_flops: float, rows: list, f
         if error is None:
             continue
         timing = time_cuda(lambda: flash_attention(q, k, v, sinks, SPEC, 0, None, config=config))
-        used = config or PREFILL_CONFIGS[HEAD_DIM]
+        used = config or MASK_CONFIGS.get((HEAD_DIM, SPEC.kind)) or PREFILL_CONFIGS[HEAD_DIM]
         rows.append(row(label, timing, error, visible_flops, "sinks, composite mask",
                         computed_over_visible=computed_pairs_per_head(used) / visible_pairs_per_head(),
                         target_ms=PREFILL_TARGET_MS, target_met=timing["median_ms"] <= PREFILL_TARGET_MS))
