@@ -53,6 +53,7 @@ elif [ "$mode" = train ]; then
     TAIL=3 stage 60 drop_vs_honor python3 -m inspector compare --model demo --prompt "$LONG" --max-tokens 64 \
         --a fused_mask=drop --b fused_mask=honor --json
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
+    [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh
 else  # final: kernels and engine measured again on the committed tree
     TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
