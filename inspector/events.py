@@ -42,6 +42,7 @@ class SideDoneEvent:
     run_id: int
     side: str
     generation: Generation
+    wall_s: float | None = None  # the side's generation, start to end (recorded in the session's results)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,38 @@ class CheckDoneEvent:
 
     result: dict | None
     error: str | None
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplayStepEvent:
+    """One step of the open session re-run: `result` is session_runner.run_step's line, or `error` says why not."""
+
+    index: int
+    result: dict | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class BenchProgressEvent:
+    note: str  # engine.bench's progress note: "pp16 rep 1"
+
+
+@dataclass(frozen=True)
+class BenchRowEvent:
+    row: dict  # one row of engine.bench's JSON report, as it finished
+
+
+@dataclass(frozen=True)
+class BenchDoneEvent:
+    """The bench finished: `report` is the whole JSON report; else `refused` (a MeasurementError's
+    reason) or `error` (bad input) says why there is no table; `cancelled` when the screen was left."""
+
+    report: dict | None
+    refused: str | None = None
+    error: str | None = None
+    cancelled: bool = False
+    wall_s: float = 0.0
 
 
 class EngineQueue:
@@ -90,13 +123,26 @@ class EngineQueue:
                 else:
                     messages.append(StepsArrived(event.run_id, event.side, [event.record], [event.token]))
             elif isinstance(event, SideDoneEvent):
-                messages.append(SideFinished(event.run_id, event.side, event.generation))
+                messages.append(SideFinished(event.run_id, event.side, event.generation, event.wall_s))
             elif isinstance(event, RunDoneEvent):
                 messages.append(RunFinished(event.run_id, event.comparison, event.cancelled))
             elif isinstance(event, RunErrorEvent):
                 messages.append(RunFailed(event.run_id, event.message))
             elif isinstance(event, CheckDoneEvent):
-                messages.append(AttentionCheckFinished(event.result, event.error))
+                messages.append(AttentionCheckFinished(event.result, event.error, event.wall_s))
+            elif isinstance(event, ReplayStepEvent):
+                messages.append(ReplayStepFinished(event.index, event.result, event.error))
+            elif isinstance(event, BenchProgressEvent):
+                last = messages[-1] if messages else None
+                if isinstance(last, BenchProgressed):  # a burst of repetitions is one message
+                    last.notes.append(event.note)
+                else:
+                    messages.append(BenchProgressed([event.note]))
+            elif isinstance(event, BenchRowEvent):
+                messages.append(BenchRowArrived(event.row))
+            elif isinstance(event, BenchDoneEvent):
+                messages.append(BenchFinished(event.report, event.refused, event.error, event.cancelled,
+                                              event.wall_s))
             else:  # a bug in a producer: fail loudly rather than drop it
                 raise TypeError(f"unknown engine event {event!r}")
 
@@ -120,9 +166,9 @@ class StepsArrived(Message, bubble=False):
 
 
 class SideFinished(Message, bubble=False):
-    def __init__(self, run_id: int, side: str, generation: Generation) -> None:
+    def __init__(self, run_id: int, side: str, generation: Generation, wall_s: float | None = None) -> None:
         super().__init__()
-        self.run_id, self.side, self.generation = run_id, side, generation
+        self.run_id, self.side, self.generation, self.wall_s = run_id, side, generation, wall_s
 
 
 class RunFinished(Message, bubble=False):
@@ -162,6 +208,39 @@ class ConfigBChanged(Message):
 
 
 class AttentionCheckFinished(Message, bubble=False):
-    def __init__(self, result: dict | None, error: str | None) -> None:
+    def __init__(self, result: dict | None, error: str | None, wall_s: float = 0.0) -> None:
         super().__init__()
-        self.result, self.error = result, error
+        self.result, self.error, self.wall_s = result, error, wall_s
+
+
+class ReplayStepFinished(Message, bubble=False):
+    def __init__(self, index: int, result: dict | None, error: str | None) -> None:
+        super().__init__()
+        self.index, self.result, self.error = index, result, error
+
+
+class BenchProgressed(Message, bubble=False):
+    def __init__(self, notes: list[str]) -> None:
+        super().__init__()
+        self.notes = notes  # one per finished repetition since the last drain
+
+
+class BenchRowArrived(Message, bubble=False):
+    def __init__(self, row: dict) -> None:
+        super().__init__()
+        self.row = row
+
+
+class BenchFinished(Message, bubble=False):
+    def __init__(self, report: dict | None, refused: str | None, error: str | None, cancelled: bool,
+                 wall_s: float) -> None:
+        super().__init__()
+        self.report, self.refused, self.error, self.cancelled, self.wall_s = report, refused, error, cancelled, wall_s
+
+
+class SessionChanged(Message):
+    """The open session changed (a step recorded, saved as, or another session opened)."""
+
+    def __init__(self, path: str, steps: int, note: str = "") -> None:
+        super().__init__()
+        self.path, self.steps, self.note = path, steps, note

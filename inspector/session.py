@@ -27,6 +27,13 @@ A session is a script the TUI records and `moe-inspector run` executes headless:
     compare = "honor"                # optional: also run under this config, side by side
     expect_match = false             # optional check: true = identical tokens, false = diverge
 
+    [[step]]
+    action = "bench"                 # llama-bench rows: pp16, pp64, tg16 at batch 1 and 4
+    pp = [16, 64]                    # prompt lengths (optional; pp and/or tg)
+    tg = [16]                        # generated tokens (optional)
+    batch = [1, 4]                   # sequences per row (default [1])
+    reps = 2                         # timed repetitions after one warm-up (default 2)
+
 Steps are numbered from 1 in errors, reports and results. The config name `base` is reserved:
 it means [flags] with no overrides (`compare = "base"`).
 
@@ -170,12 +177,27 @@ class CheckAttentionStep:
     expect: str | None = _field(VERDICT)
 
 
-Step = PromptStep | CompareStep | CurveStep | SweepStep | CheckAttentionStep
+@dataclass(frozen=True, kw_only=True)
+class BenchStep:
+    """llama-bench rows (engine.bench) under `config`: a ppN row per prompt length and a tgN row per
+    generated count, each at every batch size; `reps` timed repetitions after one warm-up. Token
+    counts and launch counters are compared on replay; timings are shown, never compared."""
+
+    action = "bench"
+    pp: list[int] | None = _field(TOKENS)
+    tg: list[int] | None = _field(TOKENS)
+    batch: list[int] | None = _field(TOKENS)  # default [1]
+    reps: int = _field(POSITIVE, 2)
+    config: str | None = _field(NAME)
+
+
+BENCH_TG_PROMPT = 32  # prompt tokens of each tg sequence, as `moe-inspector bench --tg-prompt`'s default
+BENCH_DEFAULT_BATCH = (1,)
+
+Step = PromptStep | CompareStep | CurveStep | SweepStep | CheckAttentionStep | BenchStep
 STEP_TYPES: dict[str, type] = {cls.action: cls for cls in
-                               (PromptStep, CompareStep, CurveStep, SweepStep, CheckAttentionStep)}
-ACTIONS = tuple(STEP_TYPES) + ("bench",)
-BENCH_UNAVAILABLE = ("bench is not available in this version (it arrives with issue 7, the measurement issue); "
-                     "remove the step, or time arms with a `sweep` step on a GPU")
+                               (PromptStep, CompareStep, CurveStep, SweepStep, CheckAttentionStep, BenchStep)}
+ACTIONS = tuple(STEP_TYPES)
 
 
 @dataclass(frozen=True)
@@ -344,8 +366,6 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     if "action" not in entry:
         raise UserError(f"{here}: missing key 'action'; one of {', '.join(ACTIONS)}")
     action = entry["action"]
-    if action == "bench":
-        raise UserError(f"{here} (bench): {BENCH_UNAVAILABLE}")
     if action not in STEP_TYPES:
         raise UserError(f"{here}: unknown action {action!r}{_did_you_mean(action, ACTIONS)}; allowed: "
                         f"{', '.join(ACTIONS)}")
@@ -368,6 +388,9 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
                             f"defined: {', '.join(config_names)} (add a [[config]] with name = {value!r})")
         values[spec.name] = list(value) if isinstance(value, list) else value
     step = cls(**values)
+    if isinstance(step, BenchStep) and step.pp is None and step.tg is None:
+        raise UserError(f"{here}: nothing to measure; add pp = [...] (prompt lengths) and/or tg = [...] "
+                        f"(generated tokens), e.g. pp = [16, 64] and tg = [16]")
     if isinstance(step, PromptStep) and step.expect_match is not None and step.compare is None:
         raise UserError(f"{here}: expect_match checks two configurations against each other; add "
                         f"compare = \"<config name>\" or remove expect_match")

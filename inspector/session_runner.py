@@ -16,6 +16,9 @@ then one line per step, in order:
      "numbers": {...},
      "check": {"expect", "held", "detail"} or null, "wall_s"}
 
+A bench step's numbers are engine.bench's JSON report (rows, targets, footer); replay compares
+its rows' token counts, state and launch counters, never its rates.
+
 Before anything runs, `preflight` checks what can be known without running (model, device,
 prompt lengths, GPU-only steps, steps whose engine code is not in this build) so a bad session
 fails in a second with exit 2 rather than half-way. Timings are recorded, never diffed.
@@ -42,8 +45,8 @@ from engine.config import ModelConfig, from_name
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
 from engine.tokenizer import ByteTokenizer
-from inspector.session import (BASE, CheckAttentionStep, CompareStep, CurveStep, PromptStep, Session, Step,
-                               SweepStep, atomic_write_text, step_to_plain)
+from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CompareStep,
+                               CurveStep, PromptStep, Session, Step, SweepStep, atomic_write_text, step_to_plain)
 
 RESULTS_SCHEMA = 1
 OK, CHECK_FAILED = "ok", "check failed"
@@ -154,6 +157,54 @@ def attention_shape(step: CheckAttentionStep, model: ModelConfig) -> dict[str, A
     }
 
 
+def bench_specs(step: BenchStep) -> list:
+    """The step's llama-bench rows (engine.bench.RowSpec), in the order `moe-inspector bench` runs them."""
+    from engine.bench import row_specs
+
+    return row_specs(step.pp or [], step.tg or [], step.batch or list(BENCH_DEFAULT_BATCH), BENCH_TG_PROMPT)
+
+
+def preflight_step(where: str, index: int, step: Step, model: ModelConfig, device: Any) -> None:
+    """What can be known about one step before running it (model, device, lengths, this build); raises UserError."""
+    tokenizer = ByteTokenizer()
+    here = f"{where}: step {index} ({step.action})"
+    if isinstance(step, (PromptStep, CompareStep)):
+        length, context = len(tokenizer.encode(step.prompt)), model.max_seq_len
+        if length + step.max_tokens > context:
+            raise UserError(f"{here}: the prompt ({length} tokens) plus max_tokens {step.max_tokens} exceeds "
+                            f"the {model.name} context of {context}; shorten the prompt or lower max_tokens")
+    elif isinstance(step, CurveStep):
+        k, experts = step.k or model.top_k, step.experts or model.n_experts
+        if k > experts:
+            raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
+    elif isinstance(step, SweepStep):
+        if device.type != "cuda":
+            raise UserError(f"{here}: sweep times kernels and needs a CUDA GPU, and this run is on "
+                            f"{device.type}; run the session on a GPU machine, or remove the step")
+        if sweep_function() is None:
+            raise UserError(f"{here}: sweep is not available in this build (engine.sweep is missing); "
+                            f"update moe-inspector, or remove the step")
+    elif isinstance(step, CheckAttentionStep):
+        if check_attention_function() is None:
+            raise UserError(f"{here}: check-attention is not available in this build (engine.compare."
+                            f"check_attention is missing); update moe-inspector, or remove the step")
+        shape = attention_shape(step, model)
+        if shape["window"] is None or shape["block"] is None:
+            raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "
+                            f"from; set window = ... and block = ... in the step")
+        if shape["heads"] % shape["kv_heads"]:
+            raise UserError(f"{here}: heads {shape['heads']} is not a multiple of kv_heads {shape['kv_heads']}")
+        if shape["pad"] >= shape["seq_len"]:
+            raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
+                            f"use pad < seq_len")
+    elif isinstance(step, BenchStep):
+        for spec in bench_specs(step):
+            needed = spec.prompt_len + spec.max_tokens
+            if needed > model.max_seq_len:
+                raise UserError(f"{here}: row {spec.name} needs {needed} positions, more than the {model.name} "
+                                f"context of {model.max_seq_len}; choose shorter pp/tg")
+
+
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:
     """The model and torch device, after checking every step can run here; raises UserError."""
     from engine.runtime import resolve_device
@@ -166,38 +217,8 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
         device = resolve_device(device_name)
     except UserError as error:
         raise UserError(f"{where}: [engine] device: {error}") from None
-    tokenizer = ByteTokenizer()
     for index, step in enumerate(session.steps, start=1):
-        here = f"{where}: step {index} ({step.action})"
-        if isinstance(step, (PromptStep, CompareStep)):
-            length, context = len(tokenizer.encode(step.prompt)), model.max_seq_len
-            if length + step.max_tokens > context:
-                raise UserError(f"{here}: the prompt ({length} tokens) plus max_tokens {step.max_tokens} exceeds "
-                                f"the {model.name} context of {context}; shorten the prompt or lower max_tokens")
-        elif isinstance(step, CurveStep):
-            k, experts = step.k or model.top_k, step.experts or model.n_experts
-            if k > experts:
-                raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
-        elif isinstance(step, SweepStep):
-            if device.type != "cuda":
-                raise UserError(f"{here}: sweep times kernels and needs a CUDA GPU, and this run is on "
-                                f"{device.type}; run the session on a GPU machine, or remove the step")
-            if sweep_function() is None:
-                raise UserError(f"{here}: sweep is not available in this build (engine.sweep is missing); "
-                                f"update moe-inspector, or remove the step")
-        elif isinstance(step, CheckAttentionStep):
-            if check_attention_function() is None:
-                raise UserError(f"{here}: check-attention is not available in this build (engine.compare."
-                                f"check_attention is missing); update moe-inspector, or remove the step")
-            shape = attention_shape(step, model)
-            if shape["window"] is None or shape["block"] is None:
-                raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "
-                                f"from; set window = ... and block = ... in the step")
-            if shape["heads"] % shape["kv_heads"]:
-                raise UserError(f"{here}: heads {shape['heads']} is not a multiple of kv_heads {shape['kv_heads']}")
-            if shape["pad"] >= shape["seq_len"]:
-                raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
-                                f"use pad < seq_len")
+        preflight_step(where, index, step, model, device)
     return model, device
 
 
@@ -283,6 +304,12 @@ class RunContext:
     where: str
     engine: Any  # engine.runtime.Engine
     base: flag_registry.ResolvedFlags
+    bench_progress: Any = None  # an object with advance(note=...), passed to engine.bench.run_bench
+
+
+def bench_numbers(report: dict) -> dict:
+    """A bench step's numbers: engine.bench's JSON report (rows with counters and timings, targets, footer)."""
+    return _json_safe(report)
 
 
 def make_context(session: Session, where: str, engine) -> RunContext:
@@ -353,6 +380,12 @@ def run_step(context: RunContext, index: int, step: Step) -> dict:
             check = {"expect": step.expect, "held": held,
                      "detail": (f"verdict {verdict}, as expected" if held else
                                 f"expected verdict {step.expect}, got {verdict}: {numbers.get('sentence', '')}")}
+    elif isinstance(step, BenchStep):
+        from engine.bench import run_bench
+
+        report = run_bench(context.engine, config_flags(context.session, context.base, step.config),
+                           bench_specs(step), step.reps, progress=context.bench_progress)
+        numbers = bench_numbers(report.to_json())
     else:  # pragma: no cover - the parser admits only the types above
         raise AssertionError(step)
     return {
@@ -524,6 +557,36 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         old, new = recorded.get("numbers", {}).get("verdict"), now.get("numbers", {}).get("verdict")
         if old != new:
             differences.append(f"{label}: verdict differs: recorded {old}, now {new}")
+    if recorded["action"] == "bench":
+        differences += diff_bench(label, recorded.get("numbers", {}), now.get("numbers", {}))
+    return differences
+
+
+BENCH_COMPARED = ("kind", "tokens", "batch", "prompt_tokens", "generated_tokens", "reps", "state")
+
+
+def diff_bench(label: str, recorded: dict, now: dict) -> list[str]:
+    """Bench rows: the same rows with the same token counts, state (admitting or not) and launch
+    counters; rates and clocks are timings, shown beside the recording and never compared."""
+    rows_recorded = {row["test"]: row for row in recorded.get("rows", [])}
+    rows_now = {row["test"]: row for row in now.get("rows", [])}
+    if list(rows_recorded) != list(rows_now):
+        return [f"{label}: rows differ: recorded {', '.join(rows_recorded) or 'none'}, now {', '.join(rows_now) or 'none'}"]
+    differences = []
+    for test, old in rows_recorded.items():
+        new = rows_now[test]
+        changed = [f"{key} recorded {old.get(key)!r}, now {new.get(key)!r}" for key in BENCH_COMPARED
+                   if old.get(key) != new.get(key)]
+        old_counters, new_counters = old.get("counters", {}), new.get("counters", {})
+        for family in ("arms", "kernels"):
+            before, after = old_counters.get(family, {}), new_counters.get(family, {})
+            changed += [f"{name} launches recorded {before.get(name, 0)}, now {after.get(name, 0)}"
+                        for name in sorted(set(before) | set(after)) if before.get(name, 0) != after.get(name, 0)]
+        for key in ("graph_replays", "steps"):
+            if old_counters.get(key) != new_counters.get(key):
+                changed.append(f"{key} recorded {old_counters.get(key)}, now {new_counters.get(key)}")
+        if changed:
+            differences.append(f"{label}, row {test}: {'; '.join(changed)}")
     return differences
 
 

@@ -69,7 +69,10 @@ BAD_SESSIONS = [
     ("bad_config_flag_value", ["config 1 ('ignore')", "fused_mask", "allowed: honor, decline or drop"]),
     ("future_version", ["[session]", "version 2 is newer", "upgrade moe-inspector"]),
     ("undefined_config", ["step 1 (prompt)", "names config 'hnor', which is not defined", "defined: base, honor"]),
-    ("bench_not_available", ["step 1 (bench)", "bench is not available in this version", "issue 7"]),
+    ("bench_unknown_key", ["step 1 (bench)", "unknown key 'batches'", "did you mean 'batch'",
+                           "allowed: pp, tg, batch, reps, config"]),
+    ("bench_nothing_to_measure", ["step 1 (bench)", "nothing to measure", "pp = [...]"]),
+    ("bench_too_long", ["step 2 (bench)", "row pp1024 needs 1025 positions", "context of 512"]),
     ("prompt_too_long", ["step 1 (prompt)", "443 tokens", "context of 512"]),
     ("sweep_needs_gpu", ["step 2 (sweep)", "needs a CUDA GPU", "this run is on cpu"]),
 ]
@@ -245,6 +248,38 @@ def test_a_failed_check_exits_1(capsys, tmp_path):
     assert "diverge: FAILED" in out
     _, steps = read_results(tmp_path / "r.jsonl", "check_fails")
     assert steps[0]["status"] == "check failed"  # results are written even when a check fails
+
+
+def test_bench_step_runs_on_cpu_and_replays(capsys, tmp_path):
+    """The bench step (issue 7): llama-bench rows in the results, token counts and counters diffed on
+    replay, timings not; a tampered counter is found."""
+    session_path = tmp_path / "bench_tiny.toml"
+    session_path.write_text((FIXTURES / "bench_tiny.toml").read_text())
+    code, out, err = run_cli(capsys, "run", session_path)
+    assert code == 0, err
+    _, steps = read_results(results_path_for(session_path), "bench_tiny")
+    assert [step["action"] for step in steps] == ["bench", "bench"]
+    rows = steps[0]["numbers"]["rows"]
+    assert [row["test"] for row in rows] == ["pp16", "pp16 @ b2", "tg8", "tg8 @ b2"]
+    for row in rows:
+        assert row["reps"] == 2 and row["tps_wall"]["mean"] > 0 and row["counters"]["arms"]["reference"] > 0
+    # tiny's 2 layers, 2 timed repetitions, 8 decode steps each: the counters are exact.
+    tg8 = rows[2]
+    assert tg8["counters"]["arms"]["reference"] == 2 * 8 * 2 and tg8["state"] == "steady"
+    assert steps[0]["numbers"]["footer"]["device"] == "cpu"
+    assert steps[1]["numbers"]["footer"]["flags"].startswith("moe_gate=floor")  # config "floor"
+    code, out, err = run_cli(capsys, "replay", session_path)
+    assert code == 0, err
+
+    results = results_path_for(session_path)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines[1]["numbers"]["rows"][0]["tps_wall"]["mean"] *= 3  # a timing: shown, not compared
+    lines[1]["numbers"]["rows"][2]["counters"]["arms"]["reference"] += 1
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = run_cli(capsys, "replay", session_path)
+    assert code == 1
+    assert "step 1 (bench), row tg8: reference launches recorded 33, now 32" in err
+    assert "more)" not in err  # the one difference: the tripled rate is a timing, not compared
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class RecordingApp(InspectorApp):
         self.actions: list[dict] = []
         self.messages: list = []
 
-    def record_action(self, action: dict) -> None:
+    def record_action(self, action: dict, outcome: dict | None = None) -> None:
         self.actions.append(action)
 
 

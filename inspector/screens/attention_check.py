@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import time
+
 import torch
 from rich.console import Group
 from rich.table import Table
@@ -173,6 +175,7 @@ class AttentionCheckScreen(Screen):
         self.queue = EngineQueue()
         self.running = False
         self.result: dict | None = None
+        self._action: dict | None = None  # the session's record of the running check, saved when it finishes
 
     def compose(self) -> ComposeResult:
         shape = self.shape
@@ -233,7 +236,7 @@ class AttentionCheckScreen(Screen):
         shown = {**parameters, "dtype": DTYPE_NAMES.get(parameters["dtype"], parameters["dtype"])}
         output.update(f"running check_attention({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
         # Plain values for sessions: "torch.float32" (the session format reads float32).
-        self.app.record_action({"action": "check-attention", **parameters, "dtype": str(parameters["dtype"])})
+        self._action = {"action": "check-attention", **parameters, "dtype": str(parameters["dtype"])}
         self.run_check(parameters)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -243,12 +246,13 @@ class AttentionCheckScreen(Screen):
     @work(thread=True, exclusive=True, group="attention-check")
     def run_check(self, parameters: dict[str, Any]) -> None:
         """On the worker thread: only the queue is touched."""
+        started = time.perf_counter()
         try:
             result = self.check(**parameters)
         except UserError as error:
             self.queue.put(events.CheckDoneEvent(None, str(error)))
             return
-        self.queue.put(events.CheckDoneEvent(result, None))
+        self.queue.put(events.CheckDoneEvent(result, None, time.perf_counter() - started))
 
     def drain(self) -> None:
         for message in self.queue.drain():
@@ -263,3 +267,6 @@ class AttentionCheckScreen(Screen):
             return
         self.result = message.result
         output.update(render_result(message.result))
+        if self._action is not None:  # recorded with what the user saw, as the step's results
+            self.app.record_action(self._action, {"result": message.result, "wall_s": message.wall_s})
+            self._action = None

@@ -21,17 +21,23 @@ KEYS = (
     ("f5", "dispatch log: follow the newest rows again"),
     ("f6", "focus the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box)"),
     ("ctrl+l", "focus the prompt box (on the tile-fill screen: the sweep file box)"),
-    ("f7", "attention check screen: run the check (Enter in a size box does too)"),
-    ("escape", "on the tile-fill, attention check, help and edit-B screens: back to the main screen"),
+    ("f7", "replay screen: step through the open session's steps, each re-run beside its recording "
+           "(on the attention check screen, f7 runs the check; Enter in a size box does too)"),
+    ("←/p  →/n  r", "replay screen: previous / next step, re-run the step in view again"),
+    ("f8", "bench screen: llama-bench pp/tg rows on this engine under A, with a progress bar, the trajectory "
+           "and (on a GPU, profiled) kernel shares"),
+    ("ctrl+r", "bench screen: run the bench (Enter in a plan box does too)"),
+    ("ctrl+s", "save the session as (a path; recording continues into the new file, results beside it)"),
+    ("ctrl+o", "open a session (a malformed file is refused in place; the current session stays)"),
+    ("escape", "on the tile-fill, attention check, replay, bench, help and dialog screens: back"),
     ("tab / shift+tab", "move between the prompt, the flags, the log filters and the tables"),
     ("ctrl+p", "command palette: every action, and every flag value"),
     ("ctrl+q", "quit (a running generation is cancelled first)"),
-    ("ctrl+s  ctrl+o", "reserved for sessions (save / open)"),
 )
 
 PANELS = (
     ("status bar", "model, device ('cpu: reference arms' without a GPU: every layer runs its torch reference, "
-                   "which computes the decided arm's semantics), and what is running"),
+                   "which computes the decided arm's semantics), what is running, and the session recorded into"),
     ("A: flags", "configuration A: every dispatch flag, its effective value and where it came from "
                  "(default, environment, session, command line, tui). A refused value keeps the previous one "
                  "and says what is allowed"),
@@ -46,6 +52,13 @@ PANELS = (
                      "arm, variant, mask → applied mask, µs, reason. Filter by configuration, layer, arm, phase"),
     ("launch counters", "per arm, A and B: live from the records, then the engine's own counters (and Triton "
                         "kernel launches, where kernels ran)"),
+    ("session", "every finished run, curve (once per distinct k, E, TILE_M), attention check and bench is a step "
+                "of the session named in the status bar (--session FILE, else an autosave under "
+                "~/.cache/moe-inspector/sessions/), saved atomically with its results after each; flag changes "
+                "become the next step's config. Cancelled runs are not recorded. `moe-inspector run FILE` runs "
+                "it headless, `moe-inspector replay FILE` diffs a re-run against the recording"),
+    ("replay", "left: the recorded results, right: the re-run; tokens from the first difference in reverse "
+               "video; ✓ match, ✗ differs, ? no recording, ! could not re-run. Timings are shown, not compared"),
 )
 
 

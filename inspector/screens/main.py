@@ -4,11 +4,16 @@ A run generates the prompt at temperature 0 through A (the flags panel) and then
 with B's overrides) in one thread worker. The worker's `on_step` only puts events on the
 screen's `EngineQueue`; a timer drains it on the UI thread and posts batched messages, whose
 handlers below update the widgets. Nothing here blocks the UI thread on the engine.
+
+A run is recorded into the session when it finishes (with both generations, as the step's
+recorded results); a cancelled or failed run is not, since replaying it would ask for tokens
+the user never saw.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +57,8 @@ class Run:
     comparison: dict | None = None
     running: bool = True
     cancelled: bool = False
+    action: dict = field(default_factory=dict)  # what the session records once the run finishes
+    walls: dict[str, float] = field(default_factory=dict)  # side -> seconds its generation took
 
     def moe_observations(self) -> list[tuple[int, float]]:
         """(n_tokens, observed pairs per woken expert) of every MoE layer of every step, A and B."""
@@ -85,6 +92,8 @@ class MainScreen(Screen):
         Binding("f4", "edit_b", "Edit B"),
         Binding("f5", "follow", "Follow log"),
         Binding("f6", "focus_flags", "Flags"),
+        Binding("f7", "replay", "Replay"),
+        Binding("f8", "bench", "Bench"),
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
     ]
 
@@ -162,37 +171,41 @@ class MainScreen(Screen):
         divergence = self.query_one(DivergenceBar)
         divergence.show_line("A running; B waits")
         divergence.show_errors([])
-        status.set_activity(f"running A: 0/{max_tokens}", running=True)
+        lock = getattr(self.app, "engine_lock", None)
+        waiting = " (waiting for the engine: a replayed step or a bench holds it)" if lock and lock.locked() else ""
+        status.set_activity(f"running A: 0/{max_tokens}{waiting}", running=True)
         self.refresh_bindings()
-        self.app.record_action({
+        run.action = {
             "action": "prompt", "prompt": prompt, "max_tokens": max_tokens,
             "flags": dict(flags_a.values),
             "compare": {"name": B, "overrides": dict(self.b_overrides), "flags": dict(flags_b.values)},
-        })
+        }
         self.post_message(events.RunStarted(run.id, prompt, max_tokens, flags_a, flags_b))
-        self.generate(run)
+        self.generate(run, getattr(self.app, "engine_lock", None) or threading.Lock())
         return True
 
     @work(thread=True, exclusive=True, group="generation")
-    def generate(self, run: Run) -> None:
+    def generate(self, run: Run, engine_lock: threading.Lock) -> None:
         """A then B on the worker thread. Only puts events on the queue; never touches a widget."""
         results = {}
-        for side in (A, B):
-            if run.cancel.is_set():
-                break
+        with engine_lock:  # a replayed step or a bench on the other screens finishes first
+            for side in (A, B):
+                if run.cancel.is_set():
+                    break
 
-            def on_step(record: dict, token: int, side: str = side) -> None:
-                self.queue.put(events.StepEvent(run.id, side, record, token))
+                def on_step(record: dict, token: int, side: str = side) -> None:
+                    self.queue.put(events.StepEvent(run.id, side, record, token))
 
-            try:
-                generation = self.engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
-                                                  cancel=run.cancel, timed=self.timed)
-            except UserError as error:
-                self.queue.put(events.RunErrorEvent(run.id, str(error)))
-                return
-            results[side] = generation
-            self.queue.put(events.SideDoneEvent(run.id, side, generation))
-        comparison = compare(results[A], results[B]) if len(results) == 2 else None
+                started = time.perf_counter()
+                try:
+                    generation = self.engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
+                                                      cancel=run.cancel, timed=self.timed)
+                except UserError as error:
+                    self.queue.put(events.RunErrorEvent(run.id, str(error)))
+                    return
+                results[side] = generation
+                self.queue.put(events.SideDoneEvent(run.id, side, generation, time.perf_counter() - started))
+            comparison = compare(results[A], results[B]) if len(results) == 2 else None
         self.queue.put(events.RunDoneEvent(run.id, comparison, run.cancel.is_set()))
 
     def cancel_run(self) -> bool:
@@ -237,6 +250,8 @@ class MainScreen(Screen):
             return
         generation = message.generation
         run.generations[message.side] = generation
+        if message.wall_s is not None:
+            run.walls[message.side] = message.wall_s
         self.query_one(CountersTable).set_final(message.side, generation.counters)
         count = len(generation.tokens)
         note = f"cancelled after {count} tokens" if generation.cancelled else f"{count} tokens"
@@ -264,6 +279,12 @@ class MainScreen(Screen):
             activity = f"done: A {len(run.tokens[A])} + B {len(run.tokens[B])} tokens"
         self.query_one(StatusBar).set_activity(activity, running=False)
         self.refresh_bindings()
+        if message.cancelled:
+            self.notify("a cancelled run is not recorded in the session", title="session", timeout=4)
+        elif run.action and A in run.generations and B in run.generations:
+            self.app.record_action(run.action, {
+                "generations": [run.generations[A], run.generations[B]],
+                "walls": [run.walls.get(A, 0.0), run.walls.get(B, 0.0)], "comparison": message.comparison})
 
     def on_run_failed(self, message: events.RunFailed) -> None:
         run = self._current(message.run_id)
@@ -292,6 +313,21 @@ class MainScreen(Screen):
     def on_flag_changed(self, message: events.FlagChanged) -> None:
         self.app.record_action({"action": "flag", "config": A, "flag": message.name, "value": message.value,
                                 "flags": dict(message.flags.values)})
+
+    def on_session_changed(self, message: events.SessionChanged) -> None:
+        from inspector.tui import shown_path
+
+        self.query_one(StatusBar).set_session(f"{shown_path(message.path)} · {message.steps} "
+                                              f"step{'s' if message.steps != 1 else ''}")
+
+    def load_session_state(self, flags: ResolvedFlags, b_overrides: dict[str, Any] | None) -> None:
+        """An opened session: A where it left off, and B as its last side-by-side step had it."""
+        self.query_one(FlagsPanel).load(flags)
+        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags))
+        if b_overrides is not None and b_overrides != self.b_overrides:
+            self.b_overrides = dict(b_overrides)
+            self.query_one(ConfigBRow).set_overrides(self.b_overrides)
+            self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
 
     def on_flag_refused(self, message: events.FlagRefused) -> None:
         self.notify(message.message, title=f"{message.name}: refused", severity="warning")
@@ -355,3 +391,18 @@ class MainScreen(Screen):
         from inspector.screens.attention_check import AttentionCheckScreen
 
         self.app.push_screen(AttentionCheckScreen(self.engine, self.flags))
+
+    def action_replay(self) -> None:
+        from inspector.screens.replay import ReplayScreen
+
+        session = getattr(self.app, "session", None)
+        if session is None:
+            self.notify("no session is open: nothing to replay", severity="warning")
+            return
+        self.app.push_screen(ReplayScreen(self.engine, session.session, str(session.path), dict(session.lines),
+                                          self.app.engine_lock))
+
+    def action_bench(self) -> None:
+        from inspector.screens.bench import BenchScreen
+
+        self.app.push_screen(BenchScreen(self.engine, self.flags, getattr(self.app, "engine_lock", None)))

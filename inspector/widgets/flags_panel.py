@@ -45,6 +45,13 @@ class FlagsPanel(VerticalScroll):
             return
         self._apply(name, value)
 
+    def load(self, flags: ResolvedFlags) -> None:
+        """Show a whole new configuration A (an opened session's) without posting changes: nothing
+        the user did, so nothing to record."""
+        self.flags = flags
+        for name in SPECS:
+            self.row(name).show(flags[name], flags.sources[name])
+
     def _apply(self, name: str, value: Any) -> None:
         self.flags = self.flags.with_overrides({name: value}, TUI)
         self.row(name).show(value, TUI)

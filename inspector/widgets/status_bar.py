@@ -1,4 +1,5 @@
-"""The top line: which model, on which device (and whether it runs reference arms), and what runs now."""
+"""The top line: what runs now, which device (and whether it runs reference arms), the session
+being recorded, and the model."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class StatusBar(Static):
         self.engine = engine
         self.activity = "idle"
         self.running = False
+        self.session = ""  # where actions are recorded; empty when nothing records
 
     def on_mount(self) -> None:
         self._render_line()
@@ -36,6 +38,10 @@ class StatusBar(Static):
     def set_activity(self, activity: str, running: bool) -> None:
         self.activity, self.running = activity, running
         self.set_class(running, "-running")
+        self._render_line()
+
+    def set_session(self, text: str) -> None:
+        self.session = text
         self._render_line()
 
     def _render_line(self) -> None:
@@ -46,5 +52,7 @@ class StatusBar(Static):
         line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
         line.append("  │  ")
         line.append(device_text(self.engine), style="bold")
+        if self.session:
+            line.append(f"  │  session {self.session}")
         line.append(f"  │  {model_text(self.engine)}")
         self.update(line)

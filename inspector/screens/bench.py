@@ -1,0 +1,366 @@
+"""The bench screen: llama-bench rows (engine.bench) on the current engine under configuration A.
+
+A thread worker runs `run_bench` one row at a time, holding the engine lock, so each row reaches
+the table as it finishes; its progress object only puts notes on the queue, which a timer drains
+into the progress bar. Beside the table: the steady-state trajectory (generated tokens/s in
+2-second bins) and, when profiled on a GPU, the kernel shares. A refused measurement
+(MeasurementError: zero tokens, zero time, a non-finite rate) shows its reason instead of a table.
+
+The default plan fits the device: on a CPU about ten seconds on `demo`; on a GPU the rows the
+issue asks for at a size that still finishes in a minute. Leaving the screen stops the bench
+after its current repetition. A finished bench is recorded into the session as a `bench` step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Input, Label, ProgressBar, Static, Switch
+from textual_plotext import PlotextPlot
+
+from engine import bench
+from engine.errors import MeasurementError, UserError
+from engine.flags import ResolvedFlags
+from engine.runtime import Engine
+from inspector import events
+from inspector.events import EngineQueue
+from inspector.session import BENCH_TG_PROMPT
+
+# pp, tg, batch, reps. CPU: ~3 s on demo, ~5 s on tiny (2-core machine, measured with
+# `moe-inspector bench --pp 16,64 --tg 16 --batch 1,4 --reps 2`).
+CPU_PLAN = ("16,64", "16", "1,4", "2")
+GPU_PLAN = ("128,512", "128", "1,8", "3")
+PLAN_BOXES = ("pp", "tg", "batch", "reps")
+NO_PROFILE_ON_CPU = ("kernel shares need a GPU: torch.profiler records no device kernels on a CPU, and an empty "
+                     "profile is refused, never shown as zeros")
+SHARES_PER_ROW = 8
+
+
+class BenchCancelled(Exception):
+    """The screen was left: the bench stops at its next repetition."""
+
+
+class QueueProgress:
+    """engine.bench's progress object: each finished repetition becomes a note on the queue."""
+
+    def __init__(self, queue: EngineQueue, cancel: threading.Event) -> None:
+        self.queue, self.cancel = queue, cancel
+
+    def advance(self, steps: int = 1, note: str = "") -> None:
+        self.queue.put(events.BenchProgressEvent(note))
+        if self.cancel.is_set():
+            raise BenchCancelled()
+
+
+@dataclass(frozen=True)
+class Plan:
+    pp: list[int]
+    tg: list[int]
+    batch: list[int]
+    reps: int
+    profile: bool
+
+    @property
+    def specs(self) -> list:
+        return bench.row_specs(self.pp, self.tg, self.batch, BENCH_TG_PROMPT)
+
+    @property
+    def repetitions(self) -> int:
+        """What the progress bar counts: per row a warm-up, the timed repetitions, and the profiled one."""
+        return len(self.specs) * (self.reps + 1 + int(self.profile))
+
+    def action(self, flags: ResolvedFlags) -> dict:
+        """The session's record of this bench (the `bench` step's keys; profiling is not a step key)."""
+        return {"action": "bench", "pp": self.pp or None, "tg": self.tg or None, "batch": self.batch,
+                "reps": self.reps, "flags": dict(flags.values)}
+
+
+def parse_list(name: str, text: str, allow_empty: bool) -> list[int]:
+    text = text.strip()
+    if allow_empty and text.lower() in ("", "none", "0"):
+        return []
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        empty = " (or none)" if allow_empty else ""
+        raise UserError(f"{name} {text!r}: give comma-separated whole numbers >= 1, e.g. 16,64{empty}")
+    return [int(part) for part in parts]
+
+
+def parse_plan(values: dict[str, str], profile: bool, context: int) -> Plan:
+    pp, tg = parse_list("pp", values["pp"], True), parse_list("tg", values["tg"], True)
+    batch = parse_list("batch", values["batch"], False)
+    reps_text = values["reps"].strip()
+    if not reps_text.isdigit() or int(reps_text) < 1:
+        raise UserError(f"reps {reps_text!r}: give a whole number >= 1 (timed repetitions after one warm-up)")
+    if not pp and not tg:
+        raise UserError("pp and tg are both empty: nothing to measure")
+    plan = Plan(pp, tg, batch, int(reps_text), profile)
+    for spec in plan.specs:
+        if spec.prompt_len + spec.max_tokens > context:
+            raise UserError(f"{spec.name} needs {spec.prompt_len + spec.max_tokens} positions, more than the context "
+                            f"of {context}: choose shorter pp/tg")
+    return plan
+
+
+def combine(reports: list[dict]) -> dict:
+    """One report from the one-row reports the worker produced, shaped as run_bench's whole report."""
+    targets: dict = {}
+    for report in reports:
+        if report.get("targets"):
+            if not targets:
+                targets = {**report["targets"], "rows": []}
+            targets["rows"] += report["targets"]["rows"]
+    last = reports[-1]
+    return {"model": last["model"], "device": last["device"], "rows": [report["rows"][0] for report in reports],
+            "targets": targets, "footer": last["footer"]}
+
+
+def row_cells(row: dict) -> list[str]:
+    if row["state"] == "admitting":
+        wall = device = "admitting"
+        clocks = ms_token = host = "—"
+    else:
+        wall = f"{row['tps_wall']['mean']:.1f} ± {row['tps_wall']['std']:.1f}"
+        device = "n/a" if row["tps_device"] is None else f"{row['tps_device']['mean']:.1f}"
+        clocks = ("n/a" if row["clock_disagreement"] is None else
+                  f"{100 * row['clock_disagreement']:.1f} %" + (" ⚠" if row["clock_flag"] else ""))
+        ms_token, host = f"{row['ms_per_token']:.3f}", f"{row['host_us_per_step']:.0f}"
+    counters = row["counters"]
+    launches = ", ".join(f"{name} {count}" for name, count in counters["arms"].items() if count)
+    return [row["test"], wall, device, clocks, f"{row['ttft_ms']['mean']:.1f}", ms_token, host, launches,
+            str(counters["graph_replays"]), str(sum(counters["kernels"].values()))]
+
+
+ROW_COLUMNS = ("test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "host µs/step", "launches",
+               "replays", "kernels")
+
+
+class BenchScreen(Screen):
+    BINDINGS = [
+        Binding("escape,f8", "leave", "Back"),
+        Binding("ctrl+r", "run_bench", "Run bench"),
+    ]
+
+    def __init__(self, engine: Engine, flags: ResolvedFlags, engine_lock: threading.Lock | None = None, *,
+                 run_bench: Callable = bench.run_bench, clock: Callable[[], float] | None = None) -> None:
+        """`run_bench` and `clock` are engine.bench's; tests pass a clock that stands still to force a refusal."""
+        super().__init__()
+        self.engine, self.flags = engine, flags
+        self.engine_lock = engine_lock or threading.Lock()
+        self.run_bench_function, self.clock = run_bench, clock
+        self.gpu = engine.device.type == "cuda"
+        self.queue = EngineQueue()
+        self.cancel = threading.Event()
+        self.running = False
+        self.plan: Plan | None = None
+        self.rows: list[dict] = []
+        self.report: dict | None = None
+        self.refused: str | None = None
+
+    def compose(self) -> ComposeResult:
+        c = self.engine.config
+        yield Static(f"{c.name} on {self.engine.device_label}: llama-bench rows over the batched engine under "
+                     f"configuration A ({self.flags.describe()}); a warm-up repetition per row, excluded. "
+                     f"tg rows use {BENCH_TG_PROMPT}-token prompts."
+                     + ("" if self.gpu else " On a CPU the screen shares the cores with the engine: "
+                        "`moe-inspector bench` headless gives steadier numbers."), id="bench-about")
+        with Horizontal(id="bench-params"):
+            for name, value in zip(PLAN_BOXES, GPU_PLAN if self.gpu else CPU_PLAN):
+                yield Label(name)
+                yield Input(value, id=f"bench-{name}", restrict=r"[0-9,a-z ]*", compact=True)
+            if self.gpu:
+                yield Label("profile")
+                yield Switch(False, id="bench-profile")
+        with Horizontal(id="bench-progress-row"):
+            yield ProgressBar(id="bench-progress", show_eta=False)
+            yield Static("ctrl+r (or Enter in a box) runs the bench", id="bench-status")
+        yield Static("", id="bench-refusal")
+        yield DataTable(id="bench-rows", cursor_type="row", zebra_stripes=True)
+        with Horizontal(id="bench-lower"):
+            yield PlotextPlot(id="bench-trajectory")
+            with Vertical(id="bench-shares"):
+                yield Static("" if self.gpu else NO_PROFILE_ON_CPU, id="bench-shares-note")
+                yield DataTable(id="bench-kernels", zebra_stripes=True)
+        yield Static("", id="bench-footer")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.set_interval(events.DRAIN_INTERVAL, self.drain)
+        self.query_one("#bench-rows", DataTable).add_columns(*ROW_COLUMNS)
+        self.query_one("#bench-kernels", DataTable).add_columns("row", "kernel", "device µs", "calls", "share",
+                                                                "launches/step")
+        self.query_one("#bench-kernels").display = False
+        self.query_one("#bench-refusal").display = False
+        self.query_one(f"#bench-{PLAN_BOXES[0]}", Input).focus()
+        self.draw_trajectory()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "run_bench":
+            return None if self.running else True
+        return True
+
+    # -- running -----------------------------------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_run_bench()
+
+    def action_run_bench(self) -> None:
+        if self.running:
+            return
+        values = {name: self.query_one(f"#bench-{name}", Input).value for name in PLAN_BOXES}
+        profile = self.gpu and self.query_one("#bench-profile", Switch).value
+        try:
+            plan = parse_plan(values, profile, self.engine.config.max_seq_len)
+        except UserError as error:
+            self.show_refusal(f"not run: {error}")
+            return
+        self.plan, self.rows, self.report, self.refused = plan, [], None, None
+        self.running = True
+        self.cancel.clear()
+        self.refresh_bindings()
+        self.query_one("#bench-refusal").display = False
+        self.query_one("#bench-rows").display = True
+        self.query_one("#bench-rows", DataTable).clear()
+        self.query_one("#bench-kernels", DataTable).clear()
+        self.query_one("#bench-footer", Static).update("")
+        self.query_one("#bench-progress", ProgressBar).update(total=plan.repetitions, progress=0)
+        self.query_one("#bench-status", Static).update(
+            f"{len(plan.specs)} rows × ({plan.reps} reps + warm-up{' + profile' if profile else ''})"
+            + (" — waiting for the engine" if self.engine_lock.locked() else ""))
+        self.draw_trajectory()
+        self.run_rows(plan)
+
+    @work(thread=True, exclusive=True, group="bench")
+    def run_rows(self, plan: Plan) -> None:
+        """On the worker thread: one run_bench per row, so rows arrive as they finish; only the queue is touched."""
+        progress = QueueProgress(self.queue, self.cancel)
+        started = time.perf_counter()
+        reports = []
+        try:
+            with self.engine_lock:
+                for spec in plan.specs:
+                    report = self.run_bench_function(self.engine, self.flags, [spec], plan.reps, profile=plan.profile,
+                                                     progress=progress, clock=self.clock).to_json()
+                    reports.append(report)
+                    self.queue.put(events.BenchRowEvent(report["rows"][0]))
+        except BenchCancelled:
+            self.queue.put(events.BenchDoneEvent(None, cancelled=True))
+            return
+        except MeasurementError as error:
+            self.queue.put(events.BenchDoneEvent(None, refused=str(error)))
+            return
+        except UserError as error:
+            self.queue.put(events.BenchDoneEvent(None, error=str(error)))
+            return
+        self.queue.put(events.BenchDoneEvent(combine(reports), wall_s=time.perf_counter() - started))
+
+    def cancel_work(self) -> None:
+        self.cancel.set()
+
+    def action_leave(self) -> None:
+        self.cancel_work()  # a running bench stops after its current repetition
+        self.app.pop_screen()
+
+    def drain(self) -> None:
+        for message in self.queue.drain():
+            self.post_message(message)
+
+    # -- messages ------------------------------------------------------------------------------------------
+
+    def on_bench_progressed(self, message: events.BenchProgressed) -> None:
+        self.query_one("#bench-progress", ProgressBar).advance(len(message.notes))
+        self.query_one("#bench-status", Static).update(f"done: {message.notes[-1]}")
+
+    def on_bench_row_arrived(self, message: events.BenchRowArrived) -> None:
+        row = message.row
+        self.rows.append(row)
+        self.query_one("#bench-rows", DataTable).add_row(*row_cells(row), key=row["test"])
+        if "profile" in row:
+            kernels = self.query_one("#bench-kernels", DataTable)
+            kernels.display = True
+            for entry in row["profile"]["kernels"][:SHARES_PER_ROW]:
+                name = entry["kernel"] if len(entry["kernel"]) <= 48 else entry["kernel"][:47] + "…"
+                kernels.add_row(row["test"], name, f"{entry['device_us']:.1f}", str(entry["calls"]),
+                                f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}")
+            self.query_one("#bench-shares-note", Static).update(f"kernel shares, {row['profile']['note']}")
+
+    def on_bench_finished(self, message: events.BenchFinished) -> None:
+        self.running = False
+        self.refresh_bindings()
+        status = self.query_one("#bench-status", Static)
+        if message.cancelled:
+            status.update("stopped")
+            return
+        if message.refused is not None:
+            self.refused = message.refused
+            self.show_refusal(f"refused: {message.refused}")
+            status.update("refused: no table")
+            return
+        if message.error is not None:
+            self.show_refusal(f"not run: {message.error}")
+            status.update("not run")
+            return
+        self.report = message.report
+        self.draw_trajectory()  # once, at the end: plotting while rows are timed would take the CPU from them
+        status.update(f"done: {len(self.rows)} rows in {message.wall_s:.1f} s")
+        self.query_one("#bench-footer", Static).update(footer_text(message.report))
+        self.app.record_action(self.plan.action(self.flags), {"report": message.report, "wall_s": message.wall_s})
+
+    def show_refusal(self, text: str) -> None:
+        """A refused measurement prints no table: the reason takes its place."""
+        refusal = self.query_one("#bench-refusal", Static)
+        refusal.update(text)
+        refusal.display = True
+        self.query_one("#bench-rows").display = False
+        self.query_one("#bench-kernels").display = False
+
+    # -- the trajectory --------------------------------------------------------------------------------------
+
+    def draw_trajectory(self) -> None:
+        plt = self.query_one("#bench-trajectory", PlotextPlot).plt
+        plt.clear_figure()
+        tg_rows = [row for row in self.rows if row["kind"] == "tg"]
+        bin_s = bench.TRAJECTORY_BIN_S
+        single = tg_rows and all(len(row["trajectory"]["tokens_per_s"]) <= 1 for row in tg_rows)
+        plt.title(f"generated tokens/s in {bin_s:g}-s bins (tg rows, last repetition)"
+                  + ("; each row fit in one bin" if single else ""))
+        for row in tg_rows:
+            rates = row["trajectory"]["tokens_per_s"]
+            if rates:
+                times = [bin_s * (index + 1) for index in range(len(rates))]
+                if len(rates) == 1:  # one bin: a visible point, not a braille dot
+                    plt.scatter(times, rates, label=row["test"], marker="●")
+                else:
+                    plt.plot(times, rates, label=row["test"], marker="braille")
+        if tg_rows:
+            plt.xlim(0, bin_s * (max(len(row["trajectory"]["tokens_per_s"]) for row in tg_rows) + 1))
+        else:
+            plt.text("no tg rows yet" if self.running or not self.rows else "no tg rows in this plan", 0.5, 0.5)
+            plt.xlim(0, 1)
+            plt.ylim(0, 1)
+        plt.xlabel("seconds into the run (bin end)")
+        plt.ylabel("tokens/s")
+        self.query_one("#bench-trajectory", PlotextPlot).refresh()
+
+
+def footer_text(report: dict) -> str:
+    foot = report["footer"]
+    lines = [f"{foot['model']} ({foot['dtype']}) on {foot['device']} · commit {foot['commit']} · "
+             + " · ".join(f"{name} {version}" for name, version in foot["versions"].items()),
+             f"graphs {foot['graphs']} · weights: {foot['weights']} · clocks: {foot['clocks']}"]
+    for entry in report.get("targets", {}).get("rows", []):
+        share = ("device time n/a here, so no host share" if entry.get("host_share") is None else
+                 f"host {100 * entry['host_share']:.1f} % of the device step (target < "
+                 f"{100 * entry['target_host_share']:.0f} %)")
+        lines.append(f"{entry['test']} @ b1: {entry['tps']:.1f} t/s; the weight-bandwidth bound, {entry['bound_tps']:.1f} "
+                     f"t/s, is {entry['ratio_to_bound']:.2f}× that (target ≤ {entry['target_ratio']}×); {share}")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""A small modal asking for a session path: save as (ctrl+s) or open (ctrl+o).
+
+Enter hands the text to `attempt` (the app's save or open); a UserError it raises is shown in
+place and the dialog stays, so a bad path or a malformed session changes nothing. Saving over
+an existing file other than the current session asks for a second Enter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Static
+
+from engine.errors import UserError
+
+TITLES = {
+    "save": "Save the session as (a .toml file; its results go beside it as .results.jsonl). "
+            "Recording continues into the new file.",
+    "open": "Open a session (.toml) for this model: recording continues into it, and f7 replays its steps.",
+}
+
+
+class SessionPathScreen(ModalScreen[str | None]):
+    """Dismisses with the path that was saved or opened, or None when left with escape."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, mode: str, initial: str, attempt: Callable[[str], object], current: str | None = None) -> None:
+        super().__init__()
+        self.mode, self.initial, self.attempt, self.current = mode, initial, attempt, current
+        self._confirmed: str | None = None  # a path whose overwrite the user confirmed with a second Enter
+        self.refusal: str | None = None
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="session-dialog", classes="dialog"):
+            yield Static(TITLES[self.mode], classes="dialog-help")
+            yield Input(self.initial, placeholder="path/to/session.toml", id="session-path")
+            yield Static("Enter: " + ("save" if self.mode == "save" else "open") + " · escape: cancel",
+                         id="session-refusal")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def refuse(self, message: str) -> None:
+        self.refusal = message
+        line = self.query_one("#session-refusal", Static)
+        line.update(f"refused: {message}")
+        line.add_class("-refused")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        if self.mode == "save" and text and text != self._confirmed:
+            path = Path(text).expanduser()
+            if path.is_file() and (self.current is None or path.resolve() != Path(self.current).resolve()):
+                self._confirmed = text
+                line = self.query_one("#session-refusal", Static)
+                line.update(f"{path} exists: Enter again to replace it (and its results), escape to keep it")
+                line.add_class("-refused")
+                return
+        try:
+            self.attempt(text)
+        except UserError as error:
+            self.refuse(str(error))
+            return
+        self.dismiss(text)
