@@ -294,7 +294,7 @@ async def test_palette_and_help_offer_the_session_screens(engine, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("ctrl+p")
         await pilot.pause()
-        await pilot.press(*"Replay session")
+        await pilot.press(*"replay")
         await pilot.pause(0.3)
         await pilot.press("enter")
         await pilot.pause(0.2)
@@ -302,7 +302,7 @@ async def test_palette_and_help_offer_the_session_screens(engine, tmp_path):
         assert "no steps recorded yet" in text_of(app.screen.query_one("#replay-head"))
         await pilot.press("ctrl+p")
         await pilot.pause()
-        await pilot.press(*"Save session as")
+        await pilot.press(*"save ses")
         await pilot.pause(0.3)
         await pilot.press("enter")
         await pilot.pause(0.2)
