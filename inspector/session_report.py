@@ -163,6 +163,25 @@ def sweep_rows(steps: list[dict]) -> list[dict]:
     return rows
 
 
+def bench_rows(steps: list[dict]) -> list[dict]:
+    """One row per llama-bench row of every bench step (engine.bench's JSON report in `numbers`)."""
+    rows = []
+    for step in steps:
+        if step["action"] != "bench":
+            continue
+        for row in step["numbers"].get("rows", []):
+            wall, device = row.get("tps_wall"), row.get("tps_device")
+            arms = row.get("counters", {}).get("arms", {})
+            rows.append({
+                "step": step["step"], "config": step["definition"].get("config", "base"), "test": row["test"],
+                "t/s (wall)": "admitting" if wall is None else f"{wall['mean']:.2f} ± {wall['std']:.2f}",
+                "t/s (device)": "n/a" if device is None else f"{device['mean']:.2f} ± {device['std']:.2f}",
+                "TTFT ms": f"{row['ttft_ms']['mean']:.1f}", "state": row.get("state", ""),
+                "launches": ", ".join(f"{name} {count}" for name, count in arms.items() if count),
+            })
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Markdown
 # --------------------------------------------------------------------------------------------
@@ -236,6 +255,11 @@ def render_markdown(header: dict, steps: list[dict], description: str | None = N
     rows = sweep_rows(steps)
     if rows:
         out += ["## sweep", "", markdown_table(rows), ""]
+    rows = bench_rows(steps)
+    if rows:
+        out += ["## bench", "", markdown_table(rows, right=("step", "t/s (wall)", "t/s (device)", "TTFT ms")), "",
+                "t/s: mean ± stddev over the timed repetitions (warm-up excluded); launches: each arm's launch "
+                "counter over them. The numbers are engine.bench's; the results file holds its whole report.", ""]
     notes = []
     pairs = stand_ins(steps)
     if pairs:
@@ -264,6 +288,7 @@ def render_csv(header: dict, steps: list[dict]) -> str:
             rows += [{"table": "curve", **row} for row in curve_rows(step)]
     rows += [{"table": "check-attention", **row} for row in attention_rows(steps)]
     rows += [{"table": "sweep", **row} for row in sweep_rows(steps)]
+    rows += [{"table": "bench", **row} for row in bench_rows(steps)]
     columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]
@@ -314,9 +339,14 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
                     "wall s now": f"{run_new['timings']['wall_s']:.2f}",
                 })
         else:
-            verdict = (_same(old["numbers"].get("verdict"), new["numbers"].get("verdict"))
-                       if old["action"] == "check-attention" else
-                       _same(old["numbers"], new["numbers"]) if old["action"] == "curve" else "not compared")
+            if old["action"] == "bench":  # rows, token counts and counters; never the rates
+                from inspector.session_runner import diff_bench
+
+                verdict = "DIFFERS" if diff_bench("", old["numbers"], new["numbers"]) else "match"
+            else:
+                verdict = (_same(old["numbers"].get("verdict"), new["numbers"].get("verdict"))
+                           if old["action"] == "check-attention" else
+                           _same(old["numbers"], new["numbers"]) if old["action"] == "curve" else "not compared")
             rows.append({"step": old["step"], "action": old["action"], "config": "", "tokens": "", "counters": "",
                          "decisions": verdict, "wall s recorded": f"{old['wall_s']:.2f}",
                          "wall s now": f"{new['wall_s']:.2f}"})

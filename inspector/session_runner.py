@@ -91,7 +91,7 @@ def triton_version() -> str | None:
 
 
 def environment_header(session: Session, where: str, device_label: str, device_spec: str,
-                       base_flags: flag_registry.ResolvedFlags) -> dict:
+                       base_flags: flag_registry.ResolvedFlags, weights: str | None = None) -> dict:
     import torch
 
     commit, dirty = git_commit()
@@ -101,7 +101,7 @@ def environment_header(session: Session, where: str, device_label: str, device_s
         "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version(),
         "cpu_threads": torch.get_num_threads(),
         "device": device_label, "device_spec": device_spec, "model": session.engine.model,
-        "seed": session.engine.seed, "flags": base_flags.to_json(),
+        "seed": session.engine.seed, "weights": weights, "flags": base_flags.to_json(),
         "configs": {config.name: dict(config.flags) for config in session.configs},
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -417,8 +417,10 @@ def run_session(session: Session, where: str, device: str | None = None,
 
     model, torch_device = preflight(session, where, device or session.engine.device)
     base = base_flags(session)
-    engine = Engine(model, torch_device, session.engine.seed)
-    outcome = RunOutcome(environment_header(session, where, engine.device_label, str(engine.device), base))
+    # The same weights the TUI and `generate` use: a preset's shipped checkpoint where it has one.
+    engine = Engine.load(session.engine.model, str(torch_device), session.engine.seed)
+    outcome = RunOutcome(environment_header(session, where, engine.device_label, str(engine.device), base,
+                                            engine.weights_source))
     context = RunContext(session, where, engine, base)
     chosen = [(index, step) for index, step in enumerate(session.steps, start=1)
               if only_steps is None or index in only_steps]
@@ -627,5 +629,9 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
                         f"{device_label(torch_device)}; tokens are only comparable on the same device: replay "
                         f"there (--device), or re-record here with `moe-inspector run {where}`")
     rerun = run_session(session, where, device, progress)
+    if header.get("weights") is not None and header["weights"] != rerun.header["weights"]:
+        raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "
+                        f"'{rerun.header['weights']}'; tokens are only comparable with the same weights: "
+                        f"re-record with `moe-inspector run {where}`")
     differences = [difference for old, new in zip(recorded, rerun.steps) for difference in diff_step(old, new)]
     return ReplayOutcome(header, recorded, rerun, differences)
