@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 from engine import flags as flag_registry
 from engine.errors import UserError
-from inspector.session import (BASE, CheckAttentionStep, CompareStep, Config, CurveStep, EngineSpec, PromptStep,
+from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep, Config, CurveStep, EngineSpec, PromptStep,
                                Session, Step, SweepStep, load_session, parse_session, save_session,
                                session_to_plain, step_keys)
 
@@ -138,7 +138,7 @@ class SessionRecorder:
             if kind == "config":  # configuration B edited: the next prompt's compare carries it
                 return None
             builders = {"prompt": self._prompt, "compare": self._compare, "curve": self._curve,
-                        "sweep": self._sweep, "check-attention": self._check_attention}
+                        "sweep": self._sweep, "check-attention": self._check_attention, "bench": self._bench}
             if kind not in builders:
                 raise UserError(f"recorded action {kind!r} is not one of flag, {', '.join(builders)}")
             configs = list(self._session.configs)
@@ -246,6 +246,16 @@ class SessionRecorder:
             table["dtype"] = table["dtype"].removeprefix("torch.")
         table.setdefault("mode", self.current_flags.get("fused_mask", flag_registry.SPECS["fused_mask"].default))
         return _ordered(table, CheckAttentionStep)
+
+
+    def _bench(self, action: Mapping[str, Any], where: str, configs: list[Config]) -> dict:
+        table = {"action": "bench", **self._pick(action, BenchStep, drop=("config",))}
+        effective = self._effective(action.get("flags"), self.current_flags, where)
+        name = self._config_name(effective, action.get("name"), configs)
+        if name != BASE:
+            table["config"] = name
+        self.current_flags = effective
+        return _ordered(table, BenchStep)
 
 
 def _ordered(table: dict, cls: type) -> dict:

@@ -12,7 +12,6 @@ the screen is taken over (exit 2), never as a traceback inside the app. Knows no
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import warnings
@@ -24,8 +23,7 @@ from engine.config import from_name
 from engine.errors import UserError
 from engine.runtime import Engine
 from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep, CurveStep, PromptStep, Session,
-                               Step, load_session, parse_session, save_session, session_to_plain, step_keys,
-                               step_to_plain)
+                               Step, load_session, step_to_plain)
 from inspector.session_recorder import SessionRecorder, default_session_path
 # _json_safe: the runner's own conversion of engine results (tensors, numpy values) to JSON, so a step
 # recorded here reads back exactly as one `moe-inspector run` wrote.
@@ -49,35 +47,6 @@ def shown_path(path: str | os.PathLike) -> str:
     """A path as a person would type it: ~ for the home directory."""
     text, home = str(path), str(Path.home())
     return "~" + text[len(home):] if text.startswith(home + os.sep) else text
-
-
-class TuiRecorder(SessionRecorder):
-    """The session recorder, plus the bench screen's `bench` action.
-
-    SessionRecorder's builders know prompt, compare, curve, sweep and check-attention; a bench
-    run becomes a `bench` step under the config its flags need, validated by the session parser
-    before it is saved, like every other step. (This belongs in SessionRecorder's builders.)
-    """
-
-    def append(self, action: Mapping[str, Any]) -> Step | None:
-        if action.get("action") != "bench":
-            return super().append(action)
-        with self._lock:
-            where = "recorded action 'bench'"
-            configs = list(self._session.configs)
-            table = {"action": "bench", **self._pick(action, BenchStep, drop=("config",))}
-            effective = self._effective(action.get("flags"), self.current_flags, where)
-            name = self._config_name(effective, action.get("name"), configs)
-            if name != BASE:
-                table["config"] = name
-            table = {"action": "bench", **{key: table[key] for key in step_keys(BenchStep) if key in table}}
-            plain = session_to_plain(dataclasses.replace(self._session, configs=tuple(configs)))
-            plain.setdefault("step", []).append(table)
-            session = parse_session(plain, f"{self.path}: {where}")
-            save_session(session, self.path)
-            self._session = session
-            self.current_flags = effective
-            return session.steps[-1]
 
 
 class TuiSession:
@@ -105,12 +74,12 @@ class TuiSession:
         """--session FILE: continue it if it exists, else start it (nothing is written before an action)."""
         if Path(path).exists():
             return cls.open(path, engine)
-        return cls(TuiRecorder(path, engine_info, flags), engine)
+        return cls(SessionRecorder(path, engine_info, flags), engine)
 
     @classmethod
     def open(cls, path: str | os.PathLike, engine: Engine) -> "TuiSession":
         """An existing session for this engine; UserError (the parser's message) when it is not one."""
-        recorder = TuiRecorder.load(path)
+        recorder = SessionRecorder.load(path)
         spec = recorder.session.engine
         if spec.model != engine.config.name or spec.seed != engine.seed:
             raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
