@@ -273,7 +273,8 @@ def launch(args) -> int:
         existing = bool(session_path) and Path(session_path).exists()
         if existing:  # a malformed session is refused here, before anything is loaded
             model, seed, device, notes = _session_engine(args, load_session(session_path).engine)
-        from_name(model)  # an unknown model is refused before anything is loaded
+        if not Path(model).is_dir():
+            from_name(model)  # an unknown preset is refused before anything is loaded
         print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
         engine = Engine.load(model, device, seed)
         path = Path(session_path) if session_path else autosave_path()
