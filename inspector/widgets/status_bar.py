@@ -19,7 +19,7 @@ def device_text(engine: Engine) -> str:
 def model_text(engine: Engine) -> str:
     c = engine.config
     return (f"{c.name} · {c.n_layers} layers · top-{c.top_k} of {c.n_experts} experts · "
-            f"head_dim {c.head_dim} · context {c.max_seq_len} · seed {engine.seed}")
+            f"head_dim {c.head_dim} · context {c.max_seq_len} · {engine.weights_source}")
 
 
 class StatusBar(Static):
