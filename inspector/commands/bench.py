@@ -12,19 +12,7 @@ from engine.config import from_name
 from engine.errors import UserError
 from engine.progress import Progress
 from engine.runtime import Engine, resolve_device
-
-
-def _token_list(text: str, option: str) -> list[int]:
-    """Comma-separated positive integers; `none` (or 0) for no rows of this kind."""
-    if text.strip().lower() in ("none", "0", ""):
-        return []
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 128,512, or none") from None
-    if not values or any(value < 1 for value in values):
-        raise UserError(f"{option} {text!r}: every value must be an integer >= 1 (or `none` for no rows)")
-    return values
+from inspector.commands.common import positive_int_list
 
 
 def _switch(text: str) -> bool:
@@ -70,8 +58,9 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     resolved = flag_registry.resolve(args.set_flags)
-    pp, tg = _token_list(args.pp, "--pp"), _token_list(args.tg, "--tg")
-    batches = _token_list(args.batch, "--batch")
+    pp = positive_int_list(args.pp, "--pp", allow_none=True)
+    tg = positive_int_list(args.tg, "--tg", allow_none=True)
+    batches = positive_int_list(args.batch, "--batch", allow_none=True)
     if not batches:
         raise UserError("--batch: give at least one batch size, e.g. 1,8,32")
     if not pp and not tg:

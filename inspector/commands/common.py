@@ -54,11 +54,15 @@ def show_engagements() -> None:
         logger.propagate = False
 
 
-def positive_int_list(text: str, option: str) -> list[int]:
+def positive_int_list(text: str, option: str, allow_none: bool = False) -> list[int]:
+    """Comma-separated integers >= 1; with `allow_none`, `none` (or 0, or nothing) means no values."""
+    if allow_none and text.strip().lower() in ("none", "0", ""):
+        return []
+    alternative = ", or none" if allow_none else ""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,8,64") from None
+        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,8,64{alternative}") from None
     if not values or any(value < 1 for value in values):
-        raise UserError(f"{option} {text!r}: every value must be an integer >= 1")
+        raise UserError(f"{option} {text!r}: every value must be an integer >= 1{alternative}")
     return values
