@@ -59,11 +59,14 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=64, block_n=32, block_dv=256, num_warps=8, num_stages=2),  # split output columns
     PrefillConfig(block_m=64, block_n=16, block_dv=512, num_warps=8, num_stages=3),  # deeper pipeline, 160 KB
 ]
-DECODE_SWEEP = [
+DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave)
     (None, None),  # table entry, one wave of programs
     (DecodeConfig(block_n=32, num_stages=2), None),  # the earlier table entry
-    (DecodeConfig(block_n=16, num_stages=4), None),
-    (None, "double"),  # two waves of programs
+    (DecodeConfig(block_n=64, num_stages=2), None),
+    (DecodeConfig(block_n=16, num_stages=6), None),
+    (None, 2),
+    (None, 4),
+    (DecodeConfig(block_n=64, num_stages=2), 2),
 ]
 
 START = time.perf_counter()
@@ -266,9 +269,9 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
         bound_ms = kv_bytes / bandwidth * 1e3
         reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
         for config, splits in variants:
-            num_splits = None if splits is None else min(128, 2 * max(1, sms // KV_HEADS))
+            num_splits = None if splits is None else min(128, splits * max(1, sms // KV_HEADS))
             label = (f"fused decode {spec.describe()} " + ("(table)" if config is None else
-                     f"bn{config.block_n} s{config.num_stages}") + (" 2 waves" if splits else ""))
+                     f"bn{config.block_n} s{config.num_stages}") + (f" {splits} waves" if splits else ""))
             if time.perf_counter() - START > BUDGET_S and (config or splits):
                 rows.append(row(label, None, None, None, "skipped: time budget"))
                 continue
