@@ -62,11 +62,11 @@ PREFILL_SWEEP = [
 DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave)
     (None, None),  # table entry, one wave of programs
     (DecodeConfig(block_n=32, num_stages=2), None),  # the earlier table entry
-    (DecodeConfig(block_n=64, num_stages=2), None),
-    (DecodeConfig(block_n=16, num_stages=6), None),
+    (DecodeConfig(block_n=64, num_stages=1), None),  # 144 KB
+    (DecodeConfig(block_n=16, num_stages=6), None),  # 208 KB
     (None, 2),
     (None, 4),
-    (DecodeConfig(block_n=64, num_stages=2), 2),
+    (DecodeConfig(block_n=16, num_stages=6), 2),
 ]
 
 START = time.perf_counter()
