@@ -32,7 +32,8 @@ from kernels import moe_align, moe_gemv, moe_grouped  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # runtime ints that are not multiples of 16 at v4-shape (token-dependent counts, grid walk)
-NOT_MULTIPLE_OF_16 = {"num_pairs", "max_windows", "num_programs", "num_experts", "num_chunks", "max_tiles"}
+NOT_MULTIPLE_OF_16 = {"num_pairs", "max_windows", "num_programs", "num_experts", "num_chunks", "max_tiles",
+                      "num_tile_blocks"}
 
 
 def _types(name: str) -> str:
@@ -69,7 +70,7 @@ def describe(label: str, kernel) -> str:
             f"shared={kernel.metadata.shared / 1024:5.0f}KB warps={kernel.metadata.num_warps} "
             f"stages={kernel.metadata.num_stages} wgmma={len(re.findall(r'wgmma.mma_async', ptx))} "
             f"mma.sync={len(re.findall(r'mma.sync', ptx))} cp.async={ttgir.count('async_copy_global_to_local')} "
-            f"v4-loads={len(re.findall(r'ld.global[.a-z0-9]*v4', ptx))}")
+            f"v4-loads={len(re.findall(r'ld.global[.a-z0-9]*v4', ptx))} bar.sync={len(re.findall(r'bar.sync', ptx))}")
 
 
 def main() -> int:
@@ -96,6 +97,13 @@ def main() -> int:
     print(describe("align place", compile_sm90(moe_align._place_kernel, dict(
         TILE_M=tile_m, WINDOW_TILES=moe_grouped.ROWS_PER_PROGRAM // tile_m, CHUNK=moe_align.CHUNK_PAIRS,
         BLOCK_TILES=moe_align.TILES_PER_PROGRAM, E_PAD=256, SINGLE_CHUNK=False), warps, 3)))
+    # the single-launch path: num_pairs is a runtime argument and every program reads
+    # FUSED_MAX_PAIRS ids, so this one build per tile_m serves every N <= 512 at E <= 256
+    for tile_m_fused in moe_grouped.TILE_M_CHOICES:
+        print(describe(f"align fused tile_m={tile_m_fused}", compile_sm90(moe_align._fused_kernel, dict(
+            TILE_M=tile_m_fused, WINDOW_TILES=max(1, moe_grouped.ROWS_PER_PROGRAM // tile_m_fused),
+            MAX_PAIRS=moe_align.FUSED_MAX_PAIRS, CHUNK=moe_align.FUSED_CHUNK_PAIRS,
+            BLOCK=moe_align.FUSED_BLOCK_TILES, E_PAD=256), warps, 3)))
     return 0
 
 

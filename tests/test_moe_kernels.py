@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels import launches, scratch
-from kernels.moe_align import moe_align
+from kernels import moe_align as moe_align_module
+from kernels.moe_align import FUSED_MAX_PAIRS, MoeAlignment, moe_align
 from kernels.moe_gemv import moe_gemv
 from kernels.moe_grouped import DEFAULT_TILE_M, ROWS_PER_PROGRAM, TILE_M_CHOICES, moe_grouped
 from kernels.moe_peer import grouped_mm_available, moe_torch_grouped_mm
@@ -170,6 +171,104 @@ def test_alignment_many_chunks_uses_scan_loop(tile_m):
     assert launches.since(before) == {"moe_align.count": 1, "moe_align.scan": 1, "moe_align.place": 1}
 
 
+# Fused (one launch, N <= FUSED_MAX_PAIRS) against the multi-kernel path: (T, k, E, routing), each
+# named for the edge it covers; every one runs at tile_m 16/32/64 with 64-row windows, and with
+# one-tile windows too (at tile_m 16 only for E >= 64, whose interpreter runs cost ~1 s each).
+FUSED_ALIGN_SHAPES = [
+    ("one-token", 1, 2, 8, {}),
+    ("n-below-tile_m", 5, 2, 8, {}),
+    ("prime-E-13", 9, 3, 13, {}),
+    ("all-experts-woken-k-equals-E", 3, 7, 7, {}),
+    ("experts-with-zero-tokens", 10, 2, 8, {"avoid": (0, 3)}),
+    ("nk-21-not-multiple-of-tile_m", 7, 3, 8, {}),
+    ("ids-outside-0-E-dropped", 9, 3, 13, {"dropped": True}),
+    ("v4-shape-64-tokens-top-6", 64, 6, 256, {}),
+    ("nk-512-exactly-E-64", 64, 8, 64, {}),
+    ("E-600-past-256-narrower-blocks", 20, 4, 600, {}),
+]
+FUSED_ALIGN_CASES = [
+    pytest.param(tokens, top_k, experts, routing, tile_m, window, id=f"{name}-tile_m-{tile_m}-{window}")
+    for name, tokens, top_k, experts, routing in FUSED_ALIGN_SHAPES
+    for tile_m in (16, 32, 64)
+    for window in ("64-row-windows", "one-tile-windows")
+    if window == "64-row-windows" or experts < 64 or tile_m == 16
+]
+
+
+def _align_recording_launches(topk_ids, experts, tile_m, window_rows, **path):
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        align = moe_align(topk_ids, experts, tile_m, window_rows=window_rows, **path)
+    return align, launches.since(before)
+
+
+def _multi_kernel_launches(num_pairs: int) -> dict[str, int]:
+    scan = {"moe_align.scan": 1} if num_pairs > moe_align_module.CHUNK_PAIRS else {}
+    return {"moe_align.count": 1, **scan, "moe_align.place": 1}
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, routing, tile_m, window", FUSED_ALIGN_CASES)
+def test_fused_alignment_equals_multi_kernel_path(tokens, top_k, experts, routing, tile_m, window):
+    generator = torch.Generator().manual_seed(tokens * 131 + top_k * 17 + experts + tile_m)
+    routing = dict(routing)
+    dropped = routing.pop("dropped", False)
+    topk_ids, _ = make_routing(tokens, top_k, experts, generator, **routing)
+    if dropped:  # -1 (a dropped pair), an id past E below E_PAD, one past E_PAD: all match no expert
+        topk_ids[1, 0], topk_ids[4, 2], topk_ids[6, 1] = -1, experts + 1, 2 * experts
+    window_rows = ROWS_PER_PROGRAM if window == "64-row-windows" else tile_m
+    fused, fused_launches = _align_recording_launches(topk_ids, experts, tile_m, window_rows)
+    reference, reference_launches = _align_recording_launches(topk_ids, experts, tile_m, window_rows, fused=False)
+    # the launch counters say which path ran: one launch, against two or three
+    assert fused_launches == {"moe_align.fused": 1}
+    assert reference_launches == _multi_kernel_launches(tokens * top_k)
+    # every field equal, padding sentinels and unused (-1) entries included
+    for field in MoeAlignment._fields:
+        got, want = getattr(fused, field), getattr(reference, field)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and got.shape == want.shape, field
+            assert torch.equal(got, want), f"{field} differs"
+        else:
+            assert got == want, field
+    if not dropped:  # and the fused tensors satisfy every invariant on their own
+        check_alignment(topk_ids, experts, tile_m, window_rows)
+
+
+def test_alignment_above_fused_bound_takes_multi_kernel_path():
+    # 171 tokens x top-3 = 513 pairs: one past FUSED_MAX_PAIRS
+    generator = torch.Generator().manual_seed(513)
+    topk_ids, _ = make_routing(171, 3, 16, generator)
+    assert topk_ids.numel() == FUSED_MAX_PAIRS + 1
+    _, used = _align_recording_launches(topk_ids, 16, 16, ROWS_PER_PROGRAM)
+    assert used == _multi_kernel_launches(topk_ids.numel())
+    with pytest.raises(ValueError, match="fused alignment takes at most 512 pairs"):
+        moe_align(topk_ids, 16, 16, fused=True)
+    # at the bound itself the fused kernel runs
+    _, used = _align_recording_launches(topk_ids[:128, :4].contiguous(), 16, 16, ROWS_PER_PROGRAM)
+    assert used == {"moe_align.fused": 1}
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, hidden, intermediate, tile_m, routing", [
+    pytest.param(9, 3, 13, 32, 32, 16, {}, id="prime-E-13"),
+    pytest.param(70, 1, 3, 32, 32, 16, {"avoid": (0, 2)}, id="expert-spans-two-windows-padding-rows"),
+    pytest.param(12, 4, 5, 32, 32, 64, {}, id="tile_m-64"),
+])
+def test_grouped_output_bit_identical_through_fused_alignment(tokens, top_k, experts, hidden, intermediate, tile_m,
+                                                              routing, monkeypatch):
+    inputs = _edge_case(tokens, top_k, experts, hidden, intermediate, routing, torch.float32)
+    outs = {}
+    for path, bound in (("fused", FUSED_MAX_PAIRS), ("multi-kernel", 0)):
+        monkeypatch.setattr(moe_align_module, "FUSED_MAX_PAIRS", bound)  # 0: every N takes three launches
+        for variant in (0, 2):
+            before = launches.snapshot()
+            with scratch.poison_new_buffers():
+                outs[path, variant] = moe_grouped(*inputs, tile_m=tile_m, variant=variant)
+            align_launches = {k: v for k, v in launches.since(before).items() if k.startswith("moe_align.")}
+            expected = {"moe_align.fused": 1} if path == "fused" else _multi_kernel_launches(tokens * top_k)
+            assert align_launches == expected, (path, variant)
+    for variant in (0, 2):
+        assert torch.equal(outs["fused", variant], outs["multi-kernel", variant]), f"v{variant}"
+
+
 def test_alignment_rejects_bad_arguments():
     ids = torch.zeros(4, 2, dtype=torch.int32) + torch.arange(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="tile_m must be a power of two"):
@@ -253,12 +352,12 @@ def test_torch_grouped_mm_peer_matches_reference_on_cpu():
 
 def test_launch_counters_are_exact():
     generator = torch.Generator().manual_seed(3)
-    topk_ids, topk_weights = make_routing(5, 2, 8, generator)  # 10 pairs: one align chunk
+    topk_ids, topk_weights = make_routing(5, 2, 8, generator)  # 10 pairs: the one-launch alignment
     x, w13, w2 = make_layer(5, 32, 32, 8, torch.float32, generator)
     before = launches.snapshot()
     moe_grouped(x, w13, w2, topk_ids, topk_weights, variant=1)
     assert launches.since(before) == {
-        "moe_align.count": 1, "moe_align.place": 1,
+        "moe_align.fused": 1,
         "moe_grouped.gate_up.v1": 1, "moe_grouped.down.v1": 1, "moe_grouped.reduce": 1,
     }
     before = launches.snapshot()
@@ -330,6 +429,32 @@ def test_gpu_arms_match_reference_bf16(tokens, top_k, experts, hidden, intermedi
         assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16], name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m", TILE_M_CHOICES)
+def test_gpu_fused_alignment_equals_multi_kernel_path(tile_m):
+    # the histogram, scan and layouts of the one-launch kernel as compiled for this GPU, at the
+    # expert counts of the presets (8 = tiny, fewer than a warp of histogram bins; 64 = demo;
+    # 256 = v4-shape), from one token to the last fused size (85 x 6 = 510, 64 x 8 = 512 pairs)
+    generator = torch.Generator().manual_seed(tile_m)
+    # one-tile windows at tile_m 16 only: every (E, tile_m, window) is a fresh compile
+    windows = (ROWS_PER_PROGRAM, tile_m) if tile_m == 16 else (ROWS_PER_PROGRAM,)
+    for experts, top_k in ((8, 2), (64, 6), (256, 6), (256, 8)):
+        for tokens in (1, 2, 9, 11, 33, 64, 85):
+            if tokens * top_k > FUSED_MAX_PAIRS:
+                continue
+            topk_ids, _ = make_routing(tokens, top_k, experts, generator, device="cuda")
+            if tokens == 33:
+                topk_ids = topk_ids.long()  # torch.topk's dtype
+            for window_rows in windows:
+                with scratch.poison_new_buffers():
+                    fused = moe_align(topk_ids, experts, tile_m, window_rows=window_rows)
+                    reference = moe_align(topk_ids, experts, tile_m, window_rows=window_rows, fused=False)
+                for field in MoeAlignment._fields:
+                    got, want = getattr(fused, field), getattr(reference, field)
+                    same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+                    assert same, f"E={experts} k={top_k} n={tokens} window_rows={window_rows}: {field} differs"
+
+
 def _capture(fn):
     """Warm up on a side stream (compiles outside the capture), then capture fn into a graph."""
     stream = torch.cuda.Stream()
@@ -359,7 +484,7 @@ def test_gpu_cuda_graph_replay_matches_eager(arm):
 
         def run():
             return moe_grouped(x, w13, w2, topk_ids, topk_weights, tile_m=DEFAULT_TILE_M, variant=variant)
-        expected_launches = {"moe_align.count": 1, "moe_align.scan": 1, "moe_align.place": 1,
+        expected_launches = {"moe_align.fused": 1,  # 33 x 6 = 198 pairs: one alignment launch
                              f"moe_grouped.gate_up.v{variant}": 1, f"moe_grouped.down.v{variant}": 1,
                              "moe_grouped.reduce": 1}
     before = launches.snapshot()
