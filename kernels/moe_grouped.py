@@ -12,7 +12,7 @@ R = max padded rows of the alignment (see kernels/moe_align.py for every routing
     pair_out      [N, D]        w * (w2_e @ hidden) per pair, in pair order, x's dtype
     out           [T, D]        sum over j = 0..k-1 of pair_out[t*k + j], in that order, in fp32
 
-Launches (after moe_align's two or three):
+Launches (after moe_align's one, or three above 512 pairs):
     _gate_up_kernel   one program per (window, n-block) work item, or a persistent grid walking
                       them: a window is up to 64 rows = 64/TILE_M consecutive m-tiles of ONE
                       expert, gathered from x by pair id; gate and up tiles of w13 in one K loop,

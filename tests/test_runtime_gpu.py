@@ -78,12 +78,9 @@ def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
     # the engine's own counters: one launch of each arm per layer and the same Triton launches per step
     for step in single + wide:
         assert len(step["moe"]) == len(step["attention"]) == demo.config.n_layers
-    # Alignment adds its prefix-scan kernel once n*k exceeds one block of 64 pairs (kernels/moe_align.py):
-    # a fixed extra launch per layer, not one per sequence. Everything else launches identically.
-    single_launches, wide_launches = dict(single[-1]["kernel_launches"]), dict(wide[-1]["kernel_launches"])
-    assert wide_launches.pop("moe_align.scan", 0) <= demo.config.n_layers
-    single_launches.pop("moe_align.scan", None)
-    assert single_launches == wide_launches
+    # 6 and 192 pairs both take alignment's one-launch path (up to 512 pairs, kernels/moe_align.py),
+    # so every Triton kernel launches the same number of times at batch 1 and batch 32.
+    assert single[-1]["kernel_launches"] == wide[-1]["kernel_launches"]
     arms = [{record["executed_arm"] for record in steps[-1]["moe"]} for steps in (single, wide)]
     assert arms[0] == arms[1], arms
     # every device kernel the profiler saw: a host loop over sequences would add >= 31 per layer;
