@@ -52,6 +52,12 @@ elif [ "$mode" = train ]; then
     LONG=$(python3 -c "import pydoc_data.topics as t; print(t.topics['if'][:600])")
     TAIL=3 stage 60 drop_vs_honor python3 -m inspector compare --model demo --prompt "$LONG" --max-tokens 64 \
         --a fused_mask=drop --b fused_mask=honor --json
+elif [ "$mode" = verify ]; then  # after kernel changes: their GPU tests, a short sweep, the attention bench
+    TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py
+    TAIL=24 stage 90 sweep_small python3 -m inspector sweep --model v4-shape \
+        --tokens 1,2,4,8,16,32,64,85,128,512,2048,8192 --calibration "$WORK/calibration.json"
+    TAIL=16 stage 100 attention_bench python3 bench/attention_bench.py
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh
