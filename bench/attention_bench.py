@@ -61,12 +61,12 @@ PREFILL_SWEEP = [
 ]
 DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave)
     (None, None),  # table entry, one wave of programs
-    (DecodeConfig(block_n=32, num_stages=2), None),  # the earlier table entry
-    (DecodeConfig(block_n=64, num_stages=1), None),  # 144 KB
-    (DecodeConfig(block_n=16, num_stages=6), None),  # 208 KB
+    (DecodeConfig(block_n=32, num_stages=3, num_warps=8), None),  # more loads in flight per program
+    (DecodeConfig(block_n=32, num_stages=3, num_warps=2), None),
+    (DecodeConfig(block_n=16, num_stages=6, num_warps=8), None),
+    (DecodeConfig(block_n=64, num_stages=1, num_warps=8), None),  # 144 KB
+    (DecodeConfig(block_n=32, num_stages=3, num_warps=8), 2),
     (None, 2),
-    (None, 4),
-    (DecodeConfig(block_n=16, num_stages=6), 2),
 ]
 
 START = time.perf_counter()
@@ -271,7 +271,8 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
         for config, splits in variants:
             num_splits = None if splits is None else min(128, splits * max(1, sms // KV_HEADS))
             label = (f"fused decode {spec.describe()} " + ("(table)" if config is None else
-                     f"bn{config.block_n} s{config.num_stages}") + (f" {splits} waves" if splits else ""))
+                     f"bn{config.block_n} s{config.num_stages}" + (f" w{config.num_warps}" if config.num_warps else ""))
+                     + (f" {splits} waves" if splits else ""))
             if time.perf_counter() - START > BUDGET_S and (config or splits):
                 rows.append(row(label, None, None, None, "skipped: time budget"))
                 continue

@@ -58,6 +58,7 @@ MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
 class DecodeConfig:
     block_n: int  # keys per step of a split's walk
     num_stages: int
+    num_warps: int | None = None  # None: 4, or 8 when the accumulator would need more registers
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or not is_power_of_two(self.block_n):
@@ -284,7 +285,7 @@ def flash_decode(
     mask = inputs.mask
     block_m = max(16, triton.next_power_of_2(rows))
     # Accumulator registers per thread = block_m * hd / (32 * warps): 64 at (16, 512, 4 warps).
-    num_warps = 4 if block_m * head_dim <= 16 * 512 else 8
+    num_warps = config.num_warps or (4 if block_m * head_dim <= 16 * 512 else 8)
     compiled = _flash_decode_split_kernel[(num_splits, programs_per_split)](
         q, k, v, partial_out, partial_max, partial_sum, inputs.q_start, mask.padding,
         inputs.query_len, inputs.key_len, inputs.query_heads, inputs.kv_heads, group, num_rows,
