@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.errors import UserError
+from engine.runtime import resolve_device as resolve_engine_device
 from kernels import launches
 from kernels.reference import MaskSpec, attention_reference, visible_mask
 
@@ -108,16 +109,11 @@ class CheckConfig:
 
 
 def resolve_device(device: "str | torch.device") -> str:
-    """auto -> cuda when a GPU is visible, else cpu; cuda without one is the user's error."""
+    """auto -> cuda when a GPU is visible, else cpu; cuda without one is the user's error (the
+    engine's own resolver, so check-attention and generate accept and refuse the same devices)."""
     if isinstance(device, torch.device):
-        device = device.type
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device must be one of auto, cpu, cuda, got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible; use --device cpu (the Triton interpreter)")
-    return device
+        device = str(device)
+    return resolve_engine_device(device).type
 
 
 def _fused_attention(device: str):
