@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from engine import decode_fused
 from engine.config import ModelConfig
 from kernels.reference import moe_reference_gpt_oss
 
@@ -299,7 +300,14 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
     whole batch, whatever the positions."""
     if not isinstance(start, int):
         layout = start if isinstance(start, StepLayout) else StepLayout(start, cache.k[0].shape[1])
+        if decode_fused.eligible(config, tokens) and layout.token_index is None:
+            return decode_fused.forward_decode(config, weights, tokens, layout.start.long(), layout.key_length,
+                                               layout.slots, cache, hooks)
         return _forward_ragged(config, weights, tokens, layout, cache, hooks)
+    if decode_fused.eligible(config, tokens):  # one token per row on a GPU: the fused glue
+        positions = torch.full((tokens.shape[0],), start, dtype=torch.int64, device=tokens.device)
+        return decode_fused.forward_decode(config, weights, tokens, positions, start + 1, None, cache, hooks,
+                                           q_start=start)
     c = config
     batch, steps = tokens.shape
     x = weights["embed"][tokens]  # [B, T, D]

@@ -25,6 +25,7 @@ from engine import calibration, dispatch
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import FUSED, UNFUSED, decide_attention
 from engine.config import PRESETS, ModelConfig, from_name
+from engine.decode_fused import pack_qkv
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import KVCache, forward, random_weights
@@ -268,6 +269,8 @@ class Engine:
         self.config, self.device, self.seed = config, device, seed
         self.dtype = self.dtype_for(device)
         self.weights = weights if weights is not None else random_weights(config, seed, device, self.dtype)
+        if device.type == "cuda":  # the fused decode step reads q/k/v with one GEMV (engine.decode_fused)
+            pack_qkv(config, self.weights)
         self.weights_source = weights_source or (f"random, seed {seed}" if weights is None else "given")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
 

@@ -1,0 +1,108 @@
+"""Dense GEMV for decode: out[M, N] = x[M, K] @ w[N, K]^T for a few rows M, fp32 accumulation.
+
+Shapes: M rows of activations (decode: one per sequence, M <= MAX_ROWS), K input features,
+N output features; w is a torch Linear weight [N, K] with unit stride along K.
+
+    x    [M, K]   bf16 / fp16 / fp32
+    w    [N, K]   x's dtype
+    out  [M, N]   x's dtype (a rounded matmul, as torch's), or float32 (router and LM-head logits,
+                  which torch computes as x.float() @ w.float().t() in the model)
+
+At one decode token the model's dense weights (q/k/v/o projections, router, LM head) are read
+once per step and nothing is reused: pure bandwidth. cuBLAS answers M=1 with split-K kernels plus a
+reduce kernel, and the model's fp32 logits with a cast of the whole weight to fp32 first; here one
+launch reads each weight byte once.
+
+Kernel: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output features for all M rows, walks K in
+BLOCK_K chunks (16-byte vectors: BLOCK_N x BLOCK_K bf16 = 8 KB of weights per step) and reduces each
+chunk at once into [M_PAD, BLOCK_N] fp32 lanes (one static loop over the rows reusing the loaded
+weight tile). No atomics, no split-K: each output is summed in one program, in a fixed order, so
+the result is the same on every run. BLOCK_N shrinks for narrow outputs (the router, the LM head
+at N = 256) so there are still a few programs per SM to keep loads in flight.
+
+Rows M > MAX_ROWS belong to a GEMM (prefill); the caller uses torch there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, scratch
+
+MAX_ROWS = 8
+BYTES_PER_STEP = 8192  # weight bytes one program loads per K step
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    out_ptr,  # [M, N]
+    rows,  # M
+    n_out,  # N
+    k_in,  # K
+    stride_xm,
+    stride_wn,
+    stride_om,
+    M_PAD: tl.constexpr,  # rows rounded up to a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    m_mask = offs_m < rows
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_mask = offs_k < k_in - k0
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            row_lanes = tl.full([BLOCK_K], m, dtype=tl.int32) < rows
+            x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0).to(tl.float32)
+            partial = tl.sum(w * x_row[None, :], axis=1)  # [BLOCK_N]
+            accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): 8 rows per program where N gives at least ~4 programs per SM, fewer for
+    narrow outputs; BLOCK_K fills BYTES_PER_STEP of weights per step, never wider than K."""
+    if device.type != "cuda":  # the interpreter pays per program: few, wide ones
+        return min(64, triton.next_power_of_2(n_out)), min(128, triton.next_power_of_2(k_in))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    block_n = 8
+    while block_n > 1 and triton.cdiv(n_out, block_n) < 4 * sms:
+        block_n //= 2
+    block_k = min(triton.next_power_of_2(k_in), max(16, BYTES_PER_STEP // (block_n * element_bytes)))
+    return block_n, block_k
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+         block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in `out_dtype` (default x's), fp32 accumulation, one launch."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x must be [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"gemv: x is {x.dtype} but w is {w.dtype}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {x.shape[0]}: use a GEMM for more")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("gemv: x and w need unit stride along K")
+    rows, k_in = x.shape
+    n_out = w.shape[0]
+    out = scratch.empty((rows, n_out), out_dtype or x.dtype, x.device)
+    block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), x.device)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    launches.record("gemv")
+    return out

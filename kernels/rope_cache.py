@@ -1,0 +1,97 @@
+"""RoPE on the step's queries and keys, and the keys and values written into the KV cache, in one
+launch for a decode step (one new token per sequence).
+
+What engine.model does with separate torch kernels (the rotate-half RoPE in float32, then
+index_put_ into the cache):
+
+    q_rot[b, h]                   = rope(q[b, h],  position[b])          h < Hq
+    k_cache[slot[b], position[b]] = rope(k[b, h'], position[b])          h' < Hkv
+    v_cache[slot[b], position[b]] = v[b, h']
+
+rope(x, p): first/second halves of x in float32, angle_i = p * inv_freq[i] (float32, inv_freq
+passed in so it is the model's own table), first*cos - second*sin ++ second*cos + first*sin,
+rounded to x's dtype.
+
+Shapes: B sequences, Hq / Hkv heads, hd head dim.
+    qkv      [B, (Hq + 2 Hkv) * hd]   the fused projection output: q heads, k heads, v heads
+    inv_freq [hd / 2] float32
+    position [B] int (each row's position), slot [B] int (its cache row)
+    k_cache, v_cache [S_rows, S, Hkv, hd];  q_rot [B, Hq, hd] out
+Grid: (B, Hq + 2 Hkv): one program per (sequence, head), the head's kind by its index.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, scratch
+
+
+@triton.jit
+def _rope_cache_kernel(
+    qkv_ptr, inv_freq_ptr, position_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    query_heads, kv_heads,
+    stride_qkv_b,
+    stride_qo_b, stride_qo_h,
+    stride_kc_s, stride_kc_t, stride_kc_h,
+    stride_vc_s, stride_vc_t, stride_vc_h,
+    HALF: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF)
+    source = qkv_ptr + b.to(tl.int64) * stride_qkv_b + head * (2 * HALF)
+    first = tl.load(source + offs)
+    second = tl.load(source + HALF + offs)
+    position = tl.load(position_ptr + b)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if head >= query_heads + kv_heads:  # a value head: copied as it is
+        destination = v_cache_ptr + slot * stride_vc_s + position.to(tl.int64) * stride_vc_t \
+            + (head - query_heads - kv_heads) * stride_vc_h
+        tl.store(destination + offs, first)
+        tl.store(destination + HALF + offs, second)
+    else:
+        angle = position.to(tl.float32) * tl.load(inv_freq_ptr + offs)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        first32, second32 = first.to(tl.float32), second.to(tl.float32)
+        rotated_first = (first32 * cos - second32 * sin).to(first.dtype)
+        rotated_second = (second32 * cos + first32 * sin).to(first.dtype)
+        if head < query_heads:
+            destination = q_out_ptr + b.to(tl.int64) * stride_qo_b + head * stride_qo_h
+        else:
+            destination = k_cache_ptr + slot * stride_kc_s + position.to(tl.int64) * stride_kc_t \
+                + (head - query_heads) * stride_kc_h
+        tl.store(destination + offs, rotated_first)
+        tl.store(destination + HALF + offs, rotated_second)
+
+
+def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """Rotate q and k of one token per sequence, write k and v into the cache; returns q [B, Hq, hd]."""
+    batch = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if qkv.dim() != 2 or qkv.shape[1] != (query_heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)} is not [B, (Hq + 2 Hkv) * hd] = "
+                         f"[B, {(query_heads + 2 * kv_heads) * head_dim}] with unit stride")
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        raise ValueError(f"rope_cache: head_dim / 2 must be a power of two, got head_dim {head_dim}")
+    if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
+        raise ValueError(f"rope_cache: inv_freq must be float32 [{head_dim // 2}]")
+    if position.shape != (batch,) or slot.shape != (batch,):
+        raise ValueError(f"rope_cache: position and slot must be [{batch}]")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or v_cache.shape != k_cache.shape:
+        raise ValueError("rope_cache: the caches must be [rows, S, Hkv, hd] with unit stride along hd")
+    q_out = scratch.empty((batch, query_heads, head_dim), qkv.dtype, qkv.device)
+    if batch == 0:
+        return q_out
+    _rope_cache_kernel[(batch, query_heads + 2 * kv_heads)](
+        qkv, inv_freq, position, slot, q_out, k_cache, v_cache, query_heads, kv_heads, qkv.stride(0),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HALF=head_dim // 2, num_warps=1 if head_dim <= 256 else 2,
+    )
+    launches.record("rope_cache")
+    return q_out

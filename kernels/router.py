@@ -1,0 +1,73 @@
+"""Top-k routing from router logits in one launch: the k largest logits of each token, in
+descending order (ties: the lowest expert id first), and the softmax over those k.
+
+What engine.model's `route` (kind `topk_softmax`) does with torch.topk, a softmax and two casts:
+
+    top_logits, top_ids = topk(logits, k);  weights = softmax(top_logits).to(dtype)
+
+Shapes: N tokens, E experts, k chosen.  logits [N, E] float32 -> ids [N, k] int32, weights [N, k].
+Grid: (N,); a program holds its token's E logits (E <= MAX_EXPERTS).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, scratch
+
+MAX_EXPERTS = 4096
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, ids_ptr, weights_ptr, experts, stride_l, stride_i, stride_w,
+    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
+    # A NaN logit is never chosen (torch would rank it first; the model never produces one).
+    values = tl.where(values == values, values, float("-inf"))
+    slots = tl.arange(0, K_PAD)
+    chosen_ids = tl.zeros([K_PAD], dtype=tl.int32)
+    chosen_logits = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
+    taken = offs >= experts  # padding lanes never chosen
+    for j in tl.static_range(TOP_K):
+        candidates = tl.where(taken, float("-inf"), values)
+        best = tl.max(candidates, axis=0)
+        # the lowest untaken id holding the best value (all -inf: the lowest untaken id)
+        best_id = tl.min(tl.where((candidates == best) & (~taken), offs, E_PAD), axis=0)
+        chosen_ids = tl.where(slots == j, best_id, chosen_ids)
+        chosen_logits = tl.where(slots == j, best, chosen_logits)
+        taken = taken | (offs == best_id)
+    valid = slots < TOP_K
+    top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
+    weights = exponent / tl.sum(exponent, axis=0)
+    tl.store(ids_ptr + token.to(tl.int64) * stride_i + slots, chosen_ids, mask=valid)
+    tl.store(weights_ptr + token.to(tl.int64) * stride_w + slots, weights.to(weights_ptr.dtype.element_ty),
+             mask=valid)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"topk_softmax: logits must be float32 [N, E] with unit stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    tokens, experts = logits.shape
+    if not 1 <= top_k <= experts or experts > MAX_EXPERTS:
+        raise ValueError(f"topk_softmax: need 1 <= k <= E <= {MAX_EXPERTS}, got k={top_k}, E={experts}")
+    ids = scratch.empty((tokens, top_k), torch.int32, logits.device)
+    weights = scratch.empty((tokens, top_k), weight_dtype, logits.device)
+    if tokens == 0:
+        return ids, weights
+    _topk_softmax_kernel[(tokens,)](
+        logits, ids, weights, experts, logits.stride(0), ids.stride(0), weights.stride(0),
+        E_PAD=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        num_warps=1 if experts <= 256 else 4,
+    )
+    launches.record("topk_softmax")
+    return ids, weights

@@ -1,0 +1,216 @@
+"""The fused decode glue (kernels.gemv, kernels.rms_norm, kernels.rope_cache, kernels.router and
+engine.decode_fused) against the torch expressions of engine.model they replace.
+
+CPU: the kernels under the Triton interpreter at small, odd sizes, fp32 and fp16, on fresh random
+inputs, each inside `poison_new_buffers()` so an unwritten element shows up as NaN. The decode
+forward is compared with the torch forward on the tiny preset. GPU (`-m gpu`): bf16 at the
+v4-shape widths, and the whole engine's decode logits fused vs torch.
+"""
+
+import pytest
+import torch
+
+from engine import decode_fused, flags
+from engine.config import PRESETS
+from engine.model import KVCache, StepLayout, apply_rope, forward, random_weights, rms_norm
+from engine.runtime import Dispatcher, Engine
+from kernels import scratch
+from kernels.gemv import gemv
+from kernels.rms_norm import rms_norm as fused_rms_norm
+from kernels.rope_cache import rope_cache
+from kernels.router import topk_softmax
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _draw(*shape, dtype=torch.float32, device="cpu", seed=0):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+
+def _close(actual, expected, dtype):
+    scale = expected.float().abs().max().clamp_min(1e-6)
+    error = (actual.float() - expected.float()).abs().max() / scale
+    assert torch.isfinite(actual.float()).all()
+    assert error <= TOLERANCE[dtype], f"relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, n_out, k_in", [(1, 37, 70), (3, 64, 96), (8, 5, 33)])
+@pytest.mark.parametrize("out_float", [False, True])
+def test_gemv_matches_torch(dtype, rows, n_out, k_in, out_float):
+    x, w = _draw(rows, k_in, dtype=dtype, seed=1), _draw(n_out, k_in, dtype=dtype, seed=2)
+    with scratch.poison_new_buffers():
+        out = gemv(x, w, torch.float32 if out_float else None)
+    expected = x.float() @ w.float().t()
+    assert out.dtype == (torch.float32 if out_float else dtype)
+    _close(out, expected if out_float else expected.to(dtype), dtype)
+
+
+def test_gemv_small_blocks_walk_every_column():
+    x, w = _draw(2, 100, seed=3), _draw(9, 100, seed=4)
+    with scratch.poison_new_buffers():
+        out = gemv(x, w, block=(2, 16))  # 7 K steps with a ragged tail, 5 programs with a ragged last
+    _close(out, x @ w.t(), torch.float32)
+
+
+def test_gemv_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="same K"):
+        gemv(torch.ones(1, 4), torch.ones(3, 5))
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.ones(9, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="dtype|float16"):
+        gemv(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [48, 100])
+def test_rms_norm_residual_and_gather_match_torch(dtype, hidden):
+    x, residual = _draw(3, hidden, dtype=dtype, seed=5), _draw(3, hidden, dtype=dtype, seed=6)
+    weight = (1 + 0.1 * _draw(hidden, seed=7)).to(dtype)
+    with scratch.poison_new_buffers():
+        x_new, h = fused_rms_norm(x, weight, 1e-5, residual=residual)
+    expected_x = x + residual
+    assert torch.equal(x_new, expected_x)
+    _close(h, rms_norm(expected_x, weight, 1e-5), dtype)
+
+    table, index = _draw(11, hidden, dtype=dtype, seed=8), torch.tensor([4, 0, 10, 4])
+    with scratch.poison_new_buffers():
+        gathered, h = fused_rms_norm(None, weight, 1e-5, table=table, index=index)
+    assert torch.equal(gathered, table[index])
+    _close(h, rms_norm(table[index], weight, 1e-5), dtype)
+
+    with scratch.poison_new_buffers():
+        same, h = fused_rms_norm(x, weight, 1e-5)
+    assert same is x
+    _close(h, rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_cache_rotates_q_and_k_and_writes_the_cache(dtype):
+    batch, heads, kv_heads, head_dim, capacity = 3, 4, 2, 16, 40
+    qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
+    positions, slots = torch.tensor([0, 17, 39]), torch.tensor([2, 0, 1])
+    config = PRESETS["tiny"]
+    half = head_dim // 2
+    inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    k_cache = _draw(3, capacity, kv_heads, head_dim, dtype=dtype, seed=10)
+    v_cache = _draw(3, capacity, kv_heads, head_dim, dtype=dtype, seed=11)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with scratch.poison_new_buffers():
+        q = rope_cache(qkv, inv_freq, positions, slots, k_cache, v_cache, heads)
+
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [B, 1, hd/2]
+    q_in, k_in, v_in = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    expected_q = apply_rope(q_in.view(batch, 1, heads, head_dim), cos, sin)[:, 0]
+    expected_k = apply_rope(k_in.view(batch, 1, kv_heads, head_dim), cos, sin)[:, 0]
+    _close(q, expected_q, dtype)
+    k_before[slots, positions], v_before[slots, positions] = expected_k, v_in.view(batch, kv_heads, head_dim)
+    _close(k_cache, k_before, dtype)
+    assert torch.equal(v_cache, v_before)  # values are copied, not rotated
+
+
+def test_topk_softmax_matches_route():
+    logits = _draw(5, 40, seed=12)
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: the lower id first
+    with scratch.poison_new_buffers():
+        ids, weights = topk_softmax(logits, 6, torch.float16)
+    top_logits, top_ids = torch.topk(logits, 6, dim=-1)
+    assert ids[3, 0] == 7 and ids[3, 1] == 9
+    assert torch.equal(ids[[0, 1, 2, 4]].long(), top_ids[[0, 1, 2, 4]])
+    _close(weights, torch.softmax(top_logits, dim=-1).half(), torch.float16)
+    with pytest.raises(ValueError, match="k <= E"):
+        topk_softmax(logits, 41, torch.float32)
+
+
+def test_pack_qkv_keeps_values_and_makes_one_matrix():
+    config = PRESETS["tiny"]
+    weights = random_weights(config, 0, torch.device("cpu"), torch.float32)
+    before = {name: weights[name].clone() for name in ("layers.0.wq", "layers.0.wk", "layers.0.wv")}
+    assert decode_fused.packed_qkv(weights, "layers.0.") is None
+    decode_fused.pack_qkv(config, weights)
+    packed = decode_fused.packed_qkv(weights, "layers.0.")
+    assert packed is not None
+    assert torch.equal(packed, torch.cat(list(before.values())))
+    for name, value in before.items():
+        assert torch.equal(weights[name], value)
+
+
+def _decode_logits(engine, fused: bool, tokens, start, slots=None, rows=3):
+    """Logits of one decode step after a 5-token prefill per row, fused glue or torch forward."""
+    config = engine.config
+    cache = KVCache.allocate(config, rows, 24, engine.device, engine.dtype)
+    prompt = torch.randint(0, config.vocab_size, (rows, 5), generator=torch.Generator().manual_seed(13))
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    forward(config, engine.weights, prompt, 0, cache, dispatcher)
+    layout = StepLayout(start, 24, slots)
+    if fused:
+        return decode_fused.forward_decode(config, engine.weights, tokens, start, 24, slots, cache, dispatcher), cache
+    return forward(config, engine.weights, tokens, layout, cache, dispatcher), cache
+
+
+@pytest.mark.parametrize("slots", [None, torch.tensor([2, 0, 1])])
+def test_fused_decode_step_matches_the_torch_forward(slots):
+    engine = Engine.load("tiny", "cpu", seed=0)
+    decode_fused.pack_qkv(engine.config, engine.weights)
+    tokens, start = torch.tensor([[3], [200], [77]]), torch.tensor([5, 5, 5])
+    fused, fused_cache = _decode_logits(engine, True, tokens, start, slots)
+    torch_logits, torch_cache = _decode_logits(engine, False, tokens, start, slots)
+    _close(fused, torch_logits, torch.float32)
+    for layer in range(engine.config.n_layers):
+        _close(fused_cache.k[layer], torch_cache.k[layer], torch.float32)
+        _close(fused_cache.v[layer], torch_cache.v[layer], torch.float32)
+
+
+def test_eligibility():
+    tiny = PRESETS["tiny"]
+    one = torch.zeros(2, 1, dtype=torch.long)
+    assert not decode_fused.eligible(tiny, one)  # a CPU tensor: the torch forward
+    assert decode_fused.eligible(tiny, one, force=True)
+    assert not decode_fused.eligible(tiny, torch.zeros(2, 3, dtype=torch.long), force=True)  # prefill
+    from dataclasses import replace
+    assert not decode_fused.eligible(replace(tiny, attention_bias=True), one, force=True)
+    assert not decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gpu_gemv_bf16_v4_widths(rows):
+    for n_out, k_in in [(5120, 4096), (4096, 4096), (256, 4096)]:
+        x = _draw(rows, k_in, dtype=torch.bfloat16, device="cuda", seed=20)
+        w = (_draw(n_out, k_in, dtype=torch.bfloat16, device="cuda", seed=21) / 64).to(torch.bfloat16)
+        expected = x.float() @ w.float().t()
+        _close(gemv(x, w, torch.float32), expected, torch.bfloat16)
+        _close(gemv(x, w), expected.to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["demo", "v4-shape"])
+def test_gpu_fused_decode_matches_torch_forward(model):
+    engine = Engine.load(model, "cuda", seed=0, weights="random" if model == "v4-shape" else "auto")
+    assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None
+    config = engine.config
+    cache_fused = KVCache.allocate(config, 2, 64, engine.device, engine.dtype)
+    cache_torch = KVCache.allocate(config, 2, 64, engine.device, engine.dtype)
+    prompt = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5)).cuda()
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    with torch.inference_mode():
+        forward(config, engine.weights, prompt, 0, cache_fused, dispatcher)
+        forward(config, engine.weights, prompt, 0, cache_torch, dispatcher)
+        tokens, start = prompt[:, -1:].contiguous(), torch.tensor([20, 20], device="cuda")
+        fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache_fused, dispatcher)
+        # the torch glue: the ragged forward with the fused path switched off for this call
+        reference = _torch_forward(config, engine.weights, tokens, StepLayout(start, 64), cache_torch, dispatcher)
+    _close(fused, reference, torch.bfloat16)
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1)) or model == "v4-shape"
+
+
+def _torch_forward(config, weights, tokens, layout, cache, hooks):
+    from engine.model import _forward_ragged
+
+    return _forward_ragged(config, weights, tokens, layout, cache, hooks)
+
