@@ -1,4 +1,4 @@
-"""Dense GEMV for decode: out[M, N] = x[M, K] @ w[N, K]^T for a few rows M, fp32 accumulation.
+"""Dense GEMV for decode: out[M, N] = x[M, K] @ w[N, K]^T for a decode batch of M rows, fp32 accumulation.
 
 Shapes: M rows of activations (decode: one per sequence, M <= MAX_ROWS), K input features,
 N output features; w is a torch Linear weight [N, K] with unit stride along K.
@@ -16,9 +16,11 @@ launch reads each weight byte once.
 Kernel: grid (cdiv(N, BLOCK_N),); a program owns BLOCK_N output features for all M rows, walks K in
 BLOCK_K chunks (16-byte vectors: BLOCK_N x BLOCK_K bf16 = 8 KB of weights per step) and reduces each
 chunk at once into [M_PAD, BLOCK_N] fp32 lanes (one static loop over the rows reusing the loaded
-weight tile). No atomics, no split-K: each output is summed in one program, in a fixed order, so
-the result is the same on every run. BLOCK_N shrinks for narrow outputs (the router, the LM head
-at N = 256) so there are still a few programs per SM to keep loads in flight.
+weight tile); from TENSOR_CORE_ROWS rows (a wide decode batch) the tile goes through tl.dot with
+the rows padded to 16, so the same kernel serves batch 1 and batch 32. No atomics, no split-K:
+each output is summed in one program, in a fixed order, so the result is the same on every run.
+BLOCK_N shrinks for narrow outputs (the router, the LM head at N = 256) so there are still a few
+programs per SM to keep loads in flight.
 
 Rows M > MAX_ROWS belong to a GEMM (prefill); the caller uses torch there.
 """
@@ -31,7 +33,8 @@ import triton.language as tl
 
 from kernels import launches, scratch
 
-MAX_ROWS = 8
+MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
+TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
 BYTES_PER_STEP = 8192  # weight bytes one program loads per K step
 
 
@@ -49,6 +52,7 @@ def _gemv_kernel(
     M_PAD: tl.constexpr,  # rows rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,27 +62,36 @@ def _gemv_kernel(
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [M_PAD, BLOCK_K]
     for k0 in range(0, k_in, BLOCK_K):
         k_mask = offs_k < k_in - k0
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        for m in tl.static_range(M_PAD):
-            row_lanes = tl.full([BLOCK_K], m, dtype=tl.int32) < rows
-            x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0).to(tl.float32)
-            partial = tl.sum(w * x_row[None, :], axis=1)  # [BLOCK_N]
-            accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if M_PAD >= 16:  # a skinny GEMM (a wide decode batch): tensor cores
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            accumulator = tl.dot(x, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
+        else:  # a few rows: FMAs on the loaded tile, reduced at once
+            w32 = w.to(tl.float32)
+            for m in tl.static_range(M_PAD):
+                row_lanes = tl.full([BLOCK_K], m, dtype=tl.int32) < rows
+                x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0)
+                partial = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+                accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
         w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): 8 rows per program where N gives at least ~4 programs per SM, fewer for
-    narrow outputs; BLOCK_K fills BYTES_PER_STEP of weights per step, never wider than K."""
+def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device, rows: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): 8 output features per program where N gives at least ~4 programs per SM,
+    fewer for narrow outputs (16 for a tensor-core tile at >= 16 rows); BLOCK_K fills BYTES_PER_STEP
+    of weights per step, never wider than K."""
+    dot = rows >= TENSOR_CORE_ROWS
     if device.type != "cuda":  # the interpreter pays per program: few, wide ones
-        return min(64, triton.next_power_of_2(n_out)), min(128, triton.next_power_of_2(k_in))
+        return min(64, max(16 if dot else 1, triton.next_power_of_2(n_out))), min(128, triton.next_power_of_2(k_in))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    block_n = 8
-    while block_n > 1 and triton.cdiv(n_out, block_n) < 4 * sms:
+    block_n = 16 if dot else 8
+    while block_n > (16 if dot else 1) and triton.cdiv(n_out, block_n) < 4 * sms:
         block_n //= 2
     block_k = min(triton.next_power_of_2(k_in), max(16, BYTES_PER_STEP // (block_n * element_bytes)))
     return block_n, block_k
@@ -99,10 +112,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     rows, k_in = x.shape
     n_out = w.shape[0]
     out = scratch.empty((rows, n_out), out_dtype or x.dtype, x.device)
-    block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), x.device)
+    block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), x.device, rows)
+    m_pad = triton.next_power_of_2(rows)
+    if rows >= TENSOR_CORE_ROWS:
+        m_pad = max(16, m_pad)
+        if block_n < 16 or block_k < 16:
+            raise ValueError(f"gemv: {rows} rows go through tensor cores, which need blocks >= 16, got {block}")
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )
     launches.record("gemv")
     return out

@@ -36,7 +36,7 @@ def _close(actual, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, n_out, k_in", [(1, 37, 70), (3, 64, 96), (8, 5, 33)])
+@pytest.mark.parametrize("rows, n_out, k_in", [(1, 37, 70), (3, 64, 96), (8, 5, 33), (9, 40, 50), (32, 17, 64)])
 @pytest.mark.parametrize("out_float", [False, True])
 def test_gemv_matches_torch(dtype, rows, n_out, k_in, out_float):
     x, w = _draw(rows, k_in, dtype=dtype, seed=1), _draw(n_out, k_in, dtype=dtype, seed=2)
@@ -58,7 +58,9 @@ def test_gemv_rejects_bad_inputs():
     with pytest.raises(ValueError, match="same K"):
         gemv(torch.ones(1, 4), torch.ones(3, 5))
     with pytest.raises(ValueError, match="rows"):
-        gemv(torch.ones(9, 4), torch.ones(3, 4))
+        gemv(torch.ones(65, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="tensor cores"):
+        gemv(torch.ones(16, 4), torch.ones(3, 4), block=(8, 16))
     with pytest.raises(ValueError, match="dtype|float16"):
         gemv(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.float16))
 
@@ -178,7 +180,7 @@ def test_eligibility():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_gpu_gemv_bf16_v4_widths(rows):
     for n_out, k_in in [(5120, 4096), (4096, 4096), (256, 4096)]:
         x = _draw(rows, k_in, dtype=torch.bfloat16, device="cuda", seed=20)
