@@ -71,3 +71,31 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype) ->
     )
     launches.record("topk_softmax")
     return ids, weights
+
+
+@triton.jit
+def _count_distinct_kernel(ids_ptr, out_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    offs_e = tl.arange(0, E_PAD)
+    seen = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, count, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < count, other=-1)
+        hits = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+        seen = tl.maximum(seen, tl.max(hits, axis=0))
+    tl.store(out_ptr, tl.sum(tl.where(offs_e < experts, seen, 0), axis=0))
+
+
+def count_distinct(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of the experts 0..E-1 appear in `ids` (any shape, int): a 0-d int32 tensor, computed
+    in one launch with no host sync (the woken-expert count of a decision record)."""
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"count_distinct: E={experts} > {MAX_EXPERTS}")
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = scratch.empty((1,), torch.int32, ids.device)
+    e_pad = triton.next_power_of_2(experts)
+    _count_distinct_kernel[(1,)](flat, out, flat.numel(), experts, E_PAD=e_pad,
+                                 BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=4)
+    launches.record("count_distinct")
+    return out[0]

@@ -216,3 +216,15 @@ def _torch_forward(config, weights, tokens, layout, cache, hooks):
 
     return _forward_ragged(config, weights, tokens, layout, cache, hooks)
 
+
+
+@pytest.mark.parametrize("count, experts", [(6, 256), (192, 64), (150, 40)])
+def test_count_distinct_matches_torch_unique(count, experts):
+    from kernels.router import count_distinct
+
+    generator = torch.Generator().manual_seed(count)
+    ids = torch.randint(0, experts, (count,), generator=generator, dtype=torch.int32)
+    ids[0] = experts + 3  # out of range: not an expert, not counted
+    with scratch.poison_new_buffers():
+        counted = count_distinct(ids.view(-1, 1) if count % 2 == 0 else ids, experts)
+    assert counted.dim() == 0 and counted.item() == torch.unique(ids[1:]).numel()
