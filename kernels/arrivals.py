@@ -12,7 +12,9 @@ one after another, so launchers share the buffer; two streams must not run such 
 
 The buffer is allocated (zeroed) outside any CUDA-graph capture: the engine's capture step runs the
 same shapes eagerly first, and a launcher that would need a larger buffer while capturing is an
-error, not a silent allocation in the graph's private pool.
+error, not a silent allocation in the graph's private pool. A buffer outgrown later is kept alive,
+never freed: graphs captured earlier (the engine captures each batch size when it first sees it)
+still count into it on every replay, and freed memory would be handed to other tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 _BUFFERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced by a larger buffer, still used by captured graphs
 _MINIMUM = 4096
 
 
@@ -34,6 +37,8 @@ def counters(device: torch.device, count: int) -> torch.Tensor:
                 f"{0 if buffer is None else buffer.numel()} allocated; run the same launch once before capturing"
             )
         size = max(_MINIMUM, 1 << (count - 1).bit_length())
+        if buffer is not None:
+            _OUTGROWN.append(buffer)
         buffer = torch.zeros(size, dtype=torch.int32, device=device)
         _BUFFERS[device] = buffer
     return buffer[:count]
