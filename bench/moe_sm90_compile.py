@@ -40,9 +40,9 @@ def _types(name: str) -> str:
     if not name.endswith("_ptr"):
         return "i32"
     if any(part in name for part in ("sorted", "tile_expert", "window", "padded", "topk_ids", "rank", "chunk",
-                                     "counts", "offsets", "pair_rows", "used")):
+                                     "counts", "offsets", "pair_rows", "used", "counters")):
         return "*i32"
-    return "*fp32" if "topk_weights" in name else "*bf16"
+    return "*fp32" if "topk_weights" in name or "partials" in name else "*bf16"
 
 
 def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):

@@ -9,23 +9,46 @@ Shapes: T tokens, k experts per token, E experts, D hidden, F expert intermediat
     topk_weights  [T, k]        routing weight of each pair
     hidden        [N, F]        silu(gate_e x_t) * (up_e x_t), x's dtype, pair order
     out           [T, D]
+    partials      [N, D]        fp32 scratch, = [T, k, D]: w_p * (w2_e @ hidden_p) per pair
+    counters      [T, D/BLOCK_D] int32 arrival counters (kernels.arrivals), 0 before and after
 
 Kernels (two launches, no alignment, no deduplication of expert reads: the decode arm, right
 when pairs rarely share an expert):
     _gate_up_kernel  grid (N, F / BLOCK_F)   one pair and BLOCK_F hidden units: gate and up rows
                                              streamed along D, SiLU·mul fused
-    _down_kernel     grid (T, D / BLOCK_D)   one token and BLOCK_D outputs: the k pairs of the
-                                             token in order j = 0..k-1, each scaled by its routing
-                                             weight, accumulated and summed in fp32. Summing inside
-                                             one program (not with atomics) keeps the output
-                                             bit-reproducible.
+    _down_kernel     grid (N, D / BLOCK_D)   one pair p = t*k + j and BLOCK_D outputs: its expert's
+                                             BLOCK_D rows of w2 streamed along F, fp32, scaled by
+                                             the routing weight, stored as the pair's partial;
+                                             the last of the k programs of (token, block) to
+                                             arrive sums the k partials and writes out
+The down grid is the (T, D / BLOCK_D, k) program set with token and j merged into axis 0, pair
+order as in gate-up: the k programs of one (token, block) are dispatched side by side, and all
+pairs of one output block stream at once, so pairs that share an expert share its lines in L2.
+
+Down's reduction over the k pairs ("last program reduces", kernels/arrivals.py): each program
+stores its partial (0 for an id outside [0, E): it still arrives), `tl.debug_barrier()`, one
+`atomic_add(counter, 1, sem="acq_rel")` per program; the program that sees k - 1 reads the k
+partials past L1 (".cg") and adds them in the fixed order j = 0..k-1, writes out[t, block] in x's
+dtype, and sets the counter back to 0. No second launch and no float atomics: which program comes
+last changes from run to run, the order of the sum does not, so the output is bit-reproducible.
+On the GPU this leans on bar.sync plus one thread's acq_rel atomic at gpu scope ordering the
+whole program's stores and loads (the pattern of cooperative groups' grid sync).
 
 Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture and pick
 differently per run); they are set for the bandwidth-bound decode case on Hopper: each program
-streams 16-byte vectors of 8 rows x 512 (gate-up) or 8 x 1024 (down) weights per step and reduces
-them at once into a few fp32 lanes. An sm_90 compile without a GPU gave 80 and 56 registers at 4
-warps, so 6 and 9 programs fit an SM (96 and 144 KB of loads in flight per SM), and n=1 at D=4096,
-F=2048 launches 1536 + 512 programs over 132 SMs: enough loads in flight to cover DRAM latency.
+streams 16-byte vectors of 8 rows x 512 (gate-up, w13's gate and up) or 8 x 1024 (down) weights
+per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. An sm_90 compile without
+a GPU gives 80 and 40 registers at 4 warps, so 6 and 12 programs fit an SM (up to 96 and 192 KB
+of loads in flight per SM; ~30-50 KB per SM covers DRAM latency at 4.3 TB/s).
+    n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 256 = 1536 programs (1.9 waves of 792 slots)
+                                   down    6 x 512 = 3072 programs (1.9 waves of 1584), 2 steps each
+    n = 16:                        gate-up 24576, down 49152 programs
+Before, down ran one program per (token, block): 512 programs at n = 1 (3.9 per SM on 132 SMs),
+each a chain of k x 2 = 12 dependent steps, and reached 2.5 TB/s. Down at 8 x 1024 keeps two
+steps per program so the expert-id load and the arrival are paid once per 32 KB; 4 x 2048 (one
+step, 48 registers, 6144 programs) is the alternative if the H200 shows the arrival exposed.
+Scratch: partials are N x D x 4 B (96 KB at n = 1, 1.5 MB at n = 16, 805 MB at n = 8192 where
+the sweep still times this arm), counters T x D/8 int32 (kept in the shared arrival buffer).
 """
 
 from __future__ import annotations
@@ -34,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, scratch
+from kernels import arrivals, launches, scratch
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -99,6 +122,8 @@ def _down_kernel(
     w2_ptr,  # [E, D, F]
     topk_ids_ptr,  # [N]
     topk_weights_ptr,  # [N]
+    partials_ptr,  # [N, D] fp32 scratch: pair p's routing-weighted down row
+    counters_ptr,  # [T, D / BLOCK_D] int32 arrival counters, 0 on entry and on exit
     out_ptr,  # [T, D] out
     num_experts,
     hidden_size,  # D
@@ -106,36 +131,45 @@ def _down_kernel(
     stride_hp,
     stride_we,
     stride_wr,
+    stride_pp,
     stride_ot,
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    pair = tl.program_id(0)
     d_block = tl.program_id(1)
+    token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
-    offs_f = tl.arange(0, BLOCK_F)
-    # each pair's products are scaled by its routing weight and reduced every step into
-    # [BLOCK_D] fp32: few registers, so many programs per SM keep enough loads in flight
-    out_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # fixed order: the sum is the same on every run
-        pair = token * TOP_K + j
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-        # the validity test as a vector, so it can join the element masks below
-        expert_lanes = tl.zeros([BLOCK_F], dtype=tl.int32) + expert
-        valid_lanes = (expert_lanes >= 0) & (expert_lanes < num_experts)
-        routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    partial = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
+        routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
+        offs_f = tl.arange(0, BLOCK_F)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
+        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
         for f0 in range(0, intermediate_size, BLOCK_F):
-            f_mask = (offs_f < intermediate_size - f0) & valid_lanes
-            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32) * routing_weight
+            f_mask = offs_f < intermediate_size - f0
+            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
-            out_acc += tl.sum(w * h[None, :], axis=1)
+            partial += tl.sum(w * h[None, :], axis=1)
             w_ptrs += BLOCK_F
             h_ptrs += BLOCK_F
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, out_acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+        partial = partial * routing_weight
+    # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
+    tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
+    tl.debug_barrier()  # every thread's store is issued before the release below
+    counter = counters_ptr + token * tl.num_programs(1) + d_block
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
+            total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
 
 
 def moe_gemv(
@@ -165,10 +199,14 @@ def moe_gemv(
         TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
     )
     launches.record("moe_gemv.gate_up")
-    _down_kernel[(tokens, triton.cdiv(hidden_size, DOWN_BLOCK_D))](
-        hidden, w2, flat_ids, flat_weights, out,
+    # one program per (pair, output block); the k pairs of a token add up in the kernel
+    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
+    counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
+    _down_kernel[(num_pairs, down_blocks)](
+        hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
-        hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
     )
     launches.record("moe_gemv.down")

@@ -9,11 +9,15 @@ row a kernel forgot to write is NaN or an impossible index, not a lucky zero.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
-from kernels import launches, scratch
+from kernels import arrivals, launches, scratch
 from kernels import moe_align as moe_align_module
+from kernels import moe_gemv as moe_gemv_module
 from kernels.moe_align import FUSED_MAX_PAIRS, MoeAlignment, moe_align
 from kernels.moe_gemv import moe_gemv
 from kernels.moe_grouped import DEFAULT_TILE_M, ROWS_PER_PROGRAM, TILE_M_CHOICES, moe_grouped
@@ -85,6 +89,9 @@ GEMV_EDGE_SHAPES = [
     pytest.param(4, 3, 13, 32, 32, {}, id="prime-E-13"),
     pytest.param(5, 2, 8, 32, 32, {"avoid": (0, 3)}, id="experts-with-zero-tokens"),
     pytest.param(4, 3, 7, 33, 17, {}, id="odd-D-33-F-17"),
+    # down's "last program reduces" over k pair programs per (token, 8-output block)
+    pytest.param(3, 6, 11, 45, 23, {}, id="3-tokens-top-6-odd-D-45-F-23"),
+    pytest.param(16, 2, 9, 19, 12, {}, id="16-tokens-odd-D-19-F-12"),
 ]
 
 
@@ -333,6 +340,74 @@ def test_out_of_range_ids_contribute_nothing():
         assert relative_error(moe_grouped(x, w13, w2, topk_ids, topk_weights, variant=0), ref) <= 1e-5
 
 
+def _gemv_counters_in_use(x: torch.Tensor) -> torch.Tensor:
+    """The arrival counters moe_gemv's down kernel counted into for this x: (token, 8-output block)."""
+    tokens, hidden = x.shape
+    return arrivals.counters(x.device, tokens * -(-hidden // moe_gemv_module.DOWN_BLOCK_D))
+
+
+def _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights):
+    """moe_reference where ids outside [0, E) count as expert 0 with routing weight 0."""
+    valid = (topk_ids >= 0) & (topk_ids < w13.shape[0])
+    return moe_reference(x, w13, w2, torch.where(valid, topk_ids, 0), torch.where(valid, topk_weights, 0.0))
+
+
+def test_gemv_ids_outside_range_add_exact_zeros():
+    # -1, E and larger ids: their pair programs store a zero partial and still arrive, so the
+    # token's last program sums k partials; a token with no valid id gets an exact 0 row
+    tokens, top_k, experts, hidden, intermediate = 4, 3, 8, 27, 20
+    generator = torch.Generator().manual_seed(17)
+    topk_ids, topk_weights = make_routing(tokens, top_k, experts, generator)
+    x, w13, w2 = make_layer(tokens, hidden, intermediate, experts, torch.float32, generator)
+    topk_ids[0] = torch.tensor([-1, experts, 2**31 - 1], dtype=torch.int32)  # token 0 dropped entirely
+    topk_ids[2, 1] = -5
+    topk_ids[3, 2] = experts + 3
+    with scratch.poison_new_buffers():
+        out = moe_gemv(x, w13, w2, topk_ids, topk_weights)
+    assert torch.equal(out[0], torch.zeros(hidden))
+    assert relative_error(out, _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)) <= 1e-5
+    assert torch.count_nonzero(_gemv_counters_in_use(x)) == 0
+
+
+def test_gemv_repeated_calls_bit_identical_and_counters_back_to_zero():
+    # A, B, A: the second A must see every counter back at 0 (a counter left at j would make no
+    # program the last one, leaving the poisoned out as NaN) and give the same bits
+    generator = torch.Generator().manual_seed(23)
+    cases = []
+    for tokens, top_k, experts, hidden, intermediate in ((3, 6, 11, 21, 12), (2, 2, 5, 16, 8)):
+        topk_ids, topk_weights = make_routing(tokens, top_k, experts, generator)
+        cases.append((*make_layer(tokens, hidden, intermediate, experts, torch.float16, generator), topk_ids, topk_weights))
+    outs = []
+    with scratch.poison_new_buffers():
+        for inputs in (cases[0], cases[1], cases[0]):
+            outs.append(moe_gemv(*inputs))
+            assert torch.count_nonzero(_gemv_counters_in_use(inputs[0])) == 0
+    assert torch.equal(outs[0], outs[2])
+    assert relative_error(outs[1], moe_reference(*cases[1])) <= TOLERANCE[torch.float16]
+
+
+def test_outgrown_arrival_buffer_is_kept_alive():
+    # the gemv down kernel needs T x D/8 counters (past the 4096 minimum from T = 9 at D = 4096): a
+    # graph captured at a smaller batch keeps counting into the old buffer, which must not be freed
+    device = torch.device("cpu")
+    old = weakref.ref(arrivals.counters(device, 1)._base)
+    grown = arrivals.counters(device, old().numel() + 1)
+    gc.collect()
+    assert old() is not None and grown.data_ptr() != old().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gemv_multi_step_loops_match_reference(dtype, monkeypatch):
+    # at v4-shape gate-up walks D in 8 steps of 512 and down walks F in 2 of 1024; narrowed blocks
+    # run the same loops for 3 steps with a masked tail at interpreter-sized D=45, F=40
+    monkeypatch.setattr(moe_gemv_module, "GATE_UP_BLOCK_D", 16)
+    monkeypatch.setattr(moe_gemv_module, "DOWN_BLOCK_F", 16)
+    inputs = _edge_case(3, 2, 5, 45, 40, {}, dtype)
+    with scratch.poison_new_buffers():
+        out = moe_gemv(*inputs)
+    assert relative_error(out, moe_reference(*inputs)) <= TOLERANCE[dtype]
+
+
 def test_torch_grouped_mm_peer_matches_reference_on_cpu():
     if not grouped_mm_available("cpu"):
         pytest.skip("this torch build has no CPU torch._grouped_mm fallback (GPU test covers the arm)")
@@ -500,6 +575,70 @@ def test_gpu_cuda_graph_replay_matches_eager(arm):
         eager = run()
         assert torch.equal(static_out, eager)
         assert relative_error(eager, moe_reference(x, w13, w2, topk_ids, topk_weights)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def v4_weights():
+    """w13, w2 at v4-shape (E=256, D=4096, F=2048, bf16: 12.9 GB), drawn on the GPU: a CPU randn in
+    fp32 would need 26 GB and minutes. Built once for the module's v4 tests."""
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("v4-shape weights need about 13 GB of GPU memory plus the reference's")
+    generator = torch.Generator(device="cuda").manual_seed(40)
+    experts, hidden, intermediate = 256, 4096, 2048
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator, device="cuda", dtype=torch.bfloat16)
+    yield w13.mul_(hidden**-0.5), w2.mul_(intermediate**-0.5)
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+def _v4_decode_inputs(tokens, experts, hidden, generator):
+    topk_ids, topk_weights = make_routing(tokens, 6, experts, generator, device="cuda")
+    x = torch.randn(tokens, hidden, generator=generator).to(device="cuda", dtype=torch.bfloat16)
+    return x, topk_ids, topk_weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens):
+    # issue 7's shape: 6 x 512 down programs per token, the last of each (token, block) group to
+    # arrive sums the 6 partials; which one that is varies run to run, the output bits must not
+    w13, w2 = v4_weights
+    generator = torch.Generator().manual_seed(70 + tokens)
+    x, topk_ids, topk_weights = _v4_decode_inputs(tokens, w13.shape[0], w13.shape[2], generator)
+    if tokens > 1:  # dropped pairs (-1, E) on the compiled path too
+        topk_ids[1, 3], topk_ids[tokens - 1, 0] = -1, w13.shape[0]
+    with scratch.poison_new_buffers():
+        outs = [moe_gemv(x, w13, w2, topk_ids, topk_weights) for _ in range(5)]
+    for call, out in enumerate(outs[1:], start=2):
+        assert torch.equal(out, outs[0]), f"call {call} differs from call 1"
+    assert torch.count_nonzero(_gemv_counters_in_use(x)).item() == 0
+    ref = _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)
+    assert relative_error(outs[0], ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights):
+    # replayed back to back, the captured down kernel must leave its own counters at 0
+    w13, w2 = v4_weights
+    generator = torch.Generator().manual_seed(71)
+    x, topk_ids, topk_weights = _v4_decode_inputs(1, w13.shape[0], w13.shape[2], generator)
+
+    def run():
+        return moe_gemv(x, w13, w2, topk_ids, topk_weights)
+
+    graph, static_out = _capture(run)
+    for _ in range(3):
+        new_x, new_ids, new_weights = _v4_decode_inputs(1, w13.shape[0], w13.shape[2], generator)
+        x.copy_(new_x)
+        topk_ids.copy_(new_ids)
+        topk_weights.copy_(new_weights)
+        graph.replay()
+        graph.replay()
+        eager = run()
+        assert torch.equal(static_out, eager)
+        assert relative_error(eager, moe_reference(x, w13, w2, topk_ids, topk_weights)) <= TOLERANCE[torch.bfloat16]
+    assert torch.count_nonzero(_gemv_counters_in_use(x)).item() == 0
 
 
 @pytest.mark.gpu
