@@ -1,0 +1,214 @@
+"""Host time of a CUDA-graph decode step: the quantity `moe-inspector bench` reports as host µs/step.
+
+Drives `Engine._batch_step` exactly as `Engine.generate_batch` does (the scheduler, the batch runner,
+one dispatcher per run) and reads each replayed step's `host_us`: the time from the start of the
+step until the graph replay and the step's end event are issued (engine.batch_runner). Also prints
+the whole host loop per step (the time between the starts of consecutive replayed steps: with
+the sync, the postprocess and the step record), which on a CPU stub is all host time.
+
+    python bench/host_step.py                      # CPU stub, demo (2 layers), batch 1
+    python bench/host_step.py --layers 1           # the v4-shape record count (1 layer)
+    python bench/host_step.py --profile            # plus the top cProfile entries of the replayed steps
+    python bench/host_step.py --device cuda --model v4-shape   # a real graph on a GPU
+
+--device cpu (no GPU): the real scheduler, runner and dispatcher, with a stub graph. The first
+decode step of a cohort runs eagerly as a capture step does, and stores a `_DecodeGraph` whose
+replay does nothing and whose template dispatcher holds the records a real capture would have
+(one MoE and one attention record per layer, from an eager forward through it) plus the Triton
+launches a capture on a GPU records (5 per layer). Events are stubs (record() does nothing).
+--device cuda: the real runner with real graph capture and CUDA events, weights drawn on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+
+from engine import flags as flag_registry
+from engine.batch_runner import BatchRunner, _DecodeGraph
+from engine.config import PRESETS
+from engine.runtime import Dispatcher, Engine
+from engine.scheduler import DECODE, Scheduler
+from engine.sequence import Sequence
+
+# What a capture of one decode layer records on a GPU (gemv MoE, split-KV decode attention).
+KERNELS_PER_LAYER = ("moe_align.fused", "moe_gemv.gate_up", "moe_gemv.down", "flash_decode_split",
+                     "flash_decode_combine")
+
+
+class _StubEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.25  # ms
+
+
+class _StubGraph:
+    def replay(self) -> None:
+        pass
+
+
+def stub_graphs(runner: BatchRunner) -> None:
+    """Make a CPU runner take the graph path: capture runs the step eagerly and stores a stub graph."""
+    engine = runner.engine
+    runner.graphs_enabled = True
+    runner.graphs_note = "on (CPU stub: replays do nothing)"
+    runner._events = (_StubEvent(), _StubEvent())
+    runner._current_stream = lambda: None
+    runner._capture_blocker = lambda size, dispatcher: ""
+
+    def capture(batch, dispatcher, key, values):
+        next_tokens = runner._eager(batch, dispatcher)  # the capture step itself runs eagerly
+        size = len(batch.rows)
+        template = Dispatcher(engine, dispatcher.flags, timed=False)
+        template.begin_step(batch.step, DECODE, size)
+        static_next = runner._eager(batch, template)  # what the capture records, per layer
+        kernels = {name: engine.config.n_layers for name in KERNELS_PER_LAYER}
+        inputs = torch.tensor(values, dtype=torch.int64)
+        staging = torch.empty((2, size), dtype=torch.int64)
+        fields = {field.name for field in dataclasses.fields(_DecodeGraph)}
+        if "observed" in fields:  # the graph's one static output: next tokens, then each layer's woken count
+            output = torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])
+        else:  # before the observed buffer (for before/after numbers): the next tokens alone
+            output = static_next.clone()
+        runner._graphs[key] = _DecodeGraph(_StubGraph(), inputs, staging, output, template, kernels)
+        return next_tokens
+
+    runner._capture = capture
+
+
+def build_engine(args) -> Engine:
+    config = PRESETS[args.model]
+    if args.layers is not None:
+        masks = (config.layer_masks * args.layers)[:args.layers]
+        config = dataclasses.replace(config, n_layers=args.layers, layer_masks=masks)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        from engine import bench
+
+        return Engine(config, device, 0, weights=bench.device_random_weights(config, 0, device, torch.bfloat16))
+    return Engine(config, device, 0)
+
+
+def run_once(engine, runner, flags, prompts, max_tokens, profiler=None) -> list[dict]:
+    """One batched run, step by step as `Engine.generate_batch` runs it; the profiler (if any)
+    is on only inside steps that follow a capture or replay (the steady decode steps)."""
+    clock = time.perf_counter
+    chunk = flags["prefill_chunk"]
+    scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
+    dispatcher = Dispatcher(engine, flags, timed=False)
+    arrived = clock()
+    for prompt in prompts:
+        scheduler.add(Sequence(prompt, max_tokens), arrived)
+    steps = []
+    while scheduler.has_work():
+        steady = profiler is not None and steps and steps[-1]["graph"] in ("capture", "replay")
+        if steady:
+            profiler.enable()
+        steps.append(Engine._batch_step(scheduler, runner, dispatcher, clock))
+        if steady:
+            profiler.disable()
+    return steps
+
+
+class GcPauses:
+    """Collections the garbage collector ran (and their time) while it is installed."""
+
+    def __init__(self) -> None:
+        self.count, self.full, self.seconds, self._started = 0, 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.count += 1
+        self.full += info["generation"] == 2
+
+
+def summary(values: list[float]) -> str:
+    ordered = sorted(values)
+    return (f"mean {statistics.fmean(values):7.2f}  median {statistics.median(values):7.2f}  "
+            f"p10 {ordered[len(ordered) // 10]:7.2f}  p90 {ordered[9 * len(ordered) // 10]:7.2f}  (n={len(values)})")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--model", default="demo", choices=sorted(PRESETS))
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5000, help="replayed decode steps to time")
+    parser.add_argument("--tokens", type=int, default=500, help="tokens per sequence per run")
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens per sequence")
+    parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE")
+    parser.add_argument("--no-gc", action="store_true",
+                        help="disable the garbage collector while timing (isolates its pauses from the code's cost)")
+    parser.add_argument("--profile", action="store_true", help="print the top cProfile entries")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
+
+    engine = build_engine(args)
+    flags = flag_registry.resolve(args.set_flags, environ={})
+    tokens = min(args.tokens, engine.config.max_seq_len - args.prompt)
+    runner = BatchRunner(engine, args.batch, args.prompt + tokens - 1, graphs=True)
+    if engine.device.type == "cpu":
+        stub_graphs(runner)
+    prompts = [[(7 * row + 3 * index) % engine.config.vocab_size for index in range(args.prompt)]
+               for row in range(args.batch)]
+    with torch.inference_mode():
+        run_once(engine, runner, flags, prompts, tokens)  # warm-up: the capture, caches, allocator
+        host, loop, device = [], [], []
+        profiler = cProfile.Profile() if args.profile else None
+        pauses = GcPauses()
+        gc.callbacks.append(pauses)
+        if args.no_gc:
+            gc.disable()
+        while len(host) < args.steps:
+            steps = run_once(engine, runner, flags, prompts, tokens, profiler)
+            replays = [index for index, step in enumerate(steps) if step["graph"] == "replay"]
+            if not replays:
+                raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
+            host += [steps[index]["host_us"] for index in replays]
+            device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
+            loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
+                     for index in replays if index + 1 < len(steps)]
+        gc.callbacks.remove(pauses)
+        gc.enable()
+    config = engine.config
+    print(f"{config.name}, {config.n_layers} layer(s), batch {args.batch}, {args.device}"
+          f"{' (stub graph)' if args.device == 'cpu' else ''}; torch {torch.__version__}, "
+          f"python {sys.version.split()[0]}; replayed decode steps per run: {len(replays)}")
+    print(f"host_us per replayed step (bench's host µs/step):  {summary(host)}")
+    print(f"host loop per replayed step (start to next start): {summary(loop)}")
+    if device:
+        print(f"device_us per replayed step:                      {summary(device)}")
+    print(f"garbage collections while timing: {pauses.count} ({pauses.full} full), "
+          f"{pauses.seconds * 1e6 / max(1, len(host)):.2f} µs per replayed step on average")
+    if profiler is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats("cumulative").print_stats(args.top)
+        print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
