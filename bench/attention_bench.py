@@ -9,8 +9,10 @@ head_dim 512) with the sink applied through its log-sum-exp, and SDPA with a den
 on visible work only: visible (i, j) pairs x 4 x head_dim per head.
 
 Decode: one query per head at position 8191 against 8192 keys (causal: every key is read), split
-KV + combine, timed eagerly and replayed from a CUDA graph (how the engine runs decode); the bound
-is the KV bytes read over the copy bandwidth measured in this run.
+KV, timed eagerly and replayed from a CUDA graph (how the engine runs decode); the bound is the KV
+bytes read over the copy bandwidth measured in this run. The table's config runs both ways on the
+same problem: the default single launch (the last split of each kv head merges, "1 launch": the
+target row) and the split kernel plus the combine kernel ("2 launches", for comparison).
 
 Needs only torch, triton and numpy (the GPU machine has no textual). Prints the compiler's
 resource report, writes JSON to $OUT/attention_bench.json (else bench/results/), and prints a
@@ -32,17 +34,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton
 
-from engine.provenance import commit_label  # noqa: E402
-from kernels import launches  # noqa: E402
-from kernels.attention import CONFIGS as PREFILL_CONFIGS, MASK_CONFIGS, PrefillConfig, flash_attention  # noqa: E402
-from kernels.attention_common import format_resource_report, resource_report  # noqa: E402
-from kernels.attention_decode import DecodeConfig, flash_decode  # noqa: E402
-from kernels.reference import MaskSpec, attention_reference, visible_mask  # noqa: E402
+from engine.provenance import commit_label
+from kernels import launches
+from kernels.attention import CONFIGS as PREFILL_CONFIGS
+from kernels.attention import MASK_CONFIGS, PrefillConfig, flash_attention
+from kernels.attention_common import format_resource_report, resource_report
+from kernels.attention_decode import DecodeConfig, flash_decode
+from kernels.reference import MaskSpec, attention_reference, visible_mask
 
 TOKENS, HEADS, KV_HEADS, HEAD_DIM, WINDOW, BLOCK = 8192, 8, 8, 512, 1024, 64
 SPEC = MaskSpec("composite", window=WINDOW, block=BLOCK)
@@ -59,11 +62,10 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=64, block_n=32, block_dv=256, num_warps=8, num_stages=2),  # split output columns
     PrefillConfig(block_m=64, block_n=16, block_dv=512, num_warps=8, num_stages=3),  # deeper pipeline, 160 KB
 ]
-DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave)
-    (None, None),  # table entry, one wave of programs
+DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave); all single-launch
+    (None, None),  # table entry, one wave of programs (also timed with the two-launch combine)
     (DecodeConfig(block_n=32, num_stages=3, num_warps=8), None),  # more loads in flight per program
     (DecodeConfig(block_n=32, num_stages=3, num_warps=2), None),
-    (DecodeConfig(block_n=16, num_stages=6, num_warps=8), None),
     (DecodeConfig(block_n=64, num_stages=1, num_warps=8), None),  # 144 KB
     (DecodeConfig(block_n=32, num_stages=3, num_warps=8), 2),
     (None, 2),
@@ -168,7 +170,7 @@ def checked(label: str, produce, reference: torch.Tensor, rows: list, failures: 
     try:
         out = produce()
         torch.cuda.synchronize()
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any failure to compile or run is a row, not a crash
         rows.append(row(label, None, None, None, failure_note(error)))
         return None
     error = relative_error(out, reference)
@@ -186,11 +188,13 @@ def bench_prefill(q, k, v, sinks, reference, visible_flops: float, rows: list, f
             continue
         label = "fused prefill " + ("(table)" if config is None else f"bm{config.block_m} bn{config.block_n} "
                                     f"dv{config.block_dv} w{config.num_warps} s{config.num_stages}")
-        error = checked(label, lambda: flash_attention(q, k, v, sinks, SPEC, 0, None, config=config),
-                        reference, rows, failures)
+        def run(config=config):
+            return flash_attention(q, k, v, sinks, SPEC, 0, None, config=config)
+
+        error = checked(label, run, reference, rows, failures)
         if error is None:
             continue
-        timing = time_cuda(lambda: flash_attention(q, k, v, sinks, SPEC, 0, None, config=config))
+        timing = time_cuda(run)
         used = config or MASK_CONFIGS.get((HEAD_DIM, SPEC.kind)) or PREFILL_CONFIGS[HEAD_DIM]
         rows.append(row(label, timing, error, visible_flops, "sinks, composite mask",
                         computed_over_visible=computed_pairs_per_head(used) / visible_pairs_per_head(),
@@ -224,7 +228,7 @@ def bench_flex(q, k, v, sinks, reference, visible_flops: float, rows: list, fail
             return out * torch.sigmoid(lse - sink_logits[None, :, None]).unsqueeze(-1).to(out.dtype)
 
         compiled = torch.compile(flex_with_sinks, dynamic=False)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - a peer that cannot be built is a row, not a crash
         rows.append(row(label, None, None, None, failure_note(error)))
         return
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, T, hd]
@@ -256,6 +260,17 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / (timing["median_ms"] * 1e-3)
 
 
+def decode_runs(variants) -> list[tuple]:
+    """(config, waves, combine) for each variant: the table's config with one wave is timed both as
+    the default single launch ("last") and with the combine kernel ("kernel"), the rest single-launch."""
+    runs = []
+    for config, splits in variants:
+        runs.append((config, splits, "last"))
+        if config is None and splits is None:
+            runs.append((config, splits, "kernel"))
+    return runs
+
+
 def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, variants, with_composite: bool) -> None:
     generator = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, 1, HEADS, HEAD_DIM, generator=generator, device="cuda").to(torch.bfloat16)  # [1, 1, Hq, hd]
@@ -268,18 +283,23 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
         kv_bytes = 2 * keys_read * KV_HEADS * HEAD_DIM * k.element_size()
         bound_ms = kv_bytes / bandwidth * 1e3
         reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
-        for config, splits in variants:
+        for config, splits, combine in decode_runs(variants):
             num_splits = None if splits is None else min(128, splits * max(1, sms // KV_HEADS))
-            label = (f"fused decode {spec.describe()} " + ("(table)" if config is None else
-                     f"bn{config.block_n} s{config.num_stages}" + (f" w{config.num_warps}" if config.num_warps else ""))
-                     + (f" {splits} waves" if splits else ""))
+            parts = ["table" if config is None else f"bn{config.block_n} s{config.num_stages}"
+                     + (f" w{config.num_warps}" if config.num_warps else "")]
+            parts += [f"{splits} waves"] if splits else []
+            parts += ["1 launch" if combine == "last" else "2 launches"]
+            label = f"fused decode {spec.describe()} ({', '.join(parts)})"  # e.g. "(table, 1 launch)"
             if time.perf_counter() - START > BUDGET_S and (config or splits):
                 rows.append(row(label, None, None, None, "skipped: time budget"))
                 continue
             out = torch.empty_like(q)
+            # The target is the default path's: the single launch at the table's config.
+            is_target = spec.kind == "causal" and combine == "last" and config is None and splits is None
 
-            def run(out=out, spec=spec, config=config, num_splits=num_splits):
-                return flash_decode(q, k, v, sinks, spec, q_start, None, out=out, config=config, num_splits=num_splits)
+            def run(out=out, spec=spec, config=config, num_splits=num_splits, combine=combine):
+                return flash_decode(q, k, v, sinks, spec, q_start, None, out=out, config=config, num_splits=num_splits,
+                                    combine=combine)
 
             error = checked(label, run, reference, rows, failures)
             if error is None:
@@ -293,17 +313,18 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
                 label, graphed, error, None, f"CUDA graph replay; eager {eager['median_ms'] * 1e3:.1f} us",
                 kv_bytes=kv_bytes, bound_ms=bound_ms, ratio_to_bound=graphed["median_ms"] / bound_ms,
                 eager_median_ms=eager["median_ms"],
-                target_ratio=DECODE_TARGET_RATIO if spec.kind == "causal" else None,
-                target_met=(graphed["median_ms"] / bound_ms <= DECODE_TARGET_RATIO) if spec.kind == "causal" else None,
+                combine=combine, launches_per_call=1 if combine == "last" else 2,
+                target_ratio=DECODE_TARGET_RATIO if is_target else None,
+                target_met=(graphed["median_ms"] / bound_ms <= DECODE_TARGET_RATIO) if is_target else None,
             ))
 
 
 def format_table(header: dict, rows: list) -> str:
     lines = [
         f"attention bench  {header['gpu']}  torch {header['torch']}  triton {header['triton']}  commit {header['commit']}",
-        f"problem: T={TOKENS} Hq={HEADS} Hkv={KV_HEADS} hd={HEAD_DIM} {SPEC.describe()} sinks bf16; visible pairs/head "
-        f"{header['visible_pairs_per_head'] / 1e6:.2f} M ({header['visible_fraction_of_square']:.1%} of T^2); visible "
-        f"FLOPs {header['visible_flops'] / 1e9:.1f} G; copy bandwidth {header['copy_tb_s']:.2f} TB/s",
+        (f"problem: T={TOKENS} Hq={HEADS} Hkv={KV_HEADS} hd={HEAD_DIM} {SPEC.describe()} sinks bf16; visible pairs/head "
+         f"{header['visible_pairs_per_head'] / 1e6:.2f} M ({header['visible_fraction_of_square']:.1%} of T^2); visible "
+         f"FLOPs {header['visible_flops'] / 1e9:.1f} G; copy bandwidth {header['copy_tb_s']:.2f} TB/s"),
         "",
         "| row | median ms | ± stdev | wall ms | TFLOP/s visible | rel err | vs target | note |",
         "|---|---|---|---|---|---|---|---|",

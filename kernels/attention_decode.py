@@ -1,6 +1,6 @@
 """Flash-decoding: a few queries per sequence against a long KV, the KV walk split across programs
-(split-K) and merged by a second kernel. Same math, layout and masks as `kernels.attention`; its
-reference is `kernels.reference.attention_reference`.
+(split-K) and merged in the same launch by the last split of each group to finish. Same math,
+layout and masks as `kernels.attention`; its reference is `kernels.reference.attention_reference`.
 
 Shapes:
     q           [B, Tq, Hq, hd]   Tq small (decode: 1; speculative / tiny chunks: a few)
@@ -8,13 +8,29 @@ Shapes:
     sinks       [Hq] or None;  key_padding [B, Tk] or None;  q_start int or [B]
     partials    [S, B, Tq, Hq, hd] float32   each split's accumulator, scaled by exp2(-its max)
     stats       [S, B * Tq * Hq] float32 x 2 each split's running max (base 2) and running sum
+    counters    [B * Hkv] int32               arrivals per (sequence, kv head), `kernels.arrivals`
     out         [B, Tq, Hq, hd]   q's dtype
 
-Why two kernels: one query row is too little work to fill an H200 (132 SMs) from one program
-per (sequence, head); splitting the walk over keys gives S programs per (sequence, kv head) and
-every SM a share of the KV stream. The splits start from max = -inf and sum = 0 — no sink —
-and the combine starts from the sink: sigma_h enters the denominator exactly once, however many
-splits there are. A split that saw no visible key leaves (max -inf, sum 0) and weighs 0.
+Why split: one query row is too little work to fill an H200 (132 SMs) from one program per
+(sequence, head); splitting the walk over keys gives S programs per (sequence, kv head) and every
+SM a share of the KV stream. The splits start from max = -inf and sum = 0 — no sink — and the
+merge starts from the sink: sigma_h enters the denominator exactly once, however many splits there
+are. A split that saw no visible key leaves (max -inf, sum 0) and weighs 0.
+
+Why one launch (combine="last", the default): a second combine kernel cost a launch gap plus its
+own ramp, several microseconds against a ~32 us KV stream (1.38x the bandwidth bound on the H200
+with two launches). Now every split stores its partials, `tl.debug_barrier()` (all of the CTA's
+stores issued), then one `atomic_add(counter, 1, sem="acq_rel")` per program on its group's
+counter; the program that sees S - 1 is the last of its group: it reads every split's partials
+(`.cg`, past L1) in the fixed order 0..S-1, [SPLITS, BLOCK_D] tiles at a time, so the output does
+not depend on which program finished last, writes `out` and stores 0 back into the counter (every
+counter is 0 again when the kernel ends: repeated calls and CUDA-graph replays need no memset).
+With S == 1 the single program merges its registers with the sink and writes `out` directly.
+As with every user of `kernels.arrivals`, two streams must not run it at once (shared counters).
+combine="kernel" keeps the two-launch path (split kernel, then `_flash_decode_combine_kernel`)
+for comparison; both paths run the same merge code (`_split_weights`, `_merge_columns`) in the
+same split order: equal to the bit under the interpreter, to rounding on a GPU (the two kernels'
+register layouts, hence the order inside a tile's sum, may differ).
 
 Grouped-query heads: the Hq / Hkv query heads of one kv head, times Tq, are the rows of one
 program's tile, so each K/V byte is read once per split, not once per query head. BLOCK_M is that
@@ -25,7 +41,10 @@ Block sizes at head_dim 512: Q 16 x 512 x 2 B = 16 KB; per stage K and V tiles o
 = 32 KB each: 16 + 2 x 64 = 144 KB of shared memory at 2 stages (3 stages = 208 KB fits too, with
 little to spare; the benchmark sweeps it). The accumulator 16 x 512 fp32 is 64 registers per
 thread at 4 warps. Splits: one wave of programs (splits x B x Hkv ~ SM count), each streaming
->= 1 MB of KV at the benchmark shape; the combine reads S x hd x 4 B per row, < 1 % of the KV.
+>= 1 MB of KV at the benchmark shape; the merge reads S x hd x 4 B per row (from L2), < 1 % of
+the KV, and its tile (SPLITS x BLOCK_D = 4096 fp32) is 32 registers per thread at 4 warps, live
+only after the walk's accumulator is dead. The merge loops run with num_stages=1 so the
+pipeliner gives them no shared-memory buffers beside the walk's.
 """
 
 from __future__ import annotations
@@ -36,11 +55,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches
+from kernels import arrivals, launches
 from kernels.attention_common import (
-    _key_walk_bounds,
     _LOG2_E,
     _attend_key_tile,
+    _key_walk_bounds,
     _visible_keys,
     check_attention_inputs,
     is_power_of_two,
@@ -49,7 +68,7 @@ from kernels.attention_common import (
 )
 from kernels.reference import MaskSpec
 
-# The combine holds [splits, BLOCK_D] of partials per program; 128 x 32 fp32 fits its registers.
+# The merge holds [splits, BLOCK_D] of partials per program; 128 x 32 fp32 fits its registers.
 MAX_SPLITS = 128
 MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
 
@@ -77,13 +96,76 @@ CONFIGS = {
 
 
 @triton.jit
+def _merge_max(split_max, sink):
+    """(M, sink_takes_all): M = max(sigma, max_s m_s) as the merge's reference point, 0 when
+    nothing was seen and there is no sink. A +inf sink is left out of the max (inf - inf is NaN);
+    its weight 2^(inf - M) = inf then drives every output to 0, made exact by the caller."""
+    sink_takes_all = sink == float("inf")
+    total_max = tl.maximum(split_max, tl.where(sink_takes_all, float("-inf"), sink))
+    safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+    return safe_max, sink_takes_all
+
+
+@triton.jit
+def _split_weights(
+    partial_max_ptr,  # [S, R] float32
+    partial_sum_ptr,  # [S, R] float32
+    row,  # the output row (b, t, h) being merged
+    sink,  # its sink logit, base 2 (-inf: none)
+    num_splits,
+    num_rows,
+    SPLITS: tl.constexpr,
+    CACHE: tl.constexpr,  # "" or ".cg" (partials written by other programs of the same launch)
+):
+    """(weights [SPLITS] = 2^(m_s - M), denominator, sink_takes_all) of one output row."""
+    splits = tl.arange(0, SPLITS)
+    split_valid = splits < num_splits
+    stats_offsets = splits.to(tl.int64) * num_rows + row
+    maxes = tl.load(partial_max_ptr + stats_offsets, mask=split_valid, other=float("-inf"), cache_modifier=CACHE)
+    sums = tl.load(partial_sum_ptr + stats_offsets, mask=split_valid, other=0.0, cache_modifier=CACHE)
+    safe_max, sink_takes_all = _merge_max(tl.max(maxes, 0), sink)
+    weights = tl.math.exp2(maxes - safe_max)  # [SPLITS]; empty splits: 2^-inf = 0
+    denominator = tl.sum(sums * weights, 0) + tl.math.exp2(sink - safe_max)
+    return weights, denominator, sink_takes_all
+
+
+@triton.jit
+def _merge_columns(
+    partial_out_ptr,  # [S, R, hd] float32
+    row,
+    dims,  # [BLOCK_D] the output columns
+    weights,  # [SPLITS] from _split_weights
+    denominator,
+    sink_takes_all,
+    num_splits,
+    stride_partial_split,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """out[row, dims] = (sum_s acc_s 2^(m_s - M)) / denominator, from one [SPLITS, BLOCK_D] tile."""
+    splits = tl.arange(0, SPLITS)
+    partials = tl.load(
+        partial_out_ptr + splits.to(tl.int64)[:, None] * stride_partial_split + row.to(tl.int64) * HEAD_DIM + dims[None, :],
+        mask=(splits < num_splits)[:, None],
+        other=0.0,
+        cache_modifier=CACHE,
+    )  # [SPLITS, BLOCK_D]
+    out = tl.sum(partials * weights[:, None], 0) / tl.where(denominator == 0.0, 1.0, denominator)
+    return tl.where(sink_takes_all, 0.0, out)  # sigma = +inf: all mass on the sink
+
+
+@triton.jit
 def _flash_decode_split_kernel(
     q_ptr,  # [B, Tq, Hq, hd]
     k_ptr,  # [B, Tk, Hkv, hd]
     v_ptr,  # [B, Tk, Hkv, hd]
-    partial_out_ptr,  # [S, B * Tq * Hq, hd] float32
+    partial_out_ptr,  # [S, B * Tq * Hq, hd] float32 (unused with OUTPUT "direct")
     partial_max_ptr,  # [S, B * Tq * Hq] float32
     partial_sum_ptr,  # [S, B * Tq * Hq] float32
+    sinks_ptr,  # [Hq] float32 (unused without HAS_SINKS or with OUTPUT "partials")
+    out_ptr,  # [B, Tq, Hq, hd] (unused with OUTPUT "partials")
+    counter_ptr,  # [B * Hkv] int32 arrival counters, all 0 (OUTPUT "last" only)
     q_start_ptr,  # [B] int32
     padding_ptr,  # [B, Tk] uint8 (unused without HAS_PADDING)
     query_len,  # Tq
@@ -92,6 +174,7 @@ def _flash_decode_split_kernel(
     kv_heads,  # Hkv
     kv_group,  # Hq // Hkv
     num_rows,  # B * Tq * Hq, the stats' split stride
+    num_splits,  # S, the grid's first dimension
     walk_per_split,  # virtual keys per split, a multiple of BLOCK_N
     window,
     summary_block,
@@ -100,14 +183,19 @@ def _flash_decode_split_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_partial_split,  # of partial_out
+    stride_ob, stride_ot, stride_oh,
     stride_padding_b, stride_padding_t,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # merge tile width ("last")
+    SPLITS: tl.constexpr,  # next power of two >= S ("last")
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SUMMARIES: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: split pid_split of the key walk of one (sequence, kv head), all its
@@ -141,7 +229,7 @@ def _flash_decode_split_kernel(
     walk_begin = pid_split * walk_per_split
     walk_end = tl.minimum(walk_begin + walk_per_split, walk_len)
 
-    # No sink here: the combine adds it once.
+    # No sink here: the merge adds it once.
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -156,14 +244,62 @@ def _flash_decode_split_kernel(
             dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
         )
 
-    out_rows = (batch * query_len + query_index) * query_heads + head  # [BLOCK_M] row of (b, t, h)
-    stats_offsets = pid_split.to(tl.int64) * num_rows + out_rows
-    tl.store(partial_max_ptr + stats_offsets, running_max, mask=row_valid)
-    tl.store(partial_sum_ptr + stats_offsets, running_sum, mask=row_valid)
-    partial_base = partial_out_ptr + pid_split.to(tl.int64) * stride_partial_split
-    tl.store(
-        partial_base + out_rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], accumulator, mask=row_valid[:, None]
-    )
+    if OUTPUT == "direct":
+        # The only split: merge with the sink in registers (the merge's formula at S = 1).
+        sink = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * _LOG2_E
+        safe_max, sink_takes_all = _merge_max(running_max, sink)
+        weight = tl.math.exp2(running_max - safe_max)  # nothing visible: 2^-inf = 0
+        denominator = running_sum * weight + tl.math.exp2(sink - safe_max)
+        out = accumulator * weight[:, None] / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
+        out = tl.where(sink_takes_all[:, None], 0.0, out)
+        out_offsets = (
+            batch.to(tl.int64) * stride_ob + query_index.to(tl.int64)[:, None] * stride_ot
+            + head.to(tl.int64)[:, None] * stride_oh + dims[None, :]
+        )
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        out_rows = (batch * query_len + query_index) * query_heads + head  # [BLOCK_M] row of (b, t, h)
+        stats_offsets = pid_split.to(tl.int64) * num_rows + out_rows
+        tl.store(partial_max_ptr + stats_offsets, running_max, mask=row_valid)
+        tl.store(partial_sum_ptr + stats_offsets, running_sum, mask=row_valid)
+        partial_base = partial_out_ptr + pid_split.to(tl.int64) * stride_partial_split
+        tl.store(
+            partial_base + out_rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], accumulator,
+            mask=row_valid[:, None],
+        )
+        if OUTPUT == "last":
+            # Every thread's stores are issued before thread 0's release (bar.sync; the release is
+            # cumulative); Triton runs a scalar atomic on one thread and broadcasts its result
+            # through shared memory behind a barrier, so the branch below is uniform.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid_bk, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                # The last of this group: every split's partials are visible (acquire). Merge them
+                # in split order 0..S-1, whichever program this is.
+                for member_row in tl.range(0, kv_group * query_len, num_stages=1):
+                    member_head = kv_head * kv_group + member_row // query_len
+                    member_query = member_row % query_len
+                    row = (batch * query_len + member_query) * query_heads + member_head
+                    sink = float("-inf")
+                    if HAS_SINKS:
+                        sink = tl.load(sinks_ptr + member_head) * _LOG2_E
+                    weights, denominator, sink_takes_all = _split_weights(
+                        partial_max_ptr, partial_sum_ptr, row, sink, num_splits, num_rows, SPLITS, ".cg"
+                    )
+                    out_base = (
+                        out_ptr + batch.to(tl.int64) * stride_ob + member_query.to(tl.int64) * stride_ot
+                        + member_head.to(tl.int64) * stride_oh
+                    )
+                    for column in tl.range(0, HEAD_DIM, BLOCK_D, num_stages=1):
+                        columns = column + tl.arange(0, BLOCK_D)
+                        out = _merge_columns(
+                            partial_out_ptr, row, columns, weights, denominator, sink_takes_all, num_splits,
+                            stride_partial_split, HEAD_DIM, SPLITS, ".cg",
+                        )
+                        tl.store(out_base + columns, out.to(out_ptr.dtype.element_ty))
+                tl.atomic_xchg(counter_ptr + pid_bk, 0)  # ready for the next launch on this stream
 
 
 @triton.jit
@@ -184,7 +320,7 @@ def _flash_decode_combine_kernel(
     SPLITS: tl.constexpr,  # next power of two >= S
     HAS_SINKS: tl.constexpr,
 ):
-    """out = (sum_s acc_s 2^(m_s - M)) / (2^(sigma - M) + sum_s l_s 2^(m_s - M)),
+    """combine="kernel": out = (sum_s acc_s 2^(m_s - M)) / (2^(sigma - M) + sum_s l_s 2^(m_s - M)),
     M = max(sigma, max_s m_s). Grid: (R, HEAD_DIM // BLOCK_D)."""
     row = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -192,30 +328,17 @@ def _flash_decode_combine_kernel(
     query_index = (row // query_heads) % query_len
     batch = row // (query_heads * query_len)
 
-    splits = tl.arange(0, SPLITS)
-    split_valid = splits < num_splits
-    stats_offsets = splits.to(tl.int64) * num_rows + row
-    maxes = tl.load(partial_max_ptr + stats_offsets, mask=split_valid, other=float("-inf"))
-    sums = tl.load(partial_sum_ptr + stats_offsets, mask=split_valid, other=0.0)
     sink = float("-inf")
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head) * _LOG2_E
-    sink_takes_all = sink == float("inf")
-    # A +inf sink is left out of the max (inf - inf is NaN); its weight 2^(inf - M) = inf then
-    # drives every output to 0, made exact by the where below.
-    total_max = tl.maximum(tl.max(maxes, 0), tl.where(sink_takes_all, float("-inf"), sink))
-    safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # nothing seen, no sink
-    weights = tl.math.exp2(maxes - safe_max)  # [SPLITS]; empty splits: 2^-inf = 0
-    denominator = tl.sum(sums * weights, 0) + tl.math.exp2(sink - safe_max)
-
+    weights, denominator, sink_takes_all = _split_weights(
+        partial_max_ptr, partial_sum_ptr, row, sink, num_splits, num_rows, SPLITS, ""
+    )
     dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    partials = tl.load(
-        partial_out_ptr + splits.to(tl.int64)[:, None] * stride_partial_split + row.to(tl.int64) * HEAD_DIM + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )  # [SPLITS, BLOCK_D]
-    out = tl.sum(partials * weights[:, None], 0) / tl.where(denominator == 0.0, 1.0, denominator)
-    out = tl.where(sink_takes_all, 0.0, out)  # sigma = +inf: all mass on the sink
+    out = _merge_columns(
+        partial_out_ptr, row, dims, weights, denominator, sink_takes_all, num_splits, stride_partial_split,
+        HEAD_DIM, SPLITS, "",
+    )
     out_base = out_ptr + batch.to(tl.int64) * stride_ob + query_index.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_base + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -239,6 +362,11 @@ def _default_splits(device: torch.device, programs_per_split: int, walk_tiles: i
     return max(1, min(target, walk_tiles, MAX_SPLITS))
 
 
+
+
+COMBINES = ("last", "kernel")
+
+
 def flash_decode(
     q: torch.Tensor,  # [B, Tq, Hq, hd], Tq small
     k: torch.Tensor,  # [B, Tk, Hkv, hd]
@@ -252,8 +380,14 @@ def flash_decode(
     out: torch.Tensor | None = None,  # [B, Tq, Hq, hd] to write into
     num_splits: int | None = None,  # None: one wave of programs on this device
     config: DecodeConfig | None = None,  # overrides the head-dim table (benchmark sweeps)
+    combine: str = "last",  # "last": one launch, the last split merges; "kernel": a second combine launch
 ) -> torch.Tensor:  # [B, Tq, Hq, hd]
     """Split-KV attention with sinks, equal to `attention_reference` with the same arguments."""
+    if combine not in COMBINES:
+        raise ValueError(
+            f"combine must be 'last' (one launch: the last split of each (sequence, kv head) merges) or "
+            f"'kernel' (a second combine launch); got {combine!r}"
+        )
     inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
     config = config or CONFIGS[inputs.head_dim]
     group = inputs.query_heads // inputs.kv_heads
@@ -278,39 +412,59 @@ def flash_decode(
 
     head_dim = inputs.head_dim
     num_rows = inputs.batch * inputs.query_len * inputs.query_heads
-    partial_out = torch.empty(num_splits, num_rows, head_dim, dtype=torch.float32, device=q.device)
-    partial_max = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
-    partial_sum = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
+    if combine == "kernel":
+        output = "partials"
+    else:
+        output = "direct" if num_splits == 1 else "last"
+    if output == "direct":
+        partial_out = partial_max = partial_sum = out  # never dereferenced
+        counters = inputs.q_start
+    else:
+        partial_out = torch.empty(num_splits, num_rows, head_dim, dtype=torch.float32, device=q.device)
+        partial_max = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty(num_splits, num_rows, dtype=torch.float32, device=q.device)
+        # One arrival counter per (sequence, kv head), 0 before and after the launch.
+        counters = arrivals.counters(q.device, programs_per_split) if output == "last" else inputs.q_start
 
     mask = inputs.mask
     block_m = max(16, triton.next_power_of_2(rows))
     # Accumulator registers per thread = block_m * hd / (32 * warps): 64 at (16, 512, 4 warps).
     num_warps = config.num_warps or (4 if block_m * head_dim <= 16 * 512 else 8)
+    # The merge's [SPLITS, BLOCK_D] tile: <= 4096 fp32 (32 registers per thread at 4 warps).
+    splits_pow2 = triton.next_power_of_2(num_splits)
+    block_d = min(head_dim, max(16, 4096 // splits_pow2))
     compiled = _flash_decode_split_kernel[(num_splits, programs_per_split)](
-        q, k, v, partial_out, partial_max, partial_sum, inputs.q_start, mask.padding,
-        inputs.query_len, inputs.key_len, inputs.query_heads, inputs.kv_heads, group, num_rows,
+        q, k, v, partial_out, partial_max, partial_sum, inputs.sinks, out, counters, inputs.q_start, mask.padding,
+        inputs.query_len, inputs.key_len, inputs.query_heads, inputs.kv_heads, group, num_rows, num_splits,
         tiles_per_split * config.block_n, mask.window, mask.summary_block, inputs.qk_scale_log2,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         partial_out.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
         mask.padding_strides[0], mask.padding_strides[1],
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        SPLITS=splits_pow2,
         CAUSAL=mask.causal,
         HAS_WINDOW=mask.has_window,
         HAS_SUMMARIES=mask.has_summaries,
         HAS_PADDING=mask.has_padding,
+        HAS_SINKS=inputs.has_sinks,
+        OUTPUT=output,
         DOT_PRECISION=inputs.dot_precision,
         num_warps=num_warps,
         num_stages=config.num_stages,
     )
     launches.record("flash_decode_split")
-    remember_compiled(f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {config}", compiled)
+    remember_compiled(
+        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} {config}", compiled
+    )
+    if output != "partials":
+        return out
 
-    splits_pow2 = triton.next_power_of_2(num_splits)
-    block_d = min(head_dim, max(16, 4096 // splits_pow2))
     compiled = _flash_decode_combine_kernel[(num_rows, head_dim // block_d)](
         partial_out, partial_max, partial_sum, inputs.sinks, out,
         num_splits, num_rows, inputs.query_len, inputs.query_heads,

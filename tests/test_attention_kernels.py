@@ -1,6 +1,7 @@
 """The fused prefill kernel (kernels.attention) and the split-KV decode kernel
-(kernels.attention_decode) against the unfused reference, across mask kinds, chunked-prefill
-offsets, odd lengths, head dims, grouped-query heads, fully masked rows and infinite sinks.
+(kernels.attention_decode; its single launch and its two-kernel path) against the unfused
+reference, across mask kinds, chunked-prefill offsets, odd lengths, head dims, grouped-query
+heads, fully masked rows and infinite sinks.
 
 CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1) at small sizes in fp32 and fp16 —
 not bf16, whose tl.dot the interpreter computes on the raw bits. GPU (-m gpu): bf16, larger.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import launches
+from kernels import arrivals, launches
 from kernels.attention import PrefillConfig, flash_attention
 from kernels.attention_decode import DecodeConfig, flash_decode
 from kernels.reference import MaskSpec, attention_reference
@@ -181,7 +182,7 @@ def test_prefill_rejects_bad_shapes(change, message):
 
 
 # ------------------------------------------------------------------------------------------------
-# Decode (split KV + combine)
+# Decode (split KV; merged by the last split of each group, or by a second kernel)
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -239,8 +240,101 @@ def test_decode_infinite_sinks_and_fully_masked_rows():
 def test_decode_counts_split_and_combine():
     q, k, v, sinks = make_inputs(1, 1, 20, 2, 2, 64, torch.float32, seed=23)
     before = launches.snapshot()
-    flash_decode(q, k, v, sinks, COMPOSITE, 19, None)
+    flash_decode(q, k, v, sinks, COMPOSITE, 19, None, combine="kernel")
     assert launches.since(before) == {"flash_decode_split": 1, "flash_decode_combine": 1}
+
+
+def group_counters(q, k):
+    """The arrival counters flash_decode's single launch uses: one per (sequence, kv head)."""
+    return arrivals.counters(q.device, q.shape[0] * k.shape[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_single_launch_matches_reference_and_kernel_path(num_splits, dtype):
+    # One launch (combine="last"): 1 split writes out directly, 3 and the default (4 on CPU) merge in
+    # the group's last program. Two queries per sequence at ragged offsets 49 / 17 of a 53-key
+    # cache, GQA 4/2, padding, and sinks -inf, +inf (head 1 is 0), 0.3 and 2.0. The two-kernel path
+    # runs the same merge code in the same split order, so the two outputs are equal to the bit.
+    q, k, v, _ = make_inputs(2, 2, 53, 4, 2, 64, dtype, seed=43)
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.3, 2.0])
+    q_start = torch.tensor([49, 17])
+    padding = padding_for(2, 53)
+    config = DecodeConfig(block_n=16, num_stages=1)
+    before = launches.snapshot()
+    out = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
+                       config=config)
+    assert launches.since(before) == {"flash_decode_split": 1}
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, q_start, padding), dtype)
+    two_launches = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q),
+                                num_splits=num_splits, config=config, combine="kernel")
+    assert torch.equal(out, two_launches)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "window", "none"])
+def test_decode_single_launch_masks_without_sinks(mask_name):
+    # No sinks (None), every other mask kind, one query at ragged offsets 36 / 11 of an odd 37-key
+    # cache with padding (ignored by kind none, as the reference), GQA 8/2: 4 rows per program.
+    q, k, v, _ = make_inputs(2, 1, 37, 8, 2, 64, torch.float32, seed=47)
+    q_start = torch.tensor([36, 11])
+    padding = padding_for(2, 37)
+    spec = MASKS[mask_name]
+    out = flash_decode(q, k, v, None, spec, q_start, padding, out=poisoned_like(q), num_splits=3,
+                       config=DecodeConfig(block_n=16, num_stages=1))
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert_matches(out, reference(q, k, v, None, spec, q_start, padding), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_single_launch_fully_masked_rows_without_sinks(num_splits):
+    # Sequence 1's query at position 9 sees only padded keys and there is no sink: every split (or
+    # the only one) ends with sum 0, and the merge must write 0, not 0 / 0.
+    q, k, v, _ = make_inputs(2, 1, 40, 2, 2, 64, torch.float32, seed=53)
+    padding = torch.zeros(2, 40, dtype=torch.bool)
+    padding[1, :10] = True
+    q_start = torch.tensor([39, 9])
+    out = flash_decode(q, k, v, None, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
+                       config=DecodeConfig(block_n=16, num_stages=1))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_matches(out, reference(q, k, v, None, COMPOSITE, q_start, padding), torch.float32)
+
+
+def test_decode_single_launch_repeats_with_counters_reset():
+    # The counters are 0 again after every call, so the next launch (or a graph replay) merges too:
+    # a counter left at S would make no program the last one and leave the NaN poison in place.
+    q, k, v, sinks = make_inputs(1, 1, 70, 2, 1, 64, torch.float32, seed=59)
+    expected = reference(q, k, v, sinks, MaskSpec("causal"), 69, None)
+    config = DecodeConfig(block_n=16, num_stages=1)
+    before = launches.snapshot()
+    outputs = []
+    for _ in range(3):
+        outputs.append(flash_decode(q, k, v, sinks, MaskSpec("causal"), 69, None, out=poisoned_like(q),
+                                    num_splits=4, config=config))
+        assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert launches.since(before) == {"flash_decode_split": 3}
+    assert_matches(outputs[0], expected, torch.float32)
+    assert all(torch.equal(outputs[0], later) for later in outputs[1:])
+
+
+def test_decode_rejects_unknown_combine():
+    q, k, v, sinks = make_inputs(1, 1, 20, 2, 2, 64, torch.float32, seed=61)
+    with pytest.raises(ValueError, match="combine must be 'last'.*'kernel'"):
+        flash_decode(q, k, v, sinks, COMPOSITE, 19, None, combine="second")
+
+
+@pytest.mark.parametrize("query_len, key_len, kernel", [(1, 20, "flash_decode_split"), (4, 9, "flash_decode_split"),
+                                                     (5, 20, "flash_attention")])
+def test_fused_arm_picks_decode_for_small_chunks_at_any_key_length(query_len, key_len, kernel):
+    # The engine's fused arm: up to 4 queries go to the decode kernel even against a short cache.
+    from engine.arms import ARMS
+
+    q, k, v, sinks = make_inputs(1, query_len, key_len, 2, 2, 64, torch.float32, seed=67)
+    before = launches.snapshot()
+    out = ARMS["fused"].launch(q, k, v, sinks, COMPOSITE, key_len - query_len, None)
+    assert launches.since(before) == {kernel: 1}
+    assert_matches(out, reference(q, k, v, sinks, COMPOSITE, key_len - query_len, None), torch.float32)
 
 
 def test_decode_refuses_prefill_sized_chunks():
@@ -320,6 +414,68 @@ def test_gpu_decode_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, reference(q, k, v, sinks, spec, q_start, None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_gpu_decode_single_launch_bf16(num_splits):
+    # The single launch at the benchmark's head dim: out written directly (1 split) or merged by the
+    # last split of each group (3, and one wave by default); two queries at ragged offsets, GQA 8/2,
+    # composite mask + padding, sinks -inf / +inf / finite. It agrees with the two-kernel path far
+    # inside the bf16 tolerance (same partials, same merge order; only the bf16 rounding of a
+    # differently laid-out sum may differ).
+    q, k, v, sinks = make_inputs(2, 2, 4099, 8, 2, 512, torch.bfloat16, seed=71, device="cuda")
+    sinks[0], sinks[1] = float("-inf"), float("inf")
+    q_start = torch.tensor([4097, 1500], device="cuda")
+    padding = gpu_padding(2, 4099)
+    spec = GPU_MASKS["composite"]
+    before = launches.snapshot()
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert launches.since(before) == {"flash_decode_split": 1}
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
+    two_launches = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
+                                combine="kernel")
+    assert relative_error(out, two_launches.float()) <= 2e-3
+
+
+@pytest.mark.gpu
+def test_gpu_decode_single_launch_repeats_and_replays():
+    # Whichever split of a group arrives last, it merges every split's partials in the order 0..S-1,
+    # so repeated calls are equal to the bit; the counters are 0 after each launch, so a captured
+    # graph replays (several times, with fresh q in the same buffer) exactly as eager calls.
+    q, k, v, sinks = make_inputs(2, 1, 8192, 8, 8, 512, torch.bfloat16, seed=73, device="cuda")
+    spec = GPU_MASKS["composite"]
+    q_start = torch.tensor([8191, 5000], device="cuda")
+    padding = gpu_padding(2, 8192)
+
+    def eager():
+        return flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
+
+    first = eager()
+    for _ in range(5):
+        assert torch.equal(eager(), first)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert_matches(first, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
+
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_decode(q, k, v, sinks, spec, q_start, padding, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    q.copy_(torch.randn_like(q))  # fresh inputs, same buffers
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager())
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
 
 
 @pytest.mark.gpu
