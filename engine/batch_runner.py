@@ -14,8 +14,15 @@ one forward for all its rows, and returns each row's next token, with the step's
   a step copies nothing from the host; the host checks that the buffer holds what the scheduler
   feeds and copies only when it does not. A replay counts what the capture launched, once more
   (`Counters.replay`).
+  The graph also writes its next tokens and every MoE layer's observed-count output into one
+  static buffer, so the step's one sync is a single device->host copy.
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
+- The host path of a replayed step is kept short (issue 7: host time per decode step at batch 1;
+  bench/host_step.py measures it): the graph for a (size, flags) pair is found with a lookup on two
+  ints, the replay and the end event are issued first, and the step's bookkeeping (arm and kernel
+  counts, the decision records copied from the capture's) runs after the launch, while the device
+  works.
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -45,15 +52,15 @@ class StepTiming:
 
 @dataclass
 class _DecodeGraph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [2, B] int64 static: row 0 the tokens fed, row 1 their positions
     staging: torch.Tensor  # [2, B] int64 pinned host copy of the next inputs
-    next_tokens: torch.Tensor  # [B] int64 static output
+    observed: torch.Tensor  # [B + MoE layers] int64 static output: the next tokens, then each layer's woken experts
     template: object  # the capture's Dispatcher: decisions, arm counts, observed-count outputs
     kernels: dict[str, int]  # Triton launches the capture recorded (and a replay repeats)
     # What `inputs` holds after the last replay (the graph feeds its own output one position on):
-    # (request ids, tokens, positions); a step that matches needs no host->device copy.
-    holds: tuple | None = None
+    # one (request id, token, position) per row; a step that matches needs no host->device copy.
+    holds: list[tuple[int, int, int]] | None = None
 
 
 class BatchRunner:
@@ -65,10 +72,17 @@ class BatchRunner:
         self.graphs_enabled = cuda and (graphs is None or graphs)
         self.graphs_note = ("on" if self.graphs_enabled else
                             "off (--graphs off)" if cuda else "off (CPU: no CUDA graphs)")
-        self._graphs: dict[tuple, _DecodeGraph] = {}
-        self._refused: dict[tuple, str] = {}  # why a graph cannot serve this (size, flags); "" = it can
-        self._flags_key: tuple = (None, ())
+        # Keyed by (size, flags token): the token is a small int per distinct flag values, so a step's
+        # lookup hashes two ints, not every flag (`_graph_key`).
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._refused: dict[tuple[int, int], str] = {}  # why a graph cannot serve this (size, flags); "" = it can
+        self._flag_tokens: dict[tuple, int] = {}
+        self._flags_key: tuple = (None, -1)  # (the last flags object seen, its token)
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        # The events are recorded on the current stream of this device, passed explicitly: Event.record()
+        # without a stream looks the device and stream up through several Python layers, twice a step.
+        self._device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if cuda else None
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
 
@@ -84,27 +98,42 @@ class BatchRunner:
         return sorted(key[0] for key in self._graphs)
 
     def _run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
+        rows = batch.rows
+        decode = batch.phase == DECODE
         dispatcher.begin_step(batch.step, batch.phase, batch.n_tokens)
         events = self._events  # reused: read after the step's sync, before the next step records them
+        stream = None
         if events is not None:
-            events[0].record()
-        graph_mode, reason = "eager", ""
-        if batch.phase == DECODE and self.graphs_enabled:
-            reason = self._graph_blocker(batch, dispatcher)
-        replayed = None
-        if batch.phase == DECODE and self.graphs_enabled and not reason:
-            next_tokens, graph_mode, replayed = self._decode_with_graph(batch, dispatcher)
+            stream = self._current_stream()
+            events[0].record(stream)
+        graph_mode, reason, replayed = "eager", "", None
+        if decode and self.graphs_enabled:
+            reason, key, captured = self._graph_for(batch, dispatcher)
+            if reason:
+                next_tokens = self._eager(batch, dispatcher)
+            elif captured is None:
+                graph_mode = "capture"
+                next_tokens = self._capture(batch, dispatcher, key, [[row.tokens[0] for row in rows],
+                                                                     [row.start for row in rows]])
+            else:
+                graph_mode, replayed = "replay", captured
+                self._replay(captured, rows)
         else:
             next_tokens = self._eager(batch, dispatcher)
         if events is not None:
-            events[1].record()
+            events[1].record(stream)
         launched_at = time.perf_counter()
-        tokens = dispatcher.end_step_batch(next_tokens)
-        if replayed is not None:
-            replayed.holds = (tuple(row.sequence.request_id for row in batch.rows), tuple(tokens),
-                              tuple(row.start + 1 for row in batch.rows))
+        if replayed is None:
+            tokens = dispatcher.end_step_batch(next_tokens)
+        else:  # the bookkeeping runs while the device works; then the step's one sync
+            dispatcher.replay(replayed.template, replayed.kernels)
+            tokens = dispatcher.end_replay(replayed.observed, len(rows))
+            replayed.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
         return tokens, StepTiming(launched_at, device_us, graph_mode, reason)
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self._device_index)
 
     # ---------------------------------------------------------------------------------- eager
 
@@ -137,22 +166,26 @@ class BatchRunner:
 
     # ---------------------------------------------------------------------------------- graphs
 
-    def _graph_key(self, size: int, dispatcher) -> tuple:
+    def _graph_key(self, size: int, dispatcher) -> tuple[int, int]:
         # A capture freezes the decisions of its flags: a run with other flags needs its own graph.
         flags = dispatcher.flags
         if self._flags_key[0] is not flags:
-            self._flags_key = (flags, tuple(sorted(flags.values.items())))
+            values = tuple(sorted(flags.values.items()))
+            self._flags_key = (flags, self._flag_tokens.setdefault(values, len(self._flag_tokens)))
         return (size, self._flags_key[1])
 
-    def _graph_blocker(self, batch: Batch, dispatcher) -> str:
-        """Why this decode step cannot replay a graph ("" when it can)."""
+    def _graph_for(self, batch: Batch, dispatcher) -> tuple[str, tuple[int, int] | None, _DecodeGraph | None]:
+        """For a decode step: why it cannot replay a graph ("" when it can), its graph key, and its
+        captured graph (None until captured)."""
         size = len(batch.rows)
-        if batch.slots != list(range(size)):
-            return f"decode rows sit in cache rows {batch.slots}, not 0..{size - 1}"
+        for index, row in enumerate(batch.rows):
+            if row.sequence.slot != index:
+                return f"decode rows sit in cache rows {batch.slots}, not 0..{size - 1}", None, None
         key = self._graph_key(size, dispatcher)
-        if key not in self._refused:  # decided once per size and flags: host time matters at batch 1
-            self._refused[key] = self._capture_blocker(size, dispatcher)
-        return self._refused[key]
+        reason = self._refused.get(key)
+        if reason is None:  # decided once per size and flags: host time matters at batch 1
+            reason = self._refused[key] = self._capture_blocker(size, dispatcher)
+        return reason, key, (None if reason else self._graphs.get(key))
 
     def _capture_blocker(self, size: int, dispatcher) -> str:
         config, flags = self.engine.config, dispatcher.flags
@@ -171,21 +204,15 @@ class BatchRunner:
                 return "the unfused attention reference syncs the host, which a CUDA graph cannot capture"
         return ""
 
-    def _decode_with_graph(self, batch: Batch, dispatcher) -> tuple[torch.Tensor, str, _DecodeGraph | None]:
-        size = len(batch.rows)
-        key = self._graph_key(size, dispatcher)
-        captured = self._graphs.get(key)
-        fed, starts = [row.tokens[0] for row in batch.rows], [row.start for row in batch.rows]
-        if captured is None:
-            return self._capture(batch, dispatcher, key, [fed, starts]), "capture", None
-        wanted = (tuple(row.sequence.request_id for row in batch.rows), tuple(fed), tuple(starts))
+    def _replay(self, captured: _DecodeGraph, rows) -> None:
+        """Issue one replay of `captured` for these decode rows, copying the inputs in only when the
+        graph does not already hold them."""
+        wanted = [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
         if captured.holds != wanted:  # a new cohort (or the first replay): copy the inputs in
-            captured.staging.numpy()[:] = [fed, starts]
+            captured.staging.numpy()[:] = [[row.tokens[0] for row in rows], [row.start for row in rows]]
             captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
         captured.holds = None  # until this replay's outputs are known
         captured.graph.replay()
-        dispatcher.replay(captured.template, captured.kernels)
-        return captured.next_tokens, "replay", captured
 
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
@@ -207,18 +234,25 @@ class BatchRunner:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                static_next = torch.argmax(forward(config, weights, tokens, layout, self.cache, template), dim=-1)
+                logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
+                # One static output for the step's one sync: the next tokens, then each MoE layer's
+                # woken-expert count (what `end_step_batch` concatenates on an eager step).
+                woken = [count.long() for count in template.pending_woken]
+                observed = torch.empty(size + len(woken), dtype=torch.int64, device=self.device)
+                static_next = torch.argmax(logits, dim=-1, out=observed[:size])
+                if woken:
+                    torch.stack(woken, out=observed[size:])
                 # The cohort's next step feeds these tokens one position on: the graph prepares its own
                 # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
                 inputs[0].copy_(static_next)
                 inputs[1].add_(1)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            static_next = None
+            observed = None
         kernels = launches.since(before)
         for name, count in kernels.items():  # captured, not launched: the replays will count them
             launches.record(name, -count)
-        if static_next is not None:
+        if observed is not None:
             staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
-            self._graphs[key] = _DecodeGraph(graph, inputs, staging, static_next, template, kernels)
+            self._graphs[key] = _DecodeGraph(graph, inputs, staging, observed, template, kernels)
         return next_tokens

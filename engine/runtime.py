@@ -99,6 +99,7 @@ class Dispatcher:
         self.attention_records: list[dict] = []
         self.pending_woken: list[torch.Tensor] = []
         self.pending_times: list[tuple[dict, object]] = []
+        self._replay_records = None  # what `replay` copies from this dispatcher's records, made once
 
     def _engage(self, family: str, arm: str, variant, shape_class: str, message: str) -> None:
         key = (family, arm, variant, shape_class)
@@ -195,22 +196,46 @@ class Dispatcher:
         """The step's one sync for a batch: each row's next token [B] and every observed count."""
         rows = next_tokens.numel()
         values = torch.cat([next_tokens.reshape(-1).long(), torch.stack(self.pending_woken).long()]).tolist()
-        for record, woken in zip(self.moe_records, values[rows:]):
-            record["woken_observed"] = woken
-            record["pairs_per_woken_observed"] = round(record["n_tokens"] * record["k"] / woken, 3)
+        self._observe(values[rows:])
         for record, stopped in self.pending_times:
             record["us"] = round(self.timer.microseconds(stopped), 1)
         return values[:rows]
 
+    def end_replay(self, observed: torch.Tensor, rows: int) -> list[int]:
+        """The one sync of a replayed step: `observed` [B + MoE layers] is the graph's static output
+        (the next tokens, then each layer's woken experts, as `end_step_batch` concatenates them)."""
+        values = observed.tolist()
+        self._observe(values[rows:])
+        return values[:rows]
+
+    def _observe(self, woken_counts: list[int]) -> None:
+        for record, woken in zip(self.moe_records, woken_counts):
+            record["woken_observed"] = woken
+            record["pairs_per_woken_observed"] = round(record["n_tokens"] * record["k"] / woken, 3)
+
     def replay(self, template: "Dispatcher", kernels: dict[str, int]) -> None:
         """This step is a CUDA-graph replay of the step `template` captured: its decisions (renumbered
         to this step), its observed-count outputs (refilled by the replay) and its launches, counted
-        again, since a replayed kernel never passes through Python."""
-        here = {"step": self.step, "phase": self.phase}
-        self.moe_records = [dict(record, **here, graph="replay") for record in template.moe_records]
-        self.attention_records = [dict(record, **here, graph="replay") for record in template.attention_records]
-        self.pending_woken = list(template.pending_woken)
+        again, since a replayed kernel never passes through Python. Runs on every replayed step (the
+        batch runner calls it once the replay is issued): each record is one copy of a prepared dict."""
         self.counters.replay(template.counters.arms, kernels)
+        prepared = template._replay_records
+        if prepared is None:
+            prepared = template._replay_records = (
+                [dict(record, graph="replay") for record in template.moe_records],
+                [dict(record, graph="replay") for record in template.attention_records])
+        step, phase = self.step, self.phase
+        self.moe_records = moe = []
+        for record in prepared[0]:
+            record = record.copy()
+            record["step"], record["phase"] = step, phase
+            moe.append(record)
+        self.attention_records = attention = []
+        for record in prepared[1]:
+            record = record.copy()
+            record["step"], record["phase"] = step, phase
+            attention.append(record)
+        self.pending_woken = template.pending_woken  # read, never extended: the step records no layer
 
     def step_record(self) -> dict:
         return {"step": self.step, "phase": self.phase, "n_tokens": self.n_tokens,

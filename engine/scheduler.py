@@ -26,7 +26,7 @@ PREFILL, DECODE = "prefill", "decode"
 MIN_PREFILL_CHUNK = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: half the construction time, and one Row per sequence per step
 class Row:
     """One sequence's share of a step."""
 
@@ -40,7 +40,7 @@ class Row:
         return self.start + len(self.tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
     step: int
     phase: str  # PREFILL or DECODE
@@ -48,7 +48,7 @@ class Batch:
 
     @property
     def n_tokens(self) -> int:
-        return sum(len(row.tokens) for row in self.rows)
+        return sum([len(row.tokens) for row in self.rows])
 
     @property
     def width(self) -> int:
@@ -112,7 +112,7 @@ class Scheduler:
     def _prefill_rows(self) -> list[Row]:
         rows: list[Row] = []
         budget = self.token_budget
-        for sequence in [s for s in self.running if s.prefilling]:
+        for sequence in [s for s in self.running if s.cached < len(s.prompt)]:  # s.prefilling, inlined: every step
             if budget <= 0:
                 return rows
             rows.append(self._chunk(sequence, budget))

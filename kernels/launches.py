@@ -2,18 +2,27 @@
 
 Every public launcher calls `record(name)` once per kernel launch it makes, at launch time, so
 the counts describe what was launched, not what was configured. Kernels replayed from a CUDA
-graph do not pass through Python: the engine multiplies what a capture recorded by its replays.
+graph do not pass through Python: the engine multiplies what a capture recorded by its replays
+(`record_many`, once per replay).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping
 
-_COUNTS: Counter[str] = Counter()
+_COUNTS: dict[str, int] = {}  # a plain dict: a Counter's item access is twice as slow, and replays update it every step
 
 
 def record(kernel_name: str, launches: int = 1) -> None:
-    _COUNTS[kernel_name] += launches
+    _COUNTS[kernel_name] = _COUNTS.get(kernel_name, 0) + launches
+
+
+def record_many(counts: Mapping[str, int]) -> None:
+    """`record(name, count)` for every entry: what one replay of a captured graph launches."""
+    totals = _COUNTS
+    earlier = totals.get
+    for name, count in counts.items():
+        totals[name] = earlier(name, 0) + count
 
 
 def snapshot() -> dict[str, int]:
@@ -23,4 +32,5 @@ def snapshot() -> dict[str, int]:
 
 def since(before: dict[str, int]) -> dict[str, int]:
     """Launches made since `before` (a snapshot), kernels with none left out."""
-    return {name: count - before.get(name, 0) for name, count in _COUNTS.items() if count != before.get(name, 0)}
+    earlier = before.get
+    return {name: count - earlier(name, 0) for name, count in _COUNTS.items() if count != earlier(name, 0)}
