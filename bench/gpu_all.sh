@@ -5,6 +5,8 @@
 #   bash bench/gpu_all.sh train      train the demo checkpoint (engine/weights/demo/), sample it, drop vs honor
 #   bash bench/gpu_all.sh final      kernel and engine GPU tests, check-attention, attention bench, full sweep
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
+#   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
+#   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -58,6 +60,20 @@ elif [ "$mode" = verify ]; then  # after kernel changes: their GPU tests, a shor
     TAIL=24 stage 90 sweep_small python3 -m inspector sweep --model v4-shape \
         --tokens 1,2,4,8,16,32,64,85,128,512,2048,8192 --calibration "$WORK/calibration.json"
     TAIL=16 stage 100 attention_bench python3 bench/attention_bench.py
+elif [ "$mode" = fused ]; then  # issue 7's fused decode step: its GPU tests, the GEMV bench, v4 and demo tables
+    TAIL=25 stage 280 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_decode_fused.py tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py
+    TAIL=50 stage 90 gemv_bench python3 bench/gemv_bench.py
+    TAIL=40 stage 120 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
+        --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
+    [ -f bench/host_step.py ] && TAIL=20 stage 60 host_step python3 bench/host_step.py --device cuda
+elif [ "$mode" = attention ]; then  # issue 4: attention GPU tests, check-attention, the attention bench, demo table
+    TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_kernels.py
+    stage 45 check_honor python3 -m inspector check-attention --device cuda
+    stage 45 check_drop python3 -m inspector check-attention --device cuda --mode drop
+    TAIL=30 stage 170 attention_bench python3 bench/attention_bench.py
+    TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
+        --reps 3 --format md --json-out "$WORK/bench_demo.json"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh

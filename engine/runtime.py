@@ -147,9 +147,14 @@ class Dispatcher:
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None,
         }
-        woken = torch.zeros(config.n_experts, device=h.device, dtype=torch.int32)
-        woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
-        self.pending_woken.append(woken.sum())
+        if h.is_cuda:  # one launch (kernels.router); the torch form is three
+            from kernels.router import count_distinct
+
+            self.pending_woken.append(count_distinct(topk_ids, config.n_experts))
+        else:
+            woken = torch.zeros(config.n_experts, device=h.device, dtype=torch.int32)
+            woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
+            self.pending_woken.append(woken.sum())
         label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
         self.counters.bump(label)
         self._engage("moe", executed.name, decision.variant, self.phase,

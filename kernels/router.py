@@ -82,18 +82,18 @@ def _count_distinct_kernel(ids_ptr, out_ptr, count, experts, E_PAD: tl.constexpr
         ids = tl.load(ids_ptr + offs, mask=offs < count, other=-1)
         hits = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
         seen = tl.maximum(seen, tl.max(hits, axis=0))
-    tl.store(out_ptr, tl.sum(tl.where(offs_e < experts, seen, 0), axis=0))
+    tl.store(out_ptr, tl.sum(tl.where(offs_e < experts, seen, 0), axis=0).to(tl.int64))
 
 
 def count_distinct(ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """How many of the experts 0..E-1 appear in `ids` (any shape, int): a 0-d int32 tensor, computed
-    in one launch with no host sync (the woken-expert count of a decision record)."""
+    """How many of the experts 0..E-1 appear in `ids` (any shape, int): a 0-d int64 tensor (as torch's
+    sum of counts), in one launch with no host sync (the woken-expert count of a decision record)."""
     if experts > MAX_EXPERTS:
         raise ValueError(f"count_distinct: E={experts} > {MAX_EXPERTS}")
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = scratch.empty((1,), torch.int32, ids.device)
+    out = scratch.empty((1,), torch.int64, ids.device)
     e_pad = triton.next_power_of_2(experts)
     _count_distinct_kernel[(1,)](flat, out, flat.numel(), experts, E_PAD=e_pad,
                                  BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=4)
