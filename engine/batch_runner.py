@@ -217,6 +217,7 @@ class BatchRunner:
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
         from engine.runtime import Dispatcher  # runtime imports this module
+        from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
 
         config, weights, size = self.engine.config, self.engine.weights, len(batch.rows)
         inputs = torch.tensor(values, dtype=torch.int64, device=self.device)  # [2, B] static
@@ -239,13 +240,12 @@ class BatchRunner:
                 # woken-expert count (what `end_step_batch` concatenates on an eager step).
                 woken = [count.long() for count in template.pending_woken]
                 observed = torch.empty(size + len(woken), dtype=torch.int64, device=self.device)
-                static_next = torch.argmax(logits, dim=-1, out=observed[:size])
                 if woken:
                     torch.stack(woken, out=observed[size:])
                 # The cohort's next step feeds these tokens one position on: the graph prepares its own
                 # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
-                inputs[0].copy_(static_next)
-                inputs[1].add_(1)
+                # One kernel: argmax into `observed`, the same tokens into inputs[0], inputs[1] + 1.
+                next_tokens_into(logits.float(), observed, inputs)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             observed = None

@@ -33,6 +33,12 @@ import torch
 from engine.config import ModelConfig
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
+_SINKS: dict[int, tuple] = {}
+# Rows up to which the dense products take kernels.gemv; above it cuBLAS. On the H200 at D = 4096
+# (bench/gemv_bench.py, bench/results/2026-11-29-h200-run7-fused) one row: gemv 11.0-12.5 us vs cuBLAS
+# 12.9-13.2 us for the projections, 2.9-3.1 vs 10.8-17.6 us for the fp32 logits; from two rows
+# cuBLAS's tensor-core kernels are faster than the FMA path.
+GEMV_ROWS = 1
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -82,10 +88,21 @@ def _inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tenso
     return table
 
 
-def _dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    from kernels.gemv import MAX_ROWS, gemv
+def _float_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks in float32, as the attention kernels take them, converted once per weight (not once
+    per step: a cast is a launch). An updated weight (a new version) converts again."""
+    if sinks is None or sinks.dtype == torch.float32:
+        return sinks
+    entry = _SINKS.get(id(sinks))  # the entry holds the tensor, so its id is not reused while cached
+    if entry is None or entry[0] is not sinks or entry[1] != sinks._version:
+        entry = _SINKS[id(sinks)] = (sinks, sinks._version, sinks.float())
+    return entry[2]
 
-    if x.shape[0] <= MAX_ROWS:
+
+def _dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    from kernels.gemv import gemv
+
+    if x.shape[0] <= GEMV_ROWS:
         return gemv(x, w, out_dtype)
     if out_dtype == torch.float32:
         return x.float() @ w.float().t()
@@ -111,27 +128,26 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
 
     c = config
     batch = tokens.shape[0]
-    device = tokens.device
-    rows = torch.arange(batch, device=device) if slots is None else slots
-    inv_freq = _inverse_frequency(c, device)
+    inv_freq = _inverse_frequency(c, tokens.device)
     x, h = rms_norm(None, weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"],
                     index=tokens.reshape(-1))  # [B, D] each
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        q = rope_cache(_qkv(weights, p, h), inv_freq, start, rows, cache.k[layer], cache.v[layer],
-                       c.n_heads)  # [B, Hq, hd]; k and v now in the cache
+        q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
+                                c.n_heads)  # [B, Hq, hd]; k and v now in the cache; start as int32
         if slots is None:
             k_rows, v_rows = cache.k[layer][:batch], cache.v[layer][:batch]
         else:
             k_rows = cache.k[layer][:, :key_length].index_select(0, slots)  # [B, Tk, Hkv, hd]
             v_rows = cache.v[layer][:, :key_length].index_select(0, slots)
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
-                                   weights.get(p + "sinks"), start if q_start is None else q_start,
+                                   _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                    key_length)  # [B, 1, Hq, hd]
         o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
         x, h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, residual=o)
-        ids, routing = topk_softmax(_dense(h, weights[p + "router"], torch.float32), c.top_k, h.dtype)
-        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing)  # [B, D]
+        ids, routing, woken = topk_softmax(_dense(h, weights[p + "router"], torch.float32), c.top_k, h.dtype,
+                                           woken=True)
+        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)  # [B, D]
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
         x, h = rms_norm(x, next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]

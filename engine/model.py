@@ -106,8 +106,9 @@ class LayerHooks(Protocol):
                   length: int) -> torch.Tensor: ...
 
     def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights,
-            experts: "FamilyExperts | None" = None) -> torch.Tensor:
-        """`experts` is passed only for layers whose experts are not plain SwiGLU (see FamilyExperts)."""
+            experts: "FamilyExperts | None" = None, woken: torch.Tensor | None = None) -> torch.Tensor:
+        """`experts` is passed only for layers whose experts are not plain SwiGLU (see FamilyExperts);
+        `woken`, the distinct experts in topk_ids, only when the caller's routing kernel counted them."""
 
 
 @dataclass

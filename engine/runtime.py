@@ -116,9 +116,11 @@ class Dispatcher:
         self.pending_times.append((record, self.timer.stop(handle)))
         return out
 
-    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None):
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
         """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
-        e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so."""
+        e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
+        `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
+        already counted it (engine.decode_fused); else it is counted here."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
         decision = dispatch.decide(dispatch.GateInputs(
@@ -147,7 +149,9 @@ class Dispatcher:
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None,
         }
-        if h.is_cuda:  # one launch (kernels.router); the torch form is three
+        if woken is not None:
+            self.pending_woken.append(woken)
+        elif h.is_cuda:  # one launch (kernels.router); the torch form is three
             from kernels.router import count_distinct
 
             self.pending_woken.append(count_distinct(topk_ids, config.n_experts))

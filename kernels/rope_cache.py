@@ -15,8 +15,8 @@ rounded to x's dtype.
 Shapes: B sequences, Hq / Hkv heads, hd head dim.
     qkv      [B, (Hq + 2 Hkv) * hd]   the fused projection output: q heads, k heads, v heads
     inv_freq [hd / 2] float32
-    position [B] int (each row's position), slot [B] int (its cache row)
-    k_cache, v_cache [S_rows, S, Hkv, hd];  q_rot [B, Hq, hd] out
+    position [B] int (each row's position), slot [B] int (its cache row; None: row b)
+    k_cache, v_cache [S_rows, S, Hkv, hd];  q_rot [B, Hq, hd] out; position32 [B] int32 out
 Grid: (B, Hq + 2 Hkv): one program per (sequence, head), the head's kind by its index.
 """
 
@@ -31,13 +31,14 @@ from kernels import launches, scratch
 
 @triton.jit
 def _rope_cache_kernel(
-    qkv_ptr, inv_freq_ptr, position_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    qkv_ptr, inv_freq_ptr, position_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,
     query_heads, kv_heads,
     stride_qkv_b,
     stride_qo_b, stride_qo_h,
     stride_kc_s, stride_kc_t, stride_kc_h,
     stride_vc_s, stride_vc_t, stride_vc_h,
     HALF: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -46,7 +47,12 @@ def _rope_cache_kernel(
     first = tl.load(source + offs)
     second = tl.load(source + HALF + offs)
     position = tl.load(position_ptr + b)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    if head == 0:  # the positions as int32, what the attention kernels take: no separate cast launch
+        tl.store(position32_ptr + b, position.to(tl.int32))
     if head >= query_heads + kv_heads:  # a value head: copied as it is
         destination = v_cache_ptr + slot * stride_vc_s + position.to(tl.int64) * stride_vc_t \
             + (head - query_heads - kv_heads) * stride_vc_h
@@ -67,9 +73,10 @@ def _rope_cache_kernel(
         tl.store(destination + HALF + offs, rotated_second)
 
 
-def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor, slot: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """Rotate q and k of one token per sequence, write k and v into the cache; returns q [B, Hq, hd]."""
+def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor, slot: torch.Tensor | None,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k of one token per sequence, write k and v into the cache (row slot[b], or row b
+    when slot is None); returns q [B, Hq, hd] and the positions as int32 [B]."""
     batch = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if qkv.dim() != 2 or qkv.shape[1] != (query_heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -79,19 +86,21 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         raise ValueError(f"rope_cache: head_dim / 2 must be a power of two, got head_dim {head_dim}")
     if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
         raise ValueError(f"rope_cache: inv_freq must be float32 [{head_dim // 2}]")
-    if position.shape != (batch,) or slot.shape != (batch,):
+    if position.shape != (batch,) or (slot is not None and slot.shape != (batch,)):
         raise ValueError(f"rope_cache: position and slot must be [{batch}]")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or v_cache.shape != k_cache.shape:
         raise ValueError("rope_cache: the caches must be [rows, S, Hkv, hd] with unit stride along hd")
     q_out = scratch.empty((batch, query_heads, head_dim), qkv.dtype, qkv.device)
+    position32 = scratch.empty((batch,), torch.int32, qkv.device)
     if batch == 0:
-        return q_out
+        return q_out, position32
     _rope_cache_kernel[(batch, query_heads + 2 * kv_heads)](
-        qkv, inv_freq, position, slot, q_out, k_cache, v_cache, query_heads, kv_heads, qkv.stride(0),
+        qkv, inv_freq, position, position if slot is None else slot, q_out, k_cache, v_cache, position32,
+        query_heads, kv_heads, qkv.stride(0),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HALF=head_dim // 2, num_warps=1 if head_dim <= 256 else 2,
+        HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
     )
     launches.record("rope_cache")
-    return q_out
+    return q_out, position32

@@ -15,15 +15,28 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, scratch
+from kernels import arrivals, launches, scratch
 
 MAX_EXPERTS = 4096
 
 
 @triton.jit
+def _count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of 0..experts-1 appear among ids[0:count] (int32 scalar)."""
+    offs_e = tl.arange(0, E_PAD)
+    seen = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, count, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < count, other=-1, cache_modifier=".cg")
+        hits = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+        seen = tl.maximum(seen, tl.max(hits, axis=0))
+    return tl.sum(tl.where(offs_e < experts, seen, 0), axis=0)
+
+
+@triton.jit
 def _topk_softmax_kernel(
-    logits_ptr, ids_ptr, weights_ptr, experts, stride_l, stride_i, stride_w,
-    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
+    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
@@ -50,10 +63,18 @@ def _topk_softmax_kernel(
     tl.store(ids_ptr + token.to(tl.int64) * stride_i + slots, chosen_ids, mask=valid)
     tl.store(weights_ptr + token.to(tl.int64) * stride_w + slots, weights.to(weights_ptr.dtype.element_ty),
              mask=valid)
+    if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        if arrived == tokens - 1:
+            tl.store(woken_ptr, _count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
+            tl.atomic_xchg(arrivals_ptr, 0)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]."""
+def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False):
+    """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]; with woken=True
+    also the number of distinct experts chosen (0-d int64, what `count_distinct` gives), in the same
+    launch: the last token's program counts them."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"topk_softmax: logits must be float32 [N, E] with unit stride, got "
                          f"{logits.dtype} {tuple(logits.shape)}")
@@ -62,27 +83,25 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype) ->
         raise ValueError(f"topk_softmax: need 1 <= k <= E <= {MAX_EXPERTS}, got k={top_k}, E={experts}")
     ids = scratch.empty((tokens, top_k), torch.int32, logits.device)
     weights = scratch.empty((tokens, top_k), weight_dtype, logits.device)
+    count = scratch.empty((1,), torch.int64, logits.device)
     if tokens == 0:
-        return ids, weights
+        if woken:
+            count.zero_()
+        return (ids, weights, count[0]) if woken else (ids, weights)
+    e_pad = triton.next_power_of_2(experts)
     _topk_softmax_kernel[(tokens,)](
-        logits, ids, weights, experts, logits.stride(0), ids.stride(0), weights.stride(0),
-        E_PAD=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        num_warps=1 if experts <= 256 else 4,
+        logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
+        logits.stride(0), ids.stride(0), weights.stride(0),
+        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken,
+        COUNT_BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=1 if experts <= 256 else 4,
     )
     launches.record("topk_softmax")
-    return ids, weights
+    return (ids, weights, count[0]) if woken else (ids, weights)
 
 
 @triton.jit
 def _count_distinct_kernel(ids_ptr, out_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    offs_e = tl.arange(0, E_PAD)
-    seen = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, count, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < count, other=-1)
-        hits = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
-        seen = tl.maximum(seen, tl.max(hits, axis=0))
-    tl.store(out_ptr, tl.sum(tl.where(offs_e < experts, seen, 0), axis=0).to(tl.int64))
+    tl.store(out_ptr, _count_ids(ids_ptr, count, experts, E_PAD, BLOCK).to(tl.int64))
 
 
 def count_distinct(ids: torch.Tensor, experts: int) -> torch.Tensor:

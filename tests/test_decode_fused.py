@@ -100,7 +100,8 @@ def test_rope_cache_rotates_q_and_k_and_writes_the_cache(dtype):
     v_cache = _draw(3, capacity, kv_heads, head_dim, dtype=dtype, seed=11)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     with scratch.poison_new_buffers():
-        q = rope_cache(qkv, inv_freq, positions, slots, k_cache, v_cache, heads)
+        q, position32 = rope_cache(qkv, inv_freq, positions, slots, k_cache, v_cache, heads)
+    assert position32.dtype == torch.int32 and torch.equal(position32.long(), positions)
 
     angles = positions.float()[:, None] * inv_freq[None, :]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [B, 1, hd/2]
@@ -228,3 +229,35 @@ def test_count_distinct_matches_torch_unique(count, experts):
     with scratch.poison_new_buffers():
         counted = count_distinct(ids.view(-1, 1) if count % 2 == 0 else ids, experts)
     assert counted.dim() == 0 and counted.item() == torch.unique(ids[1:]).numel()
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_topk_softmax_counts_woken_experts_in_the_same_launch(tokens):
+    from kernels import arrivals, launches
+
+    logits = _draw(tokens, 24, seed=30 + tokens)
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        ids, weights, woken = topk_softmax(logits, 3, torch.float32, woken=True)
+    assert launches.since(before) == {"topk_softmax": 1}
+    assert woken.dim() == 0 and woken.item() == torch.unique(torch.topk(logits, 3, dim=-1).indices).numel()
+    plain_ids, plain_weights = topk_softmax(logits, 3, torch.float32)
+    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_weights)
+    assert int(arrivals.counters(logits.device, 1)[0]) == 0  # left at zero for the next launch
+
+
+@pytest.mark.parametrize("vocab", [256, 5000])
+def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab):
+    from kernels.next_tokens import BLOCK, next_tokens
+
+    logits = _draw(3, vocab, seed=40)
+    logits[1, 7] = logits[1, vocab - 3] = logits[1].max() + 1  # a tie across chunks: the lower id
+    if vocab > BLOCK:
+        logits[2, BLOCK + 5] = logits[2].max() + 2  # the best in a later chunk
+    observed = torch.full((5,), -1, dtype=torch.int64)
+    inputs = torch.tensor([[9, 9, 9], [4, 10, 20]])
+    tokens = next_tokens(logits, observed, inputs)
+    expected = torch.argmax(logits, dim=-1)
+    assert torch.equal(tokens, expected) and tokens[1] == 7
+    assert torch.equal(inputs, torch.stack([expected, torch.tensor([5, 11, 21])]))
+    assert observed[3:].tolist() == [-1, -1]  # past the rows: untouched (the woken counts live there)

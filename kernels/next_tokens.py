@@ -1,0 +1,58 @@
+"""The end of a graphed decode step in one launch: each row's next token (greedy argmax of its
+logits, the lowest id on ties, as torch.argmax) written where the step's one sync reads it and
+where the next replay reads its inputs, with the position moved one on.
+
+    observed[b]  = argmax(logits[b])          the step's output (the host copies it back)
+    inputs[0, b] = observed[b]                the token the next replay feeds
+    inputs[1, b] = inputs[1, b] + 1           its position
+
+Replaces torch.argmax, a copy and an add (three launches, plus a reduce kernel's ramp) at the tail of
+every CUDA-graph decode step. Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
+int64. Grid: (B,); a program walks its row in BLOCK chunks keeping the running best.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches
+
+BLOCK = 2048
+
+
+@triton.jit
+def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    best_value = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_index = tl.full([BLOCK], 2**31 - 1, dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        index = start + offs
+        values = tl.load(logits_ptr + row.to(tl.int64) * stride_l + index, mask=index < vocab, other=float("-inf"))
+        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
+        better = (values > best_value) | ((values == best_value) & (index < best_index) & (index < vocab))
+        best_value = tl.where(better, values, best_value)
+        best_index = tl.where(better, index, best_index)
+    top = tl.max(best_value, axis=0)
+    token = tl.min(tl.where(best_value == top, best_index, 2**31 - 1), axis=0).to(tl.int64)
+    tl.store(observed_ptr + row, token)
+    tl.store(inputs_ptr + row, token)
+    position = tl.load(inputs_ptr + stride_inputs + row)
+    tl.store(inputs_ptr + stride_inputs + row, position + 1)
+
+
+def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """Write each row's argmax into observed[:B] and inputs[0], add 1 to inputs[1]; returns observed[:B]."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"next_tokens: logits must be float32 [B, V] with unit stride, got {logits.dtype}")
+    if inputs.shape != (2, rows) or inputs.dtype != torch.int64 or inputs.stride(1) != 1:
+        raise ValueError(f"next_tokens: inputs must be int64 [2, {rows}], got {inputs.dtype} {tuple(inputs.shape)}")
+    if observed.dtype != torch.int64 or observed.numel() < rows or not observed.is_contiguous():
+        raise ValueError(f"next_tokens: observed must be a contiguous int64 buffer of >= {rows}")
+    _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0),
+                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=4)
+    launches.record("next_tokens")
+    return observed[:rows]
