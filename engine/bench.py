@@ -532,7 +532,12 @@ def _targets(engine, rows: list[Row]) -> dict:
 def graphs_note(engine, graphs: bool | None) -> str:
     if engine.device.type != "cuda":
         return "off (CPU: no CUDA graphs)"
-    return "off (--graphs off)" if graphs is False else "on for decode steps"
+    if graphs is False:
+        return "off (--graphs off)"
+    from kernels import pdl
+
+    return "on for decode steps" + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)"
+                                    if pdl.enabled(engine.device) else "; programmatic dependent launch off")
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import arrivals, launches, scratch
+from kernels import arrivals, launches, pdl, scratch
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -83,7 +83,10 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
     token = pair // TOP_K
@@ -112,6 +115,8 @@ def _gate_up_kernel(
             gate_ptrs += BLOCK_D
             up_ptrs += BLOCK_D
             x_ptrs += BLOCK_D
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
         tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
 
@@ -136,7 +141,10 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
     token = pair // TOP_K
@@ -158,6 +166,8 @@ def _down_kernel(
             w_ptrs += BLOCK_F
             h_ptrs += BLOCK_F
         partial = partial * routing_weight
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
     tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
     tl.debug_barrier()  # every thread's store is issued before the release below
@@ -197,6 +207,7 @@ def moe_gemv(
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
+        **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.gate_up")
     # one program per (pair, output block); the k pairs of a token add up in the kernel
@@ -208,6 +219,7 @@ def moe_gemv(
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.down")
     return out

@@ -17,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches
+from kernels import launches, pdl
 
 BLOCK = 2048
 
 
 @triton.jit
-def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr):
+def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr,
+                        USE_GDC: tl.constexpr):
+    if USE_GDC:  # programmatic dependent launch (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     best_value = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
@@ -53,6 +56,7 @@ def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tens
     if observed.dtype != torch.int64 or observed.numel() < rows or not observed.is_contiguous():
         raise ValueError(f"next_tokens: observed must be a contiguous int64 buffer of >= {rows}")
     _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0),
-                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=4)
+                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=4,
+                                 **pdl.launch_options(logits.device))
     launches.record("next_tokens")
     return observed[:rows]

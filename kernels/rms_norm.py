@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, scratch
+from kernels import launches, pdl, scratch
 
 MAX_HIDDEN = 16384
 
@@ -40,7 +40,11 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # one short program per row: let the next grid queue up
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < hidden
@@ -94,7 +98,7 @@ def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residu
         0 if gather else x.stride(0), residual.stride(0) if residual is not None else 0,
         table.stride(0) if gather else 0, x_out.stride(0), h.stride(0),
         BLOCK_D=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, GATHER=gather,
-        num_warps=4 if hidden <= 4096 else 8,
+        num_warps=4 if hidden <= 4096 else 8, **pdl.launch_options(weight.device),
     )
     launches.record("rms_norm")
     return x_out, h

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, scratch
+from kernels import launches, pdl, scratch
 
 
 @triton.jit
@@ -39,7 +39,11 @@ def _rope_cache_kernel(
     stride_vc_s, stride_vc_t, stride_vc_h,
     HALF: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, HALF)
@@ -101,6 +105,7 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
+        **pdl.launch_options(qkv.device),
     )
     launches.record("rope_cache")
     return q_out, position32

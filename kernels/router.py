@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import arrivals, launches, scratch
+from kernels import arrivals, launches, pdl, scratch
 
 MAX_EXPERTS = 4096
 
@@ -37,7 +37,11 @@ def _count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr
 def _topk_softmax_kernel(
     logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
@@ -94,6 +98,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
         logits.stride(0), ids.stride(0), weights.stride(0),
         E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken,
         COUNT_BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=1 if experts <= 256 else 4,
+        **pdl.launch_options(logits.device),
     )
     launches.record("topk_softmax")
     return (ids, weights, count[0]) if woken else (ids, weights)

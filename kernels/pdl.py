@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's kernels.
+
+A decode step at batch 1 is a chain of ~15 short kernels; between two of them the GPU idles while
+the next grid is launched and ramps up (about 1-1.5 us each on the H200, bench/results/). With PDL
+a kernel may be launched while its predecessor's last programs still run: each program of every
+kernel here first executes `gdc_wait` (it returns once the previous grid has completed and its
+memory is visible), and, once its main loop is done, `gdc_launch_dependents` (the next grid may
+start launching). Every program waits unconditionally before it can exit, so completion stays
+transitive along the chain: a kernel that reads what a kernel two launches back wrote is safe.
+
+Kernels take a `USE_GDC: tl.constexpr` switch and launch with `**launch_options(device)`. It is on
+for CUDA devices of compute capability >= 9 when this Triton has the GDC intrinsics, unless
+MOEI_PDL=0 (the benchmark's A/B). The interpreter and older GPUs get USE_GDC=False and no option.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ENABLED: dict[torch.device, bool] = {}
+
+
+def _triton_supports_pdl() -> bool:
+    try:
+        from triton.language.extra import cuda as triton_cuda
+    except ImportError:
+        return False
+    return hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
+
+
+def enabled(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("MOEI_PDL", "1") == "0":
+        return False
+    if device not in _ENABLED:
+        _ENABLED[device] = torch.cuda.get_device_capability(device)[0] >= 9 and _triton_supports_pdl()
+    return _ENABLED[device]
+
+
+def launch_options(device: torch.device) -> dict:
+    """What to add to a launch: {"USE_GDC": bool} and, when on, {"launch_pdl": True}."""
+    if enabled(device):
+        return {"USE_GDC": True, "launch_pdl": True}
+    return {"USE_GDC": False}
