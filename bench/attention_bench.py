@@ -14,6 +14,15 @@ bytes read over the copy bandwidth measured in this run. The table's config runs
 same problem: the default single launch (the last split of each kv head merges, "1 launch": the
 target row) and the split kernel plus the combine kernel ("2 launches", for comparison).
 
+Decode at the engine's v4 shape ("v4" rows, informational): one sequence, 8 query heads over ONE
+kv head, head_dim 512, bf16, sinks; composite W=1024 B=64 and causal; a 640-key cache with the
+query at 639 and an 8192-key cache with the query at 8191; the default split count (printed in
+the row) both ways, plus the 640-key composite problem at one 32-key tile per split (what the
+one-wave rule chose before the split count became adaptive). Their KV (1.3 to 16.8 MB) fits in
+the H200's L2, so besides the usual graph replay of one call ("median", L2-warm) each row reports
+"cold": one graph of N calls over N copies of the KV (> 2x the L2 size in all), timed per call,
+as a decode step meets a layer's KV after the rest of the step has streamed through L2.
+
 Needs only torch, triton and numpy (the GPU machine has no textual). Prints the compiler's
 resource report, writes JSON to $OUT/attention_bench.json (else bench/results/), and prints a
 compact table last. Exit 0: every row correct; 1: a correctness check failed; 2: a measurement
@@ -32,20 +41,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the imports below need it: E402 is intended
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-import triton
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
-from engine.provenance import commit_label
-from kernels import launches
-from kernels.attention import CONFIGS as PREFILL_CONFIGS
-from kernels.attention import MASK_CONFIGS, PrefillConfig, flash_attention
-from kernels.attention_common import format_resource_report, resource_report
-from kernels.attention_decode import DecodeConfig, flash_decode
-from kernels.reference import MaskSpec, attention_reference, visible_mask
+from engine.provenance import commit_label  # noqa: E402
+from kernels import launches  # noqa: E402
+from kernels.attention import CONFIGS as PREFILL_CONFIGS  # noqa: E402
+from kernels.attention import MASK_CONFIGS, PrefillConfig, flash_attention  # noqa: E402
+from kernels.attention_common import format_resource_report, resource_report  # noqa: E402
+from kernels.attention_decode import CONFIGS as DECODE_CONFIGS  # noqa: E402
+from kernels.attention_decode import DecodeConfig, default_num_splits, flash_decode  # noqa: E402
+from kernels.reference import MaskSpec, attention_reference, visible_mask  # noqa: E402
 
 TOKENS, HEADS, KV_HEADS, HEAD_DIM, WINDOW, BLOCK = 8192, 8, 8, 512, 1024, 64
 SPEC = MaskSpec("composite", window=WINDOW, block=BLOCK)
@@ -69,6 +79,15 @@ DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave);
     (DecodeConfig(block_n=64, num_stages=1, num_warps=8), None),  # 144 KB
     (DecodeConfig(block_n=32, num_stages=3, num_warps=8), 2),
     (None, 2),
+]
+
+# The engine's v4 decode step (informational rows): Hq 8 over Hkv 1, the same head_dim and mask.
+V4_HEADS, V4_KV_HEADS = 8, 1
+V4_PROBLEMS = [  # (keys in the cache, mask); the query at the last position
+    (640, SPEC),
+    (640, MaskSpec("causal")),
+    (8192, SPEC),
+    (8192, MaskSpec("causal")),
 ]
 
 START = time.perf_counter()
@@ -304,27 +323,113 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
             error = checked(label, run, reference, rows, failures)
             if error is None:
                 continue
-            eager = time_cuda(run, repetitions=50)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            graphed = time_cuda(graph.replay, repetitions=50)
-            rows.append(row(
-                label, graphed, error, None, f"CUDA graph replay; eager {eager['median_ms'] * 1e3:.1f} us",
-                kv_bytes=kv_bytes, bound_ms=bound_ms, ratio_to_bound=graphed["median_ms"] / bound_ms,
-                eager_median_ms=eager["median_ms"],
-                combine=combine, launches_per_call=1 if combine == "last" else 2,
+            rows.append(timed_decode_row(
+                label, run, error, kv_bytes, bound_ms, combine,
+                num_splits=num_splits or default_num_splits(q, k, spec, config),
                 target_ratio=DECODE_TARGET_RATIO if is_target else None,
-                target_met=(graphed["median_ms"] / bound_ms <= DECODE_TARGET_RATIO) if is_target else None,
             ))
+
+
+def timed_decode_row(label: str, run, error: float, kv_bytes: int, bound_ms: float, combine: str, *,
+                     num_splits: int, target_ratio: float | None = None, cold_run=None, cold_calls: int = 0,
+                     **extra) -> dict:
+    """Time `run` eagerly and replayed from a CUDA graph (the row's median: how the engine runs
+    decode); with `cold_run` (N calls over N KV copies) also one graph of those, per call."""
+    eager = time_cuda(run, repetitions=50)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graphed = time_cuda(graph.replay, repetitions=50)
+    note = f"CUDA graph replay; eager {eager['median_ms'] * 1e3:.1f} us; {num_splits} splits"
+    if cold_run is not None:
+        cold_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cold_graph):
+            cold_run()
+        cold_ms = time_cuda(cold_graph.replay, warmup=2, repetitions=10)["median_ms"] / cold_calls
+        extra.update(cold_median_ms=cold_ms, cold_ratio_to_bound=cold_ms / bound_ms, cold_calls=cold_calls)
+        note += f"; cold {cold_ms * 1e3:.1f} us ({cold_ms / bound_ms:.2f}x bound, {cold_calls} KV copies)"
+    ratio = graphed["median_ms"] / bound_ms
+    return row(
+        label, graphed, error, None, note,
+        kv_bytes=kv_bytes, bound_ms=bound_ms, ratio_to_bound=ratio, eager_median_ms=eager["median_ms"],
+        combine=combine, launches_per_call=1 if combine == "last" else 2, num_splits=num_splits,
+        target_ratio=target_ratio, target_met=(ratio <= target_ratio) if target_ratio else None, **extra,
+    )
+
+
+def v4_keys_read(spec: MaskSpec, keys: int) -> int:
+    """Keys the query at position keys - 1 sees: the window plus the block starts older than it."""
+    if spec.kind != "composite":
+        return keys
+    return min(keys, WINDOW) + max(0, (keys - 1 - WINDOW) // BLOCK + 1)
+
+
+def bench_decode_v4(rows: list, failures: list, bandwidth: float) -> None:
+    """The engine's v4 decode step (Hq 8 over Hkv 1): default split count both ways, and the
+    640-key composite problem at one tile per split (the previous rule's choice), for comparison."""
+    generator = torch.Generator(device="cuda").manual_seed(2)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda").to(torch.bfloat16)
+
+    q = draw(1, 1, V4_HEADS, HEAD_DIM)  # [1, 1, Hq, hd]
+    sinks = torch.randn(V4_HEADS, generator=generator, device="cuda")  # [Hq] float32
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20) or 50 * 2**20
+    for keys in sorted({keys for keys, _ in V4_PROBLEMS}):
+        # N copies of the cache, > 2x the L2 in all; copy 0 is the one checked against the reference.
+        copies = min(256, max(2, math.ceil(2 * l2_bytes / (2 * keys * V4_KV_HEADS * HEAD_DIM * 2))))
+        k_all = draw(copies, 1, keys, V4_KV_HEADS, HEAD_DIM)  # [N, B=1, Tk, Hkv, hd]
+        v_all = draw(copies, 1, keys, V4_KV_HEADS, HEAD_DIM)
+        k, v = k_all[0], v_all[0]
+        q_start = torch.tensor([keys - 1], device="cuda")
+        for spec in [spec for problem_keys, spec in V4_PROBLEMS if problem_keys == keys]:
+            keys_read = v4_keys_read(spec, keys)
+            kv_bytes = 2 * keys_read * V4_KV_HEADS * HEAD_DIM * k.element_size()
+            bound_ms = kv_bytes / bandwidth * 1e3
+            reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
+            default_splits = default_num_splits(q, k, spec)
+            variants = [(None, "last"), (None, "kernel")]
+            if keys == 640 and spec.kind == "composite":
+                # The launcher's walk bound in tiles: the window band plus every block start.
+                walk_tiles = triton.cdiv(min(keys, WINDOW) + triton.cdiv(keys, BLOCK), DECODE_CONFIGS[HEAD_DIM].block_n)
+                variants.append((walk_tiles, "last"))  # one 32-key tile per split: the old one-wave rule here
+            for num_splits, combine in variants:
+                splits = num_splits or default_splits
+                label = (f"fused decode v4 Hq{V4_HEADS}/Hkv{V4_KV_HEADS} {keys} keys {spec.describe()} "
+                         f"(table, {splits} splits{' = 1 tile each' if num_splits else ''}, "
+                         f"{'1 launch' if combine == 'last' else '2 launches'})")
+                out = torch.empty_like(q)
+
+                def run(out=out, spec=spec, num_splits=num_splits, combine=combine, k=k, v=v, q_start=q_start):
+                    return flash_decode(q, k, v, sinks, spec, q_start, None, out=out, num_splits=num_splits,
+                                        combine=combine)
+
+                def cold_run(out=out, spec=spec, num_splits=num_splits, combine=combine, k_all=k_all, v_all=v_all,
+                             q_start=q_start):
+                    for copy in range(k_all.shape[0]):
+                        flash_decode(q, k_all[copy], v_all[copy], sinks, spec, q_start, None, out=out,
+                                     num_splits=num_splits, combine=combine)
+
+                error = checked(label, run, reference, rows, failures)
+                if error is None:
+                    continue
+                rows.append(timed_decode_row(
+                    label, run, error, kv_bytes, bound_ms, combine, num_splits=splits, cold_run=cold_run,
+                    cold_calls=copies, shape="v4", keys=keys,
+                ))
+        del k_all, v_all
 
 
 def format_table(header: dict, rows: list) -> str:
     lines = [
-        f"attention bench  {header['gpu']}  torch {header['torch']}  triton {header['triton']}  commit {header['commit']}",
-        (f"problem: T={TOKENS} Hq={HEADS} Hkv={KV_HEADS} hd={HEAD_DIM} {SPEC.describe()} sinks bf16; visible pairs/head "
+        (f"attention bench  {header['gpu']}  torch {header['torch']}  triton {header['triton']}  "
+         f"commit {header['commit']}"),
+        (f"problem: T={TOKENS} Hq={HEADS} Hkv={KV_HEADS} hd={HEAD_DIM} {SPEC.describe()} sinks bf16; "
+         f"visible pairs/head "
          f"{header['visible_pairs_per_head'] / 1e6:.2f} M ({header['visible_fraction_of_square']:.1%} of T^2); visible "
          f"FLOPs {header['visible_flops'] / 1e9:.1f} G; copy bandwidth {header['copy_tb_s']:.2f} TB/s"),
+        (f"v4 decode rows: B=1 Hq={V4_HEADS} Hkv={V4_KV_HEADS} hd={HEAD_DIM} sinks bf16, query at the last position; "
+         f"'cold' = per call in one graph of calls over KV copies > 2x L2"),
         "",
         "| row | median ms | ± stdev | wall ms | TFLOP/s visible | rel err | vs target | note |",
         "|---|---|---|---|---|---|---|---|",
@@ -375,6 +480,7 @@ def main() -> int:
         # The table's configs and both peers first; the sweep spends what is left of the budget.
         bench_prefill(q, k, v, sinks, reference, visible_flops, rows, failures, PREFILL_SWEEP[:1])
         bench_decode(k, v, sinks, rows, failures, bandwidth, DECODE_SWEEP[:1], with_composite=True)
+        bench_decode_v4(rows, failures, bandwidth)
         bench_flex(q, k, v, sinks, reference, visible_flops, rows, failures)
         bench_sdpa(q, k, v, visible_flops, rows, failures)
         bench_prefill(q, k, v, sinks, reference, visible_flops, rows, failures, PREFILL_SWEEP[1:])

@@ -21,16 +21,38 @@ Why one launch (combine="last", the default): a second combine kernel cost a lau
 own ramp, several microseconds against a ~32 us KV stream (1.38x the bandwidth bound on the H200
 with two launches). Now every split stores its partials, `tl.debug_barrier()` (all of the CTA's
 stores issued), then one `atomic_add(counter, 1, sem="acq_rel")` per program on its group's
-counter; the program that sees S - 1 is the last of its group: it reads every split's partials
-(`.cg`, past L1) in the fixed order 0..S-1, [SPLITS, BLOCK_D] tiles at a time, so the output does
-not depend on which program finished last, writes `out` and stores 0 back into the counter (every
-counter is 0 again when the kernel ends: repeated calls and CUDA-graph replays need no memset).
-With S == 1 the single program merges its registers with the sink and writes `out` directly.
-As with every user of `kernels.arrivals`, two streams must not run it at once (shared counters).
-combine="kernel" keeps the two-launch path (split kernel, then `_flash_decode_combine_kernel`)
-for comparison; both paths run the same merge code (`_split_weights`, `_merge_columns`) in the
-same split order: equal to the bit under the interpreter, to rounding on a GPU (the two kernels'
-register layouts, hence the order inside a tile's sum, may differ).
+counter; the program that sees S - 1 is the last of its group: it merges every split's partials
+(`.cg`, past L1) in the fixed order 0..S-1, so the output does not depend on which program
+finished last, writes `out` and stores 0 back into the counter (every counter is 0 again when the
+kernel ends: repeated calls and CUDA-graph replays need no memset). With S == 1 the single program
+merges its registers with the sink and writes `out` directly. As with every user of
+`kernels.arrivals`, two streams must not run it at once (shared counters). combine="kernel" keeps
+the two-launch path (split kernel, then `_flash_decode_combine_kernel`, one program per merge tile)
+for comparison; both run `_merge_rows` on the same tiles in the same split order: equal to the bit
+under the interpreter, to rounding on a GPU (the two kernels' warp counts, hence the order inside
+a tile's sum, may differ).
+
+The merge (`_merge_rows`): the last program merges all rows of its GQA group at once, not row by
+row: one [MERGE_ROWS, SPLITS] load of each stats array, then [MERGE_ROWS, SPLITS, BLOCK_D] loads of
+partials (<= MERGE_ELEMENTS = 8192 fp32, 64 registers per thread at 4 warps), the first issued with
+the stats and each next one as soon as the previous chunk is stored: about one L2 round trip per
+tile, at the v4 shape (8 rows, 5 splits -> SPLITS 8, hd 512) 4 tiles of [8, 8, 128]. Before, a loop
+over rows and over [SPLITS, BLOCK_D] column chunks made 8 x (1 + 4) = 40 dependent round trips at
+21 splits, likely most of the 10.6 us the H200 profile measured for ~1.3 MB of KV (predicted, not
+yet measured: ~1-2 us for this merge).
+
+Split count (`choose_splits`, `default_num_splits`): at most one wave (splits x B x Hkv <= SMs) and
+MAX_SPLITS, and also
+  - each split walks >= MIN_TILES_PER_SPLIT key tiles (the kernel balances the walk: split s takes
+    tiles [s*T//S, (s+1)*T//S)), so a short walk gets few programs instead of one tile each;
+  - S <= sqrt(T / r), r = (rows x 4 B) / (2 x BLOCK_N x elem B), the partial bytes one split adds to
+    the merging program's read over the KV bytes of one tile: the serial merge then reads no more
+    than one split walks (S x rows x hd x 4 <= (T / S) x tile bytes). It binds at wide GQA groups on
+    long walks: v4 at 8192 causal keys, 32 splits instead of 64 of the 4-tile rule.
+H200 (132 SMs), hd 512, bf16: v4 (Hq 8 / Hkv 1) at 640 keys -> 21 tiles -> 5 splits of 4-5 tiles
+(the plain one-wave rule: 21 splits of one tile); 8192 keys composite -> 9, causal -> 32; issue 4
+(Hq = Hkv = 8, 8192 causal keys) -> 16 splits of 16 tiles, as before. A walk under 2 x 4 tiles
+is one split, written directly: no partials, no merge.
 
 Grouped-query heads: the Hq / Hkv query heads of one kv head, times Tq, are the rows of one
 program's tile, so each K/V byte is read once per split, not once per query head. BLOCK_M is that
@@ -40,15 +62,14 @@ rows are padding, which costs tensor-core time a bandwidth-bound kernel has to s
 Block sizes at head_dim 512: Q 16 x 512 x 2 B = 16 KB; per stage K and V tiles of 32 x 512 x 2 B
 = 32 KB each: 16 + 2 x 64 = 144 KB of shared memory at 2 stages (3 stages = 208 KB fits too, with
 little to spare; the benchmark sweeps it). The accumulator 16 x 512 fp32 is 64 registers per
-thread at 4 warps. Splits: one wave of programs (splits x B x Hkv ~ SM count), each streaming
->= 1 MB of KV at the benchmark shape; the merge reads S x hd x 4 B per row (from L2), < 1 % of
-the KV, and its tile (SPLITS x BLOCK_D = 4096 fp32) is 32 registers per thread at 4 warps, live
-only after the walk's accumulator is dead. The merge loops run with num_stages=1 so the
-pipeliner gives them no shared-memory buffers beside the walk's.
+thread at 4 warps. The merge's tile (<= 8192 fp32, 64 registers per thread at 4 warps) is live
+only after the walk's accumulator is dead; its loops run with num_stages=1 so the pipeliner gives
+them no shared-memory buffers beside the walk's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,9 +89,23 @@ from kernels.attention_common import (
 )
 from kernels.reference import MaskSpec
 
-# The merge holds [splits, BLOCK_D] of partials per program; 128 x 32 fp32 fits its registers.
 MAX_SPLITS = 128
 MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
+# Each split walks at least this many key tiles (a walk shorter than 2 x this is one split, no merge).
+# A split pays a fixed cost whatever it walks: its Q tile; its pipeline's prologue (three stages at hd
+# 512: two 64 KB K+V tiles in flight before the first dot, so a split of <= 2 tiles never reaches a
+# steady state); its partials, stored and then read back by the merging program (2 x rows x hd x 4 B:
+# 32 KB at the v4 group of 8 rows, half of one 32 x 512 bf16 K+V tile); the barrier and the atomic.
+# At 4 tiles a split's partials cost <= 1/8 of its KV bytes and half its tiles are past the prologue;
+# at 1 tile (the one-wave rule's choice at the v4 shape: 21 splits for 640 keys) the partials cost
+# half the KV bytes and the whole split is prologue. A larger minimum leaves more SMs idle on short
+# walks (5 of 132 stream the v4 step's 1.3 MB already). Predicted, not measured: the bench's v4 rows
+# time the default against one tile per split. The rule does not bind where a wave has enough keys
+# (issue 4: 8192 keys over 16 splits, 16 tiles each).
+MIN_TILES_PER_SPLIT = 4
+# fp32 elements per merge load ([MERGE_ROWS, SPLITS, BLOCK_D]): 64 registers per thread at 4 warps,
+# the walk accumulator's size; the accumulator is dead when the merge runs.
+MERGE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -107,52 +142,82 @@ def _merge_max(split_max, sink):
 
 
 @triton.jit
-def _split_weights(
+def _merge_rows(
+    partial_out_ptr,  # [S, R, hd] float32
     partial_max_ptr,  # [S, R] float32
     partial_sum_ptr,  # [S, R] float32
-    row,  # the output row (b, t, h) being merged
-    sink,  # its sink logit, base 2 (-inf: none)
+    sinks_ptr,  # [Hq] float32 (unused without HAS_SINKS)
+    out_ptr,  # [B, Tq, Hq, hd]
+    batch,
+    kv_head,
+    row_start,  # the first of this tile's MERGE_ROWS rows of the group (member = group_member * Tq + t)
+    column_begin,  # the output columns [column_begin, column_end) merged, BLOCK_D at a time
+    column_end,
     num_splits,
-    num_rows,
-    SPLITS: tl.constexpr,
+    num_rows,  # R = B * Tq * Hq, the stats' split stride
+    query_len,
+    query_heads,
+    kv_group,
+    stride_partial_split,
+    stride_ob, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,  # rows of the group merged at once (power of two)
+    SPLITS: tl.constexpr,  # next power of two >= S
+    BLOCK_D: tl.constexpr,  # MERGE_ROWS x SPLITS x BLOCK_D <= MERGE_ELEMENTS
+    HAS_SINKS: tl.constexpr,
     CACHE: tl.constexpr,  # "" or ".cg" (partials written by other programs of the same launch)
 ):
-    """(weights [SPLITS] = 2^(m_s - M), denominator, sink_takes_all) of one output row."""
+    """out[rows, columns] = (sum_s acc_s 2^(m_s - M)) / (2^(sigma - M) + sum_s l_s 2^(m_s - M)),
+    M = max(sigma, max_s m_s), for MERGE_ROWS rows of one (sequence, kv head) group at once: one
+    [MERGE_ROWS, SPLITS] load of each stats array, then one [MERGE_ROWS, SPLITS, BLOCK_D] load of
+    partials per column chunk, the next chunk's load issued as soon as this chunk is stored (the
+    first one together with the stats). The sum runs over the split axis in the order 0..S-1
+    whatever the tile's shape, so both combine paths give the same bits under the interpreter."""
+    members = row_start + tl.arange(0, MERGE_ROWS)
+    row_valid = members < kv_group * query_len
+    query_index = members % query_len
+    head = kv_head * kv_group + members // query_len
+    out_rows = (batch * query_len + query_index) * query_heads + head  # [MERGE_ROWS] rows (b, t, h)
     splits = tl.arange(0, SPLITS)
     split_valid = splits < num_splits
-    stats_offsets = splits.to(tl.int64) * num_rows + row
-    maxes = tl.load(partial_max_ptr + stats_offsets, mask=split_valid, other=float("-inf"), cache_modifier=CACHE)
-    sums = tl.load(partial_sum_ptr + stats_offsets, mask=split_valid, other=0.0, cache_modifier=CACHE)
-    safe_max, sink_takes_all = _merge_max(tl.max(maxes, 0), sink)
-    weights = tl.math.exp2(maxes - safe_max)  # [SPLITS]; empty splits: 2^-inf = 0
-    denominator = tl.sum(sums * weights, 0) + tl.math.exp2(sink - safe_max)
-    return weights, denominator, sink_takes_all
+    chunk = tl.arange(0, BLOCK_D)
 
-
-@triton.jit
-def _merge_columns(
-    partial_out_ptr,  # [S, R, hd] float32
-    row,
-    dims,  # [BLOCK_D] the output columns
-    weights,  # [SPLITS] from _split_weights
-    denominator,
-    sink_takes_all,
-    num_splits,
-    stride_partial_split,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """out[row, dims] = (sum_s acc_s 2^(m_s - M)) / denominator, from one [SPLITS, BLOCK_D] tile."""
-    splits = tl.arange(0, SPLITS)
+    tile_offsets = (
+        splits.to(tl.int64)[None, :, None] * stride_partial_split + out_rows.to(tl.int64)[:, None, None] * HEAD_DIM
+        + chunk[None, None, :]
+    )  # [MERGE_ROWS, SPLITS, BLOCK_D]
+    tile_valid = row_valid[:, None, None] & split_valid[None, :, None]
     partials = tl.load(
-        partial_out_ptr + splits.to(tl.int64)[:, None] * stride_partial_split + row.to(tl.int64) * HEAD_DIM + dims[None, :],
-        mask=(splits < num_splits)[:, None],
-        other=0.0,
-        cache_modifier=CACHE,
-    )  # [SPLITS, BLOCK_D]
-    out = tl.sum(partials * weights[:, None], 0) / tl.where(denominator == 0.0, 1.0, denominator)
-    return tl.where(sink_takes_all, 0.0, out)  # sigma = +inf: all mass on the sink
+        partial_out_ptr + tile_offsets + column_begin, mask=tile_valid, other=0.0, cache_modifier=CACHE
+    )
+    stats_offsets = splits.to(tl.int64)[None, :] * num_rows + out_rows[:, None]  # [MERGE_ROWS, SPLITS]
+    stats_valid = row_valid[:, None] & split_valid[None, :]
+    maxes = tl.load(partial_max_ptr + stats_offsets, mask=stats_valid, other=float("-inf"), cache_modifier=CACHE)
+    sums = tl.load(partial_sum_ptr + stats_offsets, mask=stats_valid, other=0.0, cache_modifier=CACHE)
+    sink = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * _LOG2_E
+    safe_max, sink_takes_all = _merge_max(tl.max(maxes, 1), sink)
+    weights = tl.math.exp2(maxes - safe_max[:, None])  # [MERGE_ROWS, SPLITS]; empty splits: 2^-inf = 0
+    denominator = tl.sum(sums * weights, 1) + tl.math.exp2(sink - safe_max)
+    denominator = tl.where(denominator == 0.0, 1.0, denominator)  # nothing seen, no sink: 0 / 1
+
+    out_base = (
+        out_ptr + batch.to(tl.int64) * stride_ob + query_index.to(tl.int64)[:, None] * stride_ot
+        + head.to(tl.int64)[:, None] * stride_oh + chunk[None, :]
+    )  # [MERGE_ROWS, BLOCK_D]
+    for column in tl.range(column_begin, column_end, BLOCK_D, num_stages=1):
+        out = tl.sum(partials * weights[:, :, None], 1) / denominator[:, None]
+        out = tl.where(sink_takes_all[:, None], 0.0, out)  # sigma = +inf: all mass on the sink
+        tl.store(out_base + column, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        # The next chunk; none after the last: a load predicated off (on the split axis, so the
+        # column axis stays vectorisable) moves no bytes.
+        next_column = column + BLOCK_D
+        splits_left = tl.where(next_column < column_end, num_splits, 0)
+        partials = tl.load(
+            partial_out_ptr + tile_offsets + next_column,
+            mask=row_valid[:, None, None] & (splits < splits_left)[None, :, None], other=0.0, cache_modifier=CACHE,
+        )
 
 
 @triton.jit
@@ -175,7 +240,7 @@ def _flash_decode_split_kernel(
     kv_group,  # Hq // Hkv
     num_rows,  # B * Tq * Hq, the stats' split stride
     num_splits,  # S, the grid's first dimension
-    walk_per_split,  # virtual keys per split, a multiple of BLOCK_N
+    walk_tiles,  # key tiles of the longest walk (host bound); split s walks tiles [s*T//S, (s+1)*T//S)
     window,
     summary_block,
     qk_scale_log2,
@@ -188,8 +253,9 @@ def _flash_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # merge tile width ("last")
+    MERGE_ROWS: tl.constexpr,  # rows merged at once ("last"), see _merge_rows
     SPLITS: tl.constexpr,  # next power of two >= S ("last")
+    BLOCK_D: tl.constexpr,  # merge tile width ("last")
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SUMMARIES: tl.constexpr,
@@ -226,8 +292,9 @@ def _flash_decode_split_kernel(
     band_lo, band_len, walk_len = _key_walk_bounds(
         q_start, q_start + query_len - 1, key_len, window, summary_block, CAUSAL, HAS_WINDOW, HAS_SUMMARIES
     )
-    walk_begin = pid_split * walk_per_split
-    walk_end = tl.minimum(walk_begin + walk_per_split, walk_len)
+    # Balanced: every split walks floor(T / S) or ceil(T / S) tiles (>= MIN_TILES_PER_SPLIT by default).
+    walk_begin = (pid_split * walk_tiles // num_splits) * BLOCK_N
+    walk_end = tl.minimum(((pid_split + 1) * walk_tiles // num_splits) * BLOCK_N, walk_len)
 
     # No sink here: the merge adds it once.
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -277,28 +344,14 @@ def _flash_decode_split_kernel(
             arrived = tl.atomic_add(counter_ptr + pid_bk, 1, sem="acq_rel")
             if arrived == num_splits - 1:
                 # The last of this group: every split's partials are visible (acquire). Merge them
-                # in split order 0..S-1, whichever program this is.
-                for member_row in tl.range(0, kv_group * query_len, num_stages=1):
-                    member_head = kv_head * kv_group + member_row // query_len
-                    member_query = member_row % query_len
-                    row = (batch * query_len + member_query) * query_heads + member_head
-                    sink = float("-inf")
-                    if HAS_SINKS:
-                        sink = tl.load(sinks_ptr + member_head) * _LOG2_E
-                    weights, denominator, sink_takes_all = _split_weights(
-                        partial_max_ptr, partial_sum_ptr, row, sink, num_splits, num_rows, SPLITS, ".cg"
+                # in split order 0..S-1, whichever program this is, all the group's rows at once.
+                for row_start in tl.range(0, kv_group * query_len, MERGE_ROWS, num_stages=1):
+                    _merge_rows(
+                        partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, out_ptr, batch, kv_head,
+                        row_start, 0, HEAD_DIM, num_splits, num_rows, query_len, query_heads, kv_group,
+                        stride_partial_split, stride_ob, stride_ot, stride_oh,
+                        HEAD_DIM, MERGE_ROWS, SPLITS, BLOCK_D, HAS_SINKS, ".cg",
                     )
-                    out_base = (
-                        out_ptr + batch.to(tl.int64) * stride_ob + member_query.to(tl.int64) * stride_ot
-                        + member_head.to(tl.int64) * stride_oh
-                    )
-                    for column in tl.range(0, HEAD_DIM, BLOCK_D, num_stages=1):
-                        columns = column + tl.arange(0, BLOCK_D)
-                        out = _merge_columns(
-                            partial_out_ptr, row, columns, weights, denominator, sink_takes_all, num_splits,
-                            stride_partial_split, HEAD_DIM, SPLITS, ".cg",
-                        )
-                        tl.store(out_base + columns, out.to(out_ptr.dtype.element_ty))
                 tl.atomic_xchg(counter_ptr + pid_bk, 0)  # ready for the next launch on this stream
 
 
@@ -313,34 +366,27 @@ def _flash_decode_combine_kernel(
     num_rows,  # R
     query_len,  # Tq
     query_heads,  # Hq
+    kv_heads,  # Hkv
+    kv_group,  # Hq // Hkv
     stride_partial_split,
     stride_ob, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
     SPLITS: tl.constexpr,  # next power of two >= S
+    BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    """combine="kernel": out = (sum_s acc_s 2^(m_s - M)) / (2^(sigma - M) + sum_s l_s 2^(m_s - M)),
-    M = max(sigma, max_s m_s). Grid: (R, HEAD_DIM // BLOCK_D)."""
-    row = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    head = row % query_heads
-    query_index = (row // query_heads) % query_len
-    batch = row // (query_heads * query_len)
-
-    sink = float("-inf")
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head) * _LOG2_E
-    weights, denominator, sink_takes_all = _split_weights(
-        partial_max_ptr, partial_sum_ptr, row, sink, num_splits, num_rows, SPLITS, ""
+    """combine="kernel": the same merge as the single launch's last program (`_merge_rows`, same
+    tile), one column chunk of MERGE_ROWS rows of one group per program.
+    Grid: (B * Hkv, cdiv(kv_group * Tq, MERGE_ROWS), HEAD_DIM // BLOCK_D)."""
+    pid_bk = tl.program_id(0)
+    column = tl.program_id(2) * BLOCK_D
+    _merge_rows(
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, out_ptr, pid_bk // kv_heads, pid_bk % kv_heads,
+        tl.program_id(1) * MERGE_ROWS, column, column + BLOCK_D, num_splits, num_rows, query_len, query_heads,
+        kv_group, stride_partial_split, stride_ob, stride_ot, stride_oh,
+        HEAD_DIM, MERGE_ROWS, SPLITS, BLOCK_D, HAS_SINKS, "",
     )
-    dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    out = _merge_columns(
-        partial_out_ptr, row, dims, weights, denominator, sink_takes_all, num_splits, stride_partial_split,
-        HEAD_DIM, SPLITS, "",
-    )
-    out_base = out_ptr + batch.to(tl.int64) * stride_ob + query_index.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(out_base + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def _walk_upper_bound(spec: MaskSpec, key_len: int, query_len: int) -> int:
@@ -353,15 +399,68 @@ def _walk_upper_bound(spec: MaskSpec, key_len: int, query_len: int) -> int:
     return band + summaries
 
 
-def _default_splits(device: torch.device, programs_per_split: int, walk_tiles: int) -> int:
-    if device.type == "cuda":
-        # One wave: splits x B x Hkv programs ~ the SM count (1 program per SM at 144 KB of smem).
-        target = torch.cuda.get_device_properties(device).multi_processor_count // programs_per_split
-    else:
-        target = 4  # the interpreter: enough splits to exercise the combine, few programs
-    return max(1, min(target, walk_tiles, MAX_SPLITS))
+def choose_splits(walk_tiles: int, wave: int, merge_ratio: float = 0.0, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+    """Splits per (sequence, kv head) for a walk of `walk_tiles` key tiles (pure; see the module
+    docstring, "Split count"): at most `wave` (the programs per group that fit one wave) and
+    MAX_SPLITS; few enough that each split walks >= `min_tiles` tiles (the kernel balances them:
+    floor or ceil of walk_tiles / S each); and at most sqrt(walk_tiles / merge_ratio), where
+    merge_ratio = bytes one split adds to the merging program's read / KV bytes of one tile, so that
+    the serial merge reads no more than one split's walk does. Always >= 1."""
+    splits = min(wave, MAX_SPLITS, walk_tiles // max(1, min_tiles))
+    if merge_ratio > 0:
+        splits = min(splits, math.isqrt(int(walk_tiles / merge_ratio)))
+    return max(1, splits)
 
 
+def _walk_tiles(spec: MaskSpec, key_len: int, query_len: int, block_n: int) -> int:
+    return max(1, triton.cdiv(_walk_upper_bound(spec, key_len, query_len), block_n))
+
+
+def _default_splits(
+    sms: int | None, walk_tiles: int, programs_per_split: int, rows: int, block_n: int, element_size: int
+) -> int:
+    if sms is None:
+        # The interpreter: up to 4 splits of >= 1 tile, enough to exercise the merge with few programs.
+        return choose_splits(walk_tiles, 4, min_tiles=1)
+    # One wave: splits x B x Hkv programs <= the SM count (1 program per SM at 145 KB of smem).
+    wave = sms // programs_per_split
+    # Per split the merging program reads rows x hd x 4 B of partials; a key tile is 2 x BLOCK_N x hd x e B.
+    merge_ratio = (rows * 4) / (2 * block_n * element_size)
+    return choose_splits(walk_tiles, wave, merge_ratio)
+
+
+def _device_sms(device: torch.device) -> int | None:
+    """SMs of a CUDA device; None (the interpreter's rule) elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(
+    q: torch.Tensor,  # [B, Tq, Hq, hd] (any device, "meta" included: only shapes are read)
+    k: torch.Tensor,  # [B, Tk, Hkv, hd]
+    spec: MaskSpec,
+    config: DecodeConfig | None = None,
+    *,
+    sms: int | None = None,  # None: q's device's SM count on CUDA, the interpreter's rule elsewhere
+) -> int:
+    """The split count `flash_decode` launches with num_splits=None (host-side, no device read)."""
+    batch, query_len, query_heads, head_dim = q.shape
+    key_len, kv_heads = k.shape[1], k.shape[2]
+    config = config or CONFIGS[head_dim]
+    walk_tiles = _walk_tiles(spec, key_len, query_len, config.block_n)
+    rows = (query_heads // kv_heads) * query_len
+    sms = _device_sms(q.device) if sms is None else sms
+    return min(_default_splits(sms, walk_tiles, batch * kv_heads, rows, config.block_n, q.element_size()), walk_tiles)
+
+
+def merge_tile(rows: int, splits: int, head_dim: int) -> tuple[int, int, int]:
+    """(MERGE_ROWS, SPLITS, BLOCK_D) of the merge's [MERGE_ROWS, SPLITS, BLOCK_D] fp32 loads for a group of
+    `rows` rows and `splits` splits: <= MERGE_ELEMENTS each, BLOCK_D >= 32 (128 B per (row, split))."""
+    splits_pow2 = triton.next_power_of_2(splits)
+    merge_rows = min(triton.next_power_of_2(rows), max(1, MERGE_ELEMENTS // (splits_pow2 * 32)))
+    block_d = min(head_dim, MERGE_ELEMENTS // (merge_rows * splits_pow2))
+    return merge_rows, splits_pow2, block_d
 
 
 COMBINES = ("last", "kernel")
@@ -401,14 +500,15 @@ def flash_decode(
     if inputs.query_len == 0:
         return out
 
-    walk_tiles = max(1, triton.cdiv(_walk_upper_bound(spec, inputs.key_len, inputs.query_len), config.block_n))
+    walk_tiles = _walk_tiles(spec, inputs.key_len, inputs.query_len, config.block_n)
     programs_per_split = inputs.batch * inputs.kv_heads
     if num_splits is None:
-        num_splits = _default_splits(q.device, programs_per_split, walk_tiles)
+        num_splits = _default_splits(
+            _device_sms(q.device), walk_tiles, programs_per_split, rows, config.block_n, q.element_size()
+        )
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    tiles_per_split = triton.cdiv(walk_tiles, num_splits)
-    num_splits = triton.cdiv(walk_tiles, tiles_per_split)  # no split left with nothing to walk
+    num_splits = min(num_splits, walk_tiles)  # no split left without a tile to walk
 
     head_dim = inputs.head_dim
     num_rows = inputs.batch * inputs.query_len * inputs.query_heads
@@ -430,13 +530,11 @@ def flash_decode(
     block_m = max(16, triton.next_power_of_2(rows))
     # Accumulator registers per thread = block_m * hd / (32 * warps): 64 at (16, 512, 4 warps).
     num_warps = config.num_warps or (4 if block_m * head_dim <= 16 * 512 else 8)
-    # The merge's [SPLITS, BLOCK_D] tile: <= 4096 fp32 (32 registers per thread at 4 warps).
-    splits_pow2 = triton.next_power_of_2(num_splits)
-    block_d = min(head_dim, max(16, 4096 // splits_pow2))
+    merge_rows, splits_pow2, block_d = merge_tile(rows, num_splits, head_dim)
     compiled = _flash_decode_split_kernel[(num_splits, programs_per_split)](
         q, k, v, partial_out, partial_max, partial_sum, inputs.sinks, out, counters, inputs.q_start, mask.padding,
         inputs.query_len, inputs.key_len, inputs.query_heads, inputs.kv_heads, group, num_rows, num_splits,
-        tiles_per_split * config.block_n, mask.window, mask.summary_block, inputs.qk_scale_log2,
+        walk_tiles, mask.window, mask.summary_block, inputs.qk_scale_log2,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -446,8 +544,9 @@ def flash_decode(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
-        BLOCK_D=block_d,
+        MERGE_ROWS=merge_rows,
         SPLITS=splits_pow2,
+        BLOCK_D=block_d,
         CAUSAL=mask.causal,
         HAS_WINDOW=mask.has_window,
         HAS_SUMMARIES=mask.has_summaries,
@@ -460,22 +559,25 @@ def flash_decode(
     )
     launches.record("flash_decode_split")
     remember_compiled(
-        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} {config}", compiled
+        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} "
+        f"merge{merge_rows}x{splits_pow2}x{block_d} {config}", compiled
     )
     if output != "partials":
         return out
 
-    compiled = _flash_decode_combine_kernel[(num_rows, head_dim // block_d)](
+    grid = (programs_per_split, triton.cdiv(rows, merge_rows), head_dim // block_d)
+    compiled = _flash_decode_combine_kernel[grid](
         partial_out, partial_max, partial_sum, inputs.sinks, out,
-        num_splits, num_rows, inputs.query_len, inputs.query_heads,
+        num_splits, num_rows, inputs.query_len, inputs.query_heads, inputs.kv_heads, group,
         partial_out.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        MERGE_ROWS=merge_rows,
         SPLITS=splits_pow2,
+        BLOCK_D=block_d,
         HAS_SINKS=inputs.has_sinks,
         num_warps=4,
     )
     launches.record("flash_decode_combine")
-    remember_compiled(f"flash_decode_combine hd{head_dim} splits{splits_pow2}", compiled)
+    remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)
     return out

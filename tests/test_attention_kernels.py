@@ -16,7 +16,15 @@ import torch
 
 from kernels import arrivals, launches
 from kernels.attention import PrefillConfig, flash_attention
-from kernels.attention_decode import DecodeConfig, flash_decode
+from kernels import attention_decode
+from kernels.attention_decode import (
+    MIN_TILES_PER_SPLIT,
+    DecodeConfig,
+    choose_splits,
+    default_num_splits,
+    flash_decode,
+    merge_tile,
+)
 from kernels.reference import MaskSpec, attention_reference
 
 # ‖out − ref‖ / ‖ref‖ allowed, per working dtype, against a float32 reference:
@@ -337,6 +345,99 @@ def test_fused_arm_picks_decode_for_small_chunks_at_any_key_length(query_len, ke
     assert_matches(out, reference(q, k, v, sinks, COMPOSITE, key_len - query_len, None), torch.float32)
 
 
+V4_COMPOSITE = MaskSpec("composite", window=1024, block=64)  # the engine's v4 mask
+
+
+def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat16):
+    """q [B, 1, Hq, hd] and k [B, Tk, Hkv, hd] on the meta device: shapes for the host-side planner."""
+    return (torch.empty(batch, 1, heads, head_dim, dtype=dtype, device="meta"),
+            torch.empty(batch, k_len, kv_heads, head_dim, dtype=dtype, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, k_len, spec, expected",
+    [
+        # The engine's v4 step (Hq 8 over Hkv 1, 640 keys): 21 tiles of 32 keys, 5 splits of 4-5 tiles
+        # (the old one-wave rule made 21 splits of 1 tile each).
+        (1, 8, 1, 640, V4_COMPOSITE, 5),
+        (1, 8, 1, 640, MaskSpec("causal"), 5),
+        # v4 at 8192 keys: composite walks 1024 + 128 keys (36 tiles: 9 splits of 4); causal walks
+        # 256 tiles, capped at 32 splits by the merge (32 splits x 8 rows x 2 KB = 512 KB read by one
+        # program, the 512 KB of KV each split walks).
+        (1, 8, 1, 8192, V4_COMPOSITE, 9),
+        (1, 8, 1, 8192, MaskSpec("causal"), 32),
+        # Issue 4's decode problem (Hq = Hkv = 8, 8192 keys): one wave, 132 // 8 = 16 splits of 16
+        # tiles, as before.
+        (1, 8, 8, 8192, MaskSpec("causal"), 16),
+        # A batch of 32 sequences: 132 // 32 = 4 programs per sequence fit one wave.
+        (32, 8, 1, 640, V4_COMPOSITE, 4),
+        # Under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written directly (no merge).
+        (1, 8, 1, 200, V4_COMPOSITE, 1),
+        (1, 8, 1, 5, MaskSpec("causal"), 1),
+    ],
+)
+def test_decode_split_count_on_an_h200(batch, heads, kv_heads, k_len, spec, expected):
+    q, k = shapes_only(batch, heads, kv_heads, k_len)
+    assert default_num_splits(q, k, spec, sms=132) == expected
+
+
+def test_decode_choose_splits_rules():
+    assert MIN_TILES_PER_SPLIT == 4
+    assert choose_splits(21, 132) == 5  # each split >= 4 tiles
+    assert choose_splits(256, 16) == 16  # the wave binds
+    assert choose_splits(10_000, 10_000) == 128  # MAX_SPLITS
+    assert choose_splits(3, 132) == choose_splits(0, 132) == choose_splits(21, 0) == 1  # never 0
+    assert choose_splits(256, 132, merge_ratio=0.25) == 32  # sqrt(256 / 0.25)
+    assert choose_splits(21, 132, merge_ratio=0.25) == 5  # sqrt(84) = 9 does not bind
+    for tiles in range(1, 300, 7):
+        for wave in (1, 3, 16, 132):
+            splits = choose_splits(tiles, wave, merge_ratio=0.25)
+            assert 1 <= splits <= max(1, wave)
+            # The kernel's balanced walk gives every split floor or ceil of tiles / splits tiles.
+            assert splits == 1 or tiles // splits >= MIN_TILES_PER_SPLIT
+
+
+def test_decode_merge_tile_sizes():
+    assert merge_tile(8, 5, 512) == (8, 8, 128)  # v4: the group's 8 rows x 8 splits, 4 column chunks
+    assert merge_tile(1, 16, 512) == (1, 16, 512)  # issue 4: one load per kv head
+    assert merge_tile(8, 128, 512) == (2, 128, 32)  # many splits: 2 rows at a time
+    for rows in (1, 3, 8, 64):
+        for splits in (2, 5, 33, 128):
+            merge_rows, splits_pow2, block_d = merge_tile(rows, splits, 512)
+            assert merge_rows * splits_pow2 * block_d <= attention_decode.MERGE_ELEMENTS
+            assert block_d >= 32 and 512 % block_d == 0
+
+
+@pytest.mark.parametrize("head_dim, merge_elements, dtype", [(512, None, torch.float32), (512, None, torch.float16),
+                                                             (64, 512, torch.float32)])
+def test_decode_gqa_group_merge(head_dim, merge_elements, dtype, monkeypatch):
+    # The v4 grouping (8 query heads over 1 kv head) merged by the group's last split, 5 splits of
+    # uneven length (7 tiles of 16 keys: 1 or 2 each) at offsets 99 / 60 of a 100-key cache, sinks
+    # -inf, +inf (head 1 is 0), finite; sequence 1's padding hides its whole window and block starts
+    # (only its sinks remain: 0). At head dim 512 the [8, 8, 128] merge tile walks 4 column chunks;
+    # with 512-element merge tiles at head dim 64 the group's 8 rows merge 2 at a time, 2 column
+    # chunks each. The two-kernel path runs the same merge tiles: equal to the bit.
+    if merge_elements:
+        monkeypatch.setattr(attention_decode, "MERGE_ELEMENTS", merge_elements)
+    q, k, v, _ = make_inputs(2, 1, 100, 8, 1, head_dim, dtype, seed=79)
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.0, 1.5, -2.0, 0.5, 3.0, -0.5])
+    q_start = torch.tensor([99, 60])
+    padding = torch.zeros(2, 100, dtype=torch.bool)
+    padding[1, :61] = True
+    spec = MaskSpec("composite", window=96, block=16)  # walk <= 96 + 7 keys: 7 tiles of 16
+    config = DecodeConfig(block_n=16, num_stages=1)
+    before = launches.snapshot()
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=5, config=config)
+    assert launches.since(before) == {"flash_decode_split": 1}
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), dtype)
+    two_launches = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=5,
+                                config=config, combine="kernel")
+    assert torch.equal(out, two_launches)
+
+
 def test_decode_refuses_prefill_sized_chunks():
     q, k, v, sinks = make_inputs(1, 40, 40, 4, 1, 64, torch.float32, seed=29)  # 4 x 40 rows > 64
     with pytest.raises(ValueError, match="flash_attention"):
@@ -438,6 +539,31 @@ def test_gpu_decode_single_launch_bf16(num_splits):
     assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
     two_launches = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
                                 combine="kernel")
+    assert relative_error(out, two_launches.float()) <= 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("position", [639, 520])
+def test_gpu_decode_v4_shape_bf16(position):
+    # The engine's v4 decode step: one sequence, 8 query heads over 1 kv head, head dim 512, the
+    # composite mask W=1024 B=64, a 640-key cache, the query at 639 or 520, sinks -inf / +inf /
+    # finite. The default split count (5 on an H200: 4-5 tiles of 32 keys each) merges the group's
+    # 8 rows in the last program; equal to the reference and to the two-kernel path within the
+    # single-launch test's tolerance.
+    q, k, v, sinks = make_inputs(1, 1, 640, 8, 1, 512, torch.bfloat16, seed=83, device="cuda")
+    sinks[0], sinks[1] = float("-inf"), float("inf")
+    q_start = torch.tensor([position], device="cuda")
+    splits = default_num_splits(q, k, V4_COMPOSITE)
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 40:
+        assert splits == 5
+    before = launches.snapshot()
+    out = flash_decode(q, k, v, sinks, V4_COMPOSITE, q_start, None, out=poisoned_like(q))
+    torch.cuda.synchronize()
+    assert launches.since(before) == {"flash_decode_split": 1}
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert_matches(out, reference(q, k, v, sinks, V4_COMPOSITE, q_start, None), torch.bfloat16)
+    two_launches = flash_decode(q, k, v, sinks, V4_COMPOSITE, q_start, None, out=poisoned_like(q), combine="kernel")
     assert relative_error(out, two_launches.float()) <= 2e-3
 
 
