@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import arrivals, launches
+from kernels import arrivals, launches, pdl
 from kernels.attention_common import (
     _LOG2_E,
     _attend_key_tile,
@@ -263,9 +263,12 @@ def _flash_decode_split_kernel(
     HAS_SINKS: tl.constexpr,
     OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
     DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """One program: split pid_split of the key walk of one (sequence, kv head), all its
     kv_group x Tq query rows. Grid: (S, B * Hkv)."""
+    if USE_GDC:  # q and the newest key are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     pid_split = tl.program_id(0)
     pid_bk = tl.program_id(1)
     batch = pid_bk // kv_heads
@@ -310,6 +313,8 @@ def _flash_decode_split_kernel(
             accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
             dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
         )
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
     if OUTPUT == "direct":
         # The only split: merge with the sink in registers (the merge's formula at S = 1).
@@ -375,10 +380,13 @@ def _flash_decode_combine_kernel(
     SPLITS: tl.constexpr,  # next power of two >= S
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """combine="kernel": the same merge as the single launch's last program (`_merge_rows`, same
     tile), one column chunk of MERGE_ROWS rows of one group per program.
     Grid: (B * Hkv, cdiv(kv_group * Tq, MERGE_ROWS), HEAD_DIM // BLOCK_D)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     pid_bk = tl.program_id(0)
     column = tl.program_id(2) * BLOCK_D
     _merge_rows(
@@ -556,6 +564,7 @@ def flash_decode(
         DOT_PRECISION=inputs.dot_precision,
         num_warps=num_warps,
         num_stages=config.num_stages,
+        **pdl.launch_options(q.device),
     )
     launches.record("flash_decode_split")
     remember_compiled(
@@ -577,6 +586,7 @@ def flash_decode(
         BLOCK_D=block_d,
         HAS_SINKS=inputs.has_sinks,
         num_warps=4,
+        **pdl.launch_options(q.device),
     )
     launches.record("flash_decode_combine")
     remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)
