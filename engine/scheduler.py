@@ -13,12 +13,17 @@ prompt emits the sequence's first generated token; every decode row emits one to
 A slot is a row of the preallocated KV cache; a sequence keeps the lowest free slot from
 admission until it finishes. Rows are ragged: each has its own start position (and, in prefill,
 its own length). Knows nothing of tensors, clocks or models: the caller passes times and tokens.
+
+A steady decode cohort (the same sequences, step after step) is scheduled without re-deciding:
+once a decode step finds nothing to prefill or admit, the next steps reuse its cohort until a
+sequence is added or finishes. `schedule` runs before every step's launch, so its cost is host
+time per decode step (issue 7).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.sequence import FINISHED, RUNNING, WAITING, Sequence
 
@@ -65,6 +70,34 @@ class Batch:
         return [row.sequence.slot for row in self.rows]
 
 
+# A steady decode step's Batch and Rows, set through their slots: a frozen dataclass's __init__ sets
+# each field with object.__setattr__, which was half the time of scheduling a steady decode step.
+_new = object.__new__
+_ROW_FIELDS = tuple(vars(Row)[item.name].__set__ for item in fields(Row))  # sequence, start, tokens, emits
+_BATCH_FIELDS = tuple(vars(Batch)[item.name].__set__ for item in fields(Batch))  # step, phase, rows
+assert [item.name for item in fields(Row)] == ["sequence", "start", "tokens", "emits"] and \
+    [item.name for item in fields(Batch)] == ["step", "phase", "rows"], "update _decode_batch"
+
+
+def _decode_batch(step: int, cohort: tuple[Sequence, ...]) -> Batch:
+    """Batch(step, DECODE, tuple(Row(s, s.cached, (s.generated[-1],), True) for s in cohort))."""
+    set_sequence, set_start, set_tokens, set_emits = _ROW_FIELDS
+    rows = []
+    for sequence in cohort:
+        row = _new(Row)
+        set_sequence(row, sequence)
+        set_start(row, sequence.cached)
+        set_tokens(row, (sequence.generated[-1],))
+        set_emits(row, True)
+        rows.append(row)
+    set_step, set_phase, set_rows = _BATCH_FIELDS
+    batch = _new(Batch)
+    set_step(batch, step)
+    set_phase(batch, DECODE)
+    set_rows(batch, tuple(rows))
+    return batch
+
+
 class Scheduler:
     def __init__(self, max_slots: int, capacity: int, token_budget: int, prefill_chunk: int) -> None:
         if max_slots < 1:
@@ -79,6 +112,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted, in admission order
         self.free_slots = list(range(max_slots))
         self.steps = 0
+        # The sequences of the last decode step while nothing can change the next step's rows but
+        # their positions and tokens: none prefilling, none admissible, every one stamped. Cleared
+        # when a sequence is added or finishes; None: decide the next step from scratch.
+        self._cohort: tuple[Sequence, ...] | None = None
 
     def add(self, sequence: Sequence, now: float | None = None) -> None:
         if sequence.positions_needed > self.capacity:
@@ -89,12 +126,18 @@ class Scheduler:
             raise ValueError(f"request {sequence.request_id} was already run: make a new Sequence")
         sequence.arrived_at = now
         self.waiting.append(sequence)
+        self._cohort = None  # it may be admitted at the next step
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self, now: float | None = None) -> Batch:
         """The next step. `now` is stamped on sequences run for the first time, before the step runs."""
+        cohort = self._cohort
+        if cohort is not None:  # a steady decode cohort: the same rows, one position on
+            batch = _decode_batch(self.steps, cohort)
+            self.steps += 1
+            return batch
         if not self.has_work():
             raise RuntimeError("nothing to schedule: every sequence has finished")
         rows = self._prefill_rows()
@@ -105,6 +148,10 @@ class Scheduler:
         for row in rows:
             if row.sequence.first_scheduled_at is None:
                 row.sequence.first_scheduled_at = now
+        if phase == DECODE and all(row.sequence.first_scheduled_at is not None for row in rows):
+            # Nothing prefills and nothing can be admitted (none waits, or no slot is free): until a
+            # sequence is added or finishes, every next step decodes these same sequences.
+            self._cohort = tuple(self.running)
         batch = Batch(self.steps, phase, tuple(rows))
         self.steps += 1
         return batch
@@ -148,6 +195,7 @@ class Scheduler:
             if len(sequence.generated) == sequence.max_tokens:
                 sequence.status, sequence.finished_at = FINISHED, now
                 self.running.remove(sequence)
+                self._cohort = None
                 self.free_slots.append(sequence.slot)
                 self.free_slots.sort()
                 finished.append(sequence)

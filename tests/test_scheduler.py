@@ -4,8 +4,9 @@ then batched greedy decoding on `tiny` against `Engine.generate`, prompt by prom
 import pytest
 
 from engine import flags
+from engine import scheduler as scheduler_module
 from engine.runtime import Engine
-from engine.scheduler import DECODE, PREFILL, Scheduler
+from engine.scheduler import DECODE, PREFILL, Batch, Row, Scheduler
 from engine.sequence import Sequence
 
 
@@ -93,6 +94,75 @@ def test_request_ids_are_distinct_across_requests_and_repetitions():
     second = [Sequence((1, 2), 1) for _ in range(4)]  # a repetition of the same requests
     ids = [sequence.request_id for sequence in first + second]
     assert len(set(ids)) == len(ids)
+
+
+class FromScratch(Scheduler):
+    """The scheduler without its steady-cohort fast path: every step decided from scratch."""
+
+    def schedule(self, now=None):
+        self._cohort = None
+        return super().schedule(now)
+
+
+def _steps(batches, sequences):
+    index = {id(sequence): position for position, sequence in enumerate(sequences)}
+    return [(batch.step, batch.phase, [(index[id(row.sequence)], row.sequence.slot, row.start, row.tokens, row.emits)
+                                       for row in batch.rows]) for batch in batches]
+
+
+@pytest.mark.parametrize("slots, budget, prompts, asked", [
+    (1, 16, [5], [6]),  # one sequence: prefill, then a steady cohort to the end
+    (3, 64, [5, 11, 2], [4, 6, 5]),  # ragged decode rows; the cohort shrinks as sequences finish
+    (2, 32, [3 + 7 * index for index in range(6)], [1, 5, 3, 8, 2, 6]),  # waiting sequences take freed slots
+    (4, 32, [40, 3, 17], [3, 9, 2]),  # chunked prefill beside finished prompts
+])
+def test_the_steady_cohort_fast_path_schedules_what_deciding_from_scratch_does(slots, budget, prompts, asked,
+                                                                               monkeypatch):
+    fast, built = [], scheduler_module._decode_batch
+    monkeypatch.setattr(scheduler_module, "_decode_batch", lambda step, rows: fast.append(step) or built(step, rows))
+    runs = []
+    for kind in (Scheduler, FromScratch):
+        sequences = [Sequence(range(length), count) for length, count in zip(prompts, asked)]
+        batches = drive(kind(max_slots=slots, capacity=64, token_budget=budget, prefill_chunk=16), sequences,
+                        token=lambda batch, row: 100 + batch.step)
+        runs.append((_steps(batches, sequences), [(sequence.generated, sequence.first_scheduled_at,
+                                                   sequence.first_token_at, sequence.finished_at)
+                                                  for sequence in sequences]))
+    assert runs[0] == runs[1]
+    assert fast and all(runs[0][0][step][1] == DECODE for step in fast)  # the fast path ran, in the first run only
+
+
+def test_a_steady_cohort_takes_a_sequence_added_mid_run_and_its_batches_equal_built_ones():
+    scheduler = Scheduler(max_slots=2, capacity=64, token_budget=32, prefill_chunk=16)
+    first = Sequence(range(4), 6)
+    scheduler.add(first, now=0.0)
+    batches = []
+    for step in range(3):  # a prefill, then decode steps: the cohort is steady from the first decode on
+        batches.append(scheduler.schedule(now=float(step)))
+        scheduler.postprocess(batches[-1], [7], now=step + 0.5)
+    assert [batch.phase for batch in batches] == [PREFILL, DECODE, DECODE] and scheduler._cohort == (first,)
+    steady = batches[-1]
+    assert type(steady) is Batch and all(type(row) is Row for row in steady.rows)
+    assert steady == Batch(steady.step, DECODE, (Row(first, first.cached - 1, (7,), True),))
+    second = Sequence(range(3), 2)
+    scheduler.add(second, now=3.0)  # a free slot: admitted (prefilled) at the next step
+    admitted = scheduler.schedule(now=4.0)
+    assert admitted.phase == PREFILL and [row.sequence for row in admitted.rows] == [second]
+    scheduler.postprocess(admitted, [8], now=4.5)
+    both = scheduler.schedule(now=5.0)
+    assert both.phase == DECODE and [row.sequence for row in both.rows] == [first, second]
+    assert second.first_scheduled_at == 4.0
+
+
+def test_a_sequence_first_run_without_a_time_is_stamped_at_its_first_timed_step():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=16, prefill_chunk=16)
+    sequence = Sequence(range(4), 4)
+    scheduler.add(sequence)
+    scheduler.postprocess(scheduler.schedule(), [1])  # no time given: nothing stamped
+    assert sequence.first_scheduled_at is None
+    scheduler.postprocess(scheduler.schedule(now=2.0), [1], now=2.5)
+    scheduler.schedule(now=3.0)
+    assert sequence.first_scheduled_at == 2.0
 
 
 @pytest.mark.parametrize("arguments, fragment", [
