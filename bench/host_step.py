@@ -15,8 +15,13 @@ the sync, the postprocess and the step record), which on a CPU stub is all host 
 decode step of a cohort runs eagerly as a capture step does, and stores a `_DecodeGraph` whose
 replay does nothing and whose template dispatcher holds the records a real capture would have
 (one MoE and one attention record per layer, from an eager forward through it) plus the Triton
-launches a capture on a GPU records (5 per layer). Events are stubs (record() does nothing).
+launches a capture on a GPU records (5 per layer). Events are stubs (record() does nothing), and
+so is the current stream: the stub measures the Python of the path, not the C calls a GPU step
+adds before its launch (the current stream's id, two event records, the graph launch).
 --device cuda: the real runner with real graph capture and CUDA events, weights drawn on the GPU.
+
+Also printed: how many replays copied their inputs in (a steady cohort copies none: the graph
+feeds itself), which a slow host_us on a GPU should be checked against first.
 """
 
 from __future__ import annotations
@@ -35,14 +40,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch
+import torch  # noqa: E402 - after the sys.path line above, like the engine imports
 
-from engine import flags as flag_registry
-from engine.batch_runner import BatchRunner, _DecodeGraph
-from engine.config import PRESETS
-from engine.runtime import Dispatcher, Engine
-from engine.scheduler import DECODE, Scheduler
-from engine.sequence import Sequence
+from engine import flags as flag_registry  # noqa: E402
+from engine.batch_runner import BatchRunner, _DecodeGraph  # noqa: E402
+from engine.config import PRESETS  # noqa: E402
+from engine.runtime import Dispatcher, Engine  # noqa: E402
+from engine.scheduler import DECODE, Scheduler  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
 
 # What a capture of one decode layer records on a GPU (gemv MoE, split-KV decode attention).
 KERNELS_PER_LAYER = ("moe_align.fused", "moe_gemv.gate_up", "moe_gemv.down", "flash_decode_split",
@@ -68,6 +73,7 @@ def stub_graphs(runner: BatchRunner) -> None:
     runner.graphs_enabled = True
     runner.graphs_note = "on (CPU stub: replays do nothing)"
     runner._events = (_StubEvent(), _StubEvent())
+    runner._records = tuple(event.record for event in runner._events)  # what the runner calls to record them
     runner._current_stream = lambda: None
     runner._capture_blocker = lambda size, dispatcher: ""
 
@@ -175,6 +181,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         run_once(engine, runner, flags, prompts, tokens)  # warm-up: the capture, caches, allocator
         host, loop, device = [], [], []
+        copies_before, replays_before = getattr(runner, "input_copies", None), 0
         profiler = cProfile.Profile() if args.profile else None
         pauses = GcPauses()
         gc.callbacks.append(pauses)
@@ -186,6 +193,7 @@ def main(argv=None) -> int:
             if not replays:
                 raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
             host += [steps[index]["host_us"] for index in replays]
+            replays_before += len(replays)
             device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
             loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
                      for index in replays if index + 1 < len(steps)]
@@ -199,6 +207,9 @@ def main(argv=None) -> int:
     print(f"host loop per replayed step (start to next start): {summary(loop)}")
     if device:
         print(f"device_us per replayed step:                      {summary(device)}")
+    if copies_before is not None:
+        print(f"replays that copied their inputs in: {runner.input_copies - copies_before} of {replays_before} "
+              f"(one per run: its first replay; a steady cohort feeds itself)")
     print(f"garbage collections while timing: {pauses.count} ({pauses.full} full), "
           f"{pauses.seconds * 1e6 / max(1, len(host)):.2f} µs per replayed step on average")
     if profiler is not None:

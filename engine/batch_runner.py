@@ -19,10 +19,14 @@ one forward for all its rows, and returns each row's next token, with the step's
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
 - The host path of a replayed step is kept short (issue 7: host time per decode step at batch 1;
-  bench/host_step.py measures it): the graph for a (size, flags) pair is found with a lookup on two
-  ints, the replay and the end event are issued first, and the step's bookkeeping (arm and kernel
-  counts, the decision records copied from the capture's) runs after the launch, while the device
-  works.
+  bench/host_step.py measures it). Before the launch it does only what the launch needs: the graph
+  for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
+  start event, the replay and the end event. Everything else runs after the launch, while the
+  device works: the dispatcher's step (`begin_step`), the arm and kernel counts, the decision
+  records copied from the capture's. The events are recorded on a stream object kept by the
+  runner (checked each step against the current stream's id, so a caller may switch streams), and
+  the events and the graph are driven through their C methods: torch's Python wrappers only
+  default a stream (always passed here) and check input liveness (never asked for here).
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -30,7 +34,8 @@ Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -61,6 +66,27 @@ class _DecodeGraph:
     # What `inputs` holds after the last replay (the graph feeds its own output one position on):
     # one (request id, token, position) per row; a step that matches needs no host->device copy.
     holds: list[tuple[int, int, int]] | None = None
+    launch: Callable[[], None] = field(init=False, repr=False)  # graph.replay, without torch's Python layer
+
+    def __post_init__(self) -> None:
+        graph = self.graph
+        # torch.cuda.CUDAGraph.replay checks input liveness when the capture asked for it (ours does
+        # not: `_tracker` is None), then calls the C replay; call that directly.
+        if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
+            self.launch = super(torch.cuda.CUDAGraph, graph).replay
+        else:
+            self.launch = graph.replay
+
+
+# (stream id, device index, device type) of a device's current stream: the one C call inside
+# torch.cuda.current_stream, which then builds a new Stream object through Python layers each call.
+# None where this torch build has no CUDA (or names it otherwise): then every step asks torch.
+_current_stream_ident = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+
+def _stream_from(ident) -> torch.cuda.Stream:
+    """The Stream object torch.cuda.current_stream would make for this ident."""
+    return torch.cuda.Stream(stream_id=ident[0], device_index=ident[1], device_type=ident[2])
 
 
 class BatchRunner:
@@ -78,11 +104,20 @@ class BatchRunner:
         self._refused: dict[tuple[int, int], str] = {}  # why a graph cannot serve this (size, flags); "" = it can
         self._flag_tokens: dict[tuple, int] = {}
         self._flags_key: tuple = (None, -1)  # (the last flags object seen, its token)
+        # The step's (start, end) events, reused: read after the step's sync, before the next step records them.
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        # The events are recorded on the current stream of this device, passed explicitly: Event.record()
-        # without a stream looks the device and stream up through several Python layers, twice a step.
+        # What records them: the C method each torch.cuda.Event.record wraps (the wrapper only looks the
+        # current stream up when none is passed). They are recorded on this device's current stream,
+        # passed explicitly (`_current_stream`): a lookup through torch's Python layers costs more.
+        self._records = tuple(super(torch.cuda.Event, event).record for event in self._events) if cuda else None
         self._device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
+        self._stream: torch.cuda.Stream | None = None  # the current stream, kept while its id stays the same
+        self._stream_ident: tuple | None = None
+        # The last replayed graph, with the flags object and batch size it was found for: a steady
+        # cohort's next step finds it without a key or a dict lookup.
+        self._last_replayed: tuple = (None, 0, None)
+        self.input_copies = 0  # replays that had to copy their inputs in (a new cohort, or a first replay)
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
 
@@ -99,41 +134,62 @@ class BatchRunner:
 
     def _run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
         rows = batch.rows
-        decode = batch.phase == DECODE
+        reason, key, captured = "", None, None
+        if self.graphs_enabled and batch.phase == DECODE:
+            reason, key, captured = self._graph_for(rows, dispatcher)
+            if captured is not None:
+                return self._run_replay(batch, dispatcher, captured)
         dispatcher.begin_step(batch.step, batch.phase, batch.n_tokens)
-        events = self._events  # reused: read after the step's sync, before the next step records them
+        records = self._records
         stream = None
-        if events is not None:
+        if records is not None:
             stream = self._current_stream()
-            events[0].record(stream)
-        graph_mode, reason, replayed = "eager", "", None
-        if decode and self.graphs_enabled:
-            reason, key, captured = self._graph_for(batch, dispatcher)
-            if reason:
-                next_tokens = self._eager(batch, dispatcher)
-            elif captured is None:
-                graph_mode = "capture"
-                next_tokens = self._capture(batch, dispatcher, key, [[row.tokens[0] for row in rows],
-                                                                     [row.start for row in rows]])
-            else:
-                graph_mode, replayed = "replay", captured
-                self._replay(captured, rows)
+            records[0](stream)
+        graph_mode = "eager"
+        if key is not None and not reason:
+            graph_mode = "capture"
+            next_tokens = self._capture(batch, dispatcher, key, [[row.tokens[0] for row in rows],
+                                                                 [row.start for row in rows]])
         else:
             next_tokens = self._eager(batch, dispatcher)
-        if events is not None:
-            events[1].record(stream)
+        if records is not None:
+            records[1](stream)
         launched_at = time.perf_counter()
-        if replayed is None:
-            tokens = dispatcher.end_step_batch(next_tokens)
-        else:  # the bookkeeping runs while the device works; then the step's one sync
-            dispatcher.replay(replayed.template, replayed.kernels)
-            tokens = dispatcher.end_replay(replayed.observed, len(rows))
-            replayed.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
+        tokens = dispatcher.end_step_batch(next_tokens)
+        events = self._events
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
         return tokens, StepTiming(launched_at, device_us, graph_mode, reason)
 
+    def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph) -> tuple[list[int], StepTiming]:
+        """A replayed decode step: the start event, the replay (and its input copy, if any) and the end
+        event first; the step's bookkeeping while the device works; then the step's one sync."""
+        rows = batch.rows
+        records = self._records
+        if records is not None:
+            stream = self._current_stream()
+            records[0](stream)
+            self._replay(captured, rows)
+            records[1](stream)
+        else:
+            self._replay(captured, rows)
+        launched_at = time.perf_counter()
+        dispatcher.begin_step(batch.step, DECODE, batch.n_tokens)
+        dispatcher.replay(captured.template, captured.kernels)
+        tokens = dispatcher.end_replay(captured.observed, len(rows))
+        captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
+        events = self._events
+        device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
+        return tokens, StepTiming(launched_at, device_us, "replay")
+
     def _current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._device_index)
+        """This device's current stream: the Stream object made the last time its id changed (a caller
+        may switch streams between steps; each step checks the id, one C call)."""
+        if _current_stream_ident is None:
+            return torch.cuda.current_stream(self._device_index)
+        ident = _current_stream_ident(self._device_index)
+        if ident != self._stream_ident:
+            self._stream, self._stream_ident = _stream_from(ident), ident
+        return self._stream
 
     # ---------------------------------------------------------------------------------- eager
 
@@ -174,18 +230,25 @@ class BatchRunner:
             self._flags_key = (flags, self._flag_tokens.setdefault(values, len(self._flag_tokens)))
         return (size, self._flags_key[1])
 
-    def _graph_for(self, batch: Batch, dispatcher) -> tuple[str, tuple[int, int] | None, _DecodeGraph | None]:
-        """For a decode step: why it cannot replay a graph ("" when it can), its graph key, and its
-        captured graph (None until captured)."""
-        size = len(batch.rows)
-        for index, row in enumerate(batch.rows):
-            if row.sequence.slot != index:
-                return f"decode rows sit in cache rows {batch.slots}, not 0..{size - 1}", None, None
+    def _graph_for(self, rows, dispatcher) -> tuple[str, tuple[int, int] | None, _DecodeGraph | None]:
+        """For a decode step's rows: why it cannot replay a graph ("" when it can), its graph key (None
+        when the last replayed graph serves it), and its captured graph (None until captured)."""
+        size = len(rows)
+        for index in range(size):
+            if rows[index].sequence.slot != index:
+                return (f"decode rows sit in cache rows {[row.sequence.slot for row in rows]}, not 0..{size - 1}",
+                        None, None)
+        last = self._last_replayed
+        if last[0] is dispatcher.flags and last[1] == size:  # a steady cohort: the graph it replayed last step
+            return "", None, last[2]
         key = self._graph_key(size, dispatcher)
         reason = self._refused.get(key)
         if reason is None:  # decided once per size and flags: host time matters at batch 1
             reason = self._refused[key] = self._capture_blocker(size, dispatcher)
-        return reason, key, (None if reason else self._graphs.get(key))
+        captured = None if reason else self._graphs.get(key)
+        if captured is not None:
+            self._last_replayed = (dispatcher.flags, size, captured)
+        return reason, key, captured
 
     def _capture_blocker(self, size: int, dispatcher) -> str:
         config, flags = self.engine.config, dispatcher.flags
@@ -211,8 +274,9 @@ class BatchRunner:
         if captured.holds != wanted:  # a new cohort (or the first replay): copy the inputs in
             captured.staging.numpy()[:] = [[row.tokens[0] for row in rows], [row.start for row in rows]]
             captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
+            self.input_copies += 1
         captured.holds = None  # until this replay's outputs are known
-        captured.graph.replay()
+        captured.launch()
 
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""

@@ -425,8 +425,10 @@ class Engine:
 
     @staticmethod
     def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
-        kernels_before, host_started = launches.snapshot(), time.perf_counter()
+        kernels_before = launches.snapshot()
         started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
+        # host_us is measured on perf_counter, the clock the runner stamps launched_at with
+        host_started = started if clock is time.perf_counter else time.perf_counter()
         batch = scheduler.schedule(now=started)
         next_tokens, timing = runner.run(batch, dispatcher)
         ended = clock()
