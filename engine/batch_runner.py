@@ -23,10 +23,11 @@ one forward for all its rows, and returns each row's next token, with the step's
   for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
   start event, the replay and the end event. Everything else runs after the launch, while the
   device works: the dispatcher's step (`begin_step`), the arm and kernel counts, the decision
-  records copied from the capture's. The events are recorded on a stream object kept by the
-  runner (checked each step against the current stream's id, so a caller may switch streams), and
-  the events and the graph are driven through their C methods: torch's Python wrappers only
-  default a stream (always passed here) and check input liveness (never asked for here).
+  records copied from the capture's, the step's launch count for its record. The events are
+  recorded on a stream object kept by the runner (checked each step against the current stream's
+  id, so a caller may switch streams), and the events and the graph are driven through their C
+  methods: torch's Python wrappers only default a stream (always passed here) and check input
+  liveness (never asked for here).
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -53,6 +54,9 @@ class StepTiming:
     device_us: float | None  # CUDA events around the step's work; None on a CPU (no separate device clock)
     graph: str  # "replay", "capture" or "eager"
     eager_reason: str = ""  # why a GPU decode step did not replay a graph
+    # Triton launches since the caller's snapshot (`run`'s kernels_before), counted before the step's
+    # sync, while the device works; None when no snapshot was given.
+    kernel_launches: dict[str, int] | None = None
 
 
 @dataclass
@@ -121,24 +125,26 @@ class BatchRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
 
-    def run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
-        """One step: every row's next token (one sync, in the dispatcher) and the step's clocks."""
+    def run(self, batch: Batch, dispatcher, kernels_before: dict[str, int] | None = None
+            ) -> tuple[list[int], StepTiming]:
+        """One step: every row's next token (one sync, in the dispatcher) and the step's clocks; with
+        `kernels_before` (a `launches.snapshot()`), also the Triton launches since it."""
         if not self.label_steps:
-            return self._run(batch, dispatcher)
+            return self._run(batch, dispatcher, kernels_before)
         with torch.profiler.record_function(f"moei.step.{batch.step}"):
-            return self._run(batch, dispatcher)
+            return self._run(batch, dispatcher, kernels_before)
 
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(key[0] for key in self._graphs)
 
-    def _run(self, batch: Batch, dispatcher) -> tuple[list[int], StepTiming]:
+    def _run(self, batch: Batch, dispatcher, kernels_before) -> tuple[list[int], StepTiming]:
         rows = batch.rows
         reason, key, captured = "", None, None
         if self.graphs_enabled and batch.phase == DECODE:
             reason, key, captured = self._graph_for(rows, dispatcher)
             if captured is not None:
-                return self._run_replay(batch, dispatcher, captured)
+                return self._run_replay(batch, dispatcher, captured, kernels_before)
         dispatcher.begin_step(batch.step, batch.phase, batch.n_tokens)
         records = self._records
         stream = None
@@ -155,12 +161,14 @@ class BatchRunner:
         if records is not None:
             records[1](stream)
         launched_at = time.perf_counter()
+        counted = None if kernels_before is None else launches.since(kernels_before)
         tokens = dispatcher.end_step_batch(next_tokens)
         events = self._events
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
-        return tokens, StepTiming(launched_at, device_us, graph_mode, reason)
+        return tokens, StepTiming(launched_at, device_us, graph_mode, reason, counted)
 
-    def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph) -> tuple[list[int], StepTiming]:
+    def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph, kernels_before
+                    ) -> tuple[list[int], StepTiming]:
         """A replayed decode step: the start event, the replay (and its input copy, if any) and the end
         event first; the step's bookkeeping while the device works; then the step's one sync."""
         rows = batch.rows
@@ -174,12 +182,13 @@ class BatchRunner:
             self._replay(captured, rows)
         launched_at = time.perf_counter()
         dispatcher.begin_step(batch.step, DECODE, batch.n_tokens)
-        dispatcher.replay(captured.template, captured.kernels)
+        dispatcher.replay(captured.template, captured.kernels)  # counts the replay's launches
+        counted = None if kernels_before is None else launches.since(kernels_before)
         tokens = dispatcher.end_replay(captured.observed, len(rows))
         captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
         events = self._events
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
-        return tokens, StepTiming(launched_at, device_us, "replay")
+        return tokens, StepTiming(launched_at, device_us, "replay", "", counted)
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream: the Stream object made the last time its id changed (a caller

@@ -430,14 +430,14 @@ class Engine:
         # host_us is measured on perf_counter, the clock the runner stamps launched_at with
         host_started = started if clock is time.perf_counter else time.perf_counter()
         batch = scheduler.schedule(now=started)
-        next_tokens, timing = runner.run(batch, dispatcher)
+        next_tokens, timing = runner.run(batch, dispatcher, kernels_before)  # counts launches before its sync
         ended = clock()
         scheduler.postprocess(batch, next_tokens, now=ended)
         record = dispatcher.step_record()
         record.update(
             started=started, ended=ended, host_us=(timing.launched_at - host_started) * 1e6,
             device_us=timing.device_us, graph=timing.graph, eager_reason=timing.eager_reason,
-            kernel_launches=launches.since(kernels_before),
+            kernel_launches=timing.kernel_launches,
             rows=[{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
                    "tokens": len(row.tokens), "emitted": token if row.emits else None}
                   for row, token in zip(batch.rows, next_tokens)])
