@@ -9,6 +9,7 @@ the sync, the postprocess and the step record), which on a CPU stub is all host 
     python bench/host_step.py                      # CPU stub, demo (2 layers), batch 1
     python bench/host_step.py --layers 1           # the v4-shape record count (1 layer)
     python bench/host_step.py --profile            # plus the top cProfile entries of the replayed steps
+    python bench/host_step.py --breakdown          # plus each piece of the path before the launch, timed per call
     python bench/host_step.py --device cuda --model v4-shape   # a real graph on a GPU
 
 --device cpu (no GPU): the real scheduler, runner and dispatcher, with a stub graph. The first
@@ -110,12 +111,15 @@ def build_engine(args) -> Engine:
     return Engine(config, device, 0)
 
 
-def run_once(engine, runner, flags, prompts, max_tokens, profiler=None) -> list[dict]:
+def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None) -> list[dict]:
     """One batched run, step by step as `Engine.generate_batch` runs it; the profiler (if any)
-    is on only inside steps that follow a capture or replay (the steady decode steps)."""
+    is on only inside steps that follow a capture or replay (the steady decode steps). The run's
+    scheduler is appended to `schedulers` when given."""
     clock = time.perf_counter
     chunk = flags["prefill_chunk"]
     scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
+    if schedulers is not None:
+        schedulers.append(scheduler)
     dispatcher = Dispatcher(engine, flags, timed=False)
     arrived = clock()
     for prompt in prompts:
@@ -129,6 +133,86 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None) -> list[
         if steady:
             profiler.disable()
     return steps
+
+
+def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tuple[str, list[float]]]:
+    """Each piece of a replayed step's path before its launch, timed per call (perf_counter around
+    it) over the replayed steps of separate runs: (label, µs per replayed step) rows, nested rows
+    indented; then the time between the pieces, host_us itself with the timers on, and an empty
+    call timed the same way (the timer's own share of each row). A piece the runner does not have
+    (an older runner) is left out."""
+    clock = time.perf_counter
+    spans: dict[str, list] = {}
+    step = [None]
+
+    def timed(label, function):
+        calls = spans.setdefault(label, [])
+
+        def wrapper(*args):
+            started = clock()
+            out = function(*args)
+            calls.append((step[0], clock() - started))
+            return out
+        return wrapper
+
+    def timed_schedule(function):
+        calls = spans.setdefault("scheduler.schedule", [])
+
+        def wrapper(scheduler, now=None):
+            started = clock()
+            batch = function(scheduler, now)
+            spent = clock() - started
+            step[0] = (id(scheduler), batch.step)  # what follows is charged to this step
+            calls.append((step[0], spent))
+            return batch
+        return wrapper
+
+    schedule = Scheduler.schedule
+    saved = {name: getattr(runner, name) for name in ("_graph_for", "_current_stream", "_records", "_replay")
+             if hasattr(runner, name)}
+    graphs = [(captured, captured.launch) for captured in runner._graphs.values() if hasattr(captured, "launch")]
+    Scheduler.schedule = timed_schedule(schedule)
+    runner._graph_for = timed("BatchRunner._graph_for", saved["_graph_for"])
+    runner._current_stream = timed("BatchRunner._current_stream", saved["_current_stream"])
+    runner._replay = timed("BatchRunner._replay (inputs check + launch)", saved["_replay"])
+    if saved.get("_records") is not None:
+        runner._records = (timed("start event record", saved["_records"][0]),
+                           timed("end event record", saved["_records"][1]))
+    for captured, launch in graphs:
+        captured.launch = timed("graph launch", launch)
+    empty_label = "an empty call, timed the same way"
+    empty = timed(empty_label, lambda: None)
+    host, schedulers = {}, []
+    try:
+        while len(host) < steps:
+            for record in run_once(engine, runner, flags, prompts, max_tokens, schedulers=schedulers):
+                if record["graph"] == "replay":
+                    host[(id(schedulers[-1]), record["step"])] = record["host_us"]
+                    empty()
+    finally:
+        Scheduler.schedule = schedule
+        for name, value in saved.items():
+            setattr(runner, name, value)
+        for captured, launch in graphs:
+            captured.launch = launch
+    order = [("scheduler.schedule", 0), ("BatchRunner._graph_for", 0), ("BatchRunner._current_stream", 0),
+             ("start event record", 0), ("BatchRunner._replay (inputs check + launch)", 0), ("graph launch", 1),
+             ("end event record", 0)]
+    rows, between = [], dict(host)
+    for label, depth in order:
+        if not spans.get(label):
+            continue
+        per_step: dict = {}
+        for key, spent in spans[label]:
+            per_step[key] = per_step.get(key, 0.0) + spent * 1e6
+        rows.append(("  " * depth + label, [per_step[key] for key in host if key in per_step]))
+        if depth == 0:
+            for key in host:
+                between[key] -= per_step.get(key, 0.0)
+    rows.append(("between them: clock reads, calls into run/_run/_run_replay, timers", list(between.values())))
+    rows.append(("host_us with these timers on", list(host.values())))
+    rows.append((empty_label, [spent * 1e6 for _, spent in spans[empty_label]]))
+    return rows
 
 
 class GcPauses:
@@ -166,6 +250,8 @@ def main(argv=None) -> int:
                         help="disable the garbage collector while timing (isolates its pauses from the code's cost)")
     parser.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each piece of the path before the launch, per call (separate runs)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
@@ -199,6 +285,7 @@ def main(argv=None) -> int:
                      for index in replays if index + 1 < len(steps)]
         gc.callbacks.remove(pauses)
         gc.enable()
+        pieces = breakdown(engine, runner, flags, prompts, tokens, args.steps) if args.breakdown else None
     config = engine.config
     print(f"{config.name}, {config.n_layers} layer(s), batch {args.batch}, {args.device}"
           f"{' (stub graph)' if args.device == 'cpu' else ''}; torch {torch.__version__}, "
@@ -212,6 +299,11 @@ def main(argv=None) -> int:
               f"(one per run: its first replay; a steady cohort feeds itself)")
     print(f"garbage collections while timing: {pauses.count} ({pauses.full} full), "
           f"{pauses.seconds * 1e6 / max(1, len(host)):.2f} µs per replayed step on average")
+    if pieces is not None:
+        print("before the launch of a replayed step, per call in µs (separate runs with timers on, which slow what "
+              "they time: compare the last two rows with host_us above; each piece holds one empty call's time):")
+        for label, values in pieces:
+            print(f"  {label:<72} {summary(values)}")
     if profiler is not None:
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
