@@ -227,6 +227,10 @@ class BatchRunner:
         key_length = self.capacity if batch.phase == DECODE and contiguous else batch.key_length
         layout = StepLayout(start, key_length, slots, token_index, last_index)
         logits = forward(self.engine.config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]
+        if logits.is_cuda:  # the kernel a replayed step ends with (kernels.next_tokens): same launches
+            from kernels.next_tokens import argmax_rows
+
+            return argmax_rows(logits)
         return torch.argmax(logits, dim=-1)
 
     # ---------------------------------------------------------------------------------- graphs

@@ -536,8 +536,8 @@ def graphs_note(engine, graphs: bool | None) -> str:
         return "off (--graphs off)"
     from kernels import pdl
 
-    return "on for decode steps" + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)"
-                                    if pdl.enabled(engine.device) else "; programmatic dependent launch off")
+    return "on for decode steps" + ("; programmatic dependent launch on (MOEI_PDL=1)"
+                                    if pdl.enabled(engine.device) else "")
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:

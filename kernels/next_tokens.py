@@ -24,7 +24,7 @@ BLOCK = 2048
 
 @triton.jit
 def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr,
-                        USE_GDC: tl.constexpr):
+                        FEED: tl.constexpr, USE_GDC: tl.constexpr):
     if USE_GDC:  # programmatic dependent launch (kernels.pdl)
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
@@ -41,9 +41,10 @@ def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, s
     top = tl.max(best_value, axis=0)
     token = tl.min(tl.where(best_value == top, best_index, 2**31 - 1), axis=0).to(tl.int64)
     tl.store(observed_ptr + row, token)
-    tl.store(inputs_ptr + row, token)
-    position = tl.load(inputs_ptr + stride_inputs + row)
-    tl.store(inputs_ptr + stride_inputs + row, position + 1)
+    if FEED:
+        tl.store(inputs_ptr + row, token)
+        position = tl.load(inputs_ptr + stride_inputs + row)
+        tl.store(inputs_ptr + stride_inputs + row, position + 1)
 
 
 def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -55,8 +56,22 @@ def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tens
         raise ValueError(f"next_tokens: inputs must be int64 [2, {rows}], got {inputs.dtype} {tuple(inputs.shape)}")
     if observed.dtype != torch.int64 or observed.numel() < rows or not observed.is_contiguous():
         raise ValueError(f"next_tokens: observed must be a contiguous int64 buffer of >= {rows}")
-    _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0),
-                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=4,
+    _launch(logits, observed, inputs, feed=True)
+    return observed[:rows]
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [B] int64 with the same kernel (an eager step launches what a replay does)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"argmax_rows: logits must be float32 [B, V] with unit stride, got {logits.dtype}")
+    observed = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _launch(logits, observed, observed, feed=False)
+    return observed
+
+
+def _launch(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor, feed: bool) -> None:
+    rows, vocab = logits.shape
+    _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0) if feed else 0,
+                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), FEED=feed, num_warps=4,
                                  **pdl.launch_options(logits.device))
     launches.record("next_tokens")
-    return observed[:rows]
