@@ -294,7 +294,7 @@ class BatchRunner:
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
         from engine.runtime import Dispatcher  # runtime imports this module
-        from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
+        from kernels.next_tokens import argmax_rows, next_tokens as next_tokens_into  # Triton: GPU only
 
         config, weights, size = self.engine.config, self.engine.weights, len(batch.rows)
         inputs = torch.tensor(values, dtype=torch.int64, device=self.device)  # [2, B] static
@@ -303,7 +303,8 @@ class BatchRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            next_tokens = torch.argmax(forward(config, weights, tokens, layout, self.cache, dispatcher), dim=-1)
+            # the eager step's own tail kernel, as `_eager` ends (so eager and graphed runs count alike)
+            next_tokens = argmax_rows(forward(config, weights, tokens, layout, self.cache, dispatcher))
         torch.cuda.current_stream().wait_stream(side)
 
         template = Dispatcher(self.engine, dispatcher.flags, timed=False)
