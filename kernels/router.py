@@ -97,7 +97,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
         logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
         logits.stride(0), ids.stride(0), weights.stride(0),
         E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken,
-        COUNT_BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=1 if experts <= 256 else 4,
+        COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
+        num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
     )
     launches.record("topk_softmax")
