@@ -64,6 +64,7 @@ elif [ "$mode" = fused ]; then  # issue 7's fused decode step: its GPU tests, th
     TAIL=25 stage 280 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         tests/test_decode_fused.py tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py
     TAIL=50 stage 90 gemv_bench python3 bench/gemv_bench.py
+    TAIL=30 stage 120 moe_gemv_blocks python3 bench/moe_gemv_blocks.py
     TAIL=40 stage 120 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
     TAIL=12 MOEI_PDL=1 stage 90 bench_v4_pdl python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 \

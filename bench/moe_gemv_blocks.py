@@ -1,0 +1,121 @@
+"""Block sizes of the gather-GEMV MoE arm at the v4 shape on an H200: each candidate checked against
+the reference, then timed replayed from a CUDA graph, beside the bandwidth bound of the bytes read.
+
+Shape: D = 4096, F = 2048, E = 256, top-6, bf16, n = 1 and 8 tokens, routing drawn at random (k
+distinct experts per token). The module constants of kernels.moe_gemv are set per candidate (the
+launcher reads them at call time); the table entry in use is marked. Bound: w13 and w2 bytes of
+the distinct experts touched, over the device-to-device copy bandwidth measured in this run.
+
+    python3 bench/moe_gemv_blocks.py          # prints a table; JSON to $OUT/moe_gemv_blocks.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from engine.provenance import commit_label  # noqa: E402
+from kernels import moe_gemv  # noqa: E402
+from kernels.reference import moe_reference  # noqa: E402
+
+D, F, E, K = 4096, 2048, 256, 6
+GATE_UP = [(8, 512), (4, 512), (8, 1024), (16, 256), (4, 1024)]  # (BLOCK_F, BLOCK_D)
+DOWN = [(8, 1024), (4, 2048), (8, 2048), (16, 512), (4, 1024), (2, 2048)]  # (BLOCK_D, BLOCK_F)
+
+
+def graph_us(fn, calls: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    value = statistics.median(samples)
+    if not value > 0:
+        raise SystemExit(f"invalid measurement {value}")
+    return value
+
+
+def copy_bandwidth() -> float:
+    source = torch.empty(2**28, dtype=torch.float32, device="cuda").fill_(1.0)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def main() -> int:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * F, D, generator=generator, device="cuda") / 64).bfloat16()
+    w2 = (torch.randn(E, D, F, generator=generator, device="cuda") / 45).bfloat16()
+    bandwidth = copy_bandwidth()
+    table = (moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D, moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; commit {commit_label()}; "
+          f"table entry gate_up {table[:2]} down {table[2:]}")
+    rows, failed = [], False
+    for tokens in (1, 8):
+        x = torch.randn(tokens, D, generator=generator, device="cuda").bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=generator, device="cuda")[:K] for _ in range(tokens)]).int()
+        weights = torch.softmax(torch.randn(tokens, K, generator=generator, device="cuda"), -1).bfloat16()
+        expected = moe_reference(x, w13, w2, ids, weights).float()
+        distinct = torch.unique(ids).numel()
+        bound_us = distinct * 3 * D * F * 2 / bandwidth * 1e6
+        candidates = [(g, table[2:]) for g in GATE_UP] + [(table[:2], d) for d in DOWN if d != table[2:]]
+        for gate_up, down in candidates:
+            moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D = gate_up
+            moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F = down
+            try:
+                out = moe_gemv.moe_gemv(x, w13, w2, ids, weights).float()
+                error = ((out - expected).abs().max() / expected.abs().max()).item()
+                us = graph_us(lambda: moe_gemv.moe_gemv(x, w13, w2, ids, weights))
+            except Exception as problem:  # noqa: BLE001 - a candidate that does not compile is a row, not a crash
+                rows.append({"tokens": tokens, "gate_up": gate_up, "down": down, "error": str(problem)[:120]})
+                continue
+            ok = error < 2e-2
+            failed |= not ok
+            rows.append({"tokens": tokens, "gate_up": gate_up, "down": down, "us": round(us, 2),
+                         "bound_us": round(bound_us, 2), "ratio": round(us / bound_us, 3), "max_rel_error": error,
+                         "ok": ok, "table": (gate_up, down) == (table[:2], table[2:])})
+        moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D, moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F = table
+    print("| n | gate_up (F, D) | down (D, F) | us | x bound | rel err |\n|---:|---|---|---:|---:|---:|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['tokens']} | {row['gate_up']} | {row['down']} | failed: {row['error']} | | |")
+            continue
+        mark = " (table)" if row["table"] else ""
+        print(f"| {row['tokens']} | {row['gate_up']}{mark} | {row['down']} | {row['us']:.2f} | {row['ratio']:.3f} | "
+              f"{row['max_rel_error']:.1e}{'' if row['ok'] else ' FAILED'} |")
+    out_dir = Path(os.environ.get("OUT", REPO / "bench" / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_gemv_blocks.json").write_text(json.dumps(
+        {"commit": commit_label(), "device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
+         "rows": rows}, indent=1, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
