@@ -9,6 +9,10 @@ RMSNorm -> attention (RoPE, learned per-head sinks, a per-layer mask) -> RMSNorm
 experts is not decided here: `forward` asks `layer_hooks` (the engine's dispatcher) for each
 layer. Knows nothing of flags, tokenization or generation loops.
 
+On a GPU, a step of one token per row (decode) takes engine.decode_fused instead: the same function
+with the glue around the arms (norms, projections, RoPE and the cache write, routing) in a dozen
+launches; tests/test_decode_fused.py bounds the difference to the order of fp32 sums.
+
 The Hugging Face families (engine.hf_loader) switch on features of the config, each absent from the
 presets: q/k/v/o biases, q/k RMSNorm (per head or over the full projection), clip_qkv, no sinks,
 YaRN RoPE, a router bias and softmax-then-top-k routing, tied embeddings, and gpt-oss experts
