@@ -21,6 +21,11 @@ so is the current stream: the stub measures the Python of the path, not the C ca
 adds before its launch (the current stream's id, two event records, the graph launch).
 --device cuda: the real runner with real graph capture and CUDA events, weights drawn on the GPU.
 
+Run-ahead (engine.batch_runner): a steady cohort's next replay is launched at the step's sync, before
+its bookkeeping. The whole host loop is timed with it off, then on (the default): start to next start,
+launch to next launch, and the host time from a replayed step's sync to the next step's launch (on a
+GPU the device idles through it; with run-ahead it is the launched-ahead step's host_us).
+
 Also printed: how many replays copied their inputs in (a steady cohort copies none: the graph
 feeds itself), which a slow host_us on a GPU should be checked against first.
 """
@@ -68,13 +73,18 @@ class _StubGraph:
         pass
 
 
-def stub_graphs(runner: BatchRunner) -> None:
-    """Make a CPU runner take the graph path: capture runs the step eagerly and stores a stub graph."""
+def stub_graphs(runner: BatchRunner, run_ahead: bool = True) -> None:
+    """Make a CPU runner take the graph path: capture runs the step eagerly and stores a stub graph.
+    `run_ahead`: as a CUDA runner's default (on), or off (where the runner has the switch)."""
     engine = runner.engine
     runner.graphs_enabled = True
     runner.graphs_note = "on (CPU stub: replays do nothing)"
     runner._events = (_StubEvent(), _StubEvent())
     runner._records = tuple(event.record for event in runner._events)  # what the runner calls to record them
+    if hasattr(runner, "run_ahead"):
+        runner.run_ahead = run_ahead
+        runner._spare_events = (_StubEvent(), _StubEvent())  # the pair a step launched ahead records
+        runner._spare_records = tuple(event.record for event in runner._spare_events)
     runner._current_stream = lambda: None
     runner._capture_blocker = lambda size, dispatcher: ""
 
@@ -111,10 +121,11 @@ def build_engine(args) -> Engine:
     return Engine(config, device, 0)
 
 
-def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None) -> list[dict]:
+def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None, synced=None) -> list[dict]:
     """One batched run, step by step as `Engine.generate_batch` runs it; the profiler (if any)
     is on only inside steps that follow a capture or replay (the steady decode steps). The run's
-    scheduler is appended to `schedulers` when given."""
+    scheduler is appended to `schedulers` when given; each step's sync time (the runner's `synced_at`
+    after a replayed step, else None) to `synced`."""
     clock = time.perf_counter
     chunk = flags["prefill_chunk"]
     scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
@@ -132,6 +143,8 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedule
         steps.append(Engine._batch_step(scheduler, runner, dispatcher, clock))
         if steady:
             profiler.disable()
+        if synced is not None:
+            synced.append(getattr(runner, "synced_at", None) if steps[-1]["graph"] == "replay" else None)
     return steps
 
 
@@ -168,8 +181,11 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
         return wrapper
 
     schedule = Scheduler.schedule
-    saved = {name: getattr(runner, name) for name in ("_graph_for", "_current_stream", "_records", "_replay")
+    saved = {name: getattr(runner, name) for name in ("_graph_for", "_current_stream", "_records", "_replay",
+                                                      "run_ahead")
              if hasattr(runner, name)}
+    if "run_ahead" in saved:  # the path of a step launched the usual way (a run-ahead step launches at a sync)
+        runner.run_ahead = False
     graphs = [(captured, captured.launch) for captured in runner._graphs.values() if hasattr(captured, "launch")]
     Scheduler.schedule = timed_schedule(schedule)
     runner._graph_for = timed("BatchRunner._graph_for", saved["_graph_for"])
@@ -264,34 +280,52 @@ def main(argv=None) -> int:
         stub_graphs(runner)
     prompts = [[(7 * row + 3 * index) % engine.config.vocab_size for index in range(args.prompt)]
                for row in range(args.batch)]
+    modes = [False, True] if hasattr(runner, "run_ahead") else [None]
+    loops = {}
     with torch.inference_mode():
         run_once(engine, runner, flags, prompts, tokens)  # warm-up: the capture, caches, allocator
-        host, loop, device = [], [], []
-        copies_before, replays_before = getattr(runner, "input_copies", None), 0
-        profiler = cProfile.Profile() if args.profile else None
-        pauses = GcPauses()
-        gc.callbacks.append(pauses)
-        if args.no_gc:
-            gc.disable()
-        while len(host) < args.steps:
-            steps = run_once(engine, runner, flags, prompts, tokens, profiler)
-            replays = [index for index, step in enumerate(steps) if step["graph"] == "replay"]
-            if not replays:
-                raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
-            host += [steps[index]["host_us"] for index in replays]
-            replays_before += len(replays)
-            device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
-            loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
-                     for index in replays if index + 1 < len(steps)]
-        gc.callbacks.remove(pauses)
-        gc.enable()
+        for mode in modes:  # run-ahead off, then on (what the rest of the report shows)
+            if mode is not None:
+                runner.run_ahead = mode
+            host, loop, device, launch_loop, gap = [], [], [], [], []
+            copies_before, replays_before = getattr(runner, "input_copies", None), 0
+            ahead_before = getattr(runner, "run_ahead_launches", 0)
+            profiler = cProfile.Profile() if args.profile and mode is not False else None
+            pauses = GcPauses()
+            gc.callbacks.append(pauses)
+            if args.no_gc:
+                gc.disable()
+            while len(host) < args.steps:
+                synced = []
+                steps = run_once(engine, runner, flags, prompts, tokens, profiler, synced=synced)
+                replays = [index for index, step in enumerate(steps) if step["graph"] == "replay"]
+                if not replays:
+                    raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
+                host += [steps[index]["host_us"] for index in replays]
+                replays_before += len(replays)
+                device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
+                loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
+                         for index in replays if index + 1 < len(steps)]
+                # a step launches at its start + host_us (a launched-ahead step's start is the sync before it)
+                launched = [step["started"] + step["host_us"] / 1e6 for step in steps]
+                pairs = [index for index in replays if index + 1 < len(steps) and steps[index + 1]["graph"] == "replay"]
+                launch_loop += [(launched[index + 1] - launched[index]) * 1e6 for index in pairs]
+                gap += [(launched[index + 1] - synced[index]) * 1e6 for index in pairs if synced[index] is not None]
+            gc.callbacks.remove(pauses)
+            gc.enable()
+            loops[mode] = (loop, launch_loop, gap, getattr(runner, "run_ahead_launches", 0) - ahead_before)
         pieces = breakdown(engine, runner, flags, prompts, tokens, args.steps) if args.breakdown else None
     config = engine.config
     print(f"{config.name}, {config.n_layers} layer(s), batch {args.batch}, {args.device}"
           f"{' (stub graph)' if args.device == 'cpu' else ''}; torch {torch.__version__}, "
           f"python {sys.version.split()[0]}; replayed decode steps per run: {len(replays)}")
-    print(f"host_us per replayed step (bench's host µs/step):  {summary(host)}")
-    print(f"host loop per replayed step (start to next start): {summary(loop)}")
+    on = "" if modes == [None] else " (run-ahead on)"
+    print(f"host_us per replayed step (bench's host µs/step){on}:  {summary(host)}")
+    for mode, (mode_loop, launch_loop, gap, ahead) in loops.items():
+        label = {None: "", False: "run-ahead off: ", True: f"run-ahead on ({ahead} launched ahead): "}[mode]
+        print(f"{label}host loop per replayed step (start to next start):   {summary(mode_loop)}")
+        print(f"{label}host loop per replayed step (launch to next launch): {summary(launch_loop)}")
+        print(f"{label}sync to the next replay's launch (device idle):      {summary(gap)}")
     if device:
         print(f"device_us per replayed step:                      {summary(device)}")
     if copies_before is not None:

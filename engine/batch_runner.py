@@ -28,6 +28,18 @@ one forward for all its rows, and returns each row's next token, with the step's
   id, so a caller may switch streams), and the events and the graph are driven through their C
   methods: torch's Python wrappers only default a stream (always passed here) and check input
   liveness (never asked for here).
+- Run-ahead (CUDA, on by default; `run_ahead=False` turns it off): a replayed step whose next step
+  is certain to replay the same graph (the caller's `reserve_next`, engine.scheduler: the same
+  cohort, no row at its last token, nothing waiting) launches that next replay right after its own
+  sync, before its bookkeeping (the dispatcher's observe, the scheduler's postprocess, the step
+  record), so the device does not sit idle through them. The graph fed itself, so the next replay
+  needs nothing from the host; the step's outputs (`observed`, which the next replay overwrites)
+  were already read by the sync. The next `run` finds its step launched (`ahead`): it checks the
+  Batch is the one launched (else raises: a bug, never a silent wrong step), does not launch again,
+  and does everything else a replayed step does. Each step has its own start and end events around
+  its own replay: a run-ahead replay records the other of two event pairs, since the step before
+  reads its own pair after the launch. Not while steps are labelled for the profiler (a step's
+  kernels would start inside the previous step's range).
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -57,6 +69,22 @@ class StepTiming:
     # Triton launches since the caller's snapshot (`run`'s kernels_before), counted before the step's
     # sync, while the device works; None when no snapshot was given.
     kernel_launches: dict[str, int] | None = None
+
+
+class _Ahead:
+    """A replayed step launched ahead, at the previous replayed step's sync (`BatchRunner._after_sync`).
+
+    `started` (the caller's clock) and `host_started` (perf_counter) are stamped right after that sync,
+    before this launch: the step's host time (`launched_at - host_started`, its `host_us`) is the host
+    time from the previous step's sync to this step's launch (the stamps, the event records, the
+    replay call), what the device waits for between the two steps."""
+
+    __slots__ = ("captured", "step", "dispatcher", "started", "host_started", "launched_at", "events", "expected")
+
+    def __init__(self, captured, step, dispatcher, started, host_started, launched_at, events) -> None:
+        self.captured, self.step, self.dispatcher = captured, step, dispatcher
+        self.started, self.host_started, self.launched_at, self.events = started, host_started, launched_at, events
+        self.expected: list[tuple[int, int, int]] | None = None  # (request id, token, position) per row fed
 
 
 @dataclass
@@ -94,7 +122,8 @@ def _stream_from(ident) -> torch.cuda.Stream:
 
 
 class BatchRunner:
-    def __init__(self, engine, max_slots: int, capacity: int, graphs: bool | None = None) -> None:
+    def __init__(self, engine, max_slots: int, capacity: int, graphs: bool | None = None,
+                 run_ahead: bool | None = None) -> None:
         self.engine, self.max_slots, self.capacity = engine, max_slots, capacity
         self.device = engine.device
         self.cache = KVCache.allocate(engine.config, max_slots, capacity, engine.device, engine.dtype)
@@ -114,6 +143,11 @@ class BatchRunner:
         # current stream up when none is passed). They are recorded on this device's current stream,
         # passed explicitly (`_current_stream`): a lookup through torch's Python layers costs more.
         self._records = tuple(super(torch.cuda.Event, event).record for event in self._events) if cuda else None
+        # A second pair for a step launched ahead: the step before reads its own pair after that launch.
+        self._spare_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if cuda else None
+        self._spare_records = tuple(super(torch.cuda.Event, event).record for event in self._spare_events) \
+            if cuda else None
         self._device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
         self._stream: torch.cuda.Stream | None = None  # the current stream, kept while its id stays the same
@@ -124,27 +158,53 @@ class BatchRunner:
         self.input_copies = 0  # replays that had to copy their inputs in (a new cohort, or a first replay)
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
+        # Launch a steady cohort's next replay at this step's sync (module docstring); CUDA graphs only.
+        self.run_ahead = self.graphs_enabled and (run_ahead is None or run_ahead)
+        self.run_ahead_launches = 0  # replays launched ahead
+        self.ahead: _Ahead | None = None  # the next step, launched already; None when not
+        self.synced_at: float | None = None  # perf_counter right after the last replayed step's sync
+        # What `_after_sync` launches, set by a step whose next step was reserved: (graph, step number,
+        # dispatcher, clock, stream, (events, records) of the other pair); None: nothing to launch.
+        self._pending: tuple | None = None
+        self._after_sync_call = self._after_sync  # the bound method, made once
 
-    def run(self, batch: Batch, dispatcher, kernels_before: dict[str, int] | None = None
+    def run(self, batch: Batch, dispatcher, kernels_before: dict[str, int] | None = None,
+            reserve_next: Callable[[Batch], bool] | None = None, clock: Callable[[], float] = time.perf_counter
             ) -> tuple[list[int], StepTiming]:
         """One step: every row's next token (one sync, in the dispatcher) and the step's clocks; with
-        `kernels_before` (a `launches.snapshot()`), also the Triton launches since it."""
+        `kernels_before` (a `launches.snapshot()`), also the Triton launches since it. With
+        `reserve_next` (engine.scheduler.Scheduler.reserve_next), a replayed step whose next step it
+        reserves launches that step at its sync (run-ahead; `ahead` then holds it, its start stamped
+        on `clock`); the caller's next `run` must be that step."""
         if not self.label_steps:
-            return self._run(batch, dispatcher, kernels_before)
+            return self._run(batch, dispatcher, kernels_before, reserve_next, clock)
         with torch.profiler.record_function(f"moei.step.{batch.step}"):
-            return self._run(batch, dispatcher, kernels_before)
+            return self._run(batch, dispatcher, kernels_before, None, clock)  # no run-ahead: ranges per step
+
+    def drop_ahead(self) -> None:
+        """Forget a step launched ahead that will not run (its run ended early, e.g. on an error): the
+        device still runs it (within the slots' capacity, `reserve_next`), and the graph's next replay
+        copies its inputs in."""
+        if self.ahead is not None:
+            self.ahead.captured.holds = None
+            self.ahead = None
+        self._pending = None
 
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(key[0] for key in self._graphs)
 
-    def _run(self, batch: Batch, dispatcher, kernels_before) -> tuple[list[int], StepTiming]:
+    def _run(self, batch: Batch, dispatcher, kernels_before, reserve_next, clock) -> tuple[list[int], StepTiming]:
+        ahead = self.ahead
+        if ahead is not None:  # launched at the previous step's sync
+            self.ahead = None
+            return self._run_ahead(batch, dispatcher, ahead, kernels_before, reserve_next, clock)
         rows = batch.rows
         reason, key, captured = "", None, None
         if self.graphs_enabled and batch.phase == DECODE:
             reason, key, captured = self._graph_for(rows, dispatcher)
             if captured is not None:
-                return self._run_replay(batch, dispatcher, captured, kernels_before)
+                return self._run_replay(batch, dispatcher, captured, kernels_before, reserve_next, clock)
         dispatcher.begin_step(batch.step, batch.phase, batch.n_tokens)
         records = self._records
         stream = None
@@ -167,12 +227,13 @@ class BatchRunner:
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
         return tokens, StepTiming(launched_at, device_us, graph_mode, reason, counted)
 
-    def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph, kernels_before
-                    ) -> tuple[list[int], StepTiming]:
+    def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph, kernels_before, reserve_next=None,
+                    clock=time.perf_counter) -> tuple[list[int], StepTiming]:
         """A replayed decode step: the start event, the replay (and its input copy, if any) and the end
         event first; the step's bookkeeping while the device works; then the step's one sync."""
         rows = batch.rows
         records = self._records
+        stream = None
         if records is not None:
             stream = self._current_stream()
             records[0](stream)
@@ -181,14 +242,70 @@ class BatchRunner:
         else:
             self._replay(captured, rows)
         launched_at = time.perf_counter()
+        return self._finish_replay(batch, dispatcher, captured, kernels_before, reserve_next, clock, launched_at,
+                                   stream, self._events, self._spare_events, self._spare_records)
+
+    def _run_ahead(self, batch: Batch, dispatcher, ahead: _Ahead, kernels_before, reserve_next, clock
+                   ) -> tuple[list[int], StepTiming]:
+        """A replayed decode step launched at the previous step's sync: not launched again; checked to be
+        the step that was launched; then the same bookkeeping and sync as `_run_replay`."""
+        rows = batch.rows
+        if (batch.step != ahead.step or batch.phase != DECODE or dispatcher is not ahead.dispatcher
+                or ahead.expected != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]):
+            ahead.captured.holds = None
+            raise RuntimeError(f"step {batch.step} ({batch.phase}, {len(rows)} rows) is not the step launched "
+                               f"ahead (step {ahead.step}, rows {ahead.expected}): the scheduler broke its "
+                               f"reservation")
+        events = ahead.events
+        if events is self._events:
+            spare_events, spare_records = self._spare_events, self._spare_records
+        else:
+            spare_events, spare_records = self._events, self._records
+        stream = self._current_stream() if spare_records is not None else None  # for a launch ahead of this step
+        return self._finish_replay(batch, dispatcher, ahead.captured, kernels_before, reserve_next, clock,
+                                   ahead.launched_at, stream, events, spare_events, spare_records)
+
+    def _finish_replay(self, batch, dispatcher, captured, kernels_before, reserve_next, clock, launched_at,
+                       stream, events, spare_events, spare_records) -> tuple[list[int], StepTiming]:
+        """A launched replay's bookkeeping while the device works, then its one sync (which, when the
+        next step is reserved, launches that step before anything else: `_after_sync`); `events` are
+        this step's own pair, the spare pair the one a step launched ahead records."""
+        rows = batch.rows
         dispatcher.begin_step(batch.step, DECODE, batch.n_tokens)
         dispatcher.replay(captured.template, captured.kernels)  # counts the replay's launches
         counted = None if kernels_before is None else launches.since(kernels_before)
-        tokens = dispatcher.end_replay(captured.observed, len(rows))
-        captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
-        events = self._events
+        if reserve_next is not None and self.run_ahead and reserve_next(batch):
+            self._pending = (captured, batch.step + 1, dispatcher, clock, stream, spare_events, spare_records)
+        tokens = dispatcher.end_replay(captured.observed, len(rows), self._after_sync_call)
+        ahead = self.ahead
+        if ahead is None:
+            captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
+        else:  # the graph replays again already: what it was fed, checked by the next step
+            ahead.expected = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
         return tokens, StepTiming(launched_at, device_us, "replay", "", counted)
+
+    def _after_sync(self) -> None:
+        """Right after a replayed step's sync (its outputs already read to the host): stamp it and, when
+        the next step was reserved, launch that step's replay between its own start and end events. The
+        graph holds that step's inputs already (it fed itself), so nothing is copied in."""
+        synced = self.synced_at = time.perf_counter()
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        captured, step, dispatcher, clock, stream, events, records = pending
+        started = synced if clock is time.perf_counter else clock()
+        captured.holds = None  # until that replay's outputs are known
+        if records is not None:
+            records[0](stream)
+            captured.launch()
+            records[1](stream)
+        else:
+            captured.launch()
+        launched_at = time.perf_counter()
+        self.ahead = _Ahead(captured, step, dispatcher, started, synced, launched_at, events)
+        self.run_ahead_launches += 1
 
     def _current_stream(self) -> torch.cuda.Stream:
         """This device's current stream: the Stream object made the last time its id changed (a caller

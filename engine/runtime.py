@@ -210,10 +210,15 @@ class Dispatcher:
             record["us"] = round(self.timer.microseconds(stopped), 1)
         return values[:rows]
 
-    def end_replay(self, observed: torch.Tensor, rows: int) -> list[int]:
+    def end_replay(self, observed: torch.Tensor, rows: int, after_sync: Callable[[], None] | None = None
+                   ) -> list[int]:
         """The one sync of a replayed step: `observed` [B + MoE layers] is the graph's static output
-        (the next tokens, then each layer's woken experts, as `end_step_batch` concatenates them)."""
+        (the next tokens, then each layer's woken experts, as `end_step_batch` concatenates them).
+        `after_sync` runs right after it is read, before anything else (the batch runner launches a
+        reserved next step there: a replay that overwrites `observed`, read already)."""
         values = observed.tolist()
+        if after_sync is not None:
+            after_sync()
         self._observe(values[rows:])
         return values[:rows]
 
@@ -417,20 +422,34 @@ class Engine:
         for sequence in sequences:
             scheduler.add(sequence, arrived)
         steps = []
-        while scheduler.has_work():
-            steps.append(self._batch_step(scheduler, runner, dispatcher, clock))
+        try:
+            while scheduler.has_work():
+                steps.append(self._batch_step(scheduler, runner, dispatcher, clock))
+        finally:  # a run that ended early must not leave a launched-ahead step for the runner's next run
+            if runner.ahead is not None:
+                runner.drop_ahead()
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
                                engagements=dispatcher.engagements, graphs=runner.graphs_note)
 
     @staticmethod
     def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
+        """One scheduled step and its record. `started` is stamped before the step's launch and
+        `host_us` is the host time from the step's start to its launch. A step the runner launched
+        ahead (engine.batch_runner, run-ahead: at the previous replayed step's sync, its next step
+        reserved by the scheduler) started at that sync: its `started` and `host_us` are the runner's
+        stamps from there, so its host_us is the host time from the previous step's sync to its launch."""
         kernels_before = launches.snapshot()
-        started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
-        # host_us is measured on perf_counter, the clock the runner stamps launched_at with
-        host_started = started if clock is time.perf_counter else time.perf_counter()
+        ahead = runner.ahead
+        if ahead is None:
+            started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
+            # host_us is measured on perf_counter, the clock the runner stamps launched_at with
+            host_started = started if clock is time.perf_counter else time.perf_counter()
+        else:  # launched already, its start stamped before that launch
+            started, host_started = ahead.started, ahead.host_started
         batch = scheduler.schedule(now=started)
-        next_tokens, timing = runner.run(batch, dispatcher, kernels_before)  # counts launches before its sync
+        # counts launches before its sync; may launch the next step at its sync, if the scheduler reserves it
+        next_tokens, timing = runner.run(batch, dispatcher, kernels_before, scheduler.reserve_next, clock)
         ended = clock()
         scheduler.postprocess(batch, next_tokens, now=ended)
         record = dispatcher.step_record()

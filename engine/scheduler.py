@@ -18,6 +18,12 @@ A steady decode cohort (the same sequences, step after step) is scheduled withou
 once a decode step finds nothing to prefill or admit, the next steps reuse its cohort until a
 sequence is added or finishes. `schedule` runs before every step's launch, so its cost is host
 time per decode step (issue 7).
+
+Run-ahead (engine.batch_runner): a caller may launch a steady cohort's next decode step before this
+step's `postprocess`, but only once `reserve_next` said that next step is certain (no row finishes
+at this step, none waits, the same cohort). A reservation is binding: the next `schedule` returns
+that cohort's decode step even if a sequence was added meanwhile (it is admitted a step later),
+and a sequence finishing while a reservation stands is an error, never a silent wrong step.
 """
 
 from __future__ import annotations
@@ -116,6 +122,9 @@ class Scheduler:
         # their positions and tokens: none prefilling, none admissible, every one stamped. Cleared
         # when a sequence is added or finishes; None: decide the next step from scratch.
         self._cohort: tuple[Sequence, ...] | None = None
+        # The cohort whose next decode step was launched ahead (`reserve_next`): the next `schedule`
+        # returns its step, whatever happened since. None when nothing is reserved.
+        self._reserved: tuple[Sequence, ...] | None = None
 
     def add(self, sequence: Sequence, now: float | None = None) -> None:
         if sequence.positions_needed > self.capacity:
@@ -134,6 +143,10 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> Batch:
         """The next step. `now` is stamped on sequences run for the first time, before the step runs."""
         cohort = self._cohort
+        reserved = self._reserved
+        if reserved is not None:  # launched ahead already: exactly that step, whatever was added since
+            self._reserved = None
+            cohort = reserved
         if cohort is not None:  # a steady decode cohort: the same rows, one position on
             batch = _decode_batch(self.steps, cohort)
             self.steps += 1
@@ -155,6 +168,26 @@ class Scheduler:
         batch = Batch(self.steps, phase, tuple(rows))
         self.steps += 1
         return batch
+
+    def reserve_next(self, batch: Batch) -> bool:
+        """Whether the step after `batch` (the step just scheduled, before its `postprocess`) is certain
+        to decode the same cohort, one position on; if so it is reserved (`schedule` returns it next),
+        so its launch may go ahead before `batch` is postprocessed. Certain only when `batch` is the
+        steady cohort's decode step, nothing waits for admission, and every row still needs a token
+        after this step's (no sequence finishes at this step: tokens are generated up to `max_tokens`
+        exactly, with no other stop condition). A wrong guess would write past a slot's capacity
+        (prompt + max_tokens - 1 positions), so any doubt says no."""
+        cohort = self._cohort
+        if (cohort is None or self._reserved is not None or self.waiting or batch.phase != DECODE
+                or batch.step != self.steps - 1 or len(batch.rows) != len(cohort)):
+            return False
+        for row, sequence in zip(batch.rows, cohort):
+            if (row.sequence is not sequence or not row.emits or sequence.status != RUNNING
+                    or len(sequence.generated) + 2 > sequence.max_tokens or row.start != sequence.cached
+                    or sequence.cached + 1 >= self.capacity):
+                return False
+        self._reserved = cohort
+        return True
 
     def _prefill_rows(self) -> list[Row]:
         rows: list[Row] = []
@@ -193,6 +226,9 @@ class Scheduler:
             if sequence.first_token_at is None:
                 sequence.first_token_at = now
             if len(sequence.generated) == sequence.max_tokens:
+                if self._reserved is not None:  # reserve_next never reserves a step after a last token
+                    raise RuntimeError(f"request {sequence.request_id} finished while its next step was "
+                                       f"reserved (launched ahead)")
                 sequence.status, sequence.finished_at = FINISHED, now
                 self.running.remove(sequence)
                 self._cohort = None

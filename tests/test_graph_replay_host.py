@@ -4,6 +4,7 @@ eager forward through it made). What a replayed step records must be the capture
 renumbered, with every field a consumer reads; replays are counted; a steady cohort copies no inputs."""
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,9 @@ def tiny():
     return Engine.load("tiny", "cpu", seed=0, weights="random")
 
 
-def _stubbed_run(engine, prompt, tokens):
+def _stubbed_run(engine, prompt, tokens, run_ahead=True):
     runner = BatchRunner(engine, 1, len(prompt) + tokens - 1, graphs=True)
-    host_step.stub_graphs(runner)
+    host_step.stub_graphs(runner, run_ahead)
     copies = []
     original = runner._replay
 
@@ -38,8 +39,9 @@ def _stubbed_run(engine, prompt, tokens):
     return engine.generate_batch([prompt], tokens, flags.resolve(environ={}), runner=runner), copies, runner
 
 
-def test_replayed_steps_carry_the_capture_records_renumbered(tiny):
-    result, copies, runner = _stubbed_run(tiny, list(b"hello!"), 12)
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_replayed_steps_carry_the_capture_records_renumbered(tiny, run_ahead):
+    result, copies, runner = _stubbed_run(tiny, list(b"hello!"), 12, run_ahead)
     layers = tiny.config.n_layers
     assert [step["graph"] for step in result.steps] == ["eager", "capture"] + ["replay"] * 10
     capture = result.steps[1]
@@ -63,8 +65,11 @@ def test_replayed_steps_carry_the_capture_records_renumbered(tiny):
     assert counters["graph_replays"] == 10
     assert counters["arms"]["reference"] == counters["arms"]["unfused"] == layers * len(result.steps)
     assert counters["kernels"] == {name: 10 * layers for name in host_step.KERNELS_PER_LAYER}
-    assert copies == [True] + [False] * 9  # the first replay copies its inputs in; the steady cohort never
+    # the first replay copies its inputs in; the steady cohort never (with run-ahead, the steps after
+    # the first replay are launched at the sync before them, not through `_replay`)
+    assert copies == ([True] if run_ahead else [True] + [False] * 9)
     assert runner.input_copies == 1
+    assert runner.run_ahead_launches == (9 if run_ahead else 0)
 
 
 def test_a_new_cohort_reuses_the_graph_and_copies_its_inputs_once(tiny):
@@ -133,3 +138,164 @@ def test_a_graph_replays_through_its_own_replay_unless_it_is_a_cuda_graph():
     captured = _DecodeGraph(Graph(), None, None, None, None, {})
     captured.launch()
     assert calls == ["replayed"]
+
+
+# ------------------------------------------------------------------------------------------------ run-ahead
+
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+_CLOCKS = ("started", "ended", "host_us")  # wall-clock fields: the only ones run-ahead may change
+
+
+def _stub_runner(engine, slots, capacity, run_ahead):
+    runner = BatchRunner(engine, slots, capacity, graphs=True)
+    host_step.stub_graphs(runner, run_ahead)
+    return runner
+
+
+def _drive(engine, runner, prompts, max_tokens, add_later=()):
+    """Run as Engine.generate_batch does, watching each step: after it, what was launched ahead (the
+    step's rows' state then, and the positions the launched replay writes). `add_later`: (after step
+    index, prompt, max_tokens) sequences added between steps."""
+    resolved = flags.resolve(environ={})
+    chunk = resolved["prefill_chunk"]
+    scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
+    from engine.runtime import Dispatcher
+
+    dispatcher = Dispatcher(engine, resolved, timed=False)
+    counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts)]
+    for sequence in sequences:
+        scheduler.add(sequence, 0.0)
+    steps, launched = [], []
+    while scheduler.has_work():
+        steps.append(Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter))
+        ahead = runner.ahead
+        if ahead is not None:
+            launched.append({"after": steps[-1]["step"], "waiting": len(scheduler.waiting),
+                             "left": [s.max_tokens - len(s.generated) for s in scheduler.running],
+                             "positions": [position for _, _, position in ahead.expected]})
+        for index, prompt, count in add_later:
+            if index == len(steps) - 1:
+                sequence = Sequence(prompt, count)
+                sequences.append(sequence)
+                scheduler.add(sequence, 0.0)
+    return sequences, steps, launched, dispatcher.counters.to_json()
+
+
+def _without_clocks(steps):
+    """The records without their clocks, request ids as their order of first appearance (each run's
+    sequences get fresh ids)."""
+    order: dict[int, int] = {}
+    out = []
+    for step in steps:
+        record = {key: value for key, value in step.items() if key not in _CLOCKS}
+        record["rows"] = [{**row, "request_id": order.setdefault(row["request_id"], len(order))}
+                          for row in step["rows"]]
+        out.append(record)
+    return out
+
+
+@pytest.mark.parametrize("prompts,max_tokens,slots", [
+    ([list(b"hello!")], 12, 1),  # one steady cohort
+    ([list(b"abcd"), list(b"wxyz!")], [5, 9], 2),  # one row ends early: then eager (slot 1)
+    ([list(b"abcd"), list(b"efgh"), list(b"ijkl")], [5, 7, 12], 2),  # one waits for a slot
+])
+def test_run_ahead_records_tokens_and_counters_match_it_off(tiny, prompts, max_tokens, slots):
+    capacity = max(len(prompt) for prompt in prompts) + max(max_tokens if isinstance(max_tokens, list)
+                                                          else [max_tokens]) - 1
+    results = {}
+    for run_ahead in (False, True):
+        runner = _stub_runner(tiny, slots, capacity, run_ahead)
+        sequences, steps, launched, counters = _drive(tiny, runner, prompts, max_tokens)
+        results[run_ahead] = ([s.generated for s in sequences], _without_clocks(steps), counters,
+                              runner.input_copies, launched, runner.run_ahead_launches, steps)
+    off, on = results[False], results[True]
+    assert on[:4] == off[:4]  # tokens, every record field but the clocks, counters, input copies
+    assert off[5] == 0 and off[4] == [] and on[5] == len(on[4]) > 0
+    for launch in on[4]:
+        assert launch["waiting"] == 0  # never while something waits for admission
+        assert all(left >= 1 for left in launch["left"])  # the launched step is never past a last token
+        assert all(position < capacity for position in launch["positions"])  # inside every slot
+    for step in on[6]:
+        assert step["host_us"] > 0 and step["ended"] > step["started"]
+    launched_steps = {launch["after"] + 1 for launch in on[4]}
+    assert all(on[6][index]["graph"] == "replay" for index in launched_steps)
+
+
+def test_no_run_ahead_from_any_sequences_last_step(tiny):
+    """A step at which a sequence finishes never launches the next: the cohort changes there."""
+    runner = _stub_runner(tiny, 3, 4 + 8 - 1, True)
+    sequences, steps, launched, _ = _drive(tiny, runner, [list(b"abcd")] * 3, [4, 6, 8])
+    last_steps = {}
+    for step in steps:
+        for row in step["rows"]:
+            last_steps[row["request_id"]] = step["step"]
+    launching = {launch["after"] for launch in launched}
+    assert launching and not launching & set(last_steps.values())
+    assert launching == {step["step"] for step in steps if step["graph"] == "replay"} - set(last_steps.values())
+    assert [len(sequence.generated) for sequence in sequences] == [4, 6, 8]
+
+
+def test_no_run_ahead_while_a_sequence_waits_for_admission(tiny):
+    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True)
+    sequences, steps, launched, _ = _drive(tiny, runner, [list(b"abcd"), list(b"efgh")], 8)
+    first, second = (sequence.request_id for sequence in sequences)
+    first_steps = {step["step"] for step in steps if step["rows"][0]["request_id"] == first}
+    assert launched and all(launch["after"] not in first_steps for launch in launched)  # the second waited
+    assert all(launch["after"] + 1 not in first_steps for launch in launched)
+
+
+def test_a_sequence_added_after_a_launch_ahead_waits_one_step(tiny):
+    """The launched step is binding: a sequence added meanwhile is admitted at the step after it."""
+    runner = _stub_runner(tiny, 2, 4 + 8 - 1, True)
+    sequences, steps, launched, _ = _drive(tiny, runner, [list(b"abcd")], 8, add_later=[(3, list(b"wxyz"), 4)])
+    assert [len(sequence.generated) for sequence in sequences] == [8, 4]
+    assert steps[3]["graph"] == "replay" and runner.ahead is None
+    assert any(launch["after"] == 3 for launch in launched)
+    assert steps[4]["graph"] == "replay" and [row["request_id"] for row in steps[4]["rows"]] == [
+        sequences[0].request_id]  # the launched step, as launched
+    assert steps[5]["phase"] == "prefill"  # then the new sequence is admitted
+
+
+def test_a_step_that_is_not_the_launched_one_is_refused(tiny):
+    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True)
+    resolved = flags.resolve(environ={})
+    scheduler = Scheduler(1, runner.capacity, 2048, resolved["prefill_chunk"])
+    from engine.runtime import Dispatcher
+
+    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
+    while runner.ahead is None:
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    runner.ahead.expected = [(-1, 0, 0)]
+    with pytest.raises(RuntimeError, match="not the step launched ahead"):
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+
+
+def test_a_run_that_ends_early_drops_its_launched_step(tiny, monkeypatch):
+    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True)
+    resolved = flags.resolve(environ={})
+    original, calls = Scheduler.postprocess, []
+
+    def failing(self, batch, tokens, now=None):
+        calls.append(batch.step)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return original(self, batch, tokens, now)
+
+    monkeypatch.setattr(Scheduler, "postprocess", failing)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
+    assert runner.ahead is None and runner.run_ahead_launches > 0
+    monkeypatch.setattr(Scheduler, "postprocess", original)
+    again = tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
+    off = _stub_runner(tiny, 1, 4 + 8 - 1, False)
+    assert again.tokens == tiny.generate_batch([list(b"abcd")], 8, resolved, runner=off).tokens
+
+
+def test_run_ahead_is_off_without_graphs_and_on_by_default_with_them(tiny):
+    assert BatchRunner(tiny, 1, 16).run_ahead is False  # CPU: no graphs, nothing to run ahead
+    stubbed = _stub_runner(tiny, 1, 16, True)
+    assert stubbed.run_ahead is True

@@ -235,3 +235,67 @@ def test_batched_steps_record_one_decision_per_layer_whatever_the_batch(tiny):
     again = tiny.generate_batch(PROMPTS[:2], 3, resolved)
     assert again.tokens == batched.tokens
     assert not set(first_ids) & {sequence.request_id for sequence in again.sequences}
+
+
+def _steady(scheduler, sequences):
+    """Schedule and postprocess until the scheduler hands out a steady decode cohort; return its step."""
+    for sequence in sequences:
+        scheduler.add(sequence, now=0.0)
+    while True:
+        batch = scheduler.schedule(now=0.0)
+        if scheduler._cohort is not None:
+            return batch
+        scheduler.postprocess(batch, [7] * len(batch.rows), now=0.0)
+
+
+def test_reserve_next_only_when_the_next_step_is_certain():
+    scheduler = Scheduler(max_slots=2, capacity=64, token_budget=32, prefill_chunk=16)
+    sequences = [Sequence(range(4), 4), Sequence(range(4), 6)]
+    batch = _steady(scheduler, sequences)  # generated 1 each: this step makes 2
+    assert batch.phase == DECODE and scheduler.reserve_next(batch)
+    assert not scheduler.reserve_next(batch)  # once
+    scheduler.postprocess(batch, [7, 7], now=1.0)
+    reserved = scheduler.schedule(now=2.0)  # generated 2: this step makes 3, the next the 4th (the last)
+    assert [row.sequence for row in reserved.rows] == sequences and reserved.step == batch.step + 1
+    assert scheduler.reserve_next(reserved)  # the next step is sequence 0's last: still the same cohort
+    scheduler.postprocess(reserved, [7, 7], now=3.0)
+    last = scheduler.schedule(now=4.0)
+    assert not scheduler.reserve_next(last)  # sequence 0 finishes at this step: the cohort changes after it
+    scheduler.postprocess(last, [7, 7], now=5.0)
+    assert sequences[0].finished and len(sequences[0].generated) == 4
+
+
+def test_reserve_next_never_while_a_sequence_waits_and_a_reservation_binds():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=32, prefill_chunk=16)
+    first, second = Sequence(range(4), 6), Sequence(range(4), 6)
+    batch = _steady(scheduler, [first, second])  # the second waits for the one slot
+    assert scheduler.waiting and not scheduler.reserve_next(batch)
+    scheduler = Scheduler(max_slots=2, capacity=64, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [first := Sequence(range(4), 6)])
+    assert scheduler.reserve_next(batch)
+    scheduler.postprocess(batch, [7], now=1.0)
+    late = Sequence(range(4), 3)
+    scheduler.add(late, now=1.5)  # after the next step was launched: it waits one step
+    assert [row.sequence for row in scheduler.schedule(now=2.0).rows] == [first]
+    assert scheduler.schedule(now=3.0).phase == PREFILL
+
+
+def test_reserve_next_refuses_a_step_past_the_slot_capacity():
+    scheduler = Scheduler(max_slots=1, capacity=8, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [Sequence(range(4), 5)])  # capacity 8 = 4 + 5 - 1: exactly enough
+    sequence = batch.rows[0].sequence
+    sequence.max_tokens = 99  # broken from outside: only the capacity check stands between it and a bad write
+    while sequence.cached + 1 < scheduler.capacity:  # the next step writes position cached + 1
+        assert scheduler.reserve_next(batch)
+        scheduler.postprocess(batch, [7], now=0.0)
+        batch = scheduler.schedule(now=0.0)
+    assert batch.rows[0].start == scheduler.capacity - 1 and not scheduler.reserve_next(batch)
+
+
+def test_a_sequence_finishing_under_a_reservation_is_an_error():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [Sequence(range(4), 6)])
+    assert scheduler.reserve_next(batch)
+    batch.rows[0].sequence.max_tokens = 2  # broken from outside: this step now makes the last token
+    with pytest.raises(RuntimeError, match="reserved"):
+        scheduler.postprocess(batch, [7], now=0.0)
