@@ -51,6 +51,23 @@ def test_graph_decode_gives_the_eager_tokens_and_counts_every_replay(demo, gate)
         assert step["kernel_launches"] == decode[1]["kernel_launches"]
 
 
+def test_run_ahead_gives_the_same_tokens_and_counters_as_without_it(demo):
+    batch = prompts([40, 17, 130, 64])
+    runs = {}
+    for run_ahead in (False, True):
+        runner = BatchRunner(demo, len(batch), 130 + 24 - 1, graphs=True, run_ahead=run_ahead)
+        runs[run_ahead] = (demo.generate_batch(batch, 24, resolved(), runner=runner), runner)
+    (off, off_runner), (on, on_runner) = runs[False], runs[True]
+    assert on.tokens == off.tokens
+    assert on.counters == off.counters
+    assert off_runner.run_ahead_launches == 0 and on_runner.run_ahead_launches > 0
+    assert on_runner.input_copies == off_runner.input_copies
+    for first, second in zip(off.steps, on.steps):
+        assert (first["step"], first["graph"], first["kernel_launches"], first["moe"] == second["moe"]) == (
+            second["step"], second["graph"], second["kernel_launches"], True)
+        assert second["device_us"] > 0 and second["host_us"] > 0
+
+
 def _device_kernels_per_decode_step(engine, batch_size, gate):
     from torch.profiler import ProfilerActivity, profile
 
