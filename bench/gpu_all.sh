@@ -62,13 +62,14 @@ elif [ "$mode" = verify ]; then  # after kernel changes: their GPU tests, a shor
     TAIL=16 stage 100 attention_bench python3 bench/attention_bench.py
 elif [ "$mode" = fused ]; then  # issue 7's fused decode step: its GPU tests, the GEMV bench, v4 and demo tables
     TAIL=25 stage 280 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-        tests/test_decode_fused.py tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py
+        tests/test_decode_fused.py tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py \
+        tests/test_attention_kernels.py
     TAIL=50 stage 90 gemv_bench python3 bench/gemv_bench.py
     TAIL=30 stage 120 moe_gemv_blocks python3 bench/moe_gemv_blocks.py
     TAIL=40 stage 120 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
-    TAIL=12 MOEI_PDL=1 stage 90 bench_v4_pdl python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 \
-        --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_pdl.json"
+    TAIL=12 MOEI_RUN_AHEAD=0 stage 90 bench_v4_no_run_ahead python3 -m inspector bench --model v4-shape --pp 512 \
+        --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_run_ahead.json"
     TAIL=40 stage 90 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --profile
 elif [ "$mode" = attention ]; then  # issue 4: attention GPU tests, check-attention, the attention bench, demo table
     TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_kernels.py \

@@ -46,6 +46,7 @@ Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -159,7 +160,9 @@ class BatchRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
         # Launch a steady cohort's next replay at this step's sync (module docstring); CUDA graphs only.
-        self.run_ahead = self.graphs_enabled and (run_ahead is None or run_ahead)
+        if run_ahead is None:  # MOEI_RUN_AHEAD=0 turns it off (the benchmark's A/B)
+            run_ahead = os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+        self.run_ahead = self.graphs_enabled and run_ahead
         self.run_ahead_launches = 0  # replays launched ahead
         self.ahead: _Ahead | None = None  # the next step, launched already; None when not
         self.synced_at: float | None = None  # perf_counter right after the last replayed step's sync

@@ -36,6 +36,7 @@ import csv
 import io
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -536,8 +537,10 @@ def graphs_note(engine, graphs: bool | None) -> str:
         return "off (--graphs off)"
     from kernels import pdl
 
-    return "on for decode steps" + ("; programmatic dependent launch on (MOEI_PDL=1)"
-                                    if pdl.enabled(engine.device) else "")
+    run_ahead = os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+    return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches at the step's sync "
+                                      "(MOEI_RUN_AHEAD=0 turns it off)" if run_ahead else "; run-ahead off")
+            + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else ""))
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:
@@ -658,7 +661,8 @@ def format_markdown(report: Report) -> str:
                                    "replayed)")
                 lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs of "
                              f"{entry['device_us_per_step']:.1f} µs device = {100 * entry['host_share']:.1f} % "
-                             f"(target < {100 * entry['target_host_share']:.0f} %)")
+                             f"(target < {100 * entry['target_host_share']:.0f} %); host time = before the step's "
+                             "launch, from its start or, launched ahead, from the previous step's sync")
     for data in payload["rows"]:
         if "profile" not in data:
             continue
