@@ -61,7 +61,7 @@ elif [ "$mode" = verify ]; then  # after kernel changes: their GPU tests, a shor
         --tokens 1,2,4,8,16,32,64,85,128,512,2048,8192 --calibration "$WORK/calibration.json"
     TAIL=16 stage 100 attention_bench python3 bench/attention_bench.py
 elif [ "$mode" = fused ]; then  # issue 7's fused decode step: its GPU tests, the GEMV bench, v4 and demo tables
-    TAIL=25 stage 280 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    TAIL=25 stage 330 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         tests/test_decode_fused.py tests/test_moe_kernels.py tests/test_runtime_gpu.py tests/test_engine_gpu.py \
         tests/test_attention_kernels.py
     TAIL=50 stage 90 gemv_bench python3 bench/gemv_bench.py
