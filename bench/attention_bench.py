@@ -85,6 +85,7 @@ DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave);
 # The engine's v4 decode step (informational rows): Hq 8 over Hkv 1, the same head_dim and mask.
 V4_HEADS, V4_KV_HEADS = 8, 1
 V4_PROBLEMS = [  # (keys in the cache, mask); the query at the last position
+    (160, SPEC),  # `bench --tg 128`'s cache: a 32-token prompt plus 128 generated
     (640, SPEC),
     (640, MaskSpec("causal")),
     (8192, SPEC),
@@ -400,10 +401,11 @@ def bench_decode_v4(rows: list, failures: list, bandwidth: float) -> None:
             reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
             default_splits = default_num_splits(q, k, spec)
             variants = [(None, "last"), (None, "kernel")]
-            if keys == 640 and spec.kind == "composite":
+            if keys <= 640 and spec.kind == "composite":
                 # The launcher's walk bound in tiles: the window band plus every block start.
                 walk_tiles = triton.cdiv(min(keys, WINDOW) + triton.cdiv(keys, BLOCK), DECODE_CONFIGS[HEAD_DIM].block_n)
-                variants.append((walk_tiles, "last"))  # one 32-key tile per split: the old one-wave rule here
+                # one 32-key tile per split (the old one-wave rule), merged both ways
+                variants += [(walk_tiles, "last"), (walk_tiles, "kernel")]
             for num_splits, combine in variants:
                 splits = num_splits or default_splits
                 label = (f"fused decode v4 Hq{V4_HEADS}/Hkv{V4_KV_HEADS} {keys} keys {spec.describe()} "
