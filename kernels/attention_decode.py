@@ -432,6 +432,12 @@ def _default_splits(
         return choose_splits(walk_tiles, 4, min_tiles=1)
     # One wave: splits x B x Hkv programs <= the SM count (1 program per SM at 145 KB of smem).
     wave = sms // programs_per_split
+    if default_combine(rows) == "kernel":
+        # GQA groups: one key tile per split (up to GQA_MAX_SPLITS), merged by the combine kernel in
+        # parallel. Run 13 (H200, Hq 8 over Hkv 1, hd 512, composite): 160 keys 8.2 us steady against
+        # 13.0 us for one split of 5 tiles; 640 keys 8.6 us (21 splits) against 14.7 us (5 splits, one
+        # launch): a program's walk costs ~2.5 us per tile here, so more programs beat fewer, longer ones.
+        return choose_splits(walk_tiles, min(wave, GQA_MAX_SPLITS), min_tiles=1)
     # Per split the merging program reads rows x hd x 4 B of partials; a key tile is 2 x BLOCK_N x hd x e B.
     merge_ratio = (rows * 4) / (2 * block_n * element_size)
     return choose_splits(walk_tiles, wave, merge_ratio)
@@ -472,6 +478,16 @@ def merge_tile(rows: int, splits: int, head_dim: int) -> tuple[int, int, int]:
 
 
 COMBINES = ("last", "kernel")
+GQA_MAX_SPLITS = 32  # splits per group when a GQA group's rows are merged by the combine kernel
+
+
+def default_combine(rows: int) -> str:
+    """How splits are merged when the caller does not say: with one query row per (sequence, kv
+    head) the last split merges in the same launch (issue 4's problem, 1.26-1.40x the bound against
+    1.30-1.39x with two launches, runs 9-12); a group of several rows (GQA) has more partials to merge
+    than one program reads quickly, so the combine kernel spreads them (run 13: 8.2-8.6 us against
+    13.0-14.7 us at the v4 shape)."""
+    return "last" if rows == 1 else "kernel"
 
 
 def flash_decode(
@@ -487,10 +503,11 @@ def flash_decode(
     out: torch.Tensor | None = None,  # [B, Tq, Hq, hd] to write into
     num_splits: int | None = None,  # None: one wave of programs on this device
     config: DecodeConfig | None = None,  # overrides the head-dim table (benchmark sweeps)
-    combine: str = "last",  # "last": one launch, the last split merges; "kernel": a second combine launch
+    combine: str | None = None,  # "last": one launch, the last split merges; "kernel": a second combine
+    # launch; None: `default_combine` (measured: "last" for one row per group, "kernel" for GQA groups)
 ) -> torch.Tensor:  # [B, Tq, Hq, hd]
     """Split-KV attention with sinks, equal to `attention_reference` with the same arguments."""
-    if combine not in COMBINES:
+    if combine is not None and combine not in COMBINES:
         raise ValueError(
             f"combine must be 'last' (one launch: the last split of each (sequence, kv head) merges) or "
             f"'kernel' (a second combine launch); got {combine!r}"
@@ -517,6 +534,8 @@ def flash_decode(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_splits = min(num_splits, walk_tiles)  # no split left without a tile to walk
+    if combine is None:
+        combine = "last" if num_splits == 1 else default_combine(rows)  # one split writes `out` directly
 
     head_dim = inputs.head_dim
     num_rows = inputs.batch * inputs.query_len * inputs.query_heads

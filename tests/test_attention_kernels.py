@@ -270,8 +270,8 @@ def test_decode_single_launch_matches_reference_and_kernel_path(num_splits, dtyp
     padding = padding_for(2, 53)
     config = DecodeConfig(block_n=16, num_stages=1)
     before = launches.snapshot()
-    out = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
-                       config=config)
+    out = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), combine="last",
+                       num_splits=num_splits, config=config)
     assert launches.since(before) == {"flash_decode_split": 1}
     assert torch.count_nonzero(group_counters(q, k)) == 0
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
@@ -318,7 +318,7 @@ def test_decode_single_launch_repeats_with_counters_reset():
     before = launches.snapshot()
     outputs = []
     for _ in range(3):
-        outputs.append(flash_decode(q, k, v, sinks, MaskSpec("causal"), 69, None, out=poisoned_like(q),
+        outputs.append(flash_decode(q, k, v, sinks, MaskSpec("causal"), 69, None, out=poisoned_like(q), combine="last",
                                     num_splits=4, config=config))
         assert torch.count_nonzero(group_counters(q, k)) == 0
     assert launches.since(before) == {"flash_decode_split": 3}
@@ -357,22 +357,24 @@ def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat1
 @pytest.mark.parametrize(
     "batch, heads, kv_heads, k_len, spec, expected",
     [
-        # The engine's v4 step (Hq 8 over Hkv 1, 640 keys): 21 tiles of 32 keys, 5 splits of 4-5 tiles
-        # (the old one-wave rule made 21 splits of 1 tile each).
-        (1, 8, 1, 640, V4_COMPOSITE, 5),
-        (1, 8, 1, 640, MaskSpec("causal"), 5),
-        # v4 at 8192 keys: composite walks 1024 + 128 keys (36 tiles: 9 splits of 4); causal walks
-        # 256 tiles, capped at 32 splits by the merge (32 splits x 8 rows x 2 KB = 512 KB read by one
-        # program, the 512 KB of KV each split walks).
-        (1, 8, 1, 8192, V4_COMPOSITE, 9),
+        # The engine's v4 step (Hq 8 over Hkv 1: a GQA group of 8 rows, merged by the combine kernel):
+        # one 32-key tile per split up to GQA_MAX_SPLITS (run 13: 8.6 us at 640 keys against 14.7 us
+        # for 5 splits of 4-5 tiles). 640 keys: 21 tiles (composite: 640 + 10 block starts) and 20.
+        (1, 8, 1, 640, V4_COMPOSITE, 21),
+        (1, 8, 1, 640, MaskSpec("causal"), 20),
+        # v4 at 8192 keys: composite walks 1024 + 128 keys (36 tiles), causal 256: capped at 32.
+        (1, 8, 1, 8192, V4_COMPOSITE, 32),
         (1, 8, 1, 8192, MaskSpec("causal"), 32),
         # Issue 4's decode problem (Hq = Hkv = 8, 8192 keys): one wave, 132 // 8 = 16 splits of 16
         # tiles, as before.
         (1, 8, 8, 8192, MaskSpec("causal"), 16),
         # A batch of 32 sequences: 132 // 32 = 4 programs per sequence fit one wave.
         (32, 8, 1, 640, V4_COMPOSITE, 4),
-        # Under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written directly (no merge).
-        (1, 8, 1, 200, V4_COMPOSITE, 1),
+        # bench tg128's 160-key cache at v4: 5 tiles (160 + 3 block starts), one split each.
+        (1, 8, 1, 160, V4_COMPOSITE, 6),
+        # One row per group (issue 4's shape) under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written
+        # directly (no merge); a single tile is one split for a GQA group too.
+        (1, 8, 8, 200, V4_COMPOSITE, 1),
         (1, 8, 1, 5, MaskSpec("causal"), 1),
     ],
 )
@@ -427,7 +429,8 @@ def test_decode_gqa_group_merge(head_dim, merge_elements, dtype, monkeypatch):
     spec = MaskSpec("composite", window=96, block=16)  # walk <= 96 + 7 keys: 7 tiles of 16
     config = DecodeConfig(block_n=16, num_stages=1)
     before = launches.snapshot()
-    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=5, config=config)
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), combine="last", num_splits=5,
+                       config=config)
     assert launches.since(before) == {"flash_decode_split": 1}
     assert torch.count_nonzero(group_counters(q, k)) == 0
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
@@ -531,7 +534,8 @@ def test_gpu_decode_single_launch_bf16(num_splits):
     padding = gpu_padding(2, 4099)
     spec = GPU_MASKS["composite"]
     before = launches.snapshot()
-    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=num_splits)
+    out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q), num_splits=num_splits,
+                       combine="last")
     torch.cuda.synchronize()
     assert launches.since(before) == {"flash_decode_split": 1}
     assert torch.count_nonzero(group_counters(q, k)) == 0
@@ -547,24 +551,27 @@ def test_gpu_decode_single_launch_bf16(num_splits):
 def test_gpu_decode_v4_shape_bf16(position):
     # The engine's v4 decode step: one sequence, 8 query heads over 1 kv head, head dim 512, the
     # composite mask W=1024 B=64, a 640-key cache, the query at 639 or 520, sinks -inf / +inf /
-    # finite. The default split count (5 on an H200: 4-5 tiles of 32 keys each) merges the group's
-    # 8 rows in the last program; equal to the reference and to the two-kernel path within the
-    # single-launch test's tolerance.
+    # finite. The default (a GQA group: 21 splits of one tile on an H200, merged by the combine
+    # kernel) equals the reference, and the single launch with 5 splits (its last program merging
+    # the group's 8 rows) equals it within the single-launch test's tolerance.
     q, k, v, sinks = make_inputs(1, 1, 640, 8, 1, 512, torch.bfloat16, seed=83, device="cuda")
     sinks[0], sinks[1] = float("-inf"), float("inf")
     q_start = torch.tensor([position], device="cuda")
     splits = default_num_splits(q, k, V4_COMPOSITE)
     if torch.cuda.get_device_properties(0).multi_processor_count >= 40:
-        assert splits == 5
+        assert splits == 21
     before = launches.snapshot()
     out = flash_decode(q, k, v, sinks, V4_COMPOSITE, q_start, None, out=poisoned_like(q))
     torch.cuda.synchronize()
-    assert launches.since(before) == {"flash_decode_split": 1}
-    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert launches.since(before) == {"flash_decode_split": 1, "flash_decode_combine": 1}
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
     assert_matches(out, reference(q, k, v, sinks, V4_COMPOSITE, q_start, None), torch.bfloat16)
-    two_launches = flash_decode(q, k, v, sinks, V4_COMPOSITE, q_start, None, out=poisoned_like(q), combine="kernel")
-    assert relative_error(out, two_launches.float()) <= 2e-3
+    before = launches.snapshot()
+    one_launch = flash_decode(q, k, v, sinks, V4_COMPOSITE, q_start, None, out=poisoned_like(q), num_splits=5,
+                              combine="last")
+    assert launches.since(before) == {"flash_decode_split": 1}
+    assert torch.count_nonzero(group_counters(q, k)) == 0
+    assert relative_error(out, one_launch.float()) <= 2e-3
 
 
 @pytest.mark.gpu
