@@ -552,8 +552,8 @@ def test_gpu_decode_v4_shape_bf16(position):
     # The engine's v4 decode step: one sequence, 8 query heads over 1 kv head, head dim 512, the
     # composite mask W=1024 B=64, a 640-key cache, the query at 639 or 520, sinks -inf / +inf /
     # finite. The default (a GQA group: 21 splits of one tile on an H200, merged by the combine
-    # kernel) equals the reference, and the single launch with 5 splits (its last program merging
-    # the group's 8 rows) equals it within the single-launch test's tolerance.
+    # kernel) and the single launch with 5 splits (its last program merging the group's 8 rows) each
+    # equal the reference.
     q, k, v, sinks = make_inputs(1, 1, 640, 8, 1, 512, torch.bfloat16, seed=83, device="cuda")
     sinks[0], sinks[1] = float("-inf"), float("inf")
     q_start = torch.tensor([position], device="cuda")
@@ -571,7 +571,9 @@ def test_gpu_decode_v4_shape_bf16(position):
                               combine="last")
     assert launches.since(before) == {"flash_decode_split": 1}
     assert torch.count_nonzero(group_counters(q, k)) == 0
-    assert relative_error(out, one_launch.float()) <= 2e-3
+    # Different split counts sum in a different order: each path is held to the reference (an H200 run
+    # measured 2.1e-3 and 2.3e-3 between the two bf16 outputs, one bf16 ULP is 3.9e-3 relative).
+    assert_matches(one_launch, reference(q, k, v, sinks, V4_COMPOSITE, q_start, None), torch.bfloat16)
 
 
 @pytest.mark.gpu
