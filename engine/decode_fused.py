@@ -78,13 +78,13 @@ def packed_qkv(weights: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
 
 
 def _inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The model's RoPE frequencies, computed exactly as engine.model.rope_tables does."""
+    """The model's RoPE frequencies (engine.model.rope_inverse_frequency), computed once per device."""
+    from engine.model import rope_inverse_frequency  # engine.model imports this module
+
     key = (config.rope_theta, config.head_dim, device)
     table = _INV_FREQ.get(key)
     if table is None:
-        half = config.head_dim // 2
-        table = config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
-        _INV_FREQ[key] = table
+        table = _INV_FREQ[key] = rope_inverse_frequency(config, device)
     return table
 
 
@@ -135,11 +135,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         p = f"layers.{layer}."
         q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
                                 c.n_heads)  # [B, Hq, hd]; k and v now in the cache; start as int32
-        if slots is None:
-            k_rows, v_rows = cache.k[layer][:batch], cache.v[layer][:batch]
-        else:
-            k_rows = cache.k[layer][:, :key_length].index_select(0, slots)  # [B, Tk, Hkv, hd]
-            v_rows = cache.v[layer][:, :key_length].index_select(0, slots)
+        k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                    _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                    key_length)  # [B, 1, Hq, hd]

@@ -128,6 +128,15 @@ class KVCache:
         return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)])
 
+    def rows(self, layer: int, batch: int, key_length: int, slots: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values batch row b reads, [B, Tk, Hkv, hd] each: views of cache rows 0..B-1 when
+        `slots` is None (row b is cache row b), else copies of rows slots[b] up to `key_length`."""
+        if slots is None:
+            return self.k[layer][:batch], self.v[layer][:batch]
+        return (self.k[layer][:, :key_length].index_select(0, slots),
+                self.v[layer][:, :key_length].index_select(0, slots))
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -138,10 +147,14 @@ def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Ten
     """cos, sin [T, hd/2] for integer positions [T]."""
     if config.rope_scaling is not None:
         return _yarn_rope_tables(config, positions)
-    half = config.head_dim // 2
-    inverse_frequency = config.rope_theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
-    angles = positions.float()[:, None] * inverse_frequency[None, :]
+    angles = positions.float()[:, None] * rope_inverse_frequency(config, positions.device)[None, :]
     return angles.cos(), angles.sin()
+
+
+def rope_inverse_frequency(config: ModelConfig, device) -> torch.Tensor:
+    """theta^(-i / (hd/2)) for i < hd/2, float32 [hd/2]: plain RoPE's frequencies."""
+    half = config.head_dim // 2
+    return config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
 
 
 def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,11 +373,7 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
             k_new, v_new = k_new[layout.token_index], v_new[layout.token_index]  # [N, Hkv, hd]
         cache.k[layer].index_put_((cache_rows, cache_positions), k_new)
         cache.v[layer].index_put_((cache_rows, cache_positions), v_new)
-        if layout.slots is None:
-            k_rows, v_rows = cache.k[layer][:batch], cache.v[layer][:batch]  # views: rows are cache rows
-        else:
-            k_rows = cache.k[layer][:, :layout.key_length].index_select(0, layout.slots)  # [B, Tk, Hkv, hd]
-            v_rows = cache.v[layer][:, :layout.key_length].index_select(0, layout.slots)
+        k_rows, v_rows = cache.rows(layer, batch, layout.key_length, layout.slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q, k_rows, v_rows, weights.get(p + "sinks"), layout.start,
                                    layout.key_length)  # [B, T, Hq, hd]
         x = x + _attention_output(c, weights, p, attended)
