@@ -61,6 +61,11 @@ from engine.scheduler import DECODE, Batch
 from kernels import launches
 
 
+
+def run_ahead_default() -> bool:
+    """Run-ahead unless MOEI_RUN_AHEAD=0 (the benchmark's A/B); a runner may still be told either way."""
+    return os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+
 @dataclass
 class StepTiming:
     launched_at: float  # time.perf_counter() when the last launch (or the replay) was issued
@@ -160,8 +165,8 @@ class BatchRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
         # Launch a steady cohort's next replay at this step's sync (module docstring); CUDA graphs only.
-        if run_ahead is None:  # MOEI_RUN_AHEAD=0 turns it off (the benchmark's A/B)
-            run_ahead = os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+        if run_ahead is None:
+            run_ahead = run_ahead_default()
         self.run_ahead = self.graphs_enabled and run_ahead
         self.run_ahead_launches = 0  # replays launched ahead
         self.ahead: _Ahead | None = None  # the next step, launched already; None when not

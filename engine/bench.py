@@ -36,7 +36,6 @@ import csv
 import io
 import json
 import math
-import os
 import platform
 import random
 import statistics
@@ -535,9 +534,10 @@ def graphs_note(engine, graphs: bool | None) -> str:
         return "off (CPU: no CUDA graphs)"
     if graphs is False:
         return "off (--graphs off)"
+    from engine.batch_runner import run_ahead_default
     from kernels import pdl
 
-    run_ahead = os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+    run_ahead = run_ahead_default()
     return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches at the step's sync "
                                       "(MOEI_RUN_AHEAD=0 turns it off)" if run_ahead else "; run-ahead off")
             + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else ""))
