@@ -6,7 +6,9 @@ For M = 1, 2, 8, 32 rows, each product is checked against torch in fp32, then ti
 CUDA graph of 20 calls (how the engine runs decode): kernels.gemv with its default blocks and a
 few others, and the peer torch computes in the unfused model (x @ w.t(), or x.float() @
 w.float().t() for logits). The bound is the weight bytes over the device-to-device copy bandwidth
-measured in this run. Prints a table; JSON to $OUT/gemv_bench.json. Exit 1 when a check fails.
+measured in this run (engine.bench.copy_bandwidth, as `moe-inspector bench` measures it). Prints
+a table; JSON to $OUT/gemv_bench.json. Exit 1 when a check fails, 2 when a timing is not a
+measurement.
 
     python3 bench/gemv_bench.py
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from engine.bench import copy_bandwidth, graph_call_us  # noqa: E402
+from engine.errors import MeasurementError  # noqa: E402
 from engine.provenance import commit_label  # noqa: E402
 from kernels.gemv import block_sizes, gemv  # noqa: E402
 
@@ -34,38 +37,8 @@ WIDE_BLOCKS = [None, (16, 256), (16, 512), (32, 256)]  # >= 9 rows: tensor-core 
 CALLS = 20
 
 
-def graph_time_us(fn) -> float:
-    """Median over 5 replays of a graph of CALLS calls, per call, in microseconds (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    value = statistics.median(times)
-    if not value > 0:
-        raise SystemExit(f"invalid measurement: {value} us")
-    return value
-
-
-def copy_bandwidth() -> float:
-    source = torch.empty(2**28, dtype=torch.float32, device="cuda").fill_(1.0)
-    target = torch.empty_like(source)
-    seconds = graph_time_us(lambda: target.copy_(source)) * 1e-6
-    return 2 * source.numel() * 4 / seconds
-
-
 def main() -> int:
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]  # as `moe-inspector bench` measures it
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; commit {commit_label()}; {torch.cuda.get_device_name()}")
     rows_out, failed = [], False
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -96,7 +69,7 @@ def main() -> int:
                 error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
                 ok = error < 2e-2
                 failed |= not ok
-                us = graph_time_us(fn)
+                us = graph_call_us(fn, CALLS, warmup=3)
                 rows_out.append({"product": name, "n": n_out, "k": k_in, "rows": rows, "kernel": label,
                                  "us": round(us, 2), "bound_us": round(bound_us, 2),
                                  "ratio_to_bound": round(us / bound_us, 3), "max_rel_error": error, "ok": ok})
@@ -113,4 +86,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MeasurementError as error:
+        print(f"invalid measurement: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from engine.bench import copy_bandwidth, graph_call_us  # noqa: E402
+from engine.errors import MeasurementError  # noqa: E402
 from engine.provenance import commit_label  # noqa: E402
 from kernels import moe_gemv  # noqa: E402
 from kernels.reference import moe_reference  # noqa: E402
@@ -31,48 +32,11 @@ GATE_UP = [(8, 512), (4, 512), (8, 1024), (16, 256), (4, 1024)]  # (BLOCK_F, BLO
 DOWN = [(8, 1024), (4, 2048), (8, 2048), (16, 512), (4, 1024), (2, 2048)]  # (BLOCK_D, BLOCK_F)
 
 
-def graph_us(fn, calls: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    value = statistics.median(samples)
-    if not value > 0:
-        raise SystemExit(f"invalid measurement {value}")
-    return value
-
-
-def copy_bandwidth() -> float:
-    source = torch.empty(2**28, dtype=torch.float32, device="cuda").fill_(1.0)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    end.record()
-    end.synchronize()
-    return 2 * source.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3)
-
-
 def main() -> int:
     generator = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * F, D, generator=generator, device="cuda") / 64).bfloat16()
     w2 = (torch.randn(E, D, F, generator=generator, device="cuda") / 45).bfloat16()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]
     table = (moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D, moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; commit {commit_label()}; "
           f"table entry gate_up {table[:2]} down {table[2:]}")
@@ -91,7 +55,7 @@ def main() -> int:
             try:
                 out = moe_gemv.moe_gemv(x, w13, w2, ids, weights).float()
                 error = ((out - expected).abs().max() / expected.abs().max()).item()
-                us = graph_us(lambda: moe_gemv.moe_gemv(x, w13, w2, ids, weights))
+                us = graph_call_us(lambda: moe_gemv.moe_gemv(x, w13, w2, ids, weights), calls=10)
             except Exception as problem:  # noqa: BLE001 - a candidate that does not compile is a row, not a crash
                 rows.append({"tokens": tokens, "gate_up": gate_up, "down": down, "error": str(problem)[:120]})
                 continue
@@ -118,4 +82,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MeasurementError as error:
+        print(f"invalid measurement: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -394,6 +394,31 @@ def active_weight_bytes(config, element_bytes: int) -> dict:
             "total": (experts + dense) * element_bytes}
 
 
+def graph_call_us(fn, calls: int, warmup: int = 2, replays: int = 5) -> float:
+    """Per-call device time of `fn` in microseconds: `calls` calls captured in one CUDA graph, the
+    median over `replays` replays (CUDA events), divided by `calls`. The steady per-call figure of a
+    kernel inside a larger graph, without one launch's ramp at each end. GPU only."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    value = statistics.median(samples)
+    if not (math.isfinite(value) and value > 0):
+        raise MeasurementError(f"a CUDA-graph timing gave {value} us per call: not a measurement")
+    return value
+
+
 def copy_bandwidth(device: torch.device) -> dict:
     """Device-to-device copy bandwidth, (read + write) bytes / time, measured now."""
     cuda = device.type == "cuda"
