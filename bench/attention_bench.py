@@ -74,12 +74,15 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=64, block_n=16, block_dv=512, num_warps=8, num_stages=3),  # deeper pipeline, 160 KB
 ]
 DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave); all single-launch
-    (None, None),  # table entry, one wave of programs (also timed with the two-launch combine)
-    (DecodeConfig(block_n=32, num_stages=3, num_warps=8), None),  # more loads in flight per program
-    (DecodeConfig(block_n=32, num_stages=3, num_warps=2), None),
-    (DecodeConfig(block_n=64, num_stages=1, num_warps=8), None),  # 144 KB
-    (DecodeConfig(block_n=32, num_stages=3, num_warps=8), 2),
-    (None, 2),
+    (None, None),  # table entry (FMA path at one row per group), one wave (also timed with two launches)
+    # FMA path: programs planned per SM (the split count follows), tile depth, warps, pipelining
+    (DecodeConfig(block_n=16, num_stages=1, num_warps=4, dot=False, programs_per_sm=2), None),
+    (DecodeConfig(block_n=16, num_stages=1, num_warps=4, dot=False, programs_per_sm=8), None),
+    (DecodeConfig(block_n=32, num_stages=1, num_warps=8, dot=False, programs_per_sm=4), None),
+    (DecodeConfig(block_n=16, num_stages=2, num_warps=4, dot=False, programs_per_sm=4), None),
+    (DecodeConfig(block_n=8, num_stages=1, num_warps=2, dot=False, programs_per_sm=8), None),
+    # tensor cores: the previous default (runs 9-13: 1.26-1.40x single replay, 1.16-1.20x steady)
+    (DecodeConfig(block_n=32, num_stages=3, dot=True), None),
 ]
 
 # The engine's v4 decode step (informational rows): Hq 8 over Hkv 1, the same head_dim and mask.
@@ -103,20 +106,45 @@ class InvalidMeasurement(Exception):
     pass
 
 
-def time_cuda(fn, warmup: int = 5, repetitions: int = 30) -> dict:
+# A spin before each timed call (torch.cuda._sleep cycles, ~0.5 ms at the H200's ~1.9 GHz): longer than
+# any host launch timed here, so the call is queued before its start event fires.
+SPIN_CYCLES = 1_000_000
+
+
+def time_cuda(fn, warmup: int = 5, repetitions: int = 30, warmup_s: float = 0.0) -> dict:
     """Median of per-call CUDA-event times (warm-up excluded) and the wall clock over the same
-    number of back-to-back calls; both reported, a disagreement over 5 % flagged."""
+    number of back-to-back calls; both reported, a disagreement over 5 % flagged. Each call is timed
+    behind a spin kernel (busy stream: the device time of the call alone), and also on an idle stream
+    as runs up to 14 did (`idle_stream_median_ms`: the host's launch included: ~70 us of a Triton
+    launch's Python in the prefill's 0.97 ms there, against 0.90 ms per call back to back). The warm-up is
+    `warmup` calls and then, with `warmup_s`, calls until that much wall time has passed: a GPU
+    just out of idle runs below its clocks for a while (run 13, a freshly started machine: the
+    prefill's 30 calls spread 1.04 +- 0.07 ms against +- 0.01 in warm runs)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    device_ms = []
+    warm_until = time.perf_counter() + warmup_s
+    while time.perf_counter() < warm_until:
+        fn()
+        torch.cuda.synchronize()
+    device_ms, idle_ms = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(repetitions):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Busy stream (the figure): a spin kernel first, so the start event fires only once the host has
+        # queued fn behind it; the interval is fn's time on the device, its launch ramp included.
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()
         end.synchronize()
         device_ms.append(start.elapsed_time(end))
+        # Idle stream (runs <= 14's figure, kept beside it): the start event fires at once, so the
+        # interval also holds the host's launch of fn (a Triton launch from Python, a graph launch).
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        idle_ms.append(start.elapsed_time(end))
     torch.cuda.synchronize()
     wall_start = time.perf_counter()
     for _ in range(repetitions):
@@ -132,6 +160,7 @@ def time_cuda(fn, warmup: int = 5, repetitions: int = 30) -> dict:
         "stdev_ms": statistics.stdev(device_ms),
         "wall_ms": wall_ms,
         "clocks_disagree": abs(wall_ms - median) > 0.05 * median,
+        "idle_stream_median_ms": statistics.median(idle_ms),
     }
 
 
@@ -215,7 +244,7 @@ def bench_prefill(q, k, v, sinks, reference, visible_flops: float, rows: list, f
         error = checked(label, run, reference, rows, failures)
         if error is None:
             continue
-        timing = time_cuda(run)
+        timing = time_cuda(run, warmup_s=0.5 if config is None else 0.0)  # the target row: clocks up first
         used = config or MASK_CONFIGS.get((HEAD_DIM, SPEC.kind)) or PREFILL_CONFIGS[HEAD_DIM]
         rows.append(row(label, timing, error, visible_flops, "sinks, composite mask",
                         computed_over_visible=computed_pairs_per_head(used) / visible_pairs_per_head(),
@@ -306,8 +335,9 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
         reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
         for config, splits, combine in decode_runs(variants):
             num_splits = None if splits is None else min(128, splits * max(1, sms // KV_HEADS))
-            parts = ["table" if config is None else f"bn{config.block_n} s{config.num_stages}"
-                     + (f" w{config.num_warps}" if config.num_warps else "")]
+            parts = ["table" if config is None else f"{'dot' if config.dot else 'fma'} bn{config.block_n} "
+                     f"s{config.num_stages}" + (f" w{config.num_warps}" if config.num_warps else "")
+                     + (f" {config.programs_per_sm}/SM" if config.programs_per_sm > 1 else "")]
             parts += [f"{splits} waves"] if splits else []
             parts += ["1 launch" if combine == "last" else "2 launches"]
             label = f"fused decode {spec.describe()} ({', '.join(parts)})"  # e.g. "(table, 1 launch)"
@@ -444,13 +474,17 @@ def format_table(header: dict, rows: list) -> str:
         (f"v4 decode rows: B=1 Hq={V4_HEADS} Hkv={V4_KV_HEADS} hd={HEAD_DIM} sinks bf16, query at the last position; "
          f"'cold' = per call in one graph of calls over KV copies > 2x L2"),
         "",
-        "| row | median ms | ± stdev | wall ms | TFLOP/s visible | rel err | vs target | note |",
-        "|---|---|---|---|---|---|---|---|",
+        ("median ms: CUDA events around one call queued behind a spin kernel (the call's device time); "
+         "idle ms: the same call on an idle stream, the host's launch inside (the figure of runs <= 14); "
+         "wall ms: back-to-back calls"),
+        "",
+        "| row | median ms | ± stdev | idle ms | wall ms | TFLOP/s visible | rel err | vs target | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         error = "-" if r["error"] is None else f"{r['error']:.2e}"
         if "median_ms" not in r:
-            lines.append(f"| {r['name']} | - | - | - | - | {error} | - | {r['note']} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | {error} | - | {r['note']} |")
             continue
         tflops = f"{r['tflops_visible']:.0f}" if "tflops_visible" in r else "-"
         if "ratio_to_bound" in r:
@@ -462,7 +496,8 @@ def format_table(header: dict, rows: list) -> str:
         else:
             target = "-"
         clocks = " (clocks disagree >5%)" if r["clocks_disagree"] else ""
-        lines.append(f"| {r['name']} | {r['median_ms']:.4f} | {r['stdev_ms']:.4f} | {r['wall_ms']:.4f}{clocks} | "
+        lines.append(f"| {r['name']} | {r['median_ms']:.4f} | {r['stdev_ms']:.4f} | {r['idle_stream_median_ms']:.4f} | "
+                     f"{r['wall_ms']:.4f}{clocks} | "
                      f"{tflops} | {error} | {target} | {r['note']} |")
     return "\n".join(lines)
 

@@ -135,12 +135,15 @@ def _flash_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (sequence, query head), output columns
-    [pid_dv * BLOCK_DV, +BLOCK_DV). Grid: (cdiv(Tq, BLOCK_M) * (HEAD_DIM // BLOCK_DV), B * Hq).
+    [pid_dv * BLOCK_DV, +BLOCK_DV). Grid: (B * Hq * (HEAD_DIM // BLOCK_DV), cdiv(Tq, BLOCK_M)).
     The column slices of one row tile are neighbours on axis 0, so they run together and the
-    second reads the K/V tiles the first just brought into L2."""
-    pid_m = tl.program_id(0) // (HEAD_DIM // BLOCK_DV)
+    second reads the K/V tiles the first just brought into L2. Row tiles go last to first (axis 1
+    reversed), every head's at once: a row tile's walk never shrinks with its position under any
+    mask here, so the longest programs start first and the short early rows fill the last wave
+    (longest-first scheduling) instead of the longest rows of the last heads trailing alone."""
     pid_dv = tl.program_id(0) % (HEAD_DIM // BLOCK_DV)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0) // (HEAD_DIM // BLOCK_DV)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     batch = pid_bh // query_heads
     head = pid_bh % query_heads
     kv_head = head // kv_group
@@ -221,8 +224,8 @@ def flash_attention(
 
     mask = inputs.mask
     grid = (
-        triton.cdiv(inputs.query_len, config.block_m) * (inputs.head_dim // config.block_dv),
-        inputs.batch * inputs.query_heads,
+        inputs.batch * inputs.query_heads * (inputs.head_dim // config.block_dv),
+        triton.cdiv(inputs.query_len, config.block_m),
     )
     compiled = _flash_attention_kernel[grid](
         q, k, v, out, inputs.sinks, inputs.q_start, mask.padding,
