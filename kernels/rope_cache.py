@@ -30,6 +30,16 @@ from kernels import launches, pdl, scratch
 
 
 @triton.jit
+def _rotate(first, second, position, inv_freq_ptr, offs):
+    """rope(x, position) of one head from its halves [HALF] (x's dtype): float32 math, rounded back.
+    Shared with kernels.gemv_fused's qkv epilogue, so both rotate to the same bits."""
+    angle = position.to(tl.float32) * tl.load(inv_freq_ptr + offs)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    first32, second32 = first.to(tl.float32), second.to(tl.float32)
+    return (first32 * cos - second32 * sin).to(first.dtype), (second32 * cos + first32 * sin).to(first.dtype)
+
+
+@triton.jit
 def _rope_cache_kernel(
     qkv_ptr, inv_freq_ptr, position_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,
     query_heads, kv_heads,
@@ -63,11 +73,7 @@ def _rope_cache_kernel(
         tl.store(destination + offs, first)
         tl.store(destination + HALF + offs, second)
     else:
-        angle = position.to(tl.float32) * tl.load(inv_freq_ptr + offs)
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        first32, second32 = first.to(tl.float32), second.to(tl.float32)
-        rotated_first = (first32 * cos - second32 * sin).to(first.dtype)
-        rotated_second = (second32 * cos + first32 * sin).to(first.dtype)
+        rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, offs)
         if head < query_heads:
             destination = q_out_ptr + b.to(tl.int64) * stride_qo_b + head * stride_qo_h
         else:

@@ -34,17 +34,11 @@ def _count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _topk_softmax_kernel(
-    logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
-    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
+def _topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
+                      E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
+    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype).
+    Shared by the kernel below and kernels.gemv_fused's router epilogue, so both do the same thing."""
     # A NaN logit is never chosen (torch would rank it first; the model never produces one).
     values = tl.where(values == values, values, float("-inf"))
     slots = tl.arange(0, K_PAD)
@@ -64,9 +58,24 @@ def _topk_softmax_kernel(
     top = tl.where(top == float("-inf"), 0.0, top)
     exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
     weights = exponent / tl.sum(exponent, axis=0)
-    tl.store(ids_ptr + token.to(tl.int64) * stride_i + slots, chosen_ids, mask=valid)
-    tl.store(weights_ptr + token.to(tl.int64) * stride_w + slots, weights.to(weights_ptr.dtype.element_ty),
-             mask=valid)
+    tl.store(ids_row_ptr + slots, chosen_ids, mask=valid)
+    tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
+    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
+    _topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
+                      weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD)
     if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")

@@ -261,3 +261,195 @@ def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab):
     assert torch.equal(tokens, expected) and tokens[1] == 7
     assert torch.equal(inputs, torch.stack([expected, torch.tensor([5, 11, 21])]))
     assert observed[3:].tolist() == [-1, -1]  # past the rows: untouched (the woken counts live there)
+
+
+# ------------------------------------------------------------------------- kernels.gemv_fused (CPU)
+# The folded norm multiplies g * x unrounded and scales by r at the end, where the torch forward
+# multiplies h = round(round(x * r) * g): the two differ by two roundings of each h element (2^-24
+# relative in fp32, 2^-11 in fp16) spread over the K terms of each output, about one rounding of the
+# output itself, so the GEMV's tolerances (TOLERANCE, relative to the largest output) still hold.
+
+
+def _norm_inputs(mode, rows, k_in, dtype, seed):
+    """(x, Norm, x_new): the kernel's inputs for `mode` and the norm's input x_new as torch computes it."""
+    from kernels.gemv_fused import Norm
+
+    weight = (1 + 0.1 * _draw(k_in, seed=seed)).to(dtype)
+    x = _draw(rows, k_in, dtype=dtype, seed=seed + 1)
+    if mode == "gather":
+        table = _draw(rows + 7, k_in, dtype=dtype, seed=seed + 2)
+        index = torch.randint(0, rows + 7, (rows,), generator=torch.Generator().manual_seed(seed))
+        return None, Norm(weight, 1e-5, table=table, index=index, write_x=True, write_h=True), table[index]
+    if mode == "residual":
+        residual = _draw(rows, k_in, dtype=dtype, seed=seed + 3)
+        return x, Norm(weight, 1e-5, residual=residual, write_x=True, write_h=True), x + residual
+    return x, Norm(weight, 1e-5, write_h=True), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", ["plain", "residual", "gather"])
+@pytest.mark.parametrize("rows, n_out, k_in, block", [(1, 37, 70, None), (3, 45, 100, (4, 16)), (5, 9, 33, (2, 16))])
+@pytest.mark.parametrize("out_float", [False, True])
+def test_gemv_fused_norm_matches_rms_norm_then_matmul(dtype, mode, rows, n_out, k_in, block, out_float):
+    from kernels import launches
+    from kernels.gemv_fused import gemv_fused
+
+    x, norm, x_new = _norm_inputs(mode, rows, k_in, dtype, seed=50 + rows)
+    w = _draw(n_out, k_in, dtype=dtype, seed=60)
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        result = gemv_fused(x, w, torch.float32 if out_float else None, norm=norm, block=block)
+    assert launches.since(before) == {"gemv_norm": 1}
+    h = rms_norm(x_new, norm.weight, norm.eps)
+    expected = h.float() @ w.float().t()
+    _close(result.out, expected if out_float else expected.to(dtype), dtype)
+    _close(result.h, h, dtype)  # what kernels.rms_norm is held to
+    if mode == "plain":
+        assert result.x is None
+    else:
+        assert torch.equal(result.x, x_new)
+
+
+def test_gemv_fused_without_norm_is_gemv():
+    from kernels.gemv_fused import gemv_fused
+
+    x, w = _draw(3, 70, seed=61), _draw(21, 70, seed=62)
+    with scratch.poison_new_buffers():
+        result = gemv_fused(x, w, block=(4, 16))
+    assert torch.equal(result.out, gemv(x, w, block=(4, 16)))  # the same sums in the same order
+    assert result.x is None and result.h is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, experts, block", [(1, 37, None), (3, 40, (4, 16)), (6, 24, (2, 16))])
+def test_gemv_fused_route_is_topk_softmax_of_its_logits(dtype, rows, experts, block):
+    from kernels import arrivals, launches
+    from kernels.gemv_fused import Route, gemv_fused
+
+    k_in, top_k = 70, 6 if experts > 24 else 3
+    x, norm, x_new = _norm_inputs("residual", rows, k_in, dtype, seed=70 + rows)
+    w = _draw(experts, k_in, dtype=dtype, seed=71)
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        result = gemv_fused(x, w, norm=norm, route=Route(top_k, dtype), block=block)
+    assert launches.since(before) == {"gemv_route": 1}
+    h = rms_norm(x_new, norm.weight, norm.eps)
+    assert result.out.dtype == torch.float32
+    _close(result.out, h.float() @ w.float().t(), dtype)
+    assert torch.equal(result.x, x_new)
+    _close(result.h, h, dtype)
+    ids, weights, woken = topk_softmax(result.out, top_k, dtype, woken=True)  # the same logits, two launches
+    assert torch.equal(result.ids, ids) and torch.equal(result.weights, weights)
+    assert result.woken.dim() == 0 and result.woken.item() == woken.item() == torch.unique(ids).numel()
+    assert torch.equal(result.ids.long(), torch.topk(result.out, top_k, dim=-1).indices)
+    assert int(arrivals.counters(w.device, 1)[0]) == 0
+
+
+def test_gemv_fused_route_breaks_ties_like_topk_softmax():
+    from kernels.gemv_fused import Route, gemv_fused
+
+    x, w = _draw(2, 40, seed=72), _draw(30, 40, seed=73)
+    w[9] = w[4]  # equal logits for experts 4 and 9
+    w[4] += 5 * x[0] / x[0].norm()  # both the largest in row 0
+    w[9] = w[4]
+    result = gemv_fused(x, w, route=Route(4, torch.float32, woken=False), block=(4, 16))
+    assert result.ids[0, 0] == 4 and result.ids[0, 1] == 9 and result.woken is None
+    ids, weights = topk_softmax(result.out, 4, torch.float32)
+    assert torch.equal(result.ids, ids) and torch.equal(result.weights, weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, slots, mode, block", [
+    (1, None, "gather", None), (3, [2, 0, 1], "residual", (4, 16)), (3, None, "none", (2, 16)),
+    (2, [1, 3], "gather", (16, 32))])
+def test_gemv_fused_rope_writes_what_rope_cache_writes(dtype, rows, slots, mode, block):
+    from kernels import arrivals, launches
+    from kernels.gemv_fused import Rope, gemv_fused
+
+    heads, kv_heads, head_dim, capacity, k_in = 4, 2, 16, 40, 50
+    n_out = (heads + 2 * kv_heads) * head_dim
+    x, norm, x_new = _norm_inputs("gather" if mode == "none" else mode, rows, k_in, dtype, seed=80 + rows)
+    if mode == "none":
+        x, norm = x_new.contiguous(), None
+    w = _draw(n_out, k_in, dtype=dtype, seed=81)
+    positions = torch.tensor([0, 17, 39][:rows]) if rows <= 3 else None
+    slot = None if slots is None else torch.tensor(slots)
+    half = head_dim // 2
+    inv_freq = PRESETS["tiny"].rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    k_cache = _draw(4, capacity, kv_heads, head_dim, dtype=dtype, seed=82)
+    v_cache = _draw(4, capacity, kv_heads, head_dim, dtype=dtype, seed=83)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        result = gemv_fused(x, w, norm=norm, rope=Rope(inv_freq, positions, slot, k_cache, v_cache, heads),
+                            block=block)
+    assert launches.since(before) == {"gemv_rope": 1}
+    h = x_new if norm is None else rms_norm(x_new, norm.weight, norm.eps)
+    _close(result.out, (h.float() @ w.float().t()).to(dtype), dtype)
+    # the epilogue does what rope_cache does with the same projection: the same bits
+    q, position32 = rope_cache(result.out, inv_freq, positions, slot, k_expected, v_expected, heads)
+    assert torch.equal(result.q, q) and torch.equal(result.position32, position32)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert position32.dtype == torch.int32 and torch.equal(position32.long(), positions)
+    if norm is not None and norm.write_x:
+        assert torch.equal(result.x, x_new)
+    assert int(arrivals.counters(w.device, heads + kv_heads).abs().sum()) == 0
+
+
+def test_gemv_fused_rejects_bad_inputs():
+    from kernels.gemv_fused import Norm, Route, Rope, gemv_fused
+
+    x, w, weight = torch.ones(1, 8), torch.ones(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="rows"):
+        gemv_fused(torch.ones(9, 8), w)
+    with pytest.raises(ValueError, match="write_x"):
+        gemv_fused(x, w, norm=Norm(weight, 1e-5, write_x=True))
+    with pytest.raises(ValueError, match="gather"):
+        gemv_fused(x, w, norm=Norm(weight, 1e-5, table=torch.ones(3, 8), index=torch.tensor([0])))
+    with pytest.raises(ValueError, match="one epilogue"):
+        gemv_fused(x, w, route=Route(2, torch.float32), rope=Rope(None, None, None, None, None, 1))
+    with pytest.raises(ValueError, match="k <= E"):
+        gemv_fused(x, w, route=Route(5, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_gemv_fused_bf16_v4_widths(rows):
+    """The three folds of a v4-shape step in bf16 at its widths: gather + qkv + RoPE/cache, residual +
+    router + top-k, residual + fp32 LM head; against rms_norm then the torch product."""
+    from kernels.gemv_fused import Norm, Route, Rope, gemv_fused
+
+    dtype, device, hidden, heads, head_dim = torch.bfloat16, "cuda", 4096, 8, 512
+    weight = (1 + 0.1 * _draw(hidden, device=device, seed=90)).to(dtype)
+    table = _draw(300, hidden, dtype=dtype, device=device, seed=91)
+    index = torch.tensor([5, 299, 0][:rows], device=device)
+    wqkv = (_draw((heads + 2) * head_dim, hidden, dtype=dtype, device=device, seed=92) / 64).to(dtype)
+    half = head_dim // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+    positions = torch.tensor([0, 70, 159][:rows], device=device)
+    k_cache = torch.zeros(rows, 160, 1, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    result = gemv_fused(None, wqkv, norm=Norm(weight, 1e-5, table=table, index=index, write_x=True),
+                        rope=Rope(inv_freq, positions, None, k_cache, v_cache, heads))
+    h = rms_norm(table[index], weight, 1e-5)
+    _close(result.out, (h.float() @ wqkv.float().t()).to(dtype), dtype)
+    assert torch.equal(result.x, table[index])
+    q, position32 = rope_cache(result.out, inv_freq, positions, None, k_expected, v_expected, heads)
+    assert torch.equal(result.q, q) and torch.equal(result.position32, position32)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+    x, residual = table[index], _draw(rows, hidden, dtype=dtype, device=device, seed=93)
+    router = (_draw(256, hidden, dtype=dtype, device=device, seed=94) / 64).to(dtype)
+    routed = gemv_fused(x, router, norm=Norm(weight, 1e-5, residual=residual, write_x=True, write_h=True),
+                        route=Route(6, dtype))
+    h = rms_norm(x + residual, weight, 1e-5)
+    _close(routed.out, h.float() @ router.float().t(), dtype)
+    assert torch.equal(routed.x, x + residual)
+    _close(routed.h, h, dtype)
+    ids, weights, woken = topk_softmax(routed.out, 6, dtype, woken=True)
+    assert torch.equal(routed.ids, ids) and routed.woken.item() == woken.item()
+    _close(routed.weights, weights, dtype)  # the sum of 6 exponentials may be ordered differently
+
+    logits = gemv_fused(x, router, torch.float32, norm=Norm(weight, 1e-5, residual=residual)).out
+    _close(logits, h.float() @ router.float().t(), dtype)

@@ -1,0 +1,377 @@
+"""Decode GEMV with its neighbours folded in: the RMSNorm in front, and behind it either the top-k
+routing (router logits) or RoPE plus the KV-cache write (the packed q/k/v projection). One launch
+where the decode step had two or three (kernels.rms_norm, kernels.gemv, kernels.router /
+kernels.rope_cache).
+
+    out[m, n] = sum_k w[n, k] * a[m, k]                     a = x (no norm), or
+    out[m, n] = r[m] * sum_k w[n, k] * (g[k] * x[m, k])     RMSNorm folded: r = rsqrt(mean_k(x^2) + eps)
+
+with x, the norm's input, one of (each row m):
+    plain      x[m]                                    the given activations
+    residual   (x_prev[m] + residual[m]) rounded to the dtype, as torch's add
+    gather     table[index[m]]                         the step's embedding rows
+
+Shapes: M rows (1 <= M <= MAX_ROWS), K = D hidden, N outputs. x / residual / x_out / h [M, K];
+g [K]; table [V, K]; index [M]; w [N, K] unit stride along K; out [M, N].
+
+Folded norm. The torch forward rounds h = (x32 * r).to(dtype) * g to the dtype and multiplies h;
+here the product is taken with g * x in float32 and scaled by r at the end, so the outputs differ
+from gemv(h, w) by the two roundings of h (each <= 2^-9 relative in bf16, 2^-11 in fp16, 2^-24 in
+fp32) spread over the K terms: of the order of one rounding of the output, not a bit-equal
+result (tests/test_decode_fused.py bounds it). Every program sums x^2 over all K in the same order,
+so every program holds the same r. What the rest of the step needs as tensors, each program writes
+a disjoint slice of: the new residual stream x_out (residual / gather) and h, computed exactly as
+kernels.rms_norm computes them (x rounded after the add, x32 * r rounded, times g rounded), so
+they are what that kernel writes up to the order of the mean's sum.
+
+Epilogues (one per launch):
+    store       out rounded to out_dtype (x's, or float32 for logits)
+    route       out = float32 logits; the last program to arrive (kernels.arrivals) reads the N
+                logits of every row past L1 and does what kernels.router.topk_softmax does (the
+                same jit function): ids [M, k] int32, weights [M, k], and the number of distinct
+                experts chosen (0-d int64)
+    rope        out = q|k|v rounded to the dtype ([M, (Hq + 2 Hkv) * hd], the packed projection);
+                BLOCK_N divides hd, so a program lies in one head. Value heads go straight into
+                v_cache[slot, position]; for a query or key head the last of its hd / BLOCK_N programs
+                to arrive reads the head's hd outputs past L1 and rotates them as kernels.rope_cache
+                does (the same jit function) into q [M, Hq, hd] or k_cache[slot, position]; program
+                0 writes the positions as int32 (what rope_cache returns for the attention kernels)
+
+Grid (cdiv(N, BLOCK_N),), the block sizes of kernels.gemv for one row (FMA path only: rows are
+looped over, never padded to a tensor-core tile, so MAX_ROWS is below gemv's TENSOR_CORE_ROWS).
+
+What a program reads (L2 traffic beside its BLOCK_N x K weights from DRAM): per row, K elements
+of the activation (one vector in plain and gather modes, two -- x_prev and residual -- in residual
+mode) and, with a norm, the K elements of g; at the end its slice (cdiv(K, programs) columns) of
+those again. At the v4 shape (K = 4096, bf16, one row) that is 16 KB per program for a gather into
+qkv (2560 programs: 42 MB of L2 reads against 42 MB of weights; the plain GEMV reads 21 MB of h)
+and 24 KB per program for a residual fold into the router or LM head (256 programs: 6 MB against 2
+MB). A residual fold into a wide GEMV (qkv at N = 5120: 63 MB) is the caller's choice
+(engine.decode_fused folds residuals only into narrow products). Not measured yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import arrivals, launches, pdl, scratch
+from kernels.gemv import TENSOR_CORE_ROWS, block_sizes
+from kernels.rope_cache import _rotate
+from kernels.router import MAX_EXPERTS, _count_ids, _topk_softmax_row
+
+MAX_ROWS = TENSOR_CORE_ROWS - 1  # the FMA path of kernels.gemv
+
+
+@dataclass(frozen=True)
+class Norm:
+    """The RMSNorm in front of the product. Its input x is the launcher's `x` (plain), `x` + residual
+    (rounded to the dtype) or table[index] (pass x=None). write_x: also return the new residual stream
+    (residual / gather modes); write_h: also return h = RMSNorm(x) * weight."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # [M, K]
+    table: torch.Tensor | None = None  # [V, K]
+    index: torch.Tensor | None = None  # [M] int
+    write_x: bool = False
+    write_h: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    """Top-k softmax of the float32 logits, as kernels.router.topk_softmax (woken: also the count of
+    distinct experts chosen)."""
+
+    top_k: int
+    weight_dtype: torch.dtype
+    woken: bool = True
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE on the q and k heads of the packed projection, k and v written into the cache at
+    (slot[m] or m, position[m]), as kernels.rope_cache."""
+
+    inv_freq: torch.Tensor  # [hd / 2] float32
+    position: torch.Tensor  # [M] int
+    slot: torch.Tensor | None  # [M] int, None: row m
+    k_cache: torch.Tensor  # [rows, S, Hkv, hd]
+    v_cache: torch.Tensor
+    query_heads: int
+
+
+@dataclass
+class Fused:
+    """What one launch produced; fields a mode does not produce are None."""
+
+    out: torch.Tensor  # [M, N]: the product (the logits for Route, q|k|v before RoPE for Rope)
+    x: torch.Tensor | None = None  # [M, K] the new residual stream (Norm.write_x)
+    h: torch.Tensor | None = None  # [M, K] the normed activations (Norm.write_h)
+    ids: torch.Tensor | None = None  # [M, k] int32 (Route)
+    weights: torch.Tensor | None = None  # [M, k] (Route)
+    woken: torch.Tensor | None = None  # 0-d int64 (Route with woken)
+    q: torch.Tensor | None = None  # [M, Hq, hd] rotated (Rope)
+    position32: torch.Tensor | None = None  # [M] int32 (Rope)
+
+
+@triton.jit
+def _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm, stride_t,
+                GATHER: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Row m's x at columns `cols` (masked by `lanes`), in the dtype: the gathered embedding row, x + residual
+    rounded as torch's add, or x itself."""
+    if GATHER:
+        source = tl.load(index_ptr + m, mask=m < rows, other=0).to(tl.int64)
+        x = tl.load(table_ptr + source * stride_t + cols, mask=lanes, other=0.0)
+    else:
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=lanes, other=0.0)
+        if RESIDUAL:
+            residual = tl.load(residual_ptr + m * stride_rm + cols, mask=lanes, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _gemv_fused_kernel(
+    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr,  # the norm's input and weight
+    x_out_ptr, h_ptr,  # [M, K] slices written (WRITE_X / WRITE_H)
+    w_ptr, out_ptr,  # [N, K], [M, N]
+    ids_ptr, weights_ptr, woken_ptr,  # ROUTE
+    inv_freq_ptr, position_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,  # ROPE
+    arrivals_ptr,  # ROUTE: 1 counter; ROPE: one per query and key head
+    rows, n_out, k_in, eps, slice_cols, query_heads, kv_heads,
+    stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om, stride_ids, stride_weights,
+    stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
+    NORM: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr,
+    COUNT_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    m_mask = offs_m < rows
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([M_PAD], dtype=tl.float32)  # sum of x^2 per row (NORM)
+    for k0 in range(0, k_in, BLOCK_K):
+        cols = k0 + offs_k
+        k_mask = cols < k_in
+        w32 = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            lanes = k_mask & (tl.full([BLOCK_K], m, dtype=tl.int32) < rows)
+            a = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm,
+                            stride_t, GATHER, RESIDUAL).to(tl.float32)
+            if NORM:
+                squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
+                a = a * g
+            partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
+            accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        w_ptrs += BLOCK_K
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
+        accumulator = accumulator * scale[:, None]
+        if WRITE_X or WRITE_H:  # this program's slice of the new residual stream and of h
+            cols = pid * slice_cols + tl.arange(0, SLICE)
+            in_slice = (tl.arange(0, SLICE) < slice_cols) & (cols < k_in)
+            g_slice = tl.load(norm_ptr + cols, mask=in_slice, other=0.0)
+            for m in tl.static_range(M_PAD):
+                lanes = in_slice & (tl.full([SLICE], m, dtype=tl.int32) < rows)
+                x = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm,
+                                stride_rm, stride_t, GATHER, RESIDUAL)
+                if WRITE_X:
+                    tl.store(x_out_ptr + m * stride_xo + cols, x, mask=lanes)
+                if WRITE_H:  # as kernels.rms_norm: x32 * r rounded, times the weight, rounded
+                    r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
+                    normed = (x.to(tl.float32) * r).to(h_ptr.dtype.element_ty)
+                    h = (normed.to(tl.float32) * g_slice.to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    tl.store(h_ptr + m * stride_h + cols, h, mask=lanes)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    values = accumulator.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, values, mask=out_mask)
+    if ROUTE:  # the last program routes every row (kernels.arrivals)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            offs_e = tl.arange(0, E_PAD)
+            for row in range(rows):
+                logits = tl.load(out_ptr + tl.cast(row, tl.int64) * stride_om + offs_e, mask=offs_e < n_out,
+                                 other=float("-inf"), cache_modifier=".cg")
+                _topk_softmax_row(logits, offs_e, n_out, ids_ptr + tl.cast(row, tl.int64) * stride_ids,
+                                  weights_ptr + tl.cast(row, tl.int64) * stride_weights, E_PAD, TOP_K, K_PAD)
+            if WOKEN:
+                tl.debug_barrier()
+                tl.store(woken_ptr, _count_ids(ids_ptr, rows * TOP_K, n_out, E_PAD, COUNT_BLOCK).to(tl.int64))
+            tl.atomic_xchg(arrivals_ptr, 0)
+    if ROPE:
+        if pid == 0:
+            tl.store(position32_ptr + offs_m, tl.load(position_ptr + offs_m, mask=m_mask, other=0).to(tl.int32),
+                     mask=m_mask)
+        head = (pid * BLOCK_N) // HEAD_DIM
+        if head >= query_heads + kv_heads:  # a value head: its columns straight into the cache
+            positions = tl.load(position_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+            if HAS_SLOTS:
+                slots = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+            else:
+                slots = offs_m.to(tl.int64)
+            columns = offs_n - head * HEAD_DIM
+            destination = v_cache_ptr + slots[:, None] * stride_vc_s + positions[:, None] * stride_vc_t \
+                + (head - query_heads - kv_heads) * stride_vc_h + columns[None, :]
+            tl.store(destination, values, mask=out_mask)
+        else:  # the last of the head's programs rotates the whole head
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel")
+            if arrived == HEAD_DIM // BLOCK_N - 1:
+                half = tl.arange(0, HEAD_DIM // 2)
+                for row in range(rows):
+                    source = out_ptr + tl.cast(row, tl.int64) * stride_om + head * HEAD_DIM
+                    first = tl.load(source + half, cache_modifier=".cg")
+                    second = tl.load(source + HEAD_DIM // 2 + half, cache_modifier=".cg")
+                    position = tl.load(position_ptr + row)
+                    rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, half)
+                    if head < query_heads:
+                        destination = q_ptr + tl.cast(row, tl.int64) * stride_qb + head * stride_qh
+                    else:
+                        if HAS_SLOTS:
+                            slot = tl.load(slot_ptr + row).to(tl.int64)
+                        else:
+                            slot = tl.cast(row, tl.int64)
+                        destination = k_cache_ptr + slot * stride_kc_s + position.to(tl.int64) * stride_kc_t \
+                            + (head - query_heads) * stride_kc_h
+                    tl.store(destination + half, rotated_first)
+                    tl.store(destination + HEAD_DIM // 2 + half, rotated_second)
+                tl.atomic_xchg(arrivals_ptr + head, 0)
+
+
+def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+               norm: Norm | None = None, route: Route | None = None, rope: Rope | None = None,
+               block: tuple[int, int] | None = None) -> Fused:
+    """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one
+    launch; with `route` the top-k routing of the logits, with `rope` q rotated and k, v in the cache."""
+    if route is not None and rope is not None:
+        raise ValueError("gemv_fused: one epilogue per launch (route or rope)")
+    gather = norm is not None and norm.table is not None
+    residual = norm.residual if norm is not None else None
+    if gather:
+        if x is not None or norm.index is None or residual is not None:
+            raise ValueError("gemv_fused: a gather takes table and index, and no x or residual")
+        source, rows = norm.table, norm.index.numel()
+    else:
+        if x is None or (norm is not None and norm.index is not None):
+            raise ValueError("gemv_fused: give x, or (with a norm) table and index")
+        source, rows = x, x.shape[0]
+    if source.dim() != 2 or w.dim() != 2 or source.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv_fused: x must be [M, K] and w [N, K] with the same K, got {tuple(source.shape)} "
+                         f"and {tuple(w.shape)}")
+    dtype, device = source.dtype, source.device
+    k_in, n_out = w.shape[1], w.shape[0]
+    if w.dtype != dtype or source.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"gemv_fused: x ({dtype}) and w ({w.dtype}) need one dtype and unit stride along K")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv_fused takes 1..{MAX_ROWS} rows, got {rows}")
+    if norm is not None:
+        if norm.weight.shape != (k_in,) or norm.weight.stride(0) != 1:
+            raise ValueError(f"gemv_fused: the norm weight must be [{k_in}], got {tuple(norm.weight.shape)}")
+        if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != dtype):
+            raise ValueError(f"gemv_fused: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        if norm.write_x and residual is None and not gather:
+            raise ValueError("gemv_fused: write_x needs a residual add or a gather (else x is the input)")
+    if route is not None:
+        out_dtype = torch.float32
+        if not 1 <= route.top_k <= n_out or n_out > MAX_EXPERTS:
+            raise ValueError(f"gemv_fused: need 1 <= k <= E <= {MAX_EXPERTS}, got k={route.top_k}, E={n_out}")
+    out = scratch.empty((rows, n_out), out_dtype or dtype, device)
+    result = Fused(out)
+    block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), device, rows)
+    dummy = out
+    write_x = norm is not None and norm.write_x
+    write_h = norm is not None and norm.write_h
+    if write_x:
+        result.x = scratch.empty((rows, k_in), dtype, device)
+    if write_h:
+        result.h = scratch.empty((rows, k_in), dtype, device)
+    programs = triton.cdiv(n_out, block_n)
+    slice_cols = triton.cdiv(k_in, programs)
+    counters = dummy
+    routing = {"ids": dummy, "weights": dummy, "woken": dummy, "stride_ids": 0, "stride_weights": 0}
+    top_k = e_pad = count_block = 1
+    if route is not None:
+        result.ids = scratch.empty((rows, route.top_k), torch.int32, device)
+        result.weights = scratch.empty((rows, route.top_k), route.weight_dtype, device)
+        count = scratch.empty((1,), torch.int64, device)
+        result.woken = count[0] if route.woken else None
+        routing = {"ids": result.ids, "weights": result.weights, "woken": count,
+                   "stride_ids": result.ids.stride(0), "stride_weights": result.weights.stride(0)}
+        top_k, e_pad = route.top_k, triton.next_power_of_2(n_out)
+        count_block = max(1, min(64, 16384 // e_pad, triton.next_power_of_2(rows * top_k)))
+        counters = arrivals.counters(device, 1)
+    head_dim = query_heads = kv_heads = 1
+    cache = {"inv_freq": dummy, "position": dummy, "slot": dummy, "q": dummy, "k": dummy, "v": dummy,
+             "position32": dummy, "strides": (0,) * 6}
+    if rope is not None:
+        k_cache, v_cache = rope.k_cache, rope.v_cache
+        kv_heads, head_dim, query_heads = k_cache.shape[2], k_cache.shape[3], rope.query_heads
+        half = head_dim // 2
+        if n_out != (query_heads + 2 * kv_heads) * head_dim or (out_dtype or dtype) != dtype:
+            raise ValueError(f"gemv_fused: rope needs w [(Hq + 2 Hkv) * hd, K] = "
+                             f"[{(query_heads + 2 * kv_heads) * head_dim}, K] and the output in x's dtype, "
+                             f"got {tuple(w.shape)}")
+        if head_dim % 2 or half & (half - 1):
+            raise ValueError(f"gemv_fused: head_dim / 2 must be a power of two, got head_dim {head_dim}")
+        if rope.inv_freq.shape != (half,) or rope.inv_freq.dtype != torch.float32:
+            raise ValueError(f"gemv_fused: inv_freq must be float32 [{half}]")
+        if rope.position.shape != (rows,) or (rope.slot is not None and rope.slot.shape != (rows,)):
+            raise ValueError(f"gemv_fused: position and slot must be [{rows}]")
+        if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or v_cache.shape != k_cache.shape \
+                or k_cache.dtype != dtype or v_cache.dtype != dtype:
+            raise ValueError("gemv_fused: the caches must be [rows, S, Hkv, hd] in x's dtype, unit stride along hd")
+        block_n = min(block_n, head_dim)  # a program lies in one head (both powers of two)
+        programs = triton.cdiv(n_out, block_n)
+        slice_cols = triton.cdiv(k_in, programs)
+        result.q = scratch.empty((rows, query_heads, head_dim), dtype, device)
+        result.position32 = scratch.empty((rows,), torch.int32, device)
+        cache = {"inv_freq": rope.inv_freq, "position": rope.position,
+                 "slot": rope.position if rope.slot is None else rope.slot, "q": result.q, "k": k_cache,
+                 "v": v_cache, "position32": result.position32,
+                 "strides": (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))}
+        counters = arrivals.counters(device, query_heads + kv_heads)
+    q_strides = (result.q.stride(0), result.q.stride(1)) if rope is not None else (0, 0)
+    _gemv_fused_kernel[(programs,)](
+        x if x is not None else dummy, residual if residual is not None else dummy,
+        norm.table if gather else dummy, norm.index if gather else dummy,
+        norm.weight if norm is not None else dummy,
+        result.x if write_x else dummy, result.h if write_h else dummy,
+        w, out, routing["ids"], routing["weights"], routing["woken"],
+        cache["inv_freq"], cache["position"], cache["slot"], cache["q"], cache["k"], cache["v"], cache["position32"],
+        counters,
+        rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols, query_heads, kv_heads,
+        x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
+        norm.table.stride(0) if gather else 0, result.x.stride(0) if write_x else 0,
+        result.h.stride(0) if write_h else 0, w.stride(0), out.stride(0),
+        routing["stride_ids"], routing["stride_weights"], *q_strides, *cache["strides"],
+        M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        SLICE=triton.next_power_of_2(slice_cols),
+        NORM=norm is not None, GATHER=gather, RESIDUAL=residual is not None, WRITE_X=write_x, WRITE_H=write_h,
+        ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
+        WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
+        ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
+        num_warps=4, **pdl.launch_options(device),
+    )
+    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_norm"
+                    if norm is not None else "gemv")
+    return result
