@@ -74,15 +74,11 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=64, block_n=16, block_dv=512, num_warps=8, num_stages=3),  # deeper pipeline, 160 KB
 ]
 DECODE_SWEEP = [  # (config, waves of programs: None = the launcher's one wave); all single-launch
-    (None, None),  # table entry (FMA path at one row per group), one wave (also timed with two launches)
-    # FMA path: programs planned per SM (the split count follows), tile depth, warps, pipelining
-    (DecodeConfig(block_n=16, num_stages=1, num_warps=4, dot=False, programs_per_sm=2), None),
-    (DecodeConfig(block_n=16, num_stages=1, num_warps=4, dot=False, programs_per_sm=8), None),
-    (DecodeConfig(block_n=32, num_stages=1, num_warps=8, dot=False, programs_per_sm=4), None),
-    (DecodeConfig(block_n=16, num_stages=2, num_warps=4, dot=False, programs_per_sm=4), None),
-    (DecodeConfig(block_n=8, num_stages=1, num_warps=2, dot=False, programs_per_sm=8), None),
-    # tensor cores: the previous default (runs 9-13: 1.26-1.40x single replay, 1.16-1.20x steady)
-    (DecodeConfig(block_n=32, num_stages=3, dot=True), None),
+    (None, None),  # table entry, one wave of programs (also timed with the two-launch combine)
+    (DecodeConfig(block_n=32, num_stages=4), None),  # 3 tiles in flight: 16 + 3 x 64 = 208 KB
+    (DecodeConfig(block_n=16, num_stages=3, programs_per_sm=2), None),  # 80 KB: two programs per SM, 33 splits
+    (DecodeConfig(block_n=16, num_stages=5), None),  # 4 half-size tiles in flight: 144 KB
+    (DecodeConfig(block_n=32, num_stages=2, programs_per_sm=2), None),  # 80 KB, two programs per SM
 ]
 
 # The engine's v4 decode step (informational rows): Hq 8 over Hkv 1, the same head_dim and mask.
@@ -335,8 +331,8 @@ def bench_decode(k, v, sinks, rows: list, failures: list, bandwidth: float, vari
         reference = attention_reference(q.float(), k.float(), v.float(), sinks, spec, q_start)
         for config, splits, combine in decode_runs(variants):
             num_splits = None if splits is None else min(128, splits * max(1, sms // KV_HEADS))
-            parts = ["table" if config is None else f"{'dot' if config.dot else 'fma'} bn{config.block_n} "
-                     f"s{config.num_stages}" + (f" w{config.num_warps}" if config.num_warps else "")
+            parts = ["table" if config is None else f"bn{config.block_n} s{config.num_stages}"
+                     + (f" w{config.num_warps}" if config.num_warps else "")
                      + (f" {config.programs_per_sm}/SM" if config.programs_per_sm > 1 else "")]
             parts += [f"{splits} waves"] if splits else []
             parts += ["1 launch" if combine == "last" else "2 launches"]

@@ -113,18 +113,13 @@ class DecodeConfig:
     block_n: int  # keys per step of a split's walk
     num_stages: int
     num_warps: int | None = None  # None: 4, or 8 when the accumulator would need more registers
-    # Tensor cores (tl.dot, rows padded to 16) or FMAs on the loaded tiles (rows <= FMA_MAX_ROWS only);
-    # None: FMAs up to FMA_MAX_ROWS rows, tensor cores above.
-    dot: bool | None = None
-    # Programs resident per SM the split rule plans for ("one wave" = SMs x this): 1 for the tensor-core
-    # path (145 KB of shared memory at hd 512), several for the FMA path (no shared memory).
+    # Programs resident per SM the split rule plans for ("one wave" = SMs x this): 1 at the table's
+    # 145 KB of shared memory; 2 for configs of <= 113 KB (benchmark sweeps).
     programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_n < 8 or not is_power_of_two(self.block_n):
-            raise ValueError(f"block_n must be a power of two >= 8, got {self.block_n}")
-        if self.dot and self.block_n < 16:
-            raise ValueError(f"the tensor-core path needs block_n >= 16, got {self.block_n}")
+        if self.block_n < 16 or not is_power_of_two(self.block_n):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         if self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
 
@@ -138,35 +133,6 @@ CONFIGS = {
     # 210 registers, 0 spills, 145 KB shared.
     512: DecodeConfig(block_n=32, num_stages=3),
 }
-
-# One or two query rows per (sequence, kv head) (issue 4's decode: Hq = Hkv, one token): tensor cores
-# would pad the rows to 16 and stage K and V through 145 KB of shared memory, one program per SM, so a
-# split's loads are in flight only as deep as its pipeline (run 13: 1.16-1.20x the KV-bytes bound
-# steady, 1.26-1.40x single replay; a second wave of programs cost +10 us). The FMA path keeps the
-# K and V tiles in registers (BLOCK_N x hd = 8192 elements each: 32 registers per thread at 4 warps),
-# takes no shared memory, and plans for several programs per SM, so the loads in flight come from
-# occupancy, as in kernels.gemv (1.15x its bound at one row).
-FMA_MAX_ROWS = 2
-FMA_CONFIGS = {
-    64: DecodeConfig(block_n=128, num_stages=1, num_warps=4, dot=False, programs_per_sm=4),
-    128: DecodeConfig(block_n=64, num_stages=1, num_warps=4, dot=False, programs_per_sm=4),
-    256: DecodeConfig(block_n=32, num_stages=1, num_warps=4, dot=False, programs_per_sm=4),
-    512: DecodeConfig(block_n=16, num_stages=1, num_warps=4, dot=False, programs_per_sm=4),
-}
-
-
-def default_config(head_dim: int, rows: int) -> DecodeConfig:
-    """The table's config for `rows` = (Hq / Hkv) x Tq query rows per program."""
-    return FMA_CONFIGS[head_dim] if rows <= FMA_MAX_ROWS else CONFIGS[head_dim]
-
-
-def uses_dot(config: DecodeConfig, rows: int) -> bool:
-    """Whether a launch with this config takes the tensor-core path (else FMAs)."""
-    if config.dot is None:
-        return rows > FMA_MAX_ROWS
-    if not config.dot and rows > FMA_MAX_ROWS:
-        raise ValueError(f"the FMA path takes <= {FMA_MAX_ROWS} rows per program, got {rows}")
-    return config.dot
 
 
 @triton.jit
@@ -260,41 +226,6 @@ def _merge_rows(
 
 
 @triton.jit
-def _attend_key_tile_fma(
-    accumulator,  # [BLOCK_M, HEAD_DIM] float32, sum of p * v scaled by exp2(-running_max)
-    running_max,  # [BLOCK_M] float32, base-2 logits
-    running_sum,  # [BLOCK_M] float32
-    q,  # [BLOCK_M, HEAD_DIM] float32
-    k_base,
-    v_base,
-    keys,  # [BLOCK_N] int32 key positions
-    key_in_range,  # [BLOCK_N]
-    visible,  # [BLOCK_M, BLOCK_N] or [1, BLOCK_N]
-    dims,  # [HEAD_DIM]
-    stride_kt,
-    stride_vt,
-    qk_scale_log2,
-):
-    """`attention_common._attend_key_tile` for a few rows without tensor cores: the K and V tiles are
-    loaded into registers (both issued before either is used), scores and the weighted sum of V are
-    FMAs reduced over the tile, all in float32 (the probabilities are not rounded to the input dtype,
-    as the tensor-core path must for its operand)."""
-    key_rows = keys.to(tl.int64)
-    k = tl.load(k_base + key_rows[:, None] * stride_kt + dims[None, :], mask=key_in_range[:, None], other=0.0)
-    values = tl.load(v_base + key_rows[:, None] * stride_vt + dims[None, :], mask=key_in_range[:, None], other=0.0)
-    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
-    scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.math.exp2(running_max - safe_max)
-    probabilities = tl.math.exp2(scores - safe_max[:, None])
-    running_sum = running_sum * rescale + tl.sum(probabilities, 1)
-    accumulator = accumulator * rescale[:, None] + tl.sum(
-        probabilities[:, :, None] * values.to(tl.float32)[None, :, :], 1)
-    return accumulator, new_max, running_sum
-
-
-@triton.jit
 def _flash_decode_split_kernel(
     q_ptr,  # [B, Tq, Hq, hd]
     k_ptr,  # [B, Tk, Hkv, hd]
@@ -336,7 +267,6 @@ def _flash_decode_split_kernel(
     HAS_PADDING: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
-    USE_DOT: tl.constexpr,  # tensor cores (BLOCK_M >= 16) or FMAs on register tiles (a row or two)
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
@@ -384,16 +314,10 @@ def _flash_decode_split_kernel(
             walk_index, walk_end, positions, band_lo, band_len, key_len, window, summary_block,
             padding_row, stride_padding_t, CAUSAL, HAS_WINDOW, HAS_SUMMARIES, HAS_PADDING,
         )
-        if USE_DOT:
-            accumulator, running_max, running_sum = _attend_key_tile(
-                accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
-                dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
-            )
-        else:
-            accumulator, running_max, running_sum = _attend_key_tile_fma(
-                accumulator, running_max, running_sum, q.to(tl.float32), k_base, v_base, keys, key_in_range,
-                visible, dims, stride_kt, stride_vt, qk_scale_log2,
-            )
+        accumulator, running_max, running_sum = _attend_key_tile(
+            accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
+            dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
+        )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -511,8 +435,7 @@ def _default_splits(
     if sms is None:
         # The interpreter: up to 4 splits of >= 1 tile, enough to exercise the merge with few programs.
         return choose_splits(walk_tiles, 4, min_tiles=1)
-    # One wave: splits x B x Hkv programs <= the SM count x the programs each SM holds (1 on the
-    # tensor-core path at 145 KB of shared memory; the FMA path takes none).
+    # One wave: splits x B x Hkv programs <= the SM count x programs per SM (1 at the table's 145 KB).
     block_n = config.block_n
     wave = sms * config.programs_per_sm // programs_per_split
     if default_combine(rows) == "kernel":
@@ -544,9 +467,9 @@ def default_num_splits(
     """The split count `flash_decode` launches with num_splits=None (host-side, no device read)."""
     batch, query_len, query_heads, head_dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
-    rows = (query_heads // kv_heads) * query_len
-    config = config or default_config(head_dim, rows)
+    config = config or CONFIGS[head_dim]
     walk_tiles = _walk_tiles(spec, key_len, query_len, config.block_n)
+    rows = (query_heads // kv_heads) * query_len
     sms = _device_sms(q.device) if sms is None else sms
     return min(_default_splits(sms, walk_tiles, batch * kv_heads, rows, config, q.element_size()), walk_tiles)
 
@@ -596,6 +519,7 @@ def flash_decode(
             f"'kernel' (a second combine launch); got {combine!r}"
         )
     inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
+    config = config or CONFIGS[inputs.head_dim]
     group = inputs.query_heads // inputs.kv_heads
     rows = group * inputs.query_len
     if rows > MAX_ROWS:
@@ -603,8 +527,6 @@ def flash_decode(
             f"flash_decode takes (Hq / Hkv) * Tq <= {MAX_ROWS} rows per program, got {group} x "
             f"{inputs.query_len}; use kernels.attention.flash_attention for longer chunks"
         )
-    config = config or default_config(inputs.head_dim, rows)
-    dot = uses_dot(config, rows)
     out = output_buffer(q, out)
     if inputs.query_len == 0:
         return out
@@ -638,9 +560,8 @@ def flash_decode(
         counters = arrivals.counters(q.device, programs_per_split) if output == "last" else inputs.q_start
 
     mask = inputs.mask
-    # Tensor cores: rows padded to 16, tl.dot's minimum. Accumulator registers per thread =
-    # block_m * hd / (32 * warps): 64 at (16, 512, 4 warps). FMAs: the rows as they are.
-    block_m = max(16, triton.next_power_of_2(rows)) if dot else triton.next_power_of_2(rows)
+    block_m = max(16, triton.next_power_of_2(rows))
+    # Accumulator registers per thread = block_m * hd / (32 * warps): 64 at (16, 512, 4 warps).
     num_warps = config.num_warps or (4 if block_m * head_dim <= 16 * 512 else 8)
     merge_rows, splits_pow2, block_d = merge_tile(rows, num_splits, head_dim)
     compiled = _flash_decode_split_kernel[(num_splits, programs_per_split)](
@@ -665,7 +586,6 @@ def flash_decode(
         HAS_PADDING=mask.has_padding,
         HAS_SINKS=inputs.has_sinks,
         OUTPUT=output,
-        USE_DOT=dot,
         DOT_PRECISION=inputs.dot_precision,
         num_warps=num_warps,
         num_stages=config.num_stages,
@@ -673,7 +593,7 @@ def flash_decode(
     )
     launches.record("flash_decode_split")
     remember_compiled(
-        f"flash_decode_split hd{head_dim} rows{block_m} {'dot' if dot else 'fma'} {spec.kind} {q.dtype} {output} "
+        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} "
         f"merge{merge_rows}x{splits_pow2}x{block_d} {config}", compiled
     )
     if output != "partials":

@@ -245,41 +245,13 @@ def test_decode_infinite_sinks_and_fully_masked_rows():
     assert_matches(out, reference(q, k, v, sinks, COMPOSITE, q_start, padding), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("query_len, heads, kv_heads, head_dim", [(1, 3, 3, 64), (2, 2, 2, 64), (1, 4, 2, 512)])
-@pytest.mark.parametrize("combine", ["last", "kernel"])
-def test_decode_fma_path_matches_reference_and_tensor_cores(query_len, heads, kv_heads, head_dim, combine, dtype):
-    # One or two rows per (sequence, kv head) take the FMA path by default (register tiles, float32
-    # probabilities); the same problem forced through tensor cores must agree with it and with the
-    # reference: odd 45-key cache, ragged offsets, padding, composite mask, sinks, 3 splits.
-    q, k, v, sinks = make_inputs(2, query_len, 45, heads, kv_heads, head_dim, dtype, seed=head_dim + query_len)
-    q_start = torch.tensor([45 - query_len, 20])
-    padding = padding_for(2, 45)
-    expected = reference(q, k, v, sinks, COMPOSITE, q_start, padding)
-    outs = {}
-    for dot in (False, True):
-        config = DecodeConfig(block_n=16, num_stages=1, dot=dot)
-        outs[dot] = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, out=poisoned_like(q), num_splits=3,
-                                 config=config, combine=combine)
-        assert_matches(outs[dot], expected, dtype)
-    assert_matches(outs[False], outs[True].float(), dtype)
-    default = flash_decode(q, k, v, sinks, COMPOSITE, q_start, padding, num_splits=3, combine=combine,
-                           config=DecodeConfig(block_n=16, num_stages=1))
-    assert torch.equal(default, outs[False])  # auto picks FMAs at <= 2 rows
-
-
-def test_decode_config_paths_are_checked():
-    assert attention_decode.default_config(512, 1) is attention_decode.FMA_CONFIGS[512]
-    assert attention_decode.default_config(512, 8) is attention_decode.CONFIGS[512]
-    assert attention_decode.uses_dot(DecodeConfig(block_n=16, num_stages=1), 2) is False
-    assert attention_decode.uses_dot(DecodeConfig(block_n=16, num_stages=1), 3) is True
-    with pytest.raises(ValueError, match="tensor-core path needs block_n >= 16"):
-        DecodeConfig(block_n=8, num_stages=1, dot=True)
+def test_decode_config_checks():
     with pytest.raises(ValueError, match="programs_per_sm"):
         DecodeConfig(block_n=16, num_stages=1, programs_per_sm=0)
-    q, k, v, sinks = make_inputs(1, 1, 20, 4, 1, 64, torch.float32, seed=5)  # 4 rows per group
-    with pytest.raises(ValueError, match="FMA path takes <= 2 rows"):
-        flash_decode(q, k, v, sinks, COMPOSITE, 19, None, config=DecodeConfig(block_n=16, num_stages=1, dot=False))
+    q, k = shapes_only(1, 8, 8, 8192)
+    # Two programs per SM planned: 132 x 2 // 8 = 33 splits instead of 16.
+    assert default_num_splits(q, k, MaskSpec("causal"), DecodeConfig(block_n=32, num_stages=3, programs_per_sm=2),
+                              sms=132) == 33
 
 
 def test_decode_counts_split_and_combine():
@@ -402,18 +374,16 @@ def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat1
         # v4 at 8192 keys: composite walks 1024 + 128 keys (36 tiles), causal 256: capped at 32.
         (1, 8, 1, 8192, V4_COMPOSITE, 32),
         (1, 8, 1, 8192, MaskSpec("causal"), 32),
-        # Issue 4's decode problem (Hq = Hkv = 8, 8192 keys): one row per group takes the FMA path
-        # (16-key tiles, 4 programs per SM planned): 132 x 4 // 8 = 66 splits of 7-8 tiles.
-        (1, 8, 8, 8192, MaskSpec("causal"), 66),
+        # Issue 4's decode problem (Hq = Hkv = 8, 8192 keys): one wave, 132 // 8 = 16 splits of 16
+        # tiles, as before.
+        (1, 8, 8, 8192, MaskSpec("causal"), 16),
         # A batch of 32 sequences: 132 // 32 = 4 programs per sequence fit one wave.
         (32, 8, 1, 640, V4_COMPOSITE, 4),
         # bench tg128's 160-key cache at v4: 5 tiles (160 + 3 block starts), one split each.
         (1, 8, 1, 160, V4_COMPOSITE, 6),
-        # One row per group (issue 4's shape) at 200 keys: 200 + 4 block starts = 13 tiles of 16 keys
-        # on the FMA path, 3 splits of >= 4; a walk under 2 x MIN_TILES_PER_SPLIT tiles is one split,
-        # out written directly (no merge); a single tile is one split for a GQA group too.
-        (1, 8, 8, 200, V4_COMPOSITE, 3),
-        (1, 8, 8, 100, V4_COMPOSITE, 1),
+        # One row per group (issue 4's shape) under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written
+        # directly (no merge); a single tile is one split for a GQA group too.
+        (1, 8, 8, 200, V4_COMPOSITE, 1),
         (1, 8, 1, 5, MaskSpec("causal"), 1),
     ],
 )
@@ -540,26 +510,6 @@ def test_gpu_decode_bf16(query_len, mask_name, head_dim):
     spec = GPU_MASKS[mask_name]
     out = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
     assert_matches(out, reference(q, k, v, sinks, spec, q_start, padding), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
-@pytest.mark.parametrize("mask_name", list(GPU_MASKS))
-@pytest.mark.parametrize("query_len", [1, 2])
-def test_gpu_decode_one_row_fma_and_tensor_cores_bf16(query_len, mask_name, head_dim):
-    # Issue 4's decode shape (Hq = Hkv: one or two rows per group): the default FMA path and the
-    # tensor-core path both against the reference, 4099 keys, ragged offsets, padding, default splits.
-    q, k, v, sinks = make_inputs(2, query_len, 4099, 8, 8, head_dim, torch.bfloat16, seed=head_dim + 1, device="cuda")
-    q_start = torch.tensor([4099 - query_len, 1500], device="cuda")
-    padding = gpu_padding(2, 4099)
-    spec = GPU_MASKS[mask_name]
-    expected = reference(q, k, v, sinks, spec, q_start, padding)
-    fma = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q))
-    assert_matches(fma, expected, torch.bfloat16)
-    dot_config = attention_decode.CONFIGS[head_dim]
-    dot = flash_decode(q, k, v, sinks, spec, q_start, padding, out=poisoned_like(q),
-                       config=DecodeConfig(dot_config.block_n, dot_config.num_stages, dot=True))
-    assert_matches(dot, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu
