@@ -1,10 +1,12 @@
 """Host time of a CUDA-graph decode step: the quantity `moe-inspector bench` reports as host µs/step.
 
 Drives `Engine._batch_step` exactly as `Engine.generate_batch` does (the scheduler, the batch runner,
-one dispatcher per run) and reads each replayed step's `host_us`: the time from the start of the
-step until the graph replay and the step's end event are issued (engine.batch_runner). Also prints
-the whole host loop per step (the time between the starts of consecutive replayed steps: with
-the sync, the postprocess and the step record), which on a CPU stub is all host time.
+one dispatcher per run) and reads each replayed step's `host_us` (engine.batch_runner): a step
+launched the usual way, the time from its start until its replay and end event are issued; a step
+launched ahead (run-ahead, two in flight), the host's busy time per step, from the previous step's
+sync to this step's wait for its own. Also prints the whole host loop per step (the time between the
+starts of consecutive replayed steps: with the sync, the postprocess and the step record), which on
+a CPU stub is all host time.
 
     python bench/host_step.py                      # CPU stub, demo (2 layers), batch 1
     python bench/host_step.py --layers 1           # the v4-shape record count (1 layer)
@@ -14,17 +16,21 @@ the sync, the postprocess and the step record), which on a CPU stub is all host 
 
 --device cpu (no GPU): the real scheduler, runner and dispatcher, with a stub graph. The first
 decode step of a cohort runs eagerly as a capture step does, and stores a `_DecodeGraph` whose
-replay does nothing and whose template dispatcher holds the records a real capture would have
-(one MoE and one attention record per layer, from an eager forward through it) plus the Triton
-launches a capture on a GPU records (5 per layer). Events are stubs (record() does nothing), and
-so is the current stream: the stub measures the Python of the path, not the C calls a GPU step
-adds before its launch (the current stream's id, two event records, the graph launch).
+template dispatcher holds the records a real capture would have (one MoE and one attention record
+per layer, from an eager forward through it) plus the Triton launches a capture on a GPU records (5
+per layer). The current stream is a stub stream (`StubStream`): the replay, the input copy and the
+copy of the outputs to a landing buffer are enqueued on it, in order, and run only when an event
+recorded after them is waited on (then everything enqueued so far runs: a device that raced ahead).
+A replay writes a stand-in next token (`stand_in_token` of the token and position it holds) into
+`observed` and feeds itself, as the real graph does, so a step that read another step's outputs, or
+read them before its wait, returns the wrong tokens. The stub measures the Python of the path, not
+the C calls a GPU step adds (the current stream's id, event records, the graph launch, the copy).
 --device cuda: the real runner with real graph capture and CUDA events, weights drawn on the GPU.
 
-Run-ahead (engine.batch_runner): a steady cohort's next replay is launched at the step's sync, before
-its bookkeeping. The whole host loop is timed with it off, then on (the default): start to next start,
-launch to next launch, and the host time from a replayed step's sync to the next step's launch (on a
-GPU the device idles through it; with run-ahead it is the launched-ahead step's host_us).
+Run-ahead (engine.batch_runner): a steady cohort's next replay is launched before the step's sync,
+two in flight. The whole host loop is timed with it off, then on (the default): start to next start,
+launch to next launch, and the next replay's launch relative to this step's sync (positive: the device
+idles that long after the sync returns; negative: launched before the sync, two in flight).
 
 Also printed: how many replays copied their inputs in (a steady cohort copies none: the graph
 feeds itself), which a slow host_us on a GPU should be checked against first.
@@ -60,32 +66,101 @@ KERNELS_PER_LAYER = ("moe_align.fused", "moe_gemv.gate_up", "moe_gemv.down", "fl
                      "flash_decode_combine")
 
 
+class StubStream:
+    """A CUDA stream's order on the host: work is enqueued and runs, in order, only when an event
+    recorded after it is waited on: up to that event, or with `race`, everything enqueued so far (a
+    device that ran ahead of what the host waits for). `depths`: how many replays were pending (not
+    yet run) at each wait."""
+
+    def __init__(self, race: bool = False) -> None:
+        self.race = race
+        self.queue: list = []
+        self.depths: list[int] = []
+
+    def enqueue(self, work) -> None:
+        self.queue.append(work)
+
+    def run(self, marker: object) -> None:
+        self.depths.append(sum(isinstance(work, _Replay) for work in self.queue))
+        if self.race or marker not in self.queue:  # not in it: run already
+            queue, self.queue = self.queue, []
+        else:
+            index = self.queue.index(marker) + 1
+            queue, self.queue = self.queue[:index], self.queue[index:]
+        for work in queue:
+            if callable(work):  # else an event's marker
+                work()
+
+
 class _StubEvent:
+    def __init__(self, stream: StubStream | None = None) -> None:
+        self.stream, self.marker = stream, None
+
     def record(self, stream=None) -> None:
-        pass
+        if isinstance(stream, StubStream):
+            self.marker = object()
+            stream.enqueue(self.marker)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run(self.marker)
 
     def elapsed_time(self, other) -> float:
         return 0.25  # ms
 
 
+def stand_in_token(token: int, position: int, vocab_size: int) -> int:
+    """What a stub replay writes as the next token of a row holding `token` at `position`."""
+    return (31 * token + 7 * position + 1) % vocab_size
+
+
+class _Replay:
+    """One stub replay, run by the stream: the stand-in next tokens into `observed`, and the graph's next
+    inputs (those tokens, one position on) into `inputs`, as kernels.next_tokens does."""
+
+    def __init__(self, inputs, observed, vocab_size: int) -> None:
+        self.inputs, self.observed, self.vocab_size = inputs, observed, vocab_size
+
+    def __call__(self) -> None:
+        inputs, size = self.inputs, self.inputs.shape[1]
+        tokens = [stand_in_token(token, position, self.vocab_size) for token, position in zip(*inputs.tolist())]
+        self.observed[:size] = torch.tensor(tokens, dtype=self.observed.dtype)
+        inputs[0] = torch.tensor(tokens, dtype=inputs.dtype)
+        inputs[1] += 1
+
+
 class _StubGraph:
+    def __init__(self, stream: StubStream | None = None, work=None) -> None:
+        self.stream, self.work = stream, work
+
     def replay(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.enqueue(self.work)
 
 
-def stub_graphs(runner: BatchRunner, run_ahead: bool = True) -> None:
+def stub_graphs(runner: BatchRunner, run_ahead: bool | None = True, race: bool = False) -> None:
     """Make a CPU runner take the graph path: capture runs the step eagerly and stores a stub graph.
-    `run_ahead`: as a CUDA runner's default (on), or off (where the runner has the switch)."""
+    `run_ahead`: on (a CUDA runner's default), off, or None: as MOEI_RUN_AHEAD says
+    (engine.batch_runner.run_ahead_default), where the runner has the switch. `race`: the stub
+    stream's wait runs everything enqueued (`StubStream`)."""
     engine = runner.engine
     runner.graphs_enabled = True
-    runner.graphs_note = "on (CPU stub: replays do nothing)"
-    runner._events = (_StubEvent(), _StubEvent())
-    runner._records = tuple(event.record for event in runner._events)  # what the runner calls to record them
-    if hasattr(runner, "run_ahead"):
-        runner.run_ahead = run_ahead
-        runner._spare_events = (_StubEvent(), _StubEvent())  # the pair a step launched ahead records
+    runner.graphs_note = "on (CPU stub: replays write stand-in tokens)"
+    stream = runner.stub_stream = StubStream(race)
+    if hasattr(runner, "use_events"):
+        runner.use_events(lambda: _StubEvent(stream))
+    else:  # an older runner: its events by name
+        runner._events = (_StubEvent(stream), _StubEvent(stream))
+        runner._records = tuple(event.record for event in runner._events)
+        runner._spare_events = (_StubEvent(stream), _StubEvent(stream))
         runner._spare_records = tuple(event.record for event in runner._spare_events)
-    runner._current_stream = lambda: None
+    if hasattr(runner, "run_ahead"):
+        if run_ahead is None:
+            from engine.batch_runner import run_ahead_default
+
+            run_ahead = run_ahead_default()
+        runner.run_ahead = run_ahead
+    runner._current_stream = lambda: stream
     runner._capture_blocker = lambda size, dispatcher: ""
 
     def capture(batch, dispatcher, key, values):
@@ -102,7 +177,12 @@ def stub_graphs(runner: BatchRunner, run_ahead: bool = True) -> None:
             output = torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])
         else:  # before the observed buffer (for before/after numbers): the next tokens alone
             output = static_next.clone()
-        runner._graphs[key] = _DecodeGraph(_StubGraph(), inputs, staging, output, template, kernels)
+        graph = _StubGraph(stream, _Replay(inputs, output, engine.config.vocab_size))
+        captured = runner._graphs[key] = _DecodeGraph(graph, inputs, staging, output, template, kernels)
+        if hasattr(captured, "copies"):  # the copies a launch enqueues, on the stub stream
+            captured.feed = lambda: stream.enqueue(lambda: inputs.copy_(staging))
+            captured.copies = tuple((lambda landing=landing: stream.enqueue(lambda: landing.copy_(output)))
+                                    for landing in captured.landing)
         return next_tokens
 
     runner._capture = capture
@@ -121,11 +201,12 @@ def build_engine(args) -> Engine:
     return Engine(config, device, 0)
 
 
-def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None, synced=None) -> list[dict]:
+def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None, synced=None,
+             launched=None) -> list[dict]:
     """One batched run, step by step as `Engine.generate_batch` runs it; the profiler (if any)
     is on only inside steps that follow a capture or replay (the steady decode steps). The run's
     scheduler is appended to `schedulers` when given; each step's sync time (the runner's `synced_at`
-    after a replayed step, else None) to `synced`."""
+    after a replayed step, else None) to `synced`; each step's launch time (perf_counter) to `launched`."""
     clock = time.perf_counter
     chunk = flags["prefill_chunk"]
     scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
@@ -135,7 +216,7 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedule
     arrived = clock()
     for prompt in prompts:
         scheduler.add(Sequence(prompt, max_tokens), arrived)
-    steps = []
+    steps, launched_ahead = [], None
     while scheduler.has_work():
         steady = profiler is not None and steps and steps[-1]["graph"] in ("capture", "replay")
         if steady:
@@ -145,6 +226,11 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedule
             profiler.disable()
         if synced is not None:
             synced.append(getattr(runner, "synced_at", None) if steps[-1]["graph"] == "replay" else None)
+        if launched is not None:  # launched ahead: the runner's stamp; else the step's start + host_us
+            step = steps[-1]
+            launched.append(launched_ahead if launched_ahead is not None else step["started"] + step["host_us"] / 1e6)
+            ahead = getattr(runner, "ahead", None)
+            launched_ahead = None if ahead is None else ahead.launched_at
     return steps
 
 
@@ -182,20 +268,27 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
 
     schedule = Scheduler.schedule
     saved = {name: getattr(runner, name) for name in ("_graph_for", "_current_stream", "_records", "_replay",
-                                                      "run_ahead")
+                                                      "run_ahead", "_pairs")
              if hasattr(runner, name)}
-    if "run_ahead" in saved:  # the path of a step launched the usual way (a run-ahead step launches at a sync)
+    if "run_ahead" in saved:  # the path of a step launched the usual way (a run-ahead step launches earlier)
         runner.run_ahead = False
-    graphs = [(captured, captured.launch) for captured in runner._graphs.values() if hasattr(captured, "launch")]
+    graphs = [(captured, captured.launch, getattr(captured, "copies", None)) for captured in runner._graphs.values()
+              if hasattr(captured, "launch")]
     Scheduler.schedule = timed_schedule(schedule)
     runner._graph_for = timed("BatchRunner._graph_for", saved["_graph_for"])
     runner._current_stream = timed("BatchRunner._current_stream", saved["_current_stream"])
     runner._replay = timed("BatchRunner._replay (inputs check + launch)", saved["_replay"])
-    if saved.get("_records") is not None:
+    if saved.get("_pairs") is not None:  # a replay launched the usual way records the first pair
+        events, records, wait = saved["_pairs"][0]
+        runner._pairs = ((events, (timed("start event record", records[0]), timed("end event record", records[1])),
+                          wait), saved["_pairs"][1])
+    elif saved.get("_records") is not None:
         runner._records = (timed("start event record", saved["_records"][0]),
                            timed("end event record", saved["_records"][1]))
-    for captured, launch in graphs:
+    for captured, launch, copies in graphs:
         captured.launch = timed("graph launch", launch)
+        if copies:
+            captured.copies = tuple(timed("copy of the outputs to a landing buffer", copy) for copy in copies)
     empty_label = "an empty call, timed the same way"
     empty = timed(empty_label, lambda: None)
     host, schedulers = {}, []
@@ -209,11 +302,13 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
         Scheduler.schedule = schedule
         for name, value in saved.items():
             setattr(runner, name, value)
-        for captured, launch in graphs:
+        for captured, launch, copies in graphs:
             captured.launch = launch
+            if copies:
+                captured.copies = copies
     order = [("scheduler.schedule", 0), ("BatchRunner._graph_for", 0), ("BatchRunner._current_stream", 0),
              ("start event record", 0), ("BatchRunner._replay (inputs check + launch)", 0), ("graph launch", 1),
-             ("end event record", 0)]
+             ("copy of the outputs to a landing buffer", 0), ("end event record", 0)]
     rows, between = [], dict(host)
     for label, depth in order:
         if not spans.get(label):
@@ -296,8 +391,8 @@ def main(argv=None) -> int:
             if args.no_gc:
                 gc.disable()
             while len(host) < args.steps:
-                synced = []
-                steps = run_once(engine, runner, flags, prompts, tokens, profiler, synced=synced)
+                synced, launched = [], []
+                steps = run_once(engine, runner, flags, prompts, tokens, profiler, synced=synced, launched=launched)
                 replays = [index for index, step in enumerate(steps) if step["graph"] == "replay"]
                 if not replays:
                     raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
@@ -306,8 +401,6 @@ def main(argv=None) -> int:
                 device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
                 loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
                          for index in replays if index + 1 < len(steps)]
-                # a step launches at its start + host_us (a launched-ahead step's start is the sync before it)
-                launched = [step["started"] + step["host_us"] / 1e6 for step in steps]
                 pairs = [index for index in replays if index + 1 < len(steps) and steps[index + 1]["graph"] == "replay"]
                 launch_loop += [(launched[index + 1] - launched[index]) * 1e6 for index in pairs]
                 gap += [(launched[index + 1] - synced[index]) * 1e6 for index in pairs if synced[index] is not None]
@@ -325,7 +418,7 @@ def main(argv=None) -> int:
         label = {None: "", False: "run-ahead off: ", True: f"run-ahead on ({ahead} launched ahead): "}[mode]
         print(f"{label}host loop per replayed step (start to next start):   {summary(mode_loop)}")
         print(f"{label}host loop per replayed step (launch to next launch): {summary(launch_loop)}")
-        print(f"{label}sync to the next replay's launch (device idle):      {summary(gap)}")
+        print(f"{label}next replay's launch minus this step's sync:         {summary(gap)}")
     if device:
         print(f"device_us per replayed step:                      {summary(device)}")
     if copies_before is not None:

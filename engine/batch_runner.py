@@ -15,31 +15,48 @@ one forward for all its rows, and returns each row's next token, with the step's
   feeds and copies only when it does not. A replay counts what the capture launched, once more
   (`Counters.replay`).
   The graph also writes its next tokens and every MoE layer's observed-count output into one
-  static buffer, so the step's one sync is a single device->host copy.
+  static buffer (`observed`), so a step copies one buffer to the host (into a pinned buffer, waited
+  for at the step's one sync: its end event).
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
 - The host path of a replayed step is kept short (issue 7: host time per decode step at batch 1;
   bench/host_step.py measures it). Before the launch it does only what the launch needs: the graph
   for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
-  start event, the replay and the end event. Everything else runs after the launch, while the
+  start event, the replay, the copy of its outputs and the end event. Everything else runs after the launch, while the
   device works: the dispatcher's step (`begin_step`), the arm and kernel counts, the decision
   records copied from the capture's, the step's launch count for its record. The events are
   recorded on a stream object kept by the runner (checked each step against the current stream's
   id, so a caller may switch streams), and the events and the graph are driven through their C
   methods: torch's Python wrappers only default a stream (always passed here) and check input
   liveness (never asked for here).
-- Run-ahead (CUDA, on by default; `run_ahead=False` turns it off): a replayed step whose next step
-  is certain to replay the same graph (the caller's `reserve_next`, engine.scheduler: the same
-  cohort, no row at its last token, nothing waiting) launches that next replay right after its own
-  sync, before its bookkeeping (the dispatcher's observe, the scheduler's postprocess, the step
-  record), so the device does not sit idle through them. The graph fed itself, so the next replay
-  needs nothing from the host; the step's outputs (`observed`, which the next replay overwrites)
-  were already read by the sync. The next `run` finds its step launched (`ahead`): it checks the
-  Batch is the one launched (else raises: a bug, never a silent wrong step), does not launch again,
-  and does everything else a replayed step does. Each step has its own start and end events around
-  its own replay: a run-ahead replay records the other of two event pairs, since the step before
-  reads its own pair after the launch. Not while steps are labelled for the profiler (a step's
-  kernels would start inside the previous step's range).
+- Run-ahead (CUDA, on by default; `run_ahead=False` or MOEI_RUN_AHEAD=0 turns it off): two replays in
+  flight, so the device never waits for the host between the steps of a steady cohort. A replayed
+  step whose next step is certain to replay the same graph (the caller's `reserve_next`,
+  engine.scheduler: the same cohort, no row at its last token, nothing waiting) launches that next
+  replay BEFORE its own sync, right after its own launch (or, itself launched ahead, as its first
+  act): the device runs the next step straight after this one. The graph feeds itself, so the next
+  replay needs nothing from the host. Every replay writes the same static `observed` buffer, so each
+  launch also enqueues a copy of it into one of two host buffers of its graph (`landing`, pinned,
+  alternating per launch) and records its end event after that copy: stream order makes the next
+  replay overwrite `observed` only after the copy, and a step's sync is its own end event
+  (`synchronize`), after which it reads its own landing buffer, which the step in flight behind it
+  does not write (the one after that is launched only after this read). The next `run` finds its step
+  launched (`ahead`): it checks the Batch is the one launched (else raises: a bug, never a silent
+  wrong step), does not launch again, and does everything else a replayed step does. Each step has its
+  own start and end events: two pairs, a step launched ahead taking the other pair than the step in
+  flight before it; a pair is recorded again only two launches later, after its step's sync read it.
+  `drop_ahead` forgets a launched step that will not run. Not while steps are labelled for the profiler
+  (a step's kernels would start inside the previous step's range).
+  Device time of a replayed step: from its start event to its end event, so it includes the copy of
+  its outputs to the host (about a microsecond), the work the next replay waits behind.
+  Host time (`StepTiming.host_us`, the bench's host µs/step) of a step launched ahead: the host's busy
+  time per step, from the return of the previous step's sync to the start of this step's own wait for
+  its sync: everything the host does once per step (the previous step's postprocess and record, this
+  step's schedule and reservation check, the next step's launch, the bookkeeping) except waiting for
+  the device. With two in flight the device waits for the host only when that exceeds the device time
+  of the step it runs meanwhile. A step launched the usual way (nothing in flight: the first replay
+  of a cohort, eager and capture steps, run-ahead off) reports the host time from its start to its
+  launch, which the device idles through (`StepTiming.host_us` None: the caller measures it).
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -49,6 +66,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -75,21 +93,24 @@ class StepTiming:
     # Triton launches since the caller's snapshot (`run`'s kernels_before), counted before the step's
     # sync, while the device works; None when no snapshot was given.
     kernel_launches: dict[str, int] | None = None
+    # The step's host time where the runner measures it: a step launched ahead, the host's busy time per
+    # step (from the previous step's sync to this step's wait; module docstring). None: the caller's,
+    # from the step's start to `launched_at`.
+    host_us: float | None = None
 
 
 class _Ahead:
-    """A replayed step launched ahead, at the previous replayed step's sync (`BatchRunner._after_sync`).
+    """A replayed step launched ahead, before the sync of the step in flight before it (`_launch_ahead`).
 
-    `started` (the caller's clock) and `host_started` (perf_counter) are stamped right after that sync,
-    before this launch: the step's host time (`launched_at - host_started`, its `host_us`) is the host
-    time from the previous step's sync to this step's launch (the stamps, the event records, the
-    replay call), what the device waits for between the two steps."""
+    `started` (the caller's clock) is stamped right before that launch; `launched_at` (perf_counter)
+    right after it. `pair` is the step's own (events, records, wait) and `turn` the landing buffer its
+    outputs are copied into. `expected` is set at the previous step's sync, from its tokens."""
 
-    __slots__ = ("captured", "step", "dispatcher", "started", "host_started", "launched_at", "events", "expected")
+    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "expected")
 
-    def __init__(self, captured, step, dispatcher, started, host_started, launched_at, events) -> None:
+    def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn) -> None:
         self.captured, self.step, self.dispatcher = captured, step, dispatcher
-        self.started, self.host_started, self.launched_at, self.events = started, host_started, launched_at, events
+        self.started, self.launched_at, self.pair, self.turn = started, launched_at, pair, turn
         self.expected: list[tuple[int, int, int]] | None = None  # (request id, token, position) per row fed
 
 
@@ -104,7 +125,13 @@ class _DecodeGraph:
     # What `inputs` holds after the last replay (the graph feeds its own output one position on):
     # one (request id, token, position) per row; a step that matches needs no host->device copy.
     holds: list[tuple[int, int, int]] | None = None
+    turn: int = 0  # the landing buffer the next launch copies `observed` into (alternates per launch)
     launch: Callable[[], None] = field(init=False, repr=False)  # graph.replay, without torch's Python layer
+    feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
+    # Two host buffers [B + MoE layers] (pinned on a GPU) that a launch copies `observed` into, alternating:
+    # a step reads its own after its sync while the next step in flight writes the other.
+    landing: tuple[torch.Tensor, ...] = field(init=False, repr=False)
+    copies: tuple[Callable[[], object], ...] = field(init=False, repr=False)  # enqueue observed -> landing[i]
 
     def __post_init__(self) -> None:
         graph = self.graph
@@ -114,6 +141,16 @@ class _DecodeGraph:
             self.launch = super(torch.cuda.CUDAGraph, graph).replay
         else:
             self.launch = graph.replay
+        # Tensor.copy_ is a C method: the partials cost one call each; non_blocking from and to pinned
+        # host memory, so each is only enqueued on the current stream (the replay's).
+        inputs, observed = self.inputs, self.observed
+        self.feed = None if inputs is None else partial(inputs.copy_, self.staging, non_blocking=True)
+        if observed is None:
+            self.landing = self.copies = ()
+        else:
+            self.landing = tuple(torch.empty(observed.shape, dtype=observed.dtype, pin_memory=observed.is_cuda)
+                                 for _ in range(2))
+            self.copies = tuple(partial(landing.copy_, observed, non_blocking=True) for landing in self.landing)
 
 
 # (stream id, device index, device type) of a device's current stream: the one C call inside
@@ -143,17 +180,11 @@ class BatchRunner:
         self._refused: dict[tuple[int, int], str] = {}  # why a graph cannot serve this (size, flags); "" = it can
         self._flag_tokens: dict[tuple, int] = {}
         self._flags_key: tuple = (None, -1)  # (the last flags object seen, its token)
-        # The step's (start, end) events, reused: read after the step's sync, before the next step records them.
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        # What records them: the C method each torch.cuda.Event.record wraps (the wrapper only looks the
-        # current stream up when none is passed). They are recorded on this device's current stream,
-        # passed explicitly (`_current_stream`): a lookup through torch's Python layers costs more.
-        self._records = tuple(super(torch.cuda.Event, event).record for event in self._events) if cuda else None
-        # A second pair for a step launched ahead: the step before reads its own pair after that launch.
-        self._spare_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if cuda else None
-        self._spare_records = tuple(super(torch.cuda.Event, event).record for event in self._spare_events) \
-            if cuda else None
+        # Two (start, end) event pairs, reused (`use_events`); None on a CPU.
+        self._pairs: tuple | None = None
+        self._events = self._records = None
+        if cuda:
+            self.use_events(lambda: torch.cuda.Event(enable_timing=True))
         self._device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
         self._stream: torch.cuda.Stream | None = None  # the current stream, kept while its id stays the same
@@ -164,26 +195,43 @@ class BatchRunner:
         self.input_copies = 0  # replays that had to copy their inputs in (a new cohort, or a first replay)
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self.label_steps = False  # mark each step for torch.profiler (`moei.step.N`); off: no host cost
-        # Launch a steady cohort's next replay at this step's sync (module docstring); CUDA graphs only.
+        # Launch a steady cohort's next replay before this step's sync (module docstring); CUDA graphs only.
         if run_ahead is None:
             run_ahead = run_ahead_default()
         self.run_ahead = self.graphs_enabled and run_ahead
         self.run_ahead_launches = 0  # replays launched ahead
         self.ahead: _Ahead | None = None  # the next step, launched already; None when not
         self.synced_at: float | None = None  # perf_counter right after the last replayed step's sync
-        # What `_after_sync` launches, set by a step whose next step was reserved: (graph, step number,
-        # dispatcher, clock, stream, (events, records) of the other pair); None: nothing to launch.
-        self._pending: tuple | None = None
-        self._after_sync_call = self._after_sync  # the bound method, made once
+
+    def use_events(self, make: Callable[[], object]) -> None:
+        """The two (start, end) event pairs from `make` (torch.cuda.Event on a GPU; bench/host_step.py
+        passes stub events): each pair is (events, records, wait), `records` the two events' record
+        methods and `wait` the end event's synchronize. On a GPU these are the C methods the
+        torch.cuda.Event wrappers call (the wrapper only looks the current stream up when none is
+        passed); they are recorded on this device's current stream, passed explicitly
+        (`_current_stream`): a lookup through torch's Python layers costs more. Eager and capture steps
+        and a replay launched the usual way take the first pair; a step launched ahead the other pair
+        than the step in flight before it."""
+        pairs = []
+        for _ in range(2):
+            events = (make(), make())
+            if isinstance(events[0], torch.cuda.Event):
+                records = tuple(super(torch.cuda.Event, event).record for event in events)
+                wait = super(torch.cuda.Event, events[1]).synchronize
+            else:
+                records, wait = tuple(event.record for event in events), events[1].synchronize
+            pairs.append((events, records, wait))
+        self._pairs = tuple(pairs)
+        self._events, self._records = pairs[0][0], pairs[0][1]
 
     def run(self, batch: Batch, dispatcher, kernels_before: dict[str, int] | None = None,
             reserve_next: Callable[[Batch], bool] | None = None, clock: Callable[[], float] = time.perf_counter
             ) -> tuple[list[int], StepTiming]:
-        """One step: every row's next token (one sync, in the dispatcher) and the step's clocks; with
-        `kernels_before` (a `launches.snapshot()`), also the Triton launches since it. With
-        `reserve_next` (engine.scheduler.Scheduler.reserve_next), a replayed step whose next step it
-        reserves launches that step at its sync (run-ahead; `ahead` then holds it, its start stamped
-        on `clock`); the caller's next `run` must be that step."""
+        """One step: every row's next token (one sync) and the step's clocks; with `kernels_before` (a
+        `launches.snapshot()`), also the Triton launches since it. With `reserve_next`
+        (engine.scheduler.Scheduler.reserve_next), a replayed step whose next step it reserves launches
+        that step before its own sync (run-ahead; `ahead` then holds it, its start stamped on `clock`
+        before that launch); the caller's next `run` must be that step."""
         if not self.label_steps:
             return self._run(batch, dispatcher, kernels_before, reserve_next, clock)
         with torch.profiler.record_function(f"moei.step.{batch.step}"):
@@ -191,12 +239,11 @@ class BatchRunner:
 
     def drop_ahead(self) -> None:
         """Forget a step launched ahead that will not run (its run ended early, e.g. on an error): the
-        device still runs it (within the slots' capacity, `reserve_next`), and the graph's next replay
-        copies its inputs in."""
+        device still runs it (within the slots' capacity, `reserve_next`) and copies its outputs into its
+        landing buffer, which nothing reads; the graph's next replay copies its inputs in."""
         if self.ahead is not None:
             self.ahead.captured.holds = None
             self.ahead = None
-        self._pending = None
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -204,7 +251,7 @@ class BatchRunner:
 
     def _run(self, batch: Batch, dispatcher, kernels_before, reserve_next, clock) -> tuple[list[int], StepTiming]:
         ahead = self.ahead
-        if ahead is not None:  # launched at the previous step's sync
+        if ahead is not None:  # launched before the previous step's sync
             self.ahead = None
             return self._run_ahead(batch, dispatcher, ahead, kernels_before, reserve_next, clock)
         rows = batch.rows
@@ -237,26 +284,27 @@ class BatchRunner:
 
     def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph, kernels_before, reserve_next=None,
                     clock=time.perf_counter) -> tuple[list[int], StepTiming]:
-        """A replayed decode step: the start event, the replay (and its input copy, if any) and the end
-        event first; the step's bookkeeping while the device works; then the step's one sync."""
-        rows = batch.rows
-        records = self._records
-        stream = None
-        if records is not None:
-            stream = self._current_stream()
-            records[0](stream)
-            self._replay(captured, rows)
-            records[1](stream)
-        else:
-            self._replay(captured, rows)
+        """A replayed decode step launched the usual way (nothing in flight): the start event, the replay
+        (and its input copy, if any), the copy of its outputs and the end event first; then the rest
+        (`_finish_replay`)."""
+        pair = self._pairs[0]
+        records = pair[1]
+        stream = self._current_stream()
+        records[0](stream)
+        self._replay(captured, batch.rows)
+        turn = captured.turn
+        captured.copies[turn]()  # observed -> landing[turn], before the end event
+        captured.turn = turn ^ 1
+        records[1](stream)
         launched_at = time.perf_counter()
-        return self._finish_replay(batch, dispatcher, captured, kernels_before, reserve_next, clock, launched_at,
-                                   stream, self._events, self._spare_events, self._spare_records)
+        return self._finish_replay(batch, dispatcher, captured, turn, pair, launched_at, None, kernels_before,
+                                   reserve_next, clock, stream)
 
     def _run_ahead(self, batch: Batch, dispatcher, ahead: _Ahead, kernels_before, reserve_next, clock
                    ) -> tuple[list[int], StepTiming]:
-        """A replayed decode step launched at the previous step's sync: not launched again; checked to be
-        the step that was launched; then the same bookkeeping and sync as `_run_replay`."""
+        """A replayed decode step launched before the previous step's sync: not launched again; checked to
+        be the step that was launched; then as `_run_replay`. Its host time is the host's busy time per
+        step: from the previous step's sync (`synced_at`) to this step's wait."""
         rows = batch.rows
         if (batch.step != ahead.step or batch.phase != DECODE or dispatcher is not ahead.dispatcher
                 or ahead.expected != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]):
@@ -264,55 +312,53 @@ class BatchRunner:
             raise RuntimeError(f"step {batch.step} ({batch.phase}, {len(rows)} rows) is not the step launched "
                                f"ahead (step {ahead.step}, rows {ahead.expected}): the scheduler broke its "
                                f"reservation")
-        events = ahead.events
-        if events is self._events:
-            spare_events, spare_records = self._spare_events, self._spare_records
-        else:
-            spare_events, spare_records = self._events, self._records
-        stream = self._current_stream() if spare_records is not None else None  # for a launch ahead of this step
-        return self._finish_replay(batch, dispatcher, ahead.captured, kernels_before, reserve_next, clock,
-                                   ahead.launched_at, stream, events, spare_events, spare_records)
+        return self._finish_replay(batch, dispatcher, ahead.captured, ahead.turn, ahead.pair, ahead.launched_at,
+                                   self.synced_at, kernels_before, reserve_next, clock, None)
 
-    def _finish_replay(self, batch, dispatcher, captured, kernels_before, reserve_next, clock, launched_at,
-                       stream, events, spare_events, spare_records) -> tuple[list[int], StepTiming]:
-        """A launched replay's bookkeeping while the device works, then its one sync (which, when the
-        next step is reserved, launches that step before anything else: `_after_sync`); `events` are
-        this step's own pair, the spare pair the one a step launched ahead records."""
+    def _finish_replay(self, batch, dispatcher, captured, turn, pair, launched_at, busy_from, kernels_before,
+                       reserve_next, clock, stream) -> tuple[list[int], StepTiming]:
+        """A launched replay: when the next step is reserved, that step's launch first (`_launch_ahead`,
+        with the other event pair); the step's bookkeeping while the device works; then its one sync (its
+        end event: the replay and the copy of its outputs done) and its outputs, read from its own landing
+        buffer. `busy_from`: where the step's host time starts when the runner measures it (a step
+        launched ahead: the previous step's sync), else None."""
         rows = batch.rows
+        if reserve_next is not None and self.run_ahead and reserve_next(batch):
+            pairs = self._pairs
+            self._launch_ahead(captured, batch.step + 1, dispatcher, clock,
+                               self._current_stream() if stream is None else stream,
+                               pairs[1] if pair is pairs[0] else pairs[0])
         dispatcher.begin_step(batch.step, DECODE, batch.n_tokens)
         dispatcher.replay(captured.template, captured.kernels)  # counts the replay's launches
         counted = None if kernels_before is None else launches.since(kernels_before)
-        if reserve_next is not None and self.run_ahead and reserve_next(batch):
-            self._pending = (captured, batch.step + 1, dispatcher, clock, stream, spare_events, spare_records)
-        tokens = dispatcher.end_replay(captured.observed, len(rows), self._after_sync_call)
+        waited = time.perf_counter()
+        pair[2]()  # the step's sync: its end event
+        self.synced_at = time.perf_counter()
+        tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
         ahead = self.ahead
         if ahead is None:
             captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
         else:  # the graph replays again already: what it was fed, checked by the next step
             ahead.expected = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
-        device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
-        return tokens, StepTiming(launched_at, device_us, "replay", "", counted)
+        events = pair[0]
+        device_us = events[0].elapsed_time(events[1]) * 1e3
+        host_us = None if busy_from is None else (waited - busy_from) * 1e6
+        return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us)
 
-    def _after_sync(self) -> None:
-        """Right after a replayed step's sync (its outputs already read to the host): stamp it and, when
-        the next step was reserved, launch that step's replay between its own start and end events. The
-        graph holds that step's inputs already (it fed itself), so nothing is copied in."""
-        synced = self.synced_at = time.perf_counter()
-        pending = self._pending
-        if pending is None:
-            return
-        self._pending = None
-        captured, step, dispatcher, clock, stream, events, records = pending
-        started = synced if clock is time.perf_counter else clock()
+    def _launch_ahead(self, captured: _DecodeGraph, step: int, dispatcher, clock, stream, pair) -> None:
+        """Launch the reserved next step's replay, before the sync of the step in flight (whose outputs
+        its copy already holds, in the other landing buffer), between the other pair's events. The graph
+        feeds itself, so nothing is copied in."""
+        started = clock()
         captured.holds = None  # until that replay's outputs are known
-        if records is not None:
-            records[0](stream)
-            captured.launch()
-            records[1](stream)
-        else:
-            captured.launch()
-        launched_at = time.perf_counter()
-        self.ahead = _Ahead(captured, step, dispatcher, started, synced, launched_at, events)
+        records = pair[1]
+        records[0](stream)
+        captured.launch()
+        turn = captured.turn
+        captured.copies[turn]()
+        captured.turn = turn ^ 1
+        records[1](stream)
+        self.ahead = _Ahead(captured, step, dispatcher, started, time.perf_counter(), pair, turn)
         self.run_ahead_launches += 1
 
     def _current_stream(self) -> torch.cuda.Stream:
@@ -410,8 +456,9 @@ class BatchRunner:
         graph does not already hold them."""
         wanted = [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
         if captured.holds != wanted:  # a new cohort (or the first replay): copy the inputs in
+            # nothing in flight reads `staging` (a launch the usual way: every earlier copy synced)
             captured.staging.numpy()[:] = [[row.tokens[0] for row in rows], [row.start for row in rows]]
-            captured.inputs.copy_(captured.staging, non_blocking=True)  # the step's one sync waits for it
+            captured.feed()  # staging -> inputs, enqueued before the replay
             self.input_copies += 1
         captured.holds = None  # until this replay's outputs are known
         captured.launch()

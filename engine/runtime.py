@@ -210,15 +210,10 @@ class Dispatcher:
             record["us"] = round(self.timer.microseconds(stopped), 1)
         return values[:rows]
 
-    def end_replay(self, observed: torch.Tensor, rows: int, after_sync: Callable[[], None] | None = None
-                   ) -> list[int]:
-        """The one sync of a replayed step: `observed` [B + MoE layers] is the graph's static output
-        (the next tokens, then each layer's woken experts, as `end_step_batch` concatenates them).
-        `after_sync` runs right after it is read, before anything else (the batch runner launches a
-        reserved next step there: a replay that overwrites `observed`, read already)."""
-        values = observed.tolist()
-        if after_sync is not None:
-            after_sync()
+    def end_replay(self, values: list[int], rows: int) -> list[int]:
+        """A replayed step's outputs, read by the batch runner at the step's one sync: `values`
+        [B + MoE layers] is the graph's static output as copied to the host (the next tokens, then each
+        layer's woken experts, as `end_step_batch` concatenates them)."""
         self._observe(values[rows:])
         return values[:rows]
 
@@ -436,25 +431,28 @@ class Engine:
     def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
         """One scheduled step and its record. `started` is stamped before the step's launch and
         `host_us` is the host time from the step's start to its launch. A step the runner launched
-        ahead (engine.batch_runner, run-ahead: at the previous replayed step's sync, its next step
-        reserved by the scheduler) started at that sync: its `started` and `host_us` are the runner's
-        stamps from there, so its host_us is the host time from the previous step's sync to its launch."""
+        ahead (engine.batch_runner, run-ahead: before the previous replayed step's sync, its next step
+        reserved by the scheduler) was stamped by the runner right before that launch, so its `started`
+        precedes the previous step's `ended`; its host_us is the runner's: the host's busy time per
+        step, from the previous step's sync to this step's wait for its own (everything but waiting
+        for the device, which, two steps in flight, waits for the host only when this exceeds a step)."""
         kernels_before = launches.snapshot()
         ahead = runner.ahead
         if ahead is None:
             started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
             # host_us is measured on perf_counter, the clock the runner stamps launched_at with
             host_started = started if clock is time.perf_counter else time.perf_counter()
-        else:  # launched already, its start stamped before that launch
-            started, host_started = ahead.started, ahead.host_started
+        else:  # launched already, its start stamped before that launch; host time measured by the runner
+            started, host_started = ahead.started, None
         batch = scheduler.schedule(now=started)
-        # counts launches before its sync; may launch the next step at its sync, if the scheduler reserves it
+        # counts launches before its sync; may launch the next step before its sync, if the scheduler reserves it
         next_tokens, timing = runner.run(batch, dispatcher, kernels_before, scheduler.reserve_next, clock)
         ended = clock()
         scheduler.postprocess(batch, next_tokens, now=ended)
         record = dispatcher.step_record()
         record.update(
-            started=started, ended=ended, host_us=(timing.launched_at - host_started) * 1e6,
+            started=started, ended=ended,
+            host_us=timing.host_us if timing.host_us is not None else (timing.launched_at - host_started) * 1e6,
             device_us=timing.device_us, graph=timing.graph, eager_reason=timing.eager_reason,
             kernel_launches=timing.kernel_launches,
             rows=[{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,

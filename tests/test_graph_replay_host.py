@@ -148,9 +148,9 @@ from engine.sequence import Sequence  # noqa: E402
 _CLOCKS = ("started", "ended", "host_us")  # wall-clock fields: the only ones run-ahead may change
 
 
-def _stub_runner(engine, slots, capacity, run_ahead):
+def _stub_runner(engine, slots, capacity, run_ahead, race=False):
     runner = BatchRunner(engine, slots, capacity, graphs=True)
-    host_step.stub_graphs(runner, run_ahead)
+    host_step.stub_graphs(runner, run_ahead, race)
     return runner
 
 
@@ -292,6 +292,7 @@ def test_a_run_that_ends_early_drops_its_launched_step(tiny, monkeypatch):
     monkeypatch.setattr(Scheduler, "postprocess", original)
     again = tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
     off = _stub_runner(tiny, 1, 4 + 8 - 1, False)
+    tiny.generate_batch([list(b"abcd")], 8, resolved, runner=off)  # captures: the next run replays, as `again`
     assert again.tokens == tiny.generate_batch([list(b"abcd")], 8, resolved, runner=off).tokens
 
 
@@ -299,3 +300,146 @@ def test_run_ahead_is_off_without_graphs_and_on_by_default_with_them(tiny):
     assert BatchRunner(tiny, 1, 16).run_ahead is False  # CPU: no graphs, nothing to run ahead
     stubbed = _stub_runner(tiny, 1, 16, True)
     assert stubbed.run_ahead is True
+
+
+# ------------------------------------------------------------------------------- two replays in flight
+
+def _replayed_tokens_follow_the_stand_in(engine, prompts, sequences, steps):
+    """Every token a replayed step returned is the stand-in of the token and position its row fed: the
+    step's own outputs, not the step in flight behind it (that would skip one), nor stale ones."""
+    replayed = {step["step"] for step in steps if step["graph"] == "replay"}
+    checked = 0
+    for prompt, sequence in zip(prompts, sequences):
+        emitted = [(step["step"], row) for step in steps for row in step["rows"]
+                   if row["request_id"] == sequence.request_id and row["emitted"] is not None]
+        assert [row["emitted"] for _, row in emitted] == sequence.generated
+        for index in range(1, len(emitted)):
+            number, row = emitted[index]
+            if number in replayed:
+                fed = sequence.generated[index - 1]
+                assert row["start"] == len(prompt) + index - 1
+                assert row["emitted"] == host_step.stand_in_token(fed, row["start"], engine.config.vocab_size)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("race", [False, True])  # the device waited for, or ahead of the wait (StubStream)
+@pytest.mark.parametrize("lengths", [[6], [5, 7, 4]])
+def test_two_in_flight_each_step_returns_its_own_tokens(tiny, lengths, race):
+    prompts = [list(range(3 + index, 3 + index + length)) for index, length in enumerate(lengths)]
+    runner = _stub_runner(tiny, len(prompts), max(lengths) + 12 - 1, True, race)
+    sequences, steps, launched, _ = _drive(tiny, runner, prompts, 12)
+    assert [step["graph"] for step in steps] == ["eager", "capture"] + ["replay"] * 10
+    assert _replayed_tokens_follow_the_stand_in(tiny, prompts, sequences, steps) == 10 * len(prompts)
+    # the next replay was launched before each wait: two pending at the steady waits, never more
+    assert max(runner.stub_stream.depths) == 2 and runner.run_ahead_launches == 9
+    assert [len(sequence.generated) for sequence in sequences] == [12] * len(prompts)
+
+
+def test_run_ahead_off_keeps_one_replay_in_flight(tiny, monkeypatch):
+    monkeypatch.setenv("MOEI_RUN_AHEAD", "0")
+    prompts = [list(b"hello!")]
+    runner = _stub_runner(tiny, 1, 6 + 12 - 1, None)  # None: as MOEI_RUN_AHEAD says
+    assert runner.run_ahead is False
+    sequences, steps, launched, _ = _drive(tiny, runner, prompts, 12)
+    assert launched == [] and runner.run_ahead_launches == 0 and runner.ahead is None
+    assert set(runner.stub_stream.depths) == {1}
+    assert _replayed_tokens_follow_the_stand_in(tiny, prompts, sequences, steps) == 10
+    monkeypatch.delenv("MOEI_RUN_AHEAD")
+    assert _stub_runner(tiny, 1, 16, None).run_ahead is True
+
+
+class _TrackedEvent(host_step._StubEvent):
+    """A stub event that fails when recorded again before its pair's time was read."""
+
+    def __init__(self, stream, log):
+        super().__init__(stream)
+        self.unread, self.log = False, log
+
+    def record(self, stream=None):
+        assert not self.unread, "an event recorded again before its step read it"
+        self.unread = True
+        self.log.append(self)
+
+    def elapsed_time(self, other):
+        assert self.unread and other.unread
+        self.unread = other.unread = False
+        return super().elapsed_time(other)
+
+
+def test_each_step_in_flight_has_its_own_event_pair(tiny):
+    runner = _stub_runner(tiny, 1, 6 + 12 - 1, True)
+    log = []
+    runner.use_events(lambda: _TrackedEvent(runner.stub_stream, log))
+    _drive(tiny, runner, [list(b"hello!")], 12)
+    pairs = [(id(log[index]), id(log[index + 1])) for index in range(0, len(log), 2)]
+    assert len(pairs) == 12 and len(set(pairs)) == 2
+    replays = pairs[2:]  # the launched-ahead steps alternate: each takes the other pair than the one in flight
+    assert all(first != second for first, second in zip(replays, replays[1:]))
+
+
+def test_host_time_of_a_step_launched_ahead_is_busy_time_without_the_wait(tiny, monkeypatch):
+    """The stub replay runs at the wait (the device's time, as the host sees it): made slow, it must
+    lengthen the loop and not the host time of a step launched ahead."""
+    slow = 0.004
+    original = host_step._Replay.__call__
+
+    def slow_replay(self):
+        time.sleep(slow)
+        original(self)
+
+    monkeypatch.setattr(host_step._Replay, "__call__", slow_replay)
+    runner = _stub_runner(tiny, 1, 6 + 12 - 1, True)
+    _, steps, launched, _ = _drive(tiny, runner, [list(b"hello!")], 12)
+    ahead = [steps[launch["after"] + 1] for launch in launched]
+    assert len(ahead) == 9
+    assert steps[-1]["ended"] - steps[1]["ended"] > 10 * slow  # the replays' time, spent in the waits
+    for previous, step in zip(steps[2:], ahead):
+        assert 0 < step["host_us"] < slow * 1e6
+        assert step["started"] < previous["ended"]  # stamped before its launch, before the previous sync
+
+
+def test_a_scheduler_that_breaks_its_reservation_is_refused_and_the_runner_recovers(tiny):
+    runner = _stub_runner(tiny, 2, 4 + 8 - 1, True)
+    resolved = flags.resolve(environ={})
+    scheduler = Scheduler(2, runner.capacity, 2048, resolved["prefill_chunk"])
+    from engine.runtime import Dispatcher
+
+    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
+    while runner.ahead is None:
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    captured = runner.ahead.captured
+    scheduler._reserved = None  # a scheduler that forgets what it reserved: the next step admits this one
+    scheduler.add(Sequence(list(b"wxyz"), 4), 0.0)
+    with pytest.raises(RuntimeError, match="not the step launched ahead"):
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    assert runner.ahead is None and captured.holds is None  # the next replay of the graph copies its inputs
+    again = tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
+    fresh = _stub_runner(tiny, 2, 4 + 8 - 1, True)
+    tiny.generate_batch([list(b"abcd")], 8, resolved, runner=fresh)  # captures, as `runner` did
+    assert again.tokens == tiny.generate_batch([list(b"abcd")], 8, resolved, runner=fresh).tokens
+
+
+@pytest.mark.parametrize("race", [False, True])
+def test_drop_ahead_leaves_the_launched_step_to_the_device_and_the_runner_consistent(tiny, race):
+    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True, race)
+    resolved = flags.resolve(environ={})
+    scheduler = Scheduler(1, runner.capacity, 2048, resolved["prefill_chunk"])
+    from engine.runtime import Dispatcher
+
+    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
+    while runner.ahead is None:
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    captured = runner.ahead.captured
+    # in flight (or, the device ahead of the waits, run already)
+    assert any(isinstance(work, host_step._Replay) for work in runner.stub_stream.queue) != race
+    runner.drop_ahead()
+    assert runner.ahead is None and captured.holds is None
+    runner.drop_ahead()  # twice: nothing left to drop
+    # the next run: its first replay copies its inputs in behind the dropped replay, then feeds itself
+    copies = runner.input_copies
+    again = tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
+    assert runner.input_copies == copies + 1
+    assert _replayed_tokens_follow_the_stand_in(tiny, [list(b"abcd")], again.sequences, again.steps) == 7
