@@ -186,7 +186,8 @@ class Repetition:
     ttft_s: float  # mean over the sequences
     steady: SteadyWindow | None = None
     steps: int = 0  # steps inside the measured window
-    host_us: float | None = None  # per step, mean over the window (the Python side up to the launch/replay)
+    # per step, mean over the window: launched ahead, the host's busy time per step; else start to launch
+    host_us: float | None = None
     device_us: float | None = None  # per step, mean over the window
     graph_steps: int = 0  # window steps served by a graph replay
     trajectory: list[float] = field(default_factory=list)
@@ -563,8 +564,9 @@ def graphs_note(engine, graphs: bool | None) -> str:
     from kernels import pdl
 
     run_ahead = run_ahead_default()
-    return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches at the step's sync "
-                                      "(MOEI_RUN_AHEAD=0 turns it off)" if run_ahead else "; run-ahead off")
+    return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches before the step's "
+                                      "sync, two in flight (MOEI_RUN_AHEAD=0 turns it off)" if run_ahead
+                                      else "; run-ahead off")
             + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else ""))
 
 
@@ -686,8 +688,10 @@ def format_markdown(report: Report) -> str:
                                    "replayed)")
                 lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs of "
                              f"{entry['device_us_per_step']:.1f} µs device = {100 * entry['host_share']:.1f} % "
-                             f"(target < {100 * entry['target_host_share']:.0f} %); host time = before the step's "
-                             "launch, from its start or, launched ahead, from the previous step's sync")
+                             f"(target < {100 * entry['target_host_share']:.0f} %); host time = a step launched "
+                             "ahead (two in flight): the host's busy time per step, from the previous step's sync "
+                             "to this step's wait for its own (all but waiting on the device); else from the "
+                             "step's start to its launch")
     for data in payload["rows"]:
         if "profile" not in data:
             continue
