@@ -68,6 +68,32 @@ def test_run_ahead_gives_the_same_tokens_and_counters_as_without_it(demo):
         assert second["device_us"] > 0 and second["host_us"] > 0
 
 
+@pytest.mark.parametrize("lengths", [[40], [40, 17, 64]])
+def test_two_replays_in_flight_give_the_eager_tokens(demo, lengths):
+    """Depth-2 run-ahead: each step's next replay is launched before its sync, and each step reads its
+    outputs from its own pinned landing buffer; the tokens must be the eager run's, at batch 1 and 3,
+    in a first run (capture, then replays) and a second one on the same runner (replays from the start)."""
+    batch = prompts(lengths, seed=len(lengths))
+    eager = demo.generate_batch(batch, 16, resolved(), graphs=False)
+    runner = BatchRunner(demo, len(batch), max(lengths) + 16 - 1, graphs=True, run_ahead=True)
+    for run in range(2):
+        launches = runner.run_ahead_launches
+        graphed = demo.generate_batch(batch, 16, resolved(), runner=runner)
+        assert graphed.tokens == eager.tokens, run
+        decode = [step for step in graphed.steps if step["phase"] == "decode"]
+        assert [step["graph"] for step in decode] == ["capture" if run == 0 else "replay"] + ["replay"] * 14
+        # launched ahead: every replay but the first of the run (run 0: the one after the capture)
+        assert runner.run_ahead_launches - launches == (13 if run == 0 else 14)
+        assert runner.ahead is None
+        for step in decode[1:]:
+            assert step["device_us"] > 0 and step["host_us"] > 0
+            assert all(record["woken_observed"] >= 1 for record in step["moe"])
+        # the counts each step observed are its own: equal to the eager step's
+        assert [[record["woken_observed"] for record in step["moe"]] for step in decode] == [
+            [record["woken_observed"] for record in step["moe"]]
+            for step in eager.steps if step["phase"] == "decode"]
+
+
 def _device_kernels_per_decode_step(engine, batch_size, gate):
     from torch.profiler import ProfilerActivity, profile
 
