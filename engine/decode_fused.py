@@ -1,25 +1,42 @@
 """The decode step on a GPU with its glue fused: the same function as engine.model's torch forward
-for one new token per sequence, in about a dozen launches per layer instead of ~90 small torch
-kernels (casts, the fp32 copies of the router and LM head, RoPE pieces, index_put, topk, softmax).
+for one new token per sequence, in a few launches per layer instead of ~90 small torch kernels
+(casts, the fp32 copies of the router and LM head, RoPE pieces, index_put, topk, softmax).
 
-Per step (B sequences, one token each; shapes as in engine.model):
+Per step (B sequences, one token each; shapes as in engine.model). At B <= GEMV_ROWS (batch 1) the
+dense products are kernels.gemv and every RMSNorm is folded into the GEMV it feeds
+(kernels.gemv_fused: each program sums x^2 along K beside its dot products, scales at the end and
+writes its slice of the new x and h); above GEMV_ROWS the products are torch matmuls (cuBLAS) and
+each RMSNorm is a kernels.rms_norm launch.
 
-    x, h    = embed[tokens], RMSNorm(...)            kernels.rms_norm (gather)        1 launch
+                                                       launches at B = 1            B > GEMV_ROWS
+    x       = embed[tokens]
     per layer:
-      qkv   = h @ [wq; wk; wv]^T                     kernels.gemv (one packed weight)  1
-      q     = RoPE(q); cache[k, v] <- RoPE(k), v     kernels.rope_cache                1
-      a     = attention(q, cache)                    the dispatcher's attention arm
-      o     = a @ wo^T                               kernels.gemv                      1
-      x, h  = x + o, RMSNorm(...)                    kernels.rms_norm (residual)       1
-      ids, w = topk-softmax(h @ router^T in fp32)    kernels.gemv + kernels.router     2
-      e     = experts(h, ids, w)                     the dispatcher's MoE arm
-      x, h  = x + e, RMSNorm(next norm)              kernels.rms_norm (residual)       1
-    logits  = h @ head^T in fp32                     kernels.gemv                      1
+      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              gemv_fused (gather)*    1    rms_norm, matmul  2
+      q     = RoPE(q); cache[k, v] <- RoPE(k), v       kernels.rope_cache      1    rope_cache        1
+      a     = attention(q, cache)                      the dispatcher's attention arm
+      o     = a @ wo^T                                 kernels.gemv            1    matmul            1
+      x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual)   1    rms_norm, matmul  2
+      logits = h @ router^T in fp32
+      ids, w = topk-softmax(logits), woken count       kernels.router          1    topk_softmax      1
+      e     = experts(h, ids, w)                       the dispatcher's MoE arm
+      x     = x + e                                    (into the next norm's GEMV)
+    logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual)   1    rms_norm, matmul  2
+
+  * between layers the norm's input is x + e, a residual add: folded only into a product of at most
+    FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv (2 launches).
+
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 11 Triton
+launches per step, 14 before the folds (3 rms_norm). Without a packed qkv weight the three projections
+are separate products after an rms_norm launch.
 
 Which kernel computes attention and the experts is still the dispatcher's decision: this module
-only replaces the glue around the arms. Rows above kernels.gemv.MAX_ROWS (large decode batches)
-take torch matmuls for the dense products. Rounding happens where the torch forward rounds, so the
-two differ only in the order of fp32 sums (tests/test_decode_fused.py bounds it).
+only replaces the glue around the arms. Rounding happens where the torch forward rounds, so the two
+differ only in the order of fp32 sums, except that the norm folded into qkv multiplies g * x unrounded
+where the torch forward rounds h = RMSNorm(x) * g to the dtype first: about one rounding of each
+output (tests/test_decode_fused.py bounds both). The router and the LM head feed a top-k and an
+argmax, which jump at near ties, so their folds round h first (kernels.gemv_fused's exact norm, a
+second read of x): their logits are gemv(h) of the h they write, the same roundings as the torch
+forward, in a different order of fp32 sums only.
 
 Eligible: a CUDA device (or `force` for the interpreter tests), one token per row, and a preset-style
 architecture (no attention biases, q/k norms, clipping, YaRN, router bias or softmax-then-top-k):
@@ -39,6 +56,13 @@ _SINKS: dict[int, tuple] = {}
 # 12.9-13.2 us for the projections, 2.9-3.1 vs 10.8-17.6 us for the fp32 logits; from two rows
 # cuBLAS's tensor-core kernels are faster than the FMA path.
 GEMV_ROWS = 1
+# Widest product (N) a residual-add RMSNorm is folded into (kernels.gemv_fused): every program of the
+# fold reads the whole x, residual and norm weight from L2, 24 KB at D = 4096 in bf16 (40 KB with the
+# exact norm's second read), so the router and the LM head (N = 256: 10 MB of L2 reads for 2 MB of
+# weights) take it and the qkv projection
+# between layers (N = 5120, 2560 programs: 63 MB against 42 MB) keeps its own rms_norm launch until
+# a GPU run shows the fold paying there. A gather is folded at any width (one vector fewer).
+FOLD_RESIDUAL_MAX_N = 1024
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -116,35 +140,70 @@ def _qkv(weights: dict[str, torch.Tensor], p: str, h: torch.Tensor) -> torch.Ten
     return torch.cat([_dense(h, weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
 
 
+def _folds(norm, w: torch.Tensor, rows: int) -> bool:
+    """Whether the RMSNorm `norm` (a kernels.gemv_fused.Norm) goes into the GEMV of `w` at `rows` rows:
+    at most GEMV_ROWS rows, and a gather anywhere but a residual add only into a narrow product (every
+    program of the fold reads the whole x, residual and norm weight: FOLD_RESIDUAL_MAX_N)."""
+    return rows <= GEMV_ROWS and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
+
+
+def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm on its own (kernels.rms_norm): where it is not folded into the next GEMV."""
+    from kernels.rms_norm import rms_norm
+
+    if norm.table is not None:
+        return rms_norm(None, norm.weight, norm.eps, table=norm.table, index=norm.index)
+    return rms_norm(x, norm.weight, norm.eps, residual=norm.residual)
+
+
 def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
                    start: torch.Tensor, key_length: int, slots: torch.Tensor | None, cache, hooks,
                    q_start: "int | torch.Tensor | None" = None) -> torch.Tensor:
     """tokens [B, 1] at positions start [B] (int64, on the device) -> logits [B, V] float32.
     Row b reads and writes cache row slots[b] (None: row b); attention reads `key_length` keys.
     `q_start` is what the attention hook receives as the query start (default `start`)."""
-    from kernels.rms_norm import rms_norm
+    from dataclasses import replace
+
+    from kernels.gemv_fused import Norm, gemv_fused
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
     c = config
     batch = tokens.shape[0]
     inv_freq = _inverse_frequency(c, tokens.device)
-    x, h = rms_norm(None, weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"],
-                    index=tokens.reshape(-1))  # [B, D] each
+    # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
+    x = None  # [B, D] the residual stream, once written
+    norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
+        packed = packed_qkv(weights, p)
+        if packed is not None and _folds(norm, packed, batch):
+            folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True))
+            x, qkv = folded.x, folded.out
+        else:
+            x, h = _rms_norm(x, norm)
+            qkv = _qkv(weights, p, h)
+        q, start32 = rope_cache(qkv, inv_freq, start, slots, cache.k[layer], cache.v[layer],
                                 c.n_heads)  # [B, Hq, hd]; k and v now in the cache; start as int32
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                    _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                    key_length)  # [B, 1, Hq, hd]
         o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
-        x, h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, residual=o)
-        ids, routing, woken = topk_softmax(_dense(h, weights[p + "router"], torch.float32), c.top_k, h.dtype,
-                                           woken=True)
+        norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
+        router = weights[p + "router"]
+        if _folds(norm, router, batch):
+            folded = gemv_fused(x, router, torch.float32, norm=replace(norm, write_x=True, write_h=True, exact=True))
+            x, h, logits = folded.x, folded.h, folded.out
+        else:
+            x, h = _rms_norm(x, norm)
+            logits = _dense(h, router, torch.float32)
+        ids, routing, woken = topk_softmax(logits, c.top_k, h.dtype, woken=True)
         expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)  # [B, D]
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
-        x, h = rms_norm(x, next_norm, c.norm_eps, residual=expert_out)
+        norm = Norm(next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]
+    if _folds(norm, head, batch):
+        return gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True)).out  # [B, V]
+    x, h = _rms_norm(x, norm)
     return _dense(h, head, torch.float32)  # [B, V]

@@ -23,6 +23,10 @@ so every program holds the same r. What the rest of the step needs as tensors, e
 a disjoint slice of: the new residual stream x_out (residual / gather) and h, computed exactly as
 kernels.rms_norm computes them (x rounded after the add, x32 * r rounded, times g rounded), so
 they are what that kernel writes up to the order of the mean's sum.
+Norm.exact: a first pass over x for r, then the product with h rounded as kernels.rms_norm rounds it:
+the output is then gemv(h, w) to the bit (the same sums in the same order), as the unfused launches
+give it; for consumers that jump at a near tie (top-k routing, the argmax of logits), at the price of
+reading x (and the residual) twice.
 
 Epilogues (one per launch):
     store       out rounded to out_dtype (x's, or float32 for logits)
@@ -43,11 +47,12 @@ looped over, never padded to a tensor-core tile, so MAX_ROWS is below gemv's TEN
 What a program reads (L2 traffic beside its BLOCK_N x K weights from DRAM): per row, K elements
 of the activation (one vector in plain and gather modes, two -- x_prev and residual -- in residual
 mode) and, with a norm, the K elements of g; at the end its slice (cdiv(K, programs) columns) of
-those again. At the v4 shape (K = 4096, bf16, one row) that is 16 KB per program for a gather into
-qkv (2560 programs: 42 MB of L2 reads against 42 MB of weights; the plain GEMV reads 21 MB of h)
-and 24 KB per program for a residual fold into the router or LM head (256 programs: 6 MB against 2
-MB). A residual fold into a wide GEMV (qkv at N = 5120: 63 MB) is the caller's choice
-(engine.decode_fused folds residuals only into narrow products). Not measured yet.
+those again; an exact norm reads the activation once more. At the v4 shape (K = 4096, bf16, one row)
+that is 16 KB per program for a gather into qkv (2560 programs: 42 MB of L2 reads against 42 MB of
+weights; the plain GEMV reads 21 MB of h) and 24 KB per program for a residual fold into the router or
+LM head (40 KB exact; 256 programs: 6 or 10 MB against 2 MB). A residual fold into a wide GEMV (qkv at
+N = 5120: 63 MB) is the caller's choice (engine.decode_fused folds residuals only into narrow
+products). Not measured yet.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class Norm:
     index: torch.Tensor | None = None  # [M] int
     write_x: bool = False
     write_h: bool = False
+    exact: bool = False  # round h before the product (a first pass over x for the scale), as rms_norm + gemv
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,8 @@ def _gemv_fused_kernel(
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om, stride_ids, stride_weights,
     stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
-    NORM: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
+    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr,
     COUNT_BLOCK: tl.constexpr,
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
@@ -163,6 +170,15 @@ def _gemv_fused_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([M_PAD], dtype=tl.float32)  # sum of x^2 per row (NORM)
+    if NORM and EXACT:  # a first pass for the scale, so h can be rounded before the product
+        for k0 in range(0, k_in, BLOCK_K):
+            cols = k0 + offs_k
+            for m in tl.static_range(M_PAD):
+                lanes = (cols < k_in) & (tl.full([BLOCK_K], m, dtype=tl.int32) < rows)
+                a = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm,
+                                stride_rm, stride_t, GATHER, RESIDUAL).to(tl.float32)
+                squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
+        scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
     for k0 in range(0, k_in, BLOCK_K):
         cols = k0 + offs_k
         k_mask = cols < k_in
@@ -171,19 +187,25 @@ def _gemv_fused_kernel(
             g = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(M_PAD):
             lanes = k_mask & (tl.full([BLOCK_K], m, dtype=tl.int32) < rows)
-            a = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm,
-                            stride_t, GATHER, RESIDUAL).to(tl.float32)
+            x = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm,
+                            stride_t, GATHER, RESIDUAL)
+            a = x.to(tl.float32)
             if NORM:
-                squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
-                a = a * g
+                if EXACT:  # h as kernels.rms_norm rounds it
+                    r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
+                    a = ((a * r).to(x.dtype).to(tl.float32) * g).to(x.dtype).to(tl.float32)
+                else:
+                    squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
+                    a = a * g
             partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
             accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
         w_ptrs += BLOCK_K
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
-        scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
-        accumulator = accumulator * scale[:, None]
+        if not EXACT:
+            scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
+            accumulator = accumulator * scale[:, None]
         if WRITE_X or WRITE_H:  # this program's slice of the new residual stream and of h
             cols = pid * slice_cols + tl.arange(0, SLICE)
             in_slice = (tl.arange(0, SLICE) < slice_cols) & (cols < k_in)
@@ -366,7 +388,8 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         routing["stride_ids"], routing["stride_weights"], *q_strides, *cache["strides"],
         M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         SLICE=triton.next_power_of_2(slice_cols),
-        NORM=norm is not None, GATHER=gather, RESIDUAL=residual is not None, WRITE_X=write_x, WRITE_H=write_h,
+        NORM=norm is not None, EXACT=norm is not None and norm.exact, GATHER=gather, RESIDUAL=residual is not None,
+        WRITE_X=write_x, WRITE_H=write_h,
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
         ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,

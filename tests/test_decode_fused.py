@@ -140,11 +140,12 @@ def test_pack_qkv_keeps_values_and_makes_one_matrix():
         assert torch.equal(weights[name], value)
 
 
-def _decode_logits(engine, fused: bool, tokens, start, slots=None, rows=3):
-    """Logits of one decode step after a 5-token prefill per row, fused glue or torch forward."""
+def _decode_logits(engine, fused: bool, tokens, start, slots=None):
+    """Logits of one decode step of tokens' rows after a 5-token prefill of three cache rows, fused glue or
+    torch forward."""
     config = engine.config
-    cache = KVCache.allocate(config, rows, 24, engine.device, engine.dtype)
-    prompt = torch.randint(0, config.vocab_size, (rows, 5), generator=torch.Generator().manual_seed(13))
+    cache = KVCache.allocate(config, 3, 24, engine.device, engine.dtype)
+    prompt = torch.randint(0, config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(13))
     dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
     forward(config, engine.weights, prompt, 0, cache, dispatcher)
     layout = StepLayout(start, 24, slots)
@@ -153,17 +154,47 @@ def _decode_logits(engine, fused: bool, tokens, start, slots=None, rows=3):
     return forward(config, engine.weights, tokens, layout, cache, dispatcher), cache
 
 
-@pytest.mark.parametrize("slots", [None, torch.tensor([2, 0, 1])])
-def test_fused_decode_step_matches_the_torch_forward(slots):
+@pytest.mark.parametrize("rows, slots, fold_wide", [(3, None, False), (3, torch.tensor([2, 0, 1]), False),
+                                                     (1, None, False), (1, torch.tensor([2]), True)])
+def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, monkeypatch):
+    """Three rows: cuBLAS-style torch products and rms_norm launches; one row: kernels.gemv and the norms
+    folded into the GEMVs (kernels.gemv_fused), between layers too with fold_wide. Same tolerance: the
+    fold's difference (two roundings of h per term) is fp32 rounding, far inside 2e-5."""
+    if fold_wide:
+        monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
     decode_fused.pack_qkv(engine.config, engine.weights)
-    tokens, start = torch.tensor([[3], [200], [77]]), torch.tensor([5, 5, 5])
+    tokens, start = torch.tensor([[3], [200], [77]])[:rows], torch.tensor([5, 5, 5])[:rows]
     fused, fused_cache = _decode_logits(engine, True, tokens, start, slots)
     torch_logits, torch_cache = _decode_logits(engine, False, tokens, start, slots)
     _close(fused, torch_logits, torch.float32)
     for layer in range(engine.config.n_layers):
         _close(fused_cache.k[layer], torch_cache.k[layer], torch.float32)
         _close(fused_cache.v[layer], torch_cache.v[layer], torch.float32)
+
+
+@pytest.mark.parametrize("fold_wide", [False, True])
+def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
+    """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
+    and experts take torch arms on a CPU): no rms_norm but between layers, where qkv is wider than
+    FOLD_RESIDUAL_MAX_N."""
+    from kernels import launches
+
+    if fold_wide:
+        monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
+    engine = Engine.load("tiny", "cpu", seed=0)
+    decode_fused.pack_qkv(engine.config, engine.weights)
+    config = engine.config
+    cache = KVCache.allocate(config, 1, 24, engine.device, engine.dtype)
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    forward(config, engine.weights, torch.tensor([[1, 2, 3, 4, 5]]), 0, cache, dispatcher)
+    before = launches.snapshot()
+    decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
+                                dispatcher)
+    expected = {"gemv_norm": 4, "gemv": 3, "rms_norm": 1, "rope_cache": 2, "topk_softmax": 2}
+    if fold_wide:
+        expected.update(gemv_norm=5, gemv=2, rms_norm=0)
+    assert launches.since(before) == {name: count for name, count in expected.items() if count}
 
 
 def test_eligibility():
@@ -193,18 +224,21 @@ def test_gpu_gemv_bf16_v4_widths(rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["demo", "v4-shape"])
-def test_gpu_fused_decode_matches_torch_forward(model):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_fused_decode_matches_torch_forward(model, rows):
+    """Two rows: cuBLAS products; one row: kernels.gemv with the norms, the routing and RoPE folded in.
+    bf16: the fold's two skipped roundings of h are ~2^-8 relative per term, inside 2e-2."""
     engine = Engine.load(model, "cuda", seed=0, weights="random" if model == "v4-shape" else "auto")
     assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None
     config = engine.config
-    cache_fused = KVCache.allocate(config, 2, 64, engine.device, engine.dtype)
-    cache_torch = KVCache.allocate(config, 2, 64, engine.device, engine.dtype)
-    prompt = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5)).cuda()
+    cache_fused = KVCache.allocate(config, rows, 64, engine.device, engine.dtype)
+    cache_torch = KVCache.allocate(config, rows, 64, engine.device, engine.dtype)
+    prompt = torch.randint(0, config.vocab_size, (rows, 20), generator=torch.Generator().manual_seed(5)).cuda()
     dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
     with torch.inference_mode():
         forward(config, engine.weights, prompt, 0, cache_fused, dispatcher)
         forward(config, engine.weights, prompt, 0, cache_torch, dispatcher)
-        tokens, start = prompt[:, -1:].contiguous(), torch.tensor([20, 20], device="cuda")
+        tokens, start = prompt[:, -1:].contiguous(), torch.full((rows,), 20, device="cuda")
         fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache_fused, dispatcher)
         # the torch glue: the ragged forward with the fused path switched off for this call
         reference = _torch_forward(config, engine.weights, tokens, StepLayout(start, 64), cache_torch, dispatcher)
@@ -289,21 +323,27 @@ def _norm_inputs(mode, rows, k_in, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["plain", "residual", "gather"])
 @pytest.mark.parametrize("rows, n_out, k_in, block", [(1, 37, 70, None), (3, 45, 100, (4, 16)), (5, 9, 33, (2, 16))])
-@pytest.mark.parametrize("out_float", [False, True])
-def test_gemv_fused_norm_matches_rms_norm_then_matmul(dtype, mode, rows, n_out, k_in, block, out_float):
+@pytest.mark.parametrize("out_float, exact", [(False, False), (True, False), (True, True)])
+def test_gemv_fused_norm_matches_rms_norm_then_matmul(dtype, mode, rows, n_out, k_in, block, out_float, exact):
+    from dataclasses import replace
+
     from kernels import launches
     from kernels.gemv_fused import gemv_fused
 
     x, norm, x_new = _norm_inputs(mode, rows, k_in, dtype, seed=50 + rows)
+    norm = replace(norm, exact=exact)
     w = _draw(n_out, k_in, dtype=dtype, seed=60)
+    out_dtype = torch.float32 if out_float else None
     before = launches.snapshot()
     with scratch.poison_new_buffers():
-        result = gemv_fused(x, w, torch.float32 if out_float else None, norm=norm, block=block)
+        result = gemv_fused(x, w, out_dtype, norm=norm, block=block)
     assert launches.since(before) == {"gemv_norm": 1}
     h = rms_norm(x_new, norm.weight, norm.eps)
     expected = h.float() @ w.float().t()
     _close(result.out, expected if out_float else expected.to(dtype), dtype)
     _close(result.h, h, dtype)  # what kernels.rms_norm is held to
+    if exact:  # the product of the h it wrote, summed as kernels.gemv sums it
+        assert torch.equal(result.out, gemv(result.h, w, out_dtype, block=block))
     if mode == "plain":
         assert result.x is None
     else:
