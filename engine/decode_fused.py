@@ -15,9 +15,9 @@ each RMSNorm is a kernels.rms_norm launch.
       q     = RoPE(q); cache[k, v] <- RoPE(k), v       kernels.rope_cache      1    rope_cache        1
       a     = attention(q, cache)                      the dispatcher's attention arm
       o     = a @ wo^T                                 kernels.gemv            1    matmul            1
-      x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual)   1    rms_norm, matmul  2
-      logits = h @ router^T in fp32
-      ids, w = topk-softmax(logits), woken count       kernels.router          1    topk_softmax      1
+      x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual    1    rms_norm, matmul, 3
+      ids, w = topk-softmax(h @ router^T in fp32)      + route: its last            topk_softmax
+               and the count of woken experts          program routes)
       e     = experts(h, ids, w)                       the dispatcher's MoE arm
       x     = x + e                                    (into the next norm's GEMV)
     logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual)   1    rms_norm, matmul  2
@@ -25,9 +25,9 @@ each RMSNorm is a kernels.rms_norm launch.
   * between layers the norm's input is x + e, a residual add: folded only into a product of at most
     FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv (2 launches).
 
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 11 Triton
-launches per step, 14 before the folds (3 rms_norm). Without a packed qkv weight the three projections
-are separate products after an rms_norm launch.
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 10 Triton
+launches per step, 14 before the folds (3 rms_norm and the topk_softmax). Without a packed qkv weight
+the three projections are separate products after an rms_norm launch.
 
 Which kernel computes attention and the experts is still the dispatcher's decision: this module
 only replaces the glue around the arms. Rounding happens where the torch forward rounds, so the two
@@ -164,7 +164,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import Norm, gemv_fused
+    from kernels.gemv_fused import Norm, Route, gemv_fused
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
@@ -192,13 +192,13 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
         router = weights[p + "router"]
-        if _folds(norm, router, batch):
-            folded = gemv_fused(x, router, torch.float32, norm=replace(norm, write_x=True, write_h=True, exact=True))
-            x, h, logits = folded.x, folded.h, folded.out
+        if _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
+            folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
+                                route=Route(c.top_k, x.dtype))
+            x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
         else:
             x, h = _rms_norm(x, norm)
-            logits = _dense(h, router, torch.float32)
-        ids, routing, woken = topk_softmax(logits, c.top_k, h.dtype, woken=True)
+            ids, routing, woken = topk_softmax(_dense(h, router, torch.float32), c.top_k, h.dtype, woken=True)
         expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)  # [B, D]
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)
