@@ -3,16 +3,19 @@ for one new token per sequence, in a few launches per layer instead of ~90 small
 (casts, the fp32 copies of the router and LM head, RoPE pieces, index_put, topk, softmax).
 
 Per step (B sequences, one token each; shapes as in engine.model). At B <= GEMV_ROWS (batch 1) the
-dense products are kernels.gemv and every RMSNorm is folded into the GEMV it feeds
-(kernels.gemv_fused: each program sums x^2 along K beside its dot products, scales at the end and
-writes its slice of the new x and h); above GEMV_ROWS the products are torch matmuls (cuBLAS) and
-each RMSNorm is a kernels.rms_norm launch.
+dense products are GEMVs with the glue folded in (kernels.gemv_fused): each RMSNorm into the GEMV it
+feeds (a program sums x^2 along K beside its dot products, scales at the end and writes its slice of
+the new x and h), the top-k routing into the router's GEMV and RoPE with the cache write into the
+qkv GEMV (done by the last of the programs to arrive, kernels.arrivals). Above GEMV_ROWS the
+products are torch matmuls (cuBLAS) between kernels.rms_norm, rope_cache and router launches.
 
                                                        launches at B = 1            B > GEMV_ROWS
     x       = embed[tokens]
     per layer:
-      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              gemv_fused (gather)*    1    rms_norm, matmul  2
-      q     = RoPE(q); cache[k, v] <- RoPE(k), v       kernels.rope_cache      1    rope_cache        1
+      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              gemv_fused (gather*     1    rms_norm, matmul, 3
+      q     = RoPE(q); cache[k, v] <- RoPE(k), v       + rope: the last             rope_cache
+                                                       program of a head
+                                                       rotates it)
       a     = attention(q, cache)                      the dispatcher's attention arm
       o     = a @ wo^T                                 kernels.gemv            1    matmul            1
       x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual    1    rms_norm, matmul, 3
@@ -23,11 +26,11 @@ each RMSNorm is a kernels.rms_norm launch.
     logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual)   1    rms_norm, matmul  2
 
   * between layers the norm's input is x + e, a residual add: folded only into a product of at most
-    FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv (2 launches).
+    FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv_fused (2 launches).
 
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 10 Triton
-launches per step, 14 before the folds (3 rms_norm and the topk_softmax). Without a packed qkv weight
-the three projections are separate products after an rms_norm launch.
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 9 Triton
+launches per step, 14 before the folds (3 rms_norm, topk_softmax and rope_cache). Without a packed qkv
+weight the three projections are separate products between an rms_norm and a rope_cache launch.
 
 Which kernel computes attention and the experts is still the dispatcher's decision: this module
 only replaces the glue around the arms. Rounding happens where the torch forward rounds, so the two
@@ -164,7 +167,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import Norm, Route, gemv_fused
+    from kernels.gemv_fused import Norm, Rope, Route, gemv_fused
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
@@ -177,14 +180,21 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if packed is not None and _folds(norm, packed, batch):
-            folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True))
-            x, qkv = folded.x, folded.out
+        if packed is not None and batch <= GEMV_ROWS:  # qkv, RoPE and the cache write in one launch
+            rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
+            if _folds(norm, packed, batch):
+                folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),
+                                    rope=rope)
+                x = folded.x
+            else:
+                x, h = _rms_norm(x, norm)
+                folded = gemv_fused(h, packed, rope=rope)
+            q, start32 = folded.q, folded.position32
         else:
             x, h = _rms_norm(x, norm)
-            qkv = _qkv(weights, p, h)
-        q, start32 = rope_cache(qkv, inv_freq, start, slots, cache.k[layer], cache.v[layer],
-                                c.n_heads)  # [B, Hq, hd]; k and v now in the cache; start as int32
+            q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
+                                    c.n_heads)
+        # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                    _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,

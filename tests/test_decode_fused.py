@@ -176,8 +176,8 @@ def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, mon
 @pytest.mark.parametrize("fold_wide", [False, True])
 def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
-    and experts take torch arms on a CPU): no topk_softmax, no rms_norm but between layers, where qkv
-    is wider than FOLD_RESIDUAL_MAX_N."""
+    and experts take torch arms on a CPU): no topk_softmax or rope_cache, no rms_norm but between
+    layers, where qkv is wider than FOLD_RESIDUAL_MAX_N."""
     from kernels import launches
 
     if fold_wide:
@@ -191,9 +191,7 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
                                 dispatcher)
-    expected = {"gemv_norm": 2, "gemv_route": 2, "gemv": 3, "rms_norm": 1, "rope_cache": 2}
-    if fold_wide:
-        expected.update(gemv_norm=3, gemv=2, rms_norm=0)
+    expected = {"gemv_rope": 2, "gemv": 2, "gemv_route": 2, "gemv_norm": 1, "rms_norm": 0 if fold_wide else 1}
     assert launches.since(before) == {name: count for name, count in expected.items() if count}
 
 
