@@ -143,11 +143,18 @@ def _qkv(weights: dict[str, torch.Tensor], p: str, h: torch.Tensor) -> torch.Ten
     return torch.cat([_dense(h, weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
 
 
+def _fused_rows(rows: int) -> bool:
+    """Whether the dense products of a step of `rows` rows are GEMVs with the glue folded in."""
+    from kernels.gemv_fused import MAX_ROWS
+
+    return rows <= min(GEMV_ROWS, MAX_ROWS)
+
+
 def _folds(norm, w: torch.Tensor, rows: int) -> bool:
     """Whether the RMSNorm `norm` (a kernels.gemv_fused.Norm) goes into the GEMV of `w` at `rows` rows:
-    at most GEMV_ROWS rows, and a gather anywhere but a residual add only into a narrow product (every
+    a one-row-style step, and a gather anywhere but a residual add only into a narrow product (every
     program of the fold reads the whole x, residual and norm weight: FOLD_RESIDUAL_MAX_N)."""
-    return rows <= GEMV_ROWS and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
+    return _fused_rows(rows) and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
 
 
 def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +187,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if packed is not None and batch <= GEMV_ROWS:  # qkv, RoPE and the cache write in one launch
+        if packed is not None and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
             if _folds(norm, packed, batch):
                 folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),

@@ -154,16 +154,19 @@ def _decode_logits(engine, fused: bool, tokens, start, slots=None):
     return forward(config, engine.weights, tokens, layout, cache, dispatcher), cache
 
 
-@pytest.mark.parametrize("rows, slots, fold_wide", [(3, None, False), (3, torch.tensor([2, 0, 1]), False),
-                                                     (1, None, False), (1, torch.tensor([2]), True)])
-def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, monkeypatch):
-    """Three rows: cuBLAS-style torch products and rms_norm launches; one row: kernels.gemv and the norms
-    folded into the GEMVs (kernels.gemv_fused), between layers too with fold_wide. Same tolerance: the
-    fold's difference (two roundings of h per term) is fp32 rounding, far inside 2e-5."""
+@pytest.mark.parametrize("rows, slots, fold_wide, packed", [
+    (3, None, False, True), (3, torch.tensor([2, 0, 1]), False, True), (1, None, False, True),
+    (1, torch.tensor([2]), True, True), (1, torch.tensor([1]), False, False)])
+def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, packed, monkeypatch):
+    """Three rows: cuBLAS-style torch products and rms_norm launches; one row: kernels.gemv and the glue
+    folded into the GEMVs (kernels.gemv_fused), the norms between layers too with fold_wide; unpacked
+    q/k/v: three GEMVs between rms_norm and rope_cache. Same tolerance: the fold's difference (two
+    roundings of h per term) is fp32 rounding, far inside 2e-5."""
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
-    decode_fused.pack_qkv(engine.config, engine.weights)
+    if packed:
+        decode_fused.pack_qkv(engine.config, engine.weights)
     tokens, start = torch.tensor([[3], [200], [77]])[:rows], torch.tensor([5, 5, 5])[:rows]
     fused, fused_cache = _decode_logits(engine, True, tokens, start, slots)
     torch_logits, torch_cache = _decode_logits(engine, False, tokens, start, slots)
