@@ -6,9 +6,12 @@ the router and its top-k. A prefetch issued on a second stream beside such a ker
 weight from HBM into the L2 while that kernel runs; the GEMV that follows then reads it from the L2.
 The weight's bytes still come from HBM once per step; they just arrive during time the step already
 spends. It pays only while the weight fits the L2 (50 MB on an H100/H200) beside what else the kernel
-in between touches.
+in between touches. Normal eviction priority, not evict_last: the lines are to be read once, soon, and
+then leave with the rest of the step's stream (the MoE's ~300 MB at v4). A weight pinned in the L2
+across steps would be read from the L2 instead of the HBM, and the bound the benchmark divides by
+(the active weights' bytes over the copy bandwidth) would no longer describe the step.
 
-Kernel: one `prefetch.global.L2::evict_last` per 128-byte line, issued by every thread for its lines;
+Kernel: one `prefetch.global.L2` per 128-byte line, issued by every thread for its lines;
 nothing comes back to the SM, so the programs finish as soon as the requests are issued and leave the
 SMs to the kernel they run beside. Grid: (cdiv(lines, LINES_PER_PROGRAM),).
 
@@ -36,7 +39,7 @@ def _prefetch_l2_kernel(base_ptr, n_lines, LINE: tl.constexpr, BLOCK: tl.constex
     inside = lines < n_lines
     addresses = base_ptr + tl.where(inside, lines, 0) * LINE  # a line outside: line 0 again (harmless)
     tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
         "=r,l",
         [addresses],
         dtype=tl.int32,
