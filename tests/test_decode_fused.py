@@ -247,6 +247,41 @@ def test_gpu_fused_decode_matches_torch_forward(model, rows):
     assert torch.equal(fused.argmax(-1), reference.argmax(-1)) or model == "v4-shape"
 
 
+@pytest.mark.gpu
+def test_gpu_l2_prefetch_changes_nothing_but_launches(monkeypatch):
+    """The decode step's L2 prefetches (wo beside attention, the next qkv beside the LM head) are hints:
+    the logits and the cache are the same to the bit with MOEI_L2_PREFETCH on and off, eagerly and
+    replayed from a CUDA graph; on, each step launches kernels.prefetch twice (one layer)."""
+    from kernels import launches
+
+    engine = Engine.load("v4-shape", "cuda", seed=0, weights="random")
+    config = engine.config
+    prompt = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(7)).cuda()
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("MOEI_L2_PREFETCH", setting)
+        cache = KVCache.allocate(config, 1, 64, engine.device, engine.dtype)
+        with torch.inference_mode():
+            forward(config, engine.weights, prompt, 0, cache, dispatcher)
+            tokens, start = prompt[:, -1:].contiguous(), torch.full((1,), 20, device="cuda")
+            before = launches.snapshot()
+            eager = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache, dispatcher)
+            counted = launches.since(before).get("prefetch_l2", 0)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache,
+                                                       dispatcher)
+            graph.replay()
+            torch.cuda.synchronize()
+        results[setting] = (eager.clone(), replayed.clone(), cache.k[0].clone(), counted)
+    on, off = results["1"], results["0"]
+    assert on[3] == 2 and off[3] == 0
+    for a, b in zip(on[:3], off[:3]):
+        assert torch.equal(a, b)
+    assert torch.equal(on[0], on[1])
+
+
 def _torch_forward(config, weights, tokens, layout, cache, hooks):
     from engine.model import _forward_ragged
 
