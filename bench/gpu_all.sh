@@ -7,7 +7,7 @@
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
-#   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, L2 prefetch, v4 table
+#   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, GEMV bench, v4 table
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -84,13 +84,10 @@ elif [ "$mode" = step ]; then  # issues 4 and 7 together: GPU tests of the step 
     TAIL=25 stage 220 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         tests/test_decode_fused.py tests/test_runtime_gpu.py tests/test_attention_kernels.py -k "not prefill"
     TAIL=40 stage 120 attention_bench python3 bench/attention_bench.py
-    TAIL=8 stage 60 l2_prefetch python3 bench/l2_prefetch.py
     TAIL=40 stage 120 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
     TAIL=12 MOEI_RUN_AHEAD=0 stage 90 bench_v4_no_run_ahead python3 -m inspector bench --model v4-shape --pp 512 \
         --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_run_ahead.json"
-    TAIL=12 MOEI_L2_PREFETCH=0 stage 90 bench_v4_no_prefetch python3 -m inspector bench --model v4-shape --pp 512 \
-        --tg 128 --batch 1 --reps 3 --gpu-weights --profile --format md --json-out "$WORK/bench_v4_no_prefetch.json"
     TAIL=30 stage 60 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK

@@ -561,16 +561,13 @@ def graphs_note(engine, graphs: bool | None) -> str:
     if graphs is False:
         return "off (--graphs off)"
     from engine.batch_runner import run_ahead_default
-    from engine.decode_fused import l2_prefetch_enabled
     from kernels import pdl
 
     run_ahead = run_ahead_default()
     return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches before the step's "
                                       "sync, two in flight (MOEI_RUN_AHEAD=0 turns it off)" if run_ahead
                                       else "; run-ahead off")
-            + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else "")
-            + ("; L2 prefetch of wo and the next qkv beside latency-bound kernels (MOEI_L2_PREFETCH=0 turns it off)"
-               if l2_prefetch_enabled() else "; L2 prefetch off"))
+            + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else ""))
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:

@@ -41,12 +41,6 @@ argmax, which jump at near ties, so their folds round h first (kernels.gemv_fuse
 second read of x): their logits are gemv(h) of the h they write, the same roundings as the torch
 forward, in a different order of fp32 sums only.
 
-L2 prefetch (CUDA; MOEI_L2_PREFETCH=0 turns it off, for the benchmark's A/B): decode attention over a
-short cache and the LM head are latency-bound and leave the HBM idle. A kernels.prefetch launch on a
-side stream beside attention pulls wo into the L2 (joined before the wo GEMV), and one beside the last
-layer's LM head pulls layer 0's packed qkv in for the next step (joined at the end of the step). The
-bytes still come from HBM once per step, in time the step already spends; results never depend on it.
-
 Eligible: a CUDA device (or `force` for the interpreter tests), one token per row, and a preset-style
 architecture (no attention biases, q/k norms, clipping, YaRN, router bias or softmax-then-top-k):
 the Hugging Face families keep the torch forward. Knows nothing of flags or scheduling.
@@ -54,15 +48,12 @@ the Hugging Face families keep the torch forward. Knows nothing of flags or sche
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.config import ModelConfig
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 _SINKS: dict[int, tuple] = {}
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # Rows up to which the dense products take kernels.gemv; above it cuBLAS. On the H200 at D = 4096
 # (bench/gemv_bench.py, bench/results/2026-11-29-h200-run7-fused) one row: gemv 11.0-12.5 us vs cuBLAS
 # 12.9-13.2 us for the projections, 2.9-3.1 vs 10.8-17.6 us for the fp32 logits; from two rows
@@ -175,29 +166,6 @@ def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]
     return rms_norm(x, norm.weight, norm.eps, residual=norm.residual)
 
 
-def l2_prefetch_enabled() -> bool:
-    """L2 prefetch beside latency-bound kernels unless MOEI_L2_PREFETCH=0 (the benchmark's A/B)."""
-    return os.environ.get("MOEI_L2_PREFETCH", "1") != "0"
-
-
-def _prefetch_beside(weight: torch.Tensor | None):
-    """Fork a side stream from the current one and prefetch `weight` into the L2 there; returns the
-    join (the current stream waits for the side stream) or None when nothing was launched (CPU, off,
-    no weight). Graph-safe: the fork and the join are captured as edges."""
-    if weight is None or not weight.is_cuda or not l2_prefetch_enabled():
-        return None
-    from kernels.prefetch import prefetch_l2
-
-    main = torch.cuda.current_stream(weight.device)
-    side = _SIDE_STREAMS.get(weight.device)
-    if side is None:
-        side = _SIDE_STREAMS[weight.device] = torch.cuda.Stream(weight.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        prefetch_l2(weight)
-    return lambda: main.wait_stream(side)
-
-
 def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
                    start: torch.Tensor, key_length: int, slots: torch.Tensor | None, cache, hooks,
                    q_start: "int | torch.Tensor | None" = None) -> torch.Tensor:
@@ -235,12 +203,9 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                     c.n_heads)
         # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
-        join = _prefetch_beside(weights[p + "wo"])  # wo into the L2 while attention runs
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                    _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                    key_length)  # [B, 1, Hq, hd]
-        if join is not None:
-            join()
         o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
         router = weights[p + "router"]
@@ -255,12 +220,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]
-    join = _prefetch_beside(packed_qkv(weights, "layers.0."))  # the next step's first read, beside the head
     if _folds(norm, head, batch):
-        logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True)).out  # [B, V]
-    else:
-        x, h = _rms_norm(x, norm)
-        logits = _dense(h, head, torch.float32)  # [B, V]
-    if join is not None:
-        join()
-    return logits
+        return gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True)).out  # [B, V]
+    x, h = _rms_norm(x, norm)
+    return _dense(h, head, torch.float32)  # [B, V]
