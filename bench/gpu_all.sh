@@ -81,7 +81,7 @@ elif [ "$mode" = attention ]; then  # issue 4: attention GPU tests, check-attent
     TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
 elif [ "$mode" = step ]; then  # issues 4 and 7 together: GPU tests of the step and attention, both benches
-    TAIL=25 stage 220 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    TAIL=25 stage 220 pytest_gpu python3 -m pytest -m gpu -v -p no:cacheprovider -rf --durations=8 \
         tests/test_decode_fused.py tests/test_runtime_gpu.py tests/test_attention_kernels.py -k "not prefill"
     TAIL=40 stage 120 attention_bench python3 bench/attention_bench.py
     TAIL=14 stage 60 gemv_fused_bench python3 bench/gemv_fused_bench.py
