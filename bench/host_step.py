@@ -39,6 +39,7 @@ feeds itself), which a slow host_us on a GPU should be checked against first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import gc
@@ -55,11 +56,15 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402 - after the sys.path line above, like the engine imports
 
 from engine import flags as flag_registry  # noqa: E402
+from engine import runtime  # noqa: E402
 from engine.batch_runner import BatchRunner, _DecodeGraph  # noqa: E402
 from engine.config import PRESETS  # noqa: E402
 from engine.runtime import Dispatcher, Engine  # noqa: E402
 from engine.scheduler import DECODE, Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+
+# What Engine.generate_batch runs its steps inside: the cyclic collector off (engine.runtime).
+paused_gc = getattr(runtime, "cyclic_gc_paused", contextlib.nullcontext)
 
 # What a capture of one decode layer records on a GPU (gemv MoE, split-KV decode attention).
 KERNELS_PER_LAYER = ("moe_align.fused", "moe_gemv.gate_up", "moe_gemv.down", "flash_decode_split",
@@ -203,8 +208,8 @@ def build_engine(args) -> Engine:
 
 def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedulers=None, synced=None,
              launched=None) -> list[dict]:
-    """One batched run, step by step as `Engine.generate_batch` runs it; the profiler (if any)
-    is on only inside steps that follow a capture or replay (the steady decode steps). The run's
+    """One batched run, step by step as `Engine.generate_batch` runs it (the steps inside `paused_gc`); the
+    profiler (if any) is on only inside steps that follow a capture or replay (the steady decode steps). The run's
     scheduler is appended to `schedulers` when given; each step's sync time (the runner's `synced_at`
     after a replayed step, else None) to `synced`; each step's launch time (perf_counter) to `launched`."""
     clock = time.perf_counter
@@ -217,20 +222,22 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedule
     for prompt in prompts:
         scheduler.add(Sequence(prompt, max_tokens), arrived)
     steps, launched_ahead = [], None
-    while scheduler.has_work():
-        steady = profiler is not None and steps and steps[-1]["graph"] in ("capture", "replay")
-        if steady:
-            profiler.enable()
-        steps.append(Engine._batch_step(scheduler, runner, dispatcher, clock))
-        if steady:
-            profiler.disable()
-        if synced is not None:
-            synced.append(getattr(runner, "synced_at", None) if steps[-1]["graph"] == "replay" else None)
-        if launched is not None:  # launched ahead: the runner's stamp; else the step's start + host_us
-            step = steps[-1]
-            launched.append(launched_ahead if launched_ahead is not None else step["started"] + step["host_us"] / 1e6)
-            ahead = getattr(runner, "ahead", None)
-            launched_ahead = None if ahead is None else ahead.launched_at
+    with paused_gc():  # as generate_batch steps (an older engine without it: the collector stays on)
+        while scheduler.has_work():
+            steady = profiler is not None and steps and steps[-1]["graph"] in ("capture", "replay")
+            if steady:
+                profiler.enable()
+            steps.append(Engine._batch_step(scheduler, runner, dispatcher, clock))
+            if steady:
+                profiler.disable()
+            if synced is not None:
+                synced.append(getattr(runner, "synced_at", None) if steps[-1]["graph"] == "replay" else None)
+            if launched is not None:  # launched ahead: the runner's stamp; else the step's start + host_us
+                step = steps[-1]
+                launched.append(launched_ahead if launched_ahead is not None
+                                else step["started"] + step["host_us"] / 1e6)
+                ahead = getattr(runner, "ahead", None)
+                launched_ahead = None if ahead is None else ahead.launched_at
     return steps
 
 

@@ -28,7 +28,9 @@ one forward for all its rows, and returns each row's next token, with the step's
   recorded on a stream object kept by the runner (checked each step against the current stream's
   id, so a caller may switch streams), and the events and the graph are driven through their C
   methods: torch's Python wrappers only default a stream (always passed here) and check input
-  liveness (never asked for here).
+  liveness (never asked for here). Engine.generate_batch runs its steps with Python's cyclic garbage
+  collector off (engine.runtime.cyclic_gc_paused): a step makes no reference cycles, and a collection
+  started inside a step would pause it for as long as traversing every object of the process takes.
 - Run-ahead (CUDA, on by default; `run_ahead=False` or MOEI_RUN_AHEAD=0 turns it off): two replays in
   flight, so the device never waits for the host between the steps of a steady cohort. A replayed
   step whose next step is certain to replay the same graph (the caller's `reserve_next`,

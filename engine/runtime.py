@@ -12,6 +12,8 @@ Knows nothing of screens, sessions or argument parsing.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -53,6 +55,38 @@ def resolve_device(name: str) -> torch.device:
 
 def device_label(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# Runs inside `cyclic_gc_paused` now (the process's collector is off while any one runs), and whether
+# it was on when the first of them began (it is turned back on only then, when the last one ends).
+_gc_pause = {"runs": 0, "was_enabled": False}
+_gc_pause_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """Python's cyclic garbage collector off while a batch-generation run steps (issue 7: host time per
+    decode step). Each step keeps its record (a few containers), so the collector started about every
+    100 steps, inside a step, and traversed the young objects, or now and then every object of the
+    process (with torch, Triton and CUDA loaded, a full collection takes tens of ms): on the H200,
+    bench/host_step.py counted 40 us per replayed step on average. A run makes no reference cycles
+    (tests/test_graph_replay_host.py: 5000 stub steps leave no cyclic garbage), so reference counting
+    frees everything a step drops and the collector, off, leaves nothing unreclaimed that it would
+    have reclaimed. It is turned back on when the run ends, also on an error, unless it was off before;
+    runs in several threads at once count: the last to end turns it back on. Turning it off or on
+    collects nothing by itself."""
+    with _gc_pause_lock:
+        if _gc_pause["runs"] == 0:
+            _gc_pause["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_pause["runs"] += 1
+    try:
+        yield
+    finally:
+        with _gc_pause_lock:
+            _gc_pause["runs"] -= 1
+            if _gc_pause["runs"] == 0 and _gc_pause["was_enabled"]:
+                gc.enable()
 
 
 class _Timer:
@@ -401,7 +435,8 @@ class Engine:
         """Greedy decoding of many prompts at once with continuous batching (engine.scheduler) and
         the batch runner (engine.batch_runner): chunked prefill of `prefill_chunk` tokens, then a
         decode cohort. Every sequence gets a fresh request id; pass `runner` to reuse a KV cache
-        and its captured graphs across runs."""
+        and its captured graphs across runs. The steps run with the cyclic garbage collector off
+        (`cyclic_gc_paused`), turned back on when they end."""
         from engine.batch_runner import BatchRunner  # it imports this module for the Dispatcher
 
         counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
@@ -417,9 +452,11 @@ class Engine:
         for sequence in sequences:
             scheduler.add(sequence, arrived)
         steps = []
+        batch_step, has_work, append = self._batch_step, scheduler.has_work, steps.append
         try:
-            while scheduler.has_work():
-                steps.append(self._batch_step(scheduler, runner, dispatcher, clock))
+            with cyclic_gc_paused():  # no collector pauses inside the steps: a run makes no reference cycles
+                while has_work():
+                    append(batch_step(scheduler, runner, dispatcher, clock))
         finally:  # a run that ended early must not leave a launched-ahead step for the runner's next run
             if runner.ahead is not None:
                 runner.drop_ahead()
