@@ -357,10 +357,32 @@ def kernel_shares(kernels: list[tuple[str, float, float]], step_ranges: dict[int
         entry[1] += 1
     busy = sum(entry[0] for entry in totals.values())
     denominator = window_device_us if window_device_us else busy
+    sites = _per_site_us(chosen, [range_ for step, range_ in step_ranges.items() if step in window]) \
+        if window and step_ranges else {}
     rows = [{"kernel": name, "device_us": round(total, 1), "calls": calls, "us_per_call": round(total / calls, 2),
              "share": total / denominator, "launches_per_step": calls / steps}
+            | ({"us_per_call_by_site": sites[name]} if name in sites else {})
             for name, (total, calls) in sorted(totals.items(), key=lambda item: -item[1][0])]
     return rows, note
+
+
+def _per_site_us(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """For a kernel launched several times in every step of the window, the same number of times in
+    each, its mean µs per call at each site: the i-th launch of it within a step (in start order), so
+    one kernel serving several call sites (a GEMV for q/k/v, the router and the LM head) shows what
+    each costs. Kernels with one launch per step, or a count that differs between steps, get none."""
+    by_step: list[dict[str, list[float]]] = []
+    for start, end in sorted(ranges):
+        launched: dict[str, list[float]] = {}
+        for name, begin, duration in sorted(kernel for kernel in kernels if start <= kernel[1] <= end):
+            launched.setdefault(name, []).append(duration)
+        by_step.append(launched)
+    sites: dict[str, list[float]] = {}
+    for name in set(kernels_name for step in by_step for kernels_name in step):
+        counts = {len(step.get(name, ())) for step in by_step}
+        if len(counts) == 1 and (count := counts.pop()) > 1:
+            sites[name] = [round(sum(step[name][site] for step in by_step) / len(by_step), 2) for site in range(count)]
+    return sites
 
 
 def _profile_events(prof) -> tuple[list[tuple[str, float, float]], dict[int, tuple[float, float]]]:
@@ -704,6 +726,8 @@ def format_markdown(report: Report) -> str:
             lines.append(f"| {name.replace('|', '/')} | {entry['device_us']:.1f} | {entry['calls']} | "
                          f"{entry['us_per_call']:.2f} | {100 * entry['share']:.1f} % | "
                          f"{entry['launches_per_step']:.2f} |")
+            for site, us in enumerate(entry.get("us_per_call_by_site", ()), 1):
+                lines.append(f"| ↳ launch {site} of the step | | | {us:.2f} | | |")
         if len(kernels) > 20:
             lines.append(f"| ({len(kernels) - 20} more kernels in the JSON) | | | | | |")
         busy, calls = sum(entry["device_us"] for entry in kernels), sum(entry["calls"] for entry in kernels)

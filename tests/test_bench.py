@@ -151,11 +151,25 @@ def test_kernel_shares_aggregate_by_kernel_over_the_window():
     assert (gemv["device_us"], gemv["calls"], gemv["launches_per_step"], gemv["share"]) == (80.0, 4, 2.0, 0.8)
     assert (attention["calls"], attention["share"]) == (2, 0.2)
     assert "2 steps" in note
+    assert "us_per_call_by_site" not in attention  # one launch per step: one site
     rows, note = bench.kernel_shares(kernels, steps, window=set(), window_device_us=None, run_steps=3)
     assert "whole run" in note and "admitting" in note
     assert sum(row["share"] for row in rows) == pytest.approx(1.0)
     assert {row["kernel"]: row["calls"] for row in rows} == {"prefill_gemm": 1, "gemv": 4, "attn": 2}
     assert {row["kernel"]: row["launches_per_step"] for row in rows}["gemv"] == pytest.approx(4 / 3)
+
+
+def test_kernel_shares_split_a_kernel_by_its_site_in_the_step():
+    # One GEMV kernel serves three sites per step (q/k/v 12 us, router 5, head 3); a kernel whose count
+    # differs between steps gets no per-site figures.
+    steps = {1: (100.0, 200.0), 2: (200.0, 300.0)}
+    kernels = [("gemv", 101.0, 12.0), ("odd", 115.0, 1.0), ("gemv", 120.0, 5.0), ("gemv", 150.0, 3.0),
+               ("gemv", 201.0, 14.0), ("gemv", 220.0, 5.0), ("gemv", 250.0, 3.0), ("odd", 260.0, 1.0),
+               ("odd", 270.0, 1.0)]
+    rows, _ = bench.kernel_shares(kernels, steps, window={1, 2}, window_device_us=100.0)
+    by_name = {row["kernel"]: row for row in rows}
+    assert by_name["gemv"]["us_per_call_by_site"] == [13.0, 5.0, 3.0]
+    assert "us_per_call_by_site" not in by_name["odd"]
 
 
 def test_an_empty_profile_is_an_error_not_a_table_of_zeros():
