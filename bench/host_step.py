@@ -286,9 +286,9 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
     runner._current_stream = timed("BatchRunner._current_stream", saved["_current_stream"])
     runner._replay = timed("BatchRunner._replay (inputs check + launch)", saved["_replay"])
     if saved.get("_pairs") is not None:  # a replay launched the usual way records the first pair
-        events, records, wait = saved["_pairs"][0]
+        events, records, *rest = saved["_pairs"][0]  # rest: wait (and elapsed, in a newer runner)
         runner._pairs = ((events, (timed("start event record", records[0]), timed("end event record", records[1])),
-                          wait), saved["_pairs"][1])
+                          *rest), saved["_pairs"][1])
     elif saved.get("_records") is not None:
         runner._records = (timed("start event record", saved["_records"][0]),
                            timed("end event record", saved["_records"][1]))

@@ -23,8 +23,9 @@ one forward for all its rows, and returns each row's next token, with the step's
   bench/host_step.py measures it). Before the launch it does only what the launch needs: the graph
   for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
   start event, the replay, the copy of its outputs and the end event. Everything else runs after the launch, while the
-  device works: the dispatcher's step (`begin_step`), the arm and kernel counts, the decision
-  records copied from the capture's, the step's launch count for its record. The events are
+  device works: the dispatcher's step, the arm and kernel counts and the decision records copied from
+  the capture's (`Dispatcher.replay`, one call), the step's launch count for its record (the capture's
+  counts: nothing else on the path launches a kernel). The events are
   recorded on a stream object kept by the runner (checked each step against the current stream's
   id, so a caller may switch streams), and the events and the graph are driven through their C
   methods: torch's Python wrappers only default a stream (always passed here) and check input
@@ -43,10 +44,11 @@ one forward for all its rows, and returns each row's next token, with the step's
   replay overwrite `observed` only after the copy, and a step's sync is its own end event
   (`synchronize`), after which it reads its own landing buffer, which the step in flight behind it
   does not write (the one after that is launched only after this read). The next `run` finds its step
-  launched (`ahead`): it checks the Batch is the one launched (else raises: a bug, never a silent
-  wrong step), does not launch again, and does everything else a replayed step does. Each step has its
-  own start and end events: two pairs, a step launched ahead taking the other pair than the step in
-  flight before it; a pair is recorded again only two launches later, after its step's sync read it.
+  launched (`ahead`): it checks the Batch is the one launched (`_Ahead.feeds`: row by row against the
+  previous step's rows and tokens; else raises: a bug, never a silent wrong step), does not launch
+  again, and does everything else a replayed step does. Each step has its own start and end events:
+  two pairs, a step launched ahead taking the other pair than the step in flight before it; a pair is
+  recorded again only two launches later, after its step's sync read it.
   `drop_ahead` forgets a launched step that will not run. Not while steps are labelled for the profiler
   (a step's kernels would start inside the previous step's range).
   Device time of a replayed step: from its start event to its end event, so it includes the copy of
@@ -82,11 +84,14 @@ from kernels import launches
 
 
 
+_perf_counter = time.perf_counter  # the host path's clock, one global lookup per read
+
+
 def run_ahead_default() -> bool:
     """Run-ahead unless MOEI_RUN_AHEAD=0 (the benchmark's A/B); a runner may still be told either way."""
     return os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
 
-@dataclass
+@dataclass(slots=True)
 class StepTiming:
     launched_at: float  # time.perf_counter() when the last launch (or the replay) was issued
     device_us: float | None  # CUDA events around the step's work; None on a CPU (no separate device clock)
@@ -105,15 +110,42 @@ class _Ahead:
     """A replayed step launched ahead, before the sync of the step in flight before it (`_launch_ahead`).
 
     `started` (the caller's clock) is stamped right before that launch; `launched_at` (perf_counter)
-    right after it. `pair` is the step's own (events, records, wait) and `turn` the landing buffer its
-    outputs are copied into. `expected` is set at the previous step's sync, from its tokens."""
+    right after it. `pair` is the step's own (events, records, wait, elapsed) and `turn` the landing
+    buffer its outputs are copied into. At the previous step's sync, `fed` and `tokens` are set to that
+    step's rows and tokens: the replay launched computes each row's token one position on. `expected`,
+    (request id, token, position) per row fed, is made from them when read, unless it was set."""
 
-    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "expected")
+    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "fed", "tokens",
+                 "_expected")
 
     def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn) -> None:
         self.captured, self.step, self.dispatcher = captured, step, dispatcher
         self.started, self.launched_at, self.pair, self.turn = started, launched_at, pair, turn
-        self.expected: list[tuple[int, int, int]] | None = None  # (request id, token, position) per row fed
+        self.fed = self.tokens = self._expected = None
+
+    @property
+    def expected(self) -> list[tuple[int, int, int]] | None:
+        if self._expected is not None or self.tokens is None:
+            return self._expected
+        return [(row.sequence.request_id, token, row.start + 1) for row, token in zip(self.fed, self.tokens)]
+
+    @expected.setter
+    def expected(self, value: list[tuple[int, int, int]] | None) -> None:
+        self._expected = value
+
+    def feeds(self, rows) -> bool:
+        """Whether these rows are the step launched: `expected == [(row.sequence.request_id, row.tokens[0],
+        row.start) for row in rows]`, compared row by row without making either list (host time per step)."""
+        if self._expected is not None:
+            return self._expected == [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
+        fed, tokens = self.fed, self.tokens
+        if tokens is None or len(rows) != len(fed):
+            return False
+        for row, before, token in zip(rows, fed, tokens):
+            if (row.tokens[0] != token or row.start != before.start + 1
+                    or row.sequence.request_id != before.sequence.request_id):
+                return False
+        return True
 
 
 @dataclass
@@ -207,22 +239,24 @@ class BatchRunner:
 
     def use_events(self, make: Callable[[], object]) -> None:
         """The two (start, end) event pairs from `make` (torch.cuda.Event on a GPU; bench/host_step.py
-        passes stub events): each pair is (events, records, wait), `records` the two events' record
-        methods and `wait` the end event's synchronize. On a GPU these are the C methods the
-        torch.cuda.Event wrappers call (the wrapper only looks the current stream up when none is
-        passed); they are recorded on this device's current stream, passed explicitly
-        (`_current_stream`): a lookup through torch's Python layers costs more. Eager and capture steps
-        and a replay launched the usual way take the first pair; a step launched ahead the other pair
-        than the step in flight before it."""
+        passes stub events): each pair is (events, records, wait, elapsed), `records` the two events'
+        record methods, `wait` the end event's synchronize and `elapsed` the ms from start to end. On a
+        GPU these are the C methods the torch.cuda.Event wrappers call (the wrapper only looks the current
+        stream up when none is passed, and elapsed_time only calls it); they are recorded on this device's
+        current stream, passed explicitly (`_current_stream`): a lookup through torch's Python layers costs
+        more. Eager and capture steps and a replay launched the usual way take the first pair; a step
+        launched ahead the other pair than the step in flight before it."""
         pairs = []
         for _ in range(2):
             events = (make(), make())
             if isinstance(events[0], torch.cuda.Event):
                 records = tuple(super(torch.cuda.Event, event).record for event in events)
                 wait = super(torch.cuda.Event, events[1]).synchronize
+                elapsed = partial(super(torch.cuda.Event, events[0]).elapsed_time, events[1])
             else:
                 records, wait = tuple(event.record for event in events), events[1].synchronize
-            pairs.append((events, records, wait))
+                elapsed = partial(events[0].elapsed_time, events[1])
+            pairs.append((events, records, wait, elapsed))
         self._pairs = tuple(pairs)
         self._events, self._records = pairs[0][0], pairs[0][1]
 
@@ -235,6 +269,10 @@ class BatchRunner:
         that step before its own sync (run-ahead; `ahead` then holds it, its start stamped on `clock`
         before that launch); the caller's next `run` must be that step."""
         if not self.label_steps:
+            ahead = self.ahead
+            if ahead is not None:  # launched before the previous step's sync (as `_run`, one call fewer)
+                self.ahead = None
+                return self._run_ahead(batch, dispatcher, ahead, kernels_before, reserve_next, clock)
             return self._run(batch, dispatcher, kernels_before, reserve_next, clock)
         with torch.profiler.record_function(f"moei.step.{batch.step}"):
             return self._run(batch, dispatcher, kernels_before, None, clock)  # no run-ahead: ranges per step
@@ -298,7 +336,7 @@ class BatchRunner:
         captured.copies[turn]()  # observed -> landing[turn], before the end event
         captured.turn = turn ^ 1
         records[1](stream)
-        launched_at = time.perf_counter()
+        launched_at = _perf_counter()
         return self._finish_replay(batch, dispatcher, captured, turn, pair, launched_at, None, kernels_before,
                                    reserve_next, clock, stream)
 
@@ -309,7 +347,7 @@ class BatchRunner:
         step: from the previous step's sync (`synced_at`) to this step's wait."""
         rows = batch.rows
         if (batch.step != ahead.step or batch.phase != DECODE or dispatcher is not ahead.dispatcher
-                or ahead.expected != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]):
+                or not ahead.feeds(rows)):
             ahead.captured.holds = None
             raise RuntimeError(f"step {batch.step} ({batch.phase}, {len(rows)} rows) is not the step launched "
                                f"ahead (step {ahead.step}, rows {ahead.expected}): the scheduler broke its "
@@ -325,27 +363,30 @@ class BatchRunner:
         buffer. `busy_from`: where the step's host time starts when the runner measures it (a step
         launched ahead: the previous step's sync), else None."""
         rows = batch.rows
+        step = batch.step
         if reserve_next is not None and self.run_ahead and reserve_next(batch):
             pairs = self._pairs
-            self._launch_ahead(captured, batch.step + 1, dispatcher, clock,
+            self._launch_ahead(captured, step + 1, dispatcher, clock,
                                self._current_stream() if stream is None else stream,
                                pairs[1] if pair is pairs[0] else pairs[0])
-        dispatcher.begin_step(batch.step, DECODE, batch.n_tokens)
-        dispatcher.replay(captured.template, captured.kernels)  # counts the replay's launches
-        counted = None if kernels_before is None else launches.since(kernels_before)
-        waited = time.perf_counter()
+        # begin_step(step, DECODE, n_tokens) and replay, in one call: counts the replay's launches; a graph
+        # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
+        kernels = captured.kernels
+        dispatcher.replay(captured.template, kernels, step, len(rows))
+        # launches.since(kernels_before): what the replay launched, counted by `begin_replay` (nothing else on
+        # a replayed step's host path launches), without a pass over every kernel's count
+        counted = None if kernels_before is None else dict(kernels)
+        waited = _perf_counter()
         pair[2]()  # the step's sync: its end event
-        self.synced_at = time.perf_counter()
+        self.synced_at = _perf_counter()
         tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
         ahead = self.ahead
         if ahead is None:
             captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
-        else:  # the graph replays again already: what it was fed, checked by the next step
-            ahead.expected = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
-        events = pair[0]
-        device_us = events[0].elapsed_time(events[1]) * 1e3
+        else:  # the graph replays again already: what it was fed, checked by the next step (`_Ahead.feeds`)
+            ahead.fed, ahead.tokens = rows, tokens
         host_us = None if busy_from is None else (waited - busy_from) * 1e6
-        return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us)
+        return tokens, StepTiming(launched_at, pair[3]() * 1e3, "replay", "", counted, host_us)
 
     def _launch_ahead(self, captured: _DecodeGraph, step: int, dispatcher, clock, stream, pair) -> None:
         """Launch the reserved next step's replay, before the sync of the step in flight (whose outputs
@@ -360,7 +401,7 @@ class BatchRunner:
         captured.copies[turn]()
         captured.turn = turn ^ 1
         records[1](stream)
-        self.ahead = _Ahead(captured, step, dispatcher, started, time.perf_counter(), pair, turn)
+        self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn)
         self.run_ahead_launches += 1
 
     def _current_stream(self) -> torch.cuda.Stream:

@@ -25,7 +25,7 @@ import torch
 
 from engine import calibration, dispatch
 from engine.arms import ARMS, Counters
-from engine.attention_dispatch import FUSED, UNFUSED, decide_attention
+from engine.attention_dispatch import UNFUSED, decide_attention
 from engine.config import PRESETS, ModelConfig, from_name
 from engine.decode_fused import pack_qkv
 from engine.errors import UserError
@@ -41,6 +41,9 @@ from kernels.reference import MaskSpec
 log = logging.getLogger("moe_inspector.engine")
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+
+# (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`Dispatcher._observe`)
+_PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -252,15 +255,29 @@ class Dispatcher:
         return values[:rows]
 
     def _observe(self, woken_counts: list[int]) -> None:
+        ratios = _PAIRS_PER_WOKEN
         for record, woken in zip(self.moe_records, woken_counts):
             record["woken_observed"] = woken
-            record["pairs_per_woken_observed"] = round(record["n_tokens"] * record["k"] / woken, 3)
+            key = (record["n_tokens"] * record["k"], woken)
+            ratio = ratios.get(key)
+            if ratio is None:  # round() to 3 digits is a decimal conversion: made once per (pairs, woken)
+                if len(ratios) >= 4096:
+                    ratios.clear()
+                ratio = ratios[key] = round(key[0] / woken, 3)
+            record["pairs_per_woken_observed"] = ratio
 
-    def replay(self, template: "Dispatcher", kernels: dict[str, int]) -> None:
+    def replay(self, template: "Dispatcher", kernels: dict[str, int], step: int | None = None,
+               n_tokens: int = 0) -> None:
         """This step is a CUDA-graph replay of the step `template` captured: its decisions (renumbered
         to this step), its observed-count outputs (refilled by the replay) and its launches, counted
         again, since a replayed kernel never passes through Python. Runs on every replayed step (the
-        batch runner calls it once the replay is issued): each record is one copy of a prepared dict."""
+        batch runner calls it once the replay is issued): each record is one copy of a prepared dict.
+        With `step`, it also begins that step, as `begin_step(step, DECODE, n_tokens)` would first (one
+        call on the replayed step's host path, and no record lists made only to be replaced)."""
+        if step is not None:
+            self.step, self.phase, self.n_tokens = step, DECODE, n_tokens
+            self.pending_times = []
+            self._replay_records = None
         self.counters.replay(template.counters.arms, kernels)
         prepared = template._replay_records
         if prepared is None:
@@ -425,7 +442,8 @@ class Engine:
         return Generation(
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
             text=self.tokenizer.decode(generated), flags=flags, steps=steps, counters=dispatcher.counters.to_json(),
-            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled, weights=self.weights_source)
+            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled,
+            weights=self.weights_source)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,
@@ -481,18 +499,19 @@ class Engine:
             host_started = started if clock is time.perf_counter else time.perf_counter()
         else:  # launched already, its start stamped before that launch; host time measured by the runner
             started, host_started = ahead.started, None
-        batch = scheduler.schedule(now=started)
+        batch = scheduler.schedule(started)
         # counts launches before its sync; may launch the next step before its sync, if the scheduler reserves it
         next_tokens, timing = runner.run(batch, dispatcher, kernels_before, scheduler.reserve_next, clock)
         ended = clock()
-        scheduler.postprocess(batch, next_tokens, now=ended)
-        record = dispatcher.step_record()
-        record.update(
-            started=started, ended=ended,
-            host_us=timing.host_us if timing.host_us is not None else (timing.launched_at - host_started) * 1e6,
-            device_us=timing.device_us, graph=timing.graph, eager_reason=timing.eager_reason,
-            kernel_launches=timing.kernel_launches,
-            rows=[{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
-                   "tokens": len(row.tokens), "emitted": token if row.emits else None}
-                  for row, token in zip(batch.rows, next_tokens)])
-        return record
+        scheduler.postprocess(batch, next_tokens, ended)
+        host_us = timing.host_us
+        if host_us is None:
+            host_us = (timing.launched_at - host_started) * 1e6
+        # dispatcher.step_record() and the step's clocks and rows, built as one dict (host time per step)
+        return {"step": dispatcher.step, "phase": dispatcher.phase, "n_tokens": dispatcher.n_tokens,
+                "moe": dispatcher.moe_records, "attention": dispatcher.attention_records,
+                "started": started, "ended": ended, "host_us": host_us, "device_us": timing.device_us,
+                "graph": timing.graph, "eager_reason": timing.eager_reason, "kernel_launches": timing.kernel_launches,
+                "rows": [{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
+                          "tokens": len(row.tokens), "emitted": token if row.emits else None}
+                         for row, token in zip(batch.rows, next_tokens)]}

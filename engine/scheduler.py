@@ -178,13 +178,15 @@ class Scheduler:
         exactly, with no other stop condition). A wrong guess would write past a slot's capacity
         (prompt + max_tokens - 1 positions), so any doubt says no."""
         cohort = self._cohort
+        rows = batch.rows
         if (cohort is None or self._reserved is not None or self.waiting or batch.phase != DECODE
-                or batch.step != self.steps - 1 or len(batch.rows) != len(cohort)):
+                or batch.step != self.steps - 1 or len(rows) != len(cohort)):
             return False
-        for row, sequence in zip(batch.rows, cohort):
+        last = self.capacity - 1  # `cached + 1 >= capacity` below, as `cached >= last`
+        for row, sequence in zip(rows, cohort):
+            cached = sequence.cached
             if (row.sequence is not sequence or not row.emits or sequence.status != RUNNING
-                    or len(sequence.generated) + 2 > sequence.max_tokens or row.start != sequence.cached
-                    or sequence.cached + 1 >= self.capacity):
+                    or len(sequence.generated) + 2 > sequence.max_tokens or row.start != cached or cached >= last):
                 return False
         self._reserved = cohort
         return True
@@ -218,7 +220,7 @@ class Scheduler:
         finished = []
         for row, token in zip(batch.rows, next_tokens):
             sequence = row.sequence
-            sequence.cached = row.end
+            sequence.cached = row.start + len(row.tokens)  # row.end, inlined: every step
             if not row.emits:
                 continue
             sequence.generated.append(int(token))

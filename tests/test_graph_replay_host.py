@@ -522,3 +522,39 @@ def test_5000_replayed_steps_leave_no_cyclic_garbage_and_no_objects_behind(tiny)
     assert unreachable == 0
     assert after - before < 50, after - before  # not a few per step: nothing per step is kept
 
+
+# ------------------------------------------------------------------------------------------------ per-step bookkeeping
+
+def test_the_launched_step_check_is_the_expected_list_compared_row_by_row():
+    from engine.scheduler import Row
+
+    first, second = Sequence([1, 2], 9), Sequence([3], 9)
+    fed = (Row(first, 4, (7,), True), Row(second, 2, (8,), True))
+    ahead = batch_runner._Ahead(None, 5, None, 0.0, 0.0, None, 0)
+    assert ahead.expected is None and not ahead.feeds(fed)  # before the previous step's sync: nothing fed
+    ahead.fed, ahead.tokens = fed, [11, 12]
+    assert ahead.expected == [(first.request_id, 11, 5), (second.request_id, 12, 3)]
+    launched = (Row(first, 5, (11,), True), Row(second, 3, (12,), True))
+    others = [launched[:1], (launched[1], launched[0]), (Row(first, 5, (10,), True), launched[1]),
+              (Row(first, 6, (11,), True), launched[1]), (launched[0], Row(Sequence([3], 9), 3, (12,), True))]
+    for rows in (launched, *others):
+        wanted = [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
+        assert ahead.feeds(rows) == (ahead.expected == wanted) == (rows is launched)
+    ahead.expected = [(-1, 0, 0)]  # set: compared as set
+    assert ahead.expected == [(-1, 0, 0)] and not ahead.feeds(launched)
+
+
+def test_a_replayed_step_counts_the_capture_launches_without_a_pass_over_every_kernel(tiny, monkeypatch):
+    """A replayed step's kernel_launches are the capture's (`Dispatcher.replay` counted them); launches.since,
+    a pass over every kernel's count, runs only for eager and capture steps."""
+    from kernels import launches
+
+    calls = []
+    since = launches.since
+    monkeypatch.setattr(launches, "since", lambda before: calls.append(1) or since(before))
+    result, _, _ = _stubbed_run(tiny, list(b"hello!"), 12)
+    graphs = [step["graph"] for step in result.steps]
+    assert graphs == ["eager", "capture"] + ["replay"] * 10 and len(calls) == 2 + 1  # + the run's counters
+    for step in result.steps[2:]:
+        assert step["kernel_launches"] == {name: tiny.config.n_layers for name in host_step.KERNELS_PER_LAYER}
+    assert len({id(step["kernel_launches"]) for step in result.steps}) == len(result.steps)  # one dict each
