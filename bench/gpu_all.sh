@@ -89,7 +89,9 @@ elif [ "$mode" = step ]; then  # issues 4 and 7 together: GPU tests of the step 
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
     TAIL=12 MOEI_RUN_AHEAD=0 stage 90 bench_v4_no_run_ahead python3 -m inspector bench --model v4-shape --pp 512 \
         --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_run_ahead.json"
-    TAIL=30 stage 60 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000
+    TAIL=30 stage 60 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
+    TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
+        --reps 3 --format md --json-out "$WORK/bench_demo.json"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh
