@@ -572,7 +572,13 @@ def _targets(engine, rows: list[Row]) -> dict:
                  "target_ratio": 1.3, "host_us_per_step": data["host_us_per_step"],
                  "device_us_per_step": data["device_us_per_step"], "host_share": data.get("host_share"),
                  "target_host_share": 0.20, "graph_steps": data["graph_steps"],
-                 "window_steps": data["window_steps"] * len(row.repetitions)}
+                 "window_steps": data["window_steps"] * len(row.repetitions),
+                 # what the host costs the critical path: the wall step beyond the device step (the device
+                 # idle, waiting on the host), beside the host's busy time, which may run under the device
+                 "wall_us_per_step": data["ms_per_step"] * 1e3}
+        if data["device_us_per_step"]:
+            waits = entry["wall_us_per_step"] - data["device_us_per_step"]
+            entry.update(device_waits_us_per_step=waits, device_waits_share=max(0.0, waits) / entry["wall_us_per_step"])
         targets["rows"].append(entry)
     return targets
 
@@ -714,6 +720,11 @@ def format_markdown(report: Report) -> str:
                              "ahead (two in flight): the host's busy time per step, from the previous step's sync "
                              "to this step's wait for its own (all but waiting on the device); else from the "
                              "step's start to its launch")
+                lines.append("- the device's wait for the host per decode step @ b1: wall "
+                             f"{entry['wall_us_per_step']:.1f} µs - device {entry['device_us_per_step']:.1f} µs = "
+                             f"{entry['device_waits_us_per_step']:.1f} µs = {100 * entry['device_waits_share']:.1f} % "
+                             "of the step (the host's share of the critical path; the busy time above counts the "
+                             "host's work whether or not the device waits for it)")
     for data in payload["rows"]:
         if "profile" not in data:
             continue

@@ -3,19 +3,21 @@ for one new token per sequence, in a few launches per layer instead of ~90 small
 (casts, the fp32 copies of the router and LM head, RoPE pieces, index_put, topk, softmax).
 
 Per step (B sequences, one token each; shapes as in engine.model). At B <= GEMV_ROWS (batch 1) the
-dense products are GEMVs with the glue folded in (kernels.gemv_fused): each RMSNorm into the GEMV it
-feeds (a program sums x^2 along K beside its dot products, scales at the end and writes its slice of
-the new x and h), the top-k routing into the router's GEMV and RoPE with the cache write into the
-qkv GEMV (done by the last of the programs to arrive, kernels.arrivals). Above GEMV_ROWS the
-products are torch matmuls (cuBLAS) between kernels.rms_norm, rope_cache and router launches.
+dense products are GEMVs with the glue folded in (kernels.gemv_fused) where that measured faster: the
+RMSNorm into the router's and the LM head's GEMV (a program sums x^2 along K, scales, and writes its
+slice of the new x and h), and the top-k routing into the router's GEMV (done by the last of the
+programs to arrive, kernels.arrivals). The fold of the norm and of RoPE + the cache write into the
+qkv GEMV exists (FOLD_QKV) but is off: slower on the H200 than its three launches (see FOLD_QKV).
+Above GEMV_ROWS the products are torch matmuls (cuBLAS) between kernels.rms_norm, rope_cache and
+router launches.
 
                                                        launches at B = 1            B > GEMV_ROWS
     x       = embed[tokens]
     per layer:
-      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              gemv_fused (gather*     1    rms_norm, matmul, 3
-      q     = RoPE(q); cache[k, v] <- RoPE(k), v       + rope: the last             rope_cache
-                                                       program of a head
-                                                       rotates it)
+      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              rms_norm, kernels.gemv  2    rms_norm, matmul, 3
+      q     = RoPE(q); cache[k, v] <- RoPE(k), v       rope_cache              1    rope_cache
+                                                       (FOLD_QKV: gemv_fused
+                                                       gather + rope, 1)
       a     = attention(q, cache)                      the dispatcher's attention arm
       o     = a @ wo^T                                 kernels.gemv            1    matmul            1
       x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual    1    rms_norm, matmul, 3
@@ -28,9 +30,10 @@ products are torch matmuls (cuBLAS) between kernels.rms_norm, rope_cache and rou
   * between layers the norm's input is x + e, a residual add: folded only into a product of at most
     FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv_fused (2 launches).
 
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 9 Triton
-launches per step, 14 before the folds (3 rms_norm, topk_softmax and rope_cache). Without a packed qkv
-weight the three projections are separate products between an rms_norm and a rope_cache launch.
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 11 Triton
+launches per step (9 with FOLD_QKV), 14 before the folds (3 rms_norm, topk_softmax and rope_cache).
+Without a packed qkv weight the three projections are separate products between an rms_norm and a
+rope_cache launch.
 
 Which kernel computes attention and the experts is still the dispatcher's decision: this module
 only replaces the glue around the arms. Rounding happens where the torch forward rounds, so the two
@@ -66,6 +69,12 @@ GEMV_ROWS = 1
 # between layers (N = 5120, 2560 programs: 63 MB against 42 MB) keeps its own rms_norm launch until
 # a GPU run shows the fold paying there. A gather is folded at any width (one vector fewer).
 FOLD_RESIDUAL_MAX_N = 1024
+# Whether the qkv GEMV takes its RMSNorm (gather or residual) and RoPE + cache write at one row. Off:
+# on the H200 (bench/gemv_fused_bench.py, run 17) the fold took 17.9 us per call steady against 16.2
+# for rms_norm + gemv + rope_cache (single call 16.4 vs 13.8; in the v4 step 18.4 us): its 2560
+# programs each read the embedding row and the norm weight and arrive on one counter per head. The
+# router's fold (7.0 vs 8.1 us) and the LM head's (4.0 vs 4.9 us) pay and stay.
+FOLD_QKV = False
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -187,7 +196,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if packed is not None and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
+        if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
             if _folds(norm, packed, batch):
                 folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),

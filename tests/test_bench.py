@@ -288,3 +288,19 @@ def test_profile_without_device_activity_exits_2(capsys):
 def test_bad_bench_options_exit_2(capsys, argv, fragment):
     code = main(["bench", "--model", "tiny", "--device", "cpu", "--tg", "none", "--pp", "16", "--no-progress"] + argv)
     assert code == 2 and fragment in capsys.readouterr().err
+
+
+def test_targets_print_the_hosts_busy_time_and_the_devices_wait_for_it():
+    # Two replays in flight: the host's busy time per step (71 µs) runs beside the device; what the host
+    # costs the critical path is the wall step beyond the device step (1.3 µs). Both lines are printed.
+    entry = {"test": "tg128", "tps": 6755.0, "bound_tps": 11177.0, "ratio_to_bound": 1.65, "target_ratio": 1.3,
+             "host_us_per_step": 71.1, "device_us_per_step": 146.7, "host_share": 0.485, "target_host_share": 0.2,
+             "graph_steps": 360, "window_steps": 360, "wall_us_per_step": 148.0, "device_waits_us_per_step": 1.3,
+             "device_waits_share": 1.3 / 148.0}
+    targets = {"active_weight_bytes_per_token": {"total": 381.7e6},
+               "copy_bandwidth": {"bytes_per_s": 4.26e12, "clock": "CUDA events"}, "rows": [entry]}
+    footer = {"model": "v4-shape", "dtype": "bfloat16", "device": "H200", "commit": "c", "versions": {},
+              "flags": "", "graphs": "", "weights": "", "clocks": ""}
+    text = bench.format_markdown(bench.Report("v4-shape", "cuda", [], footer, targets))
+    assert "71.1 µs of 146.7 µs device = 48.5 %" in text
+    assert "wall 148.0 µs - device 146.7 µs = 1.3 µs = 0.9 % of the step" in text

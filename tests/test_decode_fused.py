@@ -164,6 +164,7 @@ def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, pac
     folded into the GEMVs (kernels.gemv_fused), the norms between layers too with fold_wide; unpacked
     q/k/v: three GEMVs between rms_norm and rope_cache. Same tolerance: the fold's difference (two
     roundings of h per term) is fp32 rounding, far inside 2e-5."""
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
@@ -185,6 +186,7 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     layers, where qkv is wider than FOLD_RESIDUAL_MAX_N."""
     from kernels import launches
 
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
@@ -198,6 +200,11 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
                                 dispatcher)
     expected = {"gemv_rope": 2, "gemv": 2, "gemv_route": 2, "gemv_norm": 1, "rms_norm": 0 if fold_wide else 1}
     assert launches.since(before) == {name: count for name, count in expected.items() if count}
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", False)  # the default: qkv as rms_norm, gemv, rope_cache
+    before = launches.snapshot()
+    decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([6]), 24, None, cache,
+                                dispatcher)
+    assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 1}
 
 
 def test_eligibility():
