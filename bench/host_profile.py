@@ -1,9 +1,10 @@
 """Where the host's time per decode step goes inside `moe-inspector bench` (cProfile), on any device.
 
-Runs the bench's tg row under cProfile and prints the functions called at least once per decode
-step, by their own time (tottime) per step: a C call that blocks on the device (a launch, a copy or
-an event) shows up here with a large own time, where bench/host_step.py's stub loop cannot see it.
-cProfile slows pure-Python code several-fold, so read the shares, not the absolute µs.
+Runs generate_batch (the bench's decode loop, without the bench's own bookkeeping) under cProfile
+after a warm-up that compiles and captures, and prints functions by their own time (tottime) per
+decode step: a C call that blocks on the device (a launch, a copy, an event) shows up with a large
+own time, where bench/host_step.py's stub loop cannot see it. cProfile slows pure-Python code
+several-fold, so read the shares, not the absolute µs.
 
     python3 bench/host_profile.py --model v4-shape --gpu-weights     (prints a table; $OUT/host_profile.txt)
 """
@@ -29,23 +30,36 @@ def main() -> int:
     parser.add_argument("--gpu-weights", action="store_true")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    from inspector.cli import main as cli_main
+    import torch
 
-    argv = ["bench", "--model", args.model, "--pp", "16", "--tg", str(args.tg), "--batch", "1", "--reps",
-            str(args.reps), "--format", "md", "--no-progress"] + (["--gpu-weights"] if args.gpu_weights else [])
+    from engine import flags as flag_module
+    from engine.batch_runner import BatchRunner
+    from engine.bench import device_random_weights
+    from engine.config import PRESETS
+    from engine.runtime import Engine
+
+    config = PRESETS[args.model]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    weights = device_random_weights(config, 0, device, torch.bfloat16) if args.gpu_weights else None
+    engine = Engine(config, device, 0, weights=weights)
+    flags = flag_module.resolve()
+    prompt = [[(7 * i + 3) % config.vocab_size for i in range(16)]]
+    runner = BatchRunner(engine, 1, 16 + args.tg - 1, None)
+    engine.generate_batch(prompt, args.tg, flags, runner=runner)  # warm-up: compiles, captures the graph
     profiler = cProfile.Profile()
     profiler.enable()
-    try:
-        code = cli_main(argv)
-    finally:
-        profiler.disable()
-    steps = (args.reps + 2) * args.tg  # timed repetitions, the warm-up and the profiled one: decode steps run
+    for _ in range(args.reps):
+        engine.generate_batch(prompt, args.tg, flags, runner=runner)
+    profiler.disable()
+    steps = args.reps * args.tg  # decode steps profiled (and one prefill step per repetition)
     stats = pstats.Stats(profiler).stats
     rows = [(tt, nc, ct, f"{Path(file).name}:{line}({name})") for (file, line, name), (cc, nc, tt, ct, _) in
-            stats.items() if nc >= steps * 0.9]
+            stats.items()]
     rows.sort(reverse=True)
+    total = sum(row[0] for row in rows)
     out = io.StringIO()
-    print(f"bench exit {code}; ~{steps} decode steps; functions called >= once per step, by own time", file=out)
+    print(f"{args.model} on {device}; generate_batch x {args.reps} of {args.tg} tokens under cProfile, after a "
+          f"warm-up; {total / steps * 1e6:.1f} us of profiled host time per decode step; by own time", file=out)
     print(f"{'own us/step':>12} {'cum us/step':>12} {'calls/step':>10}  function", file=out)
     for tt, nc, ct, where in rows[:args.top]:
         print(f"{tt / steps * 1e6:12.2f} {ct / steps * 1e6:12.2f} {nc / steps:10.2f}  {where}", file=out)
