@@ -259,16 +259,23 @@ def test_a_sequence_added_after_a_launch_ahead_waits_one_step(tiny):
     assert steps[5]["phase"] == "prefill"  # then the new sequence is admitted
 
 
-def test_a_step_that_is_not_the_launched_one_is_refused(tiny):
-    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True)
-    resolved = flags.resolve(environ={})
-    scheduler = Scheduler(1, runner.capacity, 2048, resolved["prefill_chunk"])
+def _until_launched_ahead(engine, slots, race=False):
+    """A stub runner, its scheduler and dispatcher, stepped from one 4-byte prompt (8 tokens) until a
+    step is launched ahead: (runner, scheduler, dispatcher, resolved flags)."""
     from engine.runtime import Dispatcher
 
-    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    runner = _stub_runner(engine, slots, 4 + 8 - 1, True, race)
+    resolved = flags.resolve(environ={})
+    scheduler = Scheduler(slots, runner.capacity, 2048, resolved["prefill_chunk"])
+    dispatcher = Dispatcher(engine, resolved, timed=False)
     scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
     while runner.ahead is None:
         Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    return runner, scheduler, dispatcher, resolved
+
+
+def test_a_step_that_is_not_the_launched_one_is_refused(tiny):
+    runner, scheduler, dispatcher, resolved = _until_launched_ahead(tiny, 1)
     runner.ahead.expected = [(-1, 0, 0)]
     with pytest.raises(RuntimeError, match="not the step launched ahead"):
         Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
@@ -400,15 +407,7 @@ def test_host_time_of_a_step_launched_ahead_is_busy_time_without_the_wait(tiny, 
 
 
 def test_a_scheduler_that_breaks_its_reservation_is_refused_and_the_runner_recovers(tiny):
-    runner = _stub_runner(tiny, 2, 4 + 8 - 1, True)
-    resolved = flags.resolve(environ={})
-    scheduler = Scheduler(2, runner.capacity, 2048, resolved["prefill_chunk"])
-    from engine.runtime import Dispatcher
-
-    dispatcher = Dispatcher(tiny, resolved, timed=False)
-    scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
-    while runner.ahead is None:
-        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    runner, scheduler, dispatcher, resolved = _until_launched_ahead(tiny, 2)
     captured = runner.ahead.captured
     scheduler._reserved = None  # a scheduler that forgets what it reserved: the next step admits this one
     scheduler.add(Sequence(list(b"wxyz"), 4), 0.0)
@@ -423,15 +422,7 @@ def test_a_scheduler_that_breaks_its_reservation_is_refused_and_the_runner_recov
 
 @pytest.mark.parametrize("race", [False, True])
 def test_drop_ahead_leaves_the_launched_step_to_the_device_and_the_runner_consistent(tiny, race):
-    runner = _stub_runner(tiny, 1, 4 + 8 - 1, True, race)
-    resolved = flags.resolve(environ={})
-    scheduler = Scheduler(1, runner.capacity, 2048, resolved["prefill_chunk"])
-    from engine.runtime import Dispatcher
-
-    dispatcher = Dispatcher(tiny, resolved, timed=False)
-    scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
-    while runner.ahead is None:
-        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    runner, scheduler, dispatcher, resolved = _until_launched_ahead(tiny, 1, race)
     captured = runner.ahead.captured
     # in flight (or, the device ahead of the waits, run already)
     assert any(isinstance(work, host_step._Replay) for work in runner.stub_stream.queue) != race
