@@ -24,8 +24,9 @@ The rules (DESIGN.md, issue 7), each enforced here rather than trusted:
 - Counters: every row carries each arm's launch counter, the Triton kernel launches and the
   CUDA-graph replays of its timed repetitions.
 - Profile: kernel-level device time, calls, share of the window's device time and launches per
-  step from torch.profiler over the same window of one extra repetition; an empty profile is
-  an error, not a table of zeros.
+  step from torch.profiler over the same window of one extra repetition per row, run once every
+  row's timed repetitions are done (a profiler session leaves the process's CUDA calls slower, so
+  nothing is timed after one); an empty profile is an error, not a table of zeros.
 
 Knows nothing of argument parsing or of the TUI: `run_bench` returns a report; `format_*` print it.
 """
@@ -42,6 +43,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -491,7 +493,8 @@ class Report:
 def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | None = None,
               profile: bool = False, depth_floor: int | None = None, token_budget: int | None = None,
               progress=None, weights_note: str = "", clock: Callable[[], float] | None = None) -> Report:
-    """Every row: one warm-up repetition, `reps` timed ones, and one profiled one with `profile`.
+    """Every row: one warm-up repetition and `reps` timed ones; with `profile`, then one profiled repetition
+    per row, all after the last timed one (a profiler session slows the process's CUDA calls for good).
     Raises MeasurementError (exit 2) on the first invalid repetition; nothing is printed here."""
     from engine.batch_runner import BatchRunner
 
@@ -500,17 +503,12 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     for spec in specs:
         engine.check_length(list(range(spec.prompt_len)), spec.max_tokens)
     clock = clock or TIME_SOURCE
-    rows = []
+    rows, profiled = [], []
     for spec in specs:
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0}
-
-        def run_once(repetition: int):
-            prompts = prompts_for(spec, engine.seed, repetition, engine.config.vocab_size)
-            return engine.generate_batch(prompts, spec.max_tokens, flags, runner=runner, token_budget=token_budget,
-                                         clock=clock)
-
+        run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
         for repetition in range(reps + 1):
             result = run_once(repetition)
             label = "warm-up" if repetition == 0 else f"rep {repetition}"
@@ -524,14 +522,27 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
         if profile:
-            row.profile, row.profile_note = _profiled_repetition(spec, runner, run_once, reps + 1, floor)
-            if progress is not None:
-                progress.advance(note=f"{spec.name} profile")
+            profiled.append((row, runner, run_once, floor))
         rows.append(row)
         del runner
+    # Every profiled repetition after every timed one: a torch.profiler session leaves the process's CUDA
+    # calls slower for good (bench/probe_launch.py, H200: a graph launch 4.0 us before one, 13.9 us after),
+    # so a row timed after another row's profile would carry that cost in its host time.
+    for row, runner, run_once, floor in profiled:
+        row.profile, row.profile_note = _profiled_repetition(row.spec, runner, run_once, reps + 1, floor)
+        if progress is not None:
+            progress.advance(note=f"{row.spec.name} profile")
+    del profiled
     targets = _targets(engine, rows)
     return Report(engine.config.name, engine.device_label, rows,
                   footer(engine, flags, graphs_note(engine, graphs), weights_note), targets)
+
+
+def _run_once(engine, flags, spec: RowSpec, runner, token_budget, clock, repetition: int):
+    """One repetition of a row: its prompts (fresh per repetition) through `generate_batch` on its runner."""
+    prompts = prompts_for(spec, engine.seed, repetition, engine.config.vocab_size)
+    return engine.generate_batch(prompts, spec.max_tokens, flags, runner=runner, token_budget=token_budget,
+                                 clock=clock)
 
 
 def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor: int) -> tuple[list[dict], str]:

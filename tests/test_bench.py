@@ -304,3 +304,26 @@ def test_targets_print_the_hosts_busy_time_and_the_devices_wait_for_it():
     text = bench.format_markdown(bench.Report("v4-shape", "cuda", [], footer, targets))
     assert "71.1 µs of 146.7 µs device = 48.5 %" in text
     assert "wall 148.0 µs - device 146.7 µs = 1.3 µs = 0.9 % of the step" in text
+
+
+def test_every_profiled_repetition_runs_after_every_timed_one(tiny, monkeypatch):
+    # A torch.profiler session leaves the process's CUDA calls slower (bench/probe_launch.py), so no row may be
+    # timed after another row's profile: the timed repetitions of both rows come first, then both profiles.
+    order = []
+    run_once = bench._run_once
+
+    def recording_run_once(engine, flags_, spec, runner, budget, clock, repetition):
+        order.append(("timed" if repetition <= 1 else "profiled", spec.name))
+        return run_once(engine, flags_, spec, runner, budget, clock, repetition)
+
+    def fake_profile(spec, runner, run_once_, repetition, floor):
+        run_once_(repetition)
+        return [], "stub"
+
+    monkeypatch.setattr(bench, "_run_once", recording_run_once)
+    monkeypatch.setattr(bench, "_profiled_repetition", fake_profile)
+    specs = [bench.RowSpec("pp", 16, 1, 16, 1), bench.RowSpec("tg", 4, 1, 5, 4)]
+    report = bench.run_bench(tiny, flags.resolve(environ={}), specs, 1, profile=True)
+    names = [spec.name for spec in specs]
+    assert order == [("timed", names[0])] * 2 + [("timed", names[1])] * 2 + [("profiled", n) for n in names]
+    assert [row.profile_note for row in report.rows] == ["stub", "stub"]

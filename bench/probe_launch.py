@@ -1,0 +1,117 @@
+"""GPU probe of the host costs around a decode step's graph launch (issue 7's host time per step).
+
+Four questions, each answered by a measurement in one process (run on a GPU; prints one table):
+  1. launch of a graph while a replay of the SAME graph is still queued, against alternating two
+     graphs captured from the same work (the device kept busy by a spin kernel so both are queued);
+  2. the same launches after a torch.profiler session has run in the process (does the profiler
+     leave the CUDA API slower for the rest of the process?);
+  3. whether a device-to-pinned-host copy can be captured in a graph (and lands on replay);
+  4. whether a Triton kernel can store straight into pinned host memory (zero-copy outputs).
+
+    python3 bench/probe_launch.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tiny(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+@triton.jit
+def _store_token(out_ptr, value):
+    tl.store(out_ptr + tl.arange(0, 1), tl.full([1], value, tl.int64))
+
+
+def _capture(x, y, kernels=13):
+    graph = torch.cuda.CUDAGraph()
+    for _ in range(2):  # warm-up compiles outside the capture
+        _tiny[(4,)](x, y, x.numel(), BLOCK=256)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            _tiny[(4,)](x, y, x.numel(), BLOCK=256)
+    return graph
+
+
+def launch_costs(graphs, launches=200) -> list[float]:
+    """Host µs per graph launch, the device kept busy so the launches queue behind each other."""
+    costs = []
+    launch = [super(torch.cuda.CUDAGraph, g).replay for g in graphs]
+    for block in range(launches // 20):
+        torch.cuda._sleep(50_000_000)  # ~ tens of ms of spin: everything below queues
+        for i in range(20):
+            started = time.perf_counter()
+            launch[i % len(launch)]()
+            costs.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+    return costs
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    x = torch.randn(1024, device=device)
+    y = torch.empty_like(x)
+    one, two = _capture(x, y), _capture(x, y)
+    rows = []
+
+    def report(label, costs):
+        rows.append(f"{label:<60} median {statistics.median(costs):7.2f} µs  mean {statistics.fmean(costs):7.2f}")
+
+    report("1. same graph, replays queued", launch_costs([one]))
+    report("1. two graphs alternating, replays queued", launch_costs([one, two]))
+    idle = []
+    launch = super(torch.cuda.CUDAGraph, one).replay
+    for _ in range(200):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        launch()
+        idle.append((time.perf_counter() - started) * 1e6)
+    report("1. same graph, nothing queued", idle)
+
+    # 3. a device -> pinned host copy inside a capture
+    source = torch.arange(8, dtype=torch.int64, device=device)
+    pinned = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            source.add_(1)
+            pinned.copy_(source, non_blocking=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows.append(f"3. captured D2H copy: ok, landed {pinned.tolist()} (want 1..8 after one replay + capture "
+                    f"not run: {list(range(1, 9))})")
+    except Exception as error:  # noqa: BLE001 - the probe reports what failed
+        rows.append(f"3. captured D2H copy: FAILED {type(error).__name__}: {error}")
+
+    # 4. a Triton store into pinned host memory
+    host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    try:
+        _store_token[(1,)](host, 12345)
+        torch.cuda.synchronize()
+        rows.append(f"4. Triton store into pinned host memory: ok, read {host.item()} (want 12345)")
+    except Exception as error:  # noqa: BLE001
+        rows.append(f"4. Triton store into pinned host memory: FAILED {type(error).__name__}: {error}")
+
+    # 2. after a profiler session
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        launch_costs([one], 40)
+    report("2. after a torch.profiler session: same graph, queued", launch_costs([one]))
+    report("2. after a torch.profiler session: two graphs, queued", launch_costs([one, two]))
+    for row in rows:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
