@@ -6,7 +6,8 @@ Four questions, each answered by a measurement in one process (run on a GPU; pri
   2. the same launches after a torch.profiler session has run in the process (does the profiler
      leave the CUDA API slower for the rest of the process?);
   3. whether a device-to-pinned-host copy can be captured in a graph (and lands on replay);
-  4. whether a Triton kernel can store straight into pinned host memory (zero-copy outputs).
+  4. whether a Triton kernel can store straight into pinned host memory (zero-copy outputs);
+  5. whether timing events recorded inside a capture (torch.cuda.Event(external=True)) time each replay.
 
     python3 bench/probe_launch.py
 """
@@ -101,6 +102,31 @@ def main() -> None:
         rows.append(f"4. Triton store into pinned host memory: ok, read {host.item()} (want 12345)")
     except Exception as error:  # noqa: BLE001
         rows.append(f"4. Triton store into pinned host memory: FAILED {type(error).__name__}: {error}")
+
+    # 5. timing events captured in the graph: each replay records them
+    try:
+        begin = torch.cuda.Event(enable_timing=True, external=True)
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            begin.record()
+            torch.cuda._sleep(200_000)
+            end.record()
+        spans = []
+        for cycles in (1, 2):
+            graph.replay()
+            end.synchronize()
+            spans.append(begin.elapsed_time(end) * 1e3)
+        host = []
+        for _ in range(100):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            super(torch.cuda.CUDAGraph, graph).replay()
+            host.append((time.perf_counter() - started) * 1e6)
+        rows.append(f"5. captured timing events: ok, replays timed {spans[0]:.1f} and {spans[1]:.1f} us "
+                    f"(a ~200k-cycle spin); launch of that graph median {statistics.median(host):.2f} us")
+    except Exception as error:  # noqa: BLE001
+        rows.append(f"5. captured timing events: FAILED {type(error).__name__}: {error}")
 
     # 2. after a profiler session
     from torch.profiler import ProfilerActivity, profile

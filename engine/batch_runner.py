@@ -78,6 +78,7 @@ import torch
 from engine import dispatch
 from engine.arms import ARMS
 from engine.attention_dispatch import UNFUSED, decide_attention
+from engine.decode_fused import StepOutputs
 from engine.model import KVCache, StepLayout, forward
 from engine.scheduler import DECODE, Batch
 from kernels import launches
@@ -440,8 +441,25 @@ class BatchRunner:
         # eager decode step launches the same kernels as a replay (same tokens, same counters).
         key_length = self.capacity if batch.phase == DECODE and contiguous else batch.key_length
         layout = StepLayout(start, key_length, slots, token_index, last_index)
-        logits = forward(self.engine.config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]
-        if logits.is_cuda:  # the kernel a replayed step ends with (kernels.next_tokens): same launches
+        return self._next_tokens(tokens, layout, dispatcher, batch.phase == DECODE)
+
+    def _next_tokens(self, tokens: torch.Tensor, layout: StepLayout, dispatcher, decode: bool) -> torch.Tensor:
+        """The forward of an eager step (or a capture's warm-up) and each row's next token [B], launching
+        what a replay launches: on a GPU a decode step's folds write the tokens and woken counts into a
+        buffer of their own (engine.decode_fused.StepOutputs, no feed), else the tokens come from
+        kernels.next_tokens, the kernel a replayed step ends with where the LM head does not pick."""
+        config, size = self.engine.config, tokens.shape[0]
+        outputs = None
+        if self.device.type == "cuda" and decode:
+            outputs = dispatcher.outputs = StepOutputs(torch.empty(size + config.n_layers, dtype=torch.int64,
+                                                                   device=self.device))
+        try:
+            logits = forward(config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]
+        finally:
+            dispatcher.outputs = None
+        if outputs is not None and outputs.picked:  # the LM head's GEMV took the argmax
+            return outputs.observed[:size]
+        if logits.is_cuda:
             from kernels.next_tokens import argmax_rows
 
             return argmax_rows(logits)
@@ -509,7 +527,7 @@ class BatchRunner:
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
         from engine.runtime import Dispatcher  # runtime imports this module
-        from kernels.next_tokens import argmax_rows, next_tokens as next_tokens_into  # Triton: GPU only
+        from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
 
         config, weights, size = self.engine.config, self.engine.weights, len(batch.rows)
         inputs = torch.tensor(values, dtype=torch.int64, device=self.device)  # [2, B] static
@@ -517,31 +535,39 @@ class BatchRunner:
         tokens = inputs[0].view(size, 1)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # the eager step's own tail kernel, as `_eager` ends (so eager and graphed runs count alike)
-            next_tokens = argmax_rows(forward(config, weights, tokens, layout, self.cache, dispatcher))
+        with torch.cuda.stream(side):  # as an eager step computes its tokens (eager and graphed runs count alike)
+            next_tokens = self._next_tokens(tokens, layout, dispatcher, True)
         torch.cuda.current_stream().wait_stream(side)
 
         template = Dispatcher(self.engine, dispatcher.flags, timed=False)
         template.begin_step(batch.step, DECODE, size)
+        # One static output for the step's one sync: the next tokens, then each MoE layer's woken-expert
+        # count (what `end_step_batch` concatenates on an eager step). The folds write into it where they
+        # run (engine.decode_fused.StepOutputs: the router's count, the LM head's argmax, which also feeds
+        # the next replay its inputs); what they did not write is written after the forward.
+        observed = torch.empty(size + config.n_layers, dtype=torch.int64, device=self.device)
+        template.outputs = outputs = StepOutputs(observed, inputs)
         before = launches.snapshot()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
-                # One static output for the step's one sync: the next tokens, then each MoE layer's
-                # woken-expert count (what `end_step_batch` concatenates on an eager step).
-                woken = [count.long() for count in template.pending_woken]
-                observed = torch.empty(size + len(woken), dtype=torch.int64, device=self.device)
-                if woken:
-                    torch.stack(woken, out=observed[size:])
+                woken = template.pending_woken
+                if len(woken) != config.n_layers:
+                    raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
+                if any(count.data_ptr() != observed[size + layer].data_ptr() for layer, count in enumerate(woken)):
+                    torch.stack([count.long() for count in woken], out=observed[size:])
                 # The cohort's next step feeds these tokens one position on: the graph prepares its own
                 # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
-                # One kernel: argmax into `observed`, the same tokens into inputs[0], inputs[1] + 1.
-                next_tokens_into(logits.float(), observed, inputs)
+                # One kernel where the LM head did not: argmax into `observed`, the same tokens into
+                # inputs[0], inputs[1] + 1.
+                if not outputs.picked:
+                    next_tokens_into(logits.float(), observed, inputs)
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             observed = None
+        finally:
+            template.outputs = None
         kernels = launches.since(before)
         for name, count in kernels.items():  # captured, not launched: the replays will count them
             launches.record(name, -count)

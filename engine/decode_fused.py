@@ -25,13 +25,20 @@ router launches.
                and the count of woken experts          program routes)
       e     = experts(h, ids, w)                       the dispatcher's MoE arm
       x     = x + e                                    (into the next norm's GEMV)
-    logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual)   1    rms_norm, matmul  2
+    logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual    1    rms_norm, matmul  2
+              and, in a graphed step, each row's        + pick: its last program
+              next token (argmax)                       takes the argmax)
 
   * between layers the norm's input is x + e, a residual add: folded only into a product of at most
     FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv_fused (2 launches).
 
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2, the graph's next_tokens 1): 11 Triton
-launches per step (9 with FOLD_QKV), 14 before the folds (3 rms_norm, topk_softmax and rope_cache).
+Step outputs (`StepOutputs`, the hooks' `outputs`: set by engine.batch_runner around a decode step): the
+router's fold writes each layer's woken count into the step's output buffer, and the LM head's fold takes
+each row's next token into it (and feeds the next replay's inputs), so a graphed step at B = 1 needs no
+next_tokens launch and no copy gathering the counts.
+
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2): 9 Triton launches per graphed step (7
+with FOLD_QKV), 15 before the folds (3 rms_norm, topk_softmax, rope_cache and the graph's next_tokens).
 Without a packed qkv weight the three projections are separate products between an rms_norm and a
 rope_cache launch.
 
@@ -50,6 +57,8 @@ the Hugging Face families keep the torch forward. Knows nothing of flags or sche
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +84,19 @@ FOLD_RESIDUAL_MAX_N = 1024
 # programs each read the embedding row and the norm weight and arrive on one counter per head. The
 # router's fold (7.0 vs 8.1 us) and the LM head's (4.0 vs 4.9 us) pay and stay.
 FOLD_QKV = False
+
+
+@dataclass
+class StepOutputs:
+    """Where a decode step's folds write what the host reads at the step's sync (engine.batch_runner sets
+    it as the hooks' `outputs` around a step). `observed` [B + layers] int64: each row's next token, then
+    each layer's woken-expert count; `inputs` [2, B] int64: the next replay's tokens and positions, fed one
+    position on (None: not fed). The forward sets `picked` when the LM head wrote the tokens, and writes a
+    layer's count only where its router's fold runs (the caller checks `pending_woken` for the rest)."""
+
+    observed: torch.Tensor
+    inputs: torch.Tensor | None = None
+    picked: bool = False
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -183,12 +205,13 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import Norm, Rope, Route, gemv_fused
+    from kernels.gemv_fused import Norm, Pick, Rope, Route, gemv_fused
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
     c = config
     batch = tokens.shape[0]
+    outputs: StepOutputs | None = getattr(hooks, "outputs", None)
     inv_freq = _inverse_frequency(c, tokens.device)
     # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
     x = None  # [B, D] the residual stream, once written
@@ -219,8 +242,9 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
         router = weights[p + "router"]
         if _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
+            into = None if outputs is None else outputs.observed[batch + layer:batch + layer + 1]
             folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
-                                route=Route(c.top_k, x.dtype))
+                                route=Route(c.top_k, x.dtype, into=into))
             x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
         else:
             x, h = _rms_norm(x, norm)
@@ -230,6 +254,10 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]
     if _folds(norm, head, batch):
-        return gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True)).out  # [B, V]
+        pick = None if outputs is None else Pick(outputs.observed[:batch], outputs.inputs)
+        logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]
+        if pick is not None:
+            outputs.picked = True
+        return logits
     x, h = _rms_norm(x, norm)
     return _dense(h, head, torch.float32)  # [B, V]

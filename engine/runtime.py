@@ -122,6 +122,8 @@ class Dispatcher:
     def __init__(self, engine: "Engine", flags: ResolvedFlags, timed: bool) -> None:
         self.engine, self.flags, self.timed = engine, flags, timed
         self.counters = Counters()
+        # engine.decode_fused.StepOutputs while the batch runner has a decode step's folds write its outputs
+        self.outputs = None
         self.timer = _Timer(engine.device)
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []

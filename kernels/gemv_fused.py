@@ -33,7 +33,12 @@ Epilogues (one per launch):
     route       out = float32 logits; the last program to arrive (kernels.arrivals) reads the N
                 logits of every row past L1 and does what kernels.router.topk_softmax does (the
                 same jit function): ids [M, k] int32, weights [M, k], and the number of distinct
-                experts chosen (0-d int64)
+                experts chosen (0-d int64; Route.into: written into the given int64 element instead,
+                e.g. the graphed step's output buffer, so no copy gathers it)
+    pick        out = float32 logits; the last program to arrive takes each row's argmax (the lowest id
+                on ties, as torch.argmax: kernels.next_tokens's jit function) into tokens[m], and with
+                `inputs` feeds the next replay: inputs[0, m] = that token, inputs[1, m] += 1 (what
+                kernels.next_tokens does in a launch of its own)
     rope        out = q|k|v rounded to the dtype ([M, (Hq + 2 Hkv) * hd], the packed projection);
                 BLOCK_N divides hd, so a program lies in one head. Value heads go straight into
                 v_cache[slot, position]; for a query or key head the last of its hd / BLOCK_N programs
@@ -65,6 +70,8 @@ import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
 from kernels.gemv import TENSOR_CORE_ROWS, block_sizes
+from kernels.next_tokens import BLOCK as PICK_BLOCK
+from kernels.next_tokens import _argmax_row, _feed
 from kernels.rope_cache import _rotate
 from kernels.router import MAX_EXPERTS, _count_ids, _topk_softmax_row
 
@@ -95,6 +102,16 @@ class Route:
     top_k: int
     weight_dtype: torch.dtype
     woken: bool = True
+    into: torch.Tensor | None = None  # one int64 element the count is written into (else a scratch buffer)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """Each row's argmax of the float32 logits into `tokens` (int64, >= M elements); with `inputs`
+    ([2, M] int64) also the next replay's token and position, as kernels.next_tokens."""
+
+    tokens: torch.Tensor
+    inputs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,8 @@ def _gemv_fused_kernel(
     w_ptr, out_ptr,  # [N, K], [M, N]
     ids_ptr, weights_ptr, woken_ptr,  # ROUTE
     inv_freq_ptr, position_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,  # ROPE
-    arrivals_ptr,  # ROUTE: 1 counter; ROPE: one per query and key head
+    tokens_ptr, feed_ptr, stride_feed,  # PICK
+    arrivals_ptr,  # ROUTE, PICK: 1 counter; ROPE: one per query and key head
     rows, n_out, k_in, eps, slice_cols, query_heads, kv_heads,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om, stride_ids, stride_weights,
     stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
@@ -157,6 +175,7 @@ def _gemv_fused_kernel(
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr,
     COUNT_BLOCK: tl.constexpr,
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
@@ -239,6 +258,16 @@ def _gemv_fused_kernel(
                 tl.debug_barrier()
                 tl.store(woken_ptr, _count_ids(ids_ptr, rows * TOP_K, n_out, E_PAD, COUNT_BLOCK).to(tl.int64))
             tl.atomic_xchg(arrivals_ptr, 0)
+    if PICK:  # the last program takes every row's argmax
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            for row in range(rows):
+                token = _argmax_row(out_ptr + tl.cast(row, tl.int64) * stride_om, n_out, PICK_BLOCK)
+                tl.store(tokens_ptr + row, token)
+                if FEED:
+                    _feed(feed_ptr, stride_feed, row, token)
+            tl.atomic_xchg(arrivals_ptr, 0)
     if ROPE:
         if pid == 0:
             tl.store(position32_ptr + offs_m, tl.load(position_ptr + offs_m, mask=m_mask, other=0).to(tl.int32),
@@ -281,11 +310,12 @@ def _gemv_fused_kernel(
 
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
                norm: Norm | None = None, route: Route | None = None, rope: Rope | None = None,
-               block: tuple[int, int] | None = None) -> Fused:
+               pick: Pick | None = None, block: tuple[int, int] | None = None) -> Fused:
     """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one
-    launch; with `route` the top-k routing of the logits, with `rope` q rotated and k, v in the cache."""
-    if route is not None and rope is not None:
-        raise ValueError("gemv_fused: one epilogue per launch (route or rope)")
+    launch; with `route` the top-k routing of the logits, with `rope` q rotated and k, v in the cache,
+    with `pick` each row's argmax (and the next replay's inputs)."""
+    if (route is not None) + (rope is not None) + (pick is not None) > 1:
+        raise ValueError("gemv_fused: one epilogue per launch (route, rope or pick)")
     gather = norm is not None and norm.table is not None
     residual = norm.residual if norm is not None else None
     if gather:
@@ -316,6 +346,17 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         out_dtype = torch.float32
         if not 1 <= route.top_k <= n_out or n_out > MAX_EXPERTS:
             raise ValueError(f"gemv_fused: need 1 <= k <= E <= {MAX_EXPERTS}, got k={route.top_k}, E={n_out}")
+    if pick is not None:
+        if out_dtype != torch.float32:
+            raise ValueError("gemv_fused: pick takes the argmax of float32 logits (out_dtype=torch.float32)")
+        if pick.tokens.dtype != torch.int64 or pick.tokens.numel() < rows or not pick.tokens.is_contiguous():
+            raise ValueError(f"gemv_fused: pick.tokens must be a contiguous int64 buffer of >= {rows}")
+        if pick.inputs is not None and (pick.inputs.shape != (2, rows) or pick.inputs.dtype != torch.int64
+                                        or pick.inputs.stride(1) != 1):
+            raise ValueError(f"gemv_fused: pick.inputs must be int64 [2, {rows}], got {pick.inputs.dtype} "
+                             f"{tuple(pick.inputs.shape)}")
+    if route is not None and route.into is not None and (route.into.dtype != torch.int64 or route.into.numel() != 1):
+        raise ValueError("gemv_fused: route.into must be one int64 element")
     out = scratch.empty((rows, n_out), out_dtype or dtype, device)
     result = Fused(out)
     block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), device, rows)
@@ -334,7 +375,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
     if route is not None:
         result.ids = scratch.empty((rows, route.top_k), torch.int32, device)
         result.weights = scratch.empty((rows, route.top_k), route.weight_dtype, device)
-        count = scratch.empty((1,), torch.int64, device)
+        count = scratch.empty((1,), torch.int64, device) if route.into is None else route.into.reshape(1)
         result.woken = count[0] if route.woken else None
         routing = {"ids": result.ids, "weights": result.weights, "woken": count,
                    "stride_ids": result.ids.stride(0), "stride_weights": result.weights.stride(0)}
@@ -372,6 +413,9 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
                  "strides": (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))}
         counters = arrivals.counters(device, query_heads + kv_heads)
+    if pick is not None:
+        counters = arrivals.counters(device, 1)
+    feed = pick.inputs if pick is not None and pick.inputs is not None else dummy
     q_strides = (result.q.stride(0), result.q.stride(1)) if rope is not None else (0, 0)
     _gemv_fused_kernel[(programs,)](
         x if x is not None else dummy, residual if residual is not None else dummy,
@@ -380,6 +424,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         result.x if write_x else dummy, result.h if write_h else dummy,
         w, out, routing["ids"], routing["weights"], routing["woken"],
         cache["inv_freq"], cache["position"], cache["slot"], cache["q"], cache["k"], cache["v"], cache["position32"],
+        pick.tokens if pick is not None else dummy, feed, feed.stride(0) if feed is not dummy else 0,
         counters,
         rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols, query_heads, kv_heads,
         x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
@@ -393,8 +438,9 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
         ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
+        PICK=pick is not None, FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(n_out)),
         num_warps=4, **pdl.launch_options(device),
     )
-    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_norm"
-                    if norm is not None else "gemv")
+    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_pick"
+                    if pick is not None else "gemv_norm" if norm is not None else "gemv")
     return result

@@ -7,7 +7,8 @@ where the next replay reads its inputs, with the position moved one on.
     inputs[1, b] = inputs[1, b] + 1           its position
 
 Replaces torch.argmax, a copy and an add (three launches, plus a reduce kernel's ramp) at the tail of
-every CUDA-graph decode step. Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
+every CUDA-graph decode step (at one row the LM head's GEMV does it instead: kernels.gemv_fused's pick
+epilogue, the same jit functions). Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
 int64. Grid: (B,); a program walks its row in BLOCK chunks keeping the running best.
 """
 
@@ -23,28 +24,42 @@ BLOCK = 2048
 
 
 @triton.jit
-def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr,
-                        FEED: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # programmatic dependent launch (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0)
+def _argmax_row(row_ptr, vocab, BLOCK: tl.constexpr):
+    """The index of a float32 row's largest value, the lowest on ties, NaN ranking first (torch.argmax), as
+    int64: walked in BLOCK chunks keeping the running best. Loads go past L1 (".cg"), so a program may read
+    a row other programs of its own launch wrote (kernels.gemv_fused's pick epilogue, kernels.arrivals)."""
     offs = tl.arange(0, BLOCK)
     best_value = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK], 2**31 - 1, dtype=tl.int32)
     for start in range(0, vocab, BLOCK):
         index = start + offs
-        values = tl.load(logits_ptr + row.to(tl.int64) * stride_l + index, mask=index < vocab, other=float("-inf"))
+        values = tl.load(row_ptr + index, mask=index < vocab, other=float("-inf"), cache_modifier=".cg")
         values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
         better = (values > best_value) | ((values == best_value) & (index < best_index) & (index < vocab))
         best_value = tl.where(better, values, best_value)
         best_index = tl.where(better, index, best_index)
     top = tl.max(best_value, axis=0)
-    token = tl.min(tl.where(best_value == top, best_index, 2**31 - 1), axis=0).to(tl.int64)
+    return tl.min(tl.where(best_value == top, best_index, 2**31 - 1), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _feed(inputs_ptr, stride_inputs, row, token):
+    """The next replay's inputs for a row: its token, and its position one on."""
+    tl.store(inputs_ptr + row, token)
+    position = tl.load(inputs_ptr + stride_inputs + row)
+    tl.store(inputs_ptr + stride_inputs + row, position + 1)
+
+
+@triton.jit
+def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr,
+                        FEED: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # programmatic dependent launch (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK)
     tl.store(observed_ptr + row, token)
     if FEED:
-        tl.store(inputs_ptr + row, token)
-        position = tl.load(inputs_ptr + stride_inputs + row)
-        tl.store(inputs_ptr + stride_inputs + row, position + 1)
+        _feed(inputs_ptr, stride_inputs, row, token)
 
 
 def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ v4-shape widths, and the whole engine's decode logits fused vs torch.
 """
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -205,6 +206,37 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([6]), 24, None, cache,
                                 dispatcher)
     assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 1}
+
+
+def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
+    """With the hooks' `outputs` (engine.batch_runner's StepOutputs), a one-row step's router folds write each
+    layer's woken count into the output buffer and the LM head's fold takes the argmax there and feeds the
+    next replay: no next_tokens launch, the same logits."""
+    from kernels import launches
+
+    engine = Engine.load("tiny", "cpu", seed=0)
+    decode_fused.pack_qkv(engine.config, engine.weights)
+    config = engine.config
+    cache = KVCache.allocate(config, 1, 24, engine.device, engine.dtype)
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    forward(config, engine.weights, torch.tensor([[1, 2, 3, 4, 5]]), 0, cache, dispatcher)
+    plain = decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None,
+                                        cache, dispatcher)
+    dispatcher.begin_step(1, "decode", 1)
+    observed = torch.full((1 + config.n_layers,), -1, dtype=torch.int64)
+    inputs = torch.tensor([[3], [5]])
+    dispatcher.outputs = outputs = decode_fused.StepOutputs(observed, inputs)
+    before = launches.snapshot()
+    logits = decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None,
+                                         cache, dispatcher)
+    counted = launches.since(before)
+    assert counted["gemv_pick"] == 1 and "gemv_norm" not in counted and "next_tokens" not in counted
+    assert outputs.picked and torch.equal(logits, plain)
+    assert observed[0] == torch.argmax(logits[0]) and inputs.tolist() == [[observed[0].item()], [6]]
+    woken = dispatcher.pending_woken
+    assert len(woken) == config.n_layers and all(count.data_ptr() == observed[1 + layer].data_ptr()
+                                                  for layer, count in enumerate(woken))
+    assert all(1 <= observed[1 + layer] <= config.top_k for layer in range(config.n_layers))
 
 
 def test_eligibility():
@@ -419,6 +451,51 @@ def test_gemv_fused_route_breaks_ties_like_topk_softmax():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, vocab, block, feed", [(1, 37, None, True), (3, 70, (4, 16), True),
+                                                      (5, 2100, (64, 16), False), (2, 9, (2, 16), True)])
+def test_gemv_fused_pick_takes_each_rows_argmax_and_feeds_the_next_replay(dtype, rows, vocab, block, feed):
+    from kernels import arrivals, launches
+    from kernels.gemv_fused import Pick, gemv_fused
+    from kernels.next_tokens import BLOCK
+
+    k_in = 50
+    x, norm, x_new = _norm_inputs("residual", rows, k_in, dtype, seed=90 + rows)
+    w = _draw(vocab, k_in, dtype=dtype, seed=91)
+    if rows > 1:  # row 1's best two tie (the same weight row twice): the lower id, as torch.argmax
+        w[vocab - 1] = w[1] = w[1] + 4 * _draw(k_in, dtype=dtype, seed=92).abs().to(dtype)
+        x[1] = norm.residual[1] = 1  # a positive row, so those two are its largest logits
+        x_new = (x.float() + norm.residual.float()).to(dtype)
+    tokens = torch.full((rows + 2,), -1, dtype=torch.int64)
+    inputs = torch.stack([torch.full((rows,), 7), torch.arange(rows) * 10]) if feed else None
+    before = launches.snapshot()
+    with scratch.poison_new_buffers():
+        result = gemv_fused(x, w, torch.float32, norm=replace(norm, exact=True), pick=Pick(tokens, inputs),
+                            block=block)
+    assert launches.since(before) == {"gemv_pick": 1}
+    h = rms_norm(x_new, norm.weight, norm.eps)
+    _close(result.out, h.float() @ w.float().t(), dtype)
+    expected = torch.argmax(result.out, dim=-1)  # the logits it wrote, as kernels.next_tokens takes them
+    assert torch.equal(tokens[:rows], expected) and tokens[rows:].tolist() == [-1, -1]
+    if rows > 1:
+        assert tokens[1] == 1
+    if vocab > BLOCK:
+        assert expected.max() >= 0  # walked past the first chunk: every id is reachable
+    if feed:
+        assert torch.equal(inputs, torch.stack([expected, torch.arange(rows) * 10 + 1]))
+    assert int(arrivals.counters(w.device, 1)[0]) == 0
+
+
+def test_gemv_fused_route_into_writes_the_count_where_asked():
+    from kernels.gemv_fused import Route, gemv_fused
+
+    x, w = _draw(2, 40, seed=93), _draw(30, 40, seed=94)
+    observed = torch.full((4,), -1, dtype=torch.int64)
+    result = gemv_fused(x, w, route=Route(4, torch.float32, into=observed[2:3]), block=(4, 16))
+    assert observed.tolist()[:2] == [-1, -1] and observed[3] == -1
+    assert observed[2] == torch.unique(result.ids).numel() and result.woken.data_ptr() == observed[2].data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, slots, mode, block", [
     (1, None, "gather", None), (3, [2, 0, 1], "residual", (4, 16)), (3, None, "none", (2, 16)),
     (2, [1, 3], "gather", (16, 32))])
@@ -457,7 +534,7 @@ def test_gemv_fused_rope_writes_what_rope_cache_writes(dtype, rows, slots, mode,
 
 
 def test_gemv_fused_rejects_bad_inputs():
-    from kernels.gemv_fused import Norm, Route, Rope, gemv_fused
+    from kernels.gemv_fused import Norm, Pick, Route, Rope, gemv_fused
 
     x, w, weight = torch.ones(1, 8), torch.ones(4, 8), torch.ones(8)
     with pytest.raises(ValueError, match="rows"):
@@ -470,6 +547,17 @@ def test_gemv_fused_rejects_bad_inputs():
         gemv_fused(x, w, route=Route(2, torch.float32), rope=Rope(None, None, None, None, None, 1))
     with pytest.raises(ValueError, match="k <= E"):
         gemv_fused(x, w, route=Route(5, torch.float32))
+    with pytest.raises(ValueError, match="one epilogue"):
+        gemv_fused(x, w, torch.float32, route=Route(2, torch.float32), pick=Pick(torch.zeros(1, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="float32 logits"):
+        gemv_fused(x, w, pick=Pick(torch.zeros(1, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="pick.tokens"):
+        gemv_fused(x, w, torch.float32, pick=Pick(torch.zeros(1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="pick.inputs"):
+        gemv_fused(x, w, torch.float32,
+                   pick=Pick(torch.zeros(1, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="route.into"):
+        gemv_fused(x, w, route=Route(2, torch.float32, into=torch.zeros(2, dtype=torch.int64)))
 
 
 @pytest.mark.gpu
