@@ -55,8 +55,6 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -64,11 +62,20 @@ def _gemv_kernel(
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    # The first weight chunk is loaded before the wait for the previous grid (weights are never written by
+    # a kernel): with PDL it streams while that grid drains; each step then loads the next chunk before
+    # reducing the current one (the last step's load is masked off).
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next grid may queue up and prefetch behind this one
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [M_PAD, BLOCK_K]
     for k0 in range(0, k_in, BLOCK_K):
         k_mask = offs_k < k_in - k0
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w_next
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in - k0 - BLOCK_K)[None, :], other=0.0)
         if M_PAD >= 16:  # a skinny GEMM (a wide decode batch): tensor cores
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             accumulator = tl.dot(x, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
@@ -79,10 +86,7 @@ def _gemv_kernel(
                 x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0)
                 partial = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
                 accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
-        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

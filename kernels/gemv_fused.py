@@ -178,8 +178,6 @@ def _gemv_fused_kernel(
     PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -187,6 +185,12 @@ def _gemv_fused_kernel(
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    # The first weight chunk before the wait for the previous grid, then each step loads the next chunk
+    # before reducing the current one (as kernels.gemv)
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([M_PAD], dtype=tl.float32)  # sum of x^2 per row (NORM)
     if NORM and EXACT:  # a first pass for the scale, so h can be rounded before the product
@@ -201,7 +205,9 @@ def _gemv_fused_kernel(
     for k0 in range(0, k_in, BLOCK_K):
         cols = k0 + offs_k
         k_mask = cols < k_in
-        w32 = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w32 = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (cols + BLOCK_K < k_in)[None, :], other=0.0)
         if NORM:
             g = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(M_PAD):
@@ -218,9 +224,6 @@ def _gemv_fused_kernel(
                     a = a * g
             partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
             accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
-        w_ptrs += BLOCK_K
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         if not EXACT:
             scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program

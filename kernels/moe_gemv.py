@@ -37,11 +37,13 @@ whole program's stores and loads (the pattern of cooperative groups' grid sync).
 Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture and pick
 differently per run); they are set for the bandwidth-bound decode case on Hopper: each program
 streams 16-byte vectors of 8 rows x 512 (gate-up, w13's gate and up) or 8 x 1024 (down) weights
-per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. An sm_90 compile without
-a GPU gives 80 and 40 registers at 4 warps, so 6 and 12 programs fit an SM (up to 96 and 192 KB
-of loads in flight per SM; ~30-50 KB per SM covers DRAM latency at 4.3 TB/s).
+per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. Down loads its next chunk
+before reducing the current one, its first before waiting for gate-up (kernels.pdl: with PDL it
+streams w2 while gate-up drains). An sm_90 compile without a GPU gives 80 and 83 registers at 4
+warps, so 6 programs fit an SM (96 and 192 KB of loads in flight per SM; ~30-50 KB per SM covers
+DRAM latency at 4.3 TB/s).
     n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 256 = 1536 programs (1.9 waves of 792 slots)
-                                   down    6 x 512 = 3072 programs (1.9 waves of 1584), 2 steps each
+                                   down    6 x 512 = 3072 programs (3.9 waves of 792), 2 steps each
     n = 16:                        gate-up 24576, down 49152 programs
 Before, down ran one program per (token, block): 512 programs at n = 1 (3.9 per SM on 132 SMs),
 each a chain of k x 2 = 12 dependent steps, and reached 2.5 TB/s. Down at 8 x 1024 keeps two
@@ -87,6 +89,7 @@ def _gate_up_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # down may queue up and prefetch its w2 behind this grid
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
     token = pair // TOP_K
@@ -115,10 +118,9 @@ def _gate_up_kernel(
             gate_ptrs += BLOCK_D
             up_ptrs += BLOCK_D
             x_ptrs += BLOCK_D
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
         hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
+        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
+                 mask=f_mask)
 
 
 @triton.jit
@@ -143,31 +145,41 @@ def _down_kernel(
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
+    # Before the wait for gate-up: the pair's expert and the first chunk of its w2 rows. The ids come from
+    # the routing, two grids back, complete once this grid may start (with PDL gate-up lets it start only
+    # after its own wait; kernels.pdl); weights are never written by a kernel.
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    valid = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) leaves its partial at 0
+    offs_f = tl.arange(0, BLOCK_F)
+    w_ptrs = w2_ptr + tl.where(valid, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr \
+        + offs_f[None, :]
+    expert_lanes = tl.zeros([BLOCK_D], dtype=tl.int32) + expert
+    rows_read = d_mask & (expert_lanes >= 0) & (expert_lanes < num_experts)  # [BLOCK_D]: none for an invalid id
+    w_next = tl.load(w_ptrs, mask=rows_read[:, None] & (offs_f < intermediate_size)[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
+    if valid:
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
-        offs_f = tl.arange(0, BLOCK_F)
-        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
-        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
+        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM; each step loads the
+        # next chunk of w2 before reducing the current one (the last step's load is masked off)
         for f0 in range(0, intermediate_size, BLOCK_F):
             f_mask = offs_f < intermediate_size - f0
             h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
-            partial += tl.sum(w * h[None, :], axis=1)
+            w = w_next.to(tl.float32)
             w_ptrs += BLOCK_F
+            w_next = tl.load(w_ptrs, mask=d_mask[:, None] & (offs_f < intermediate_size - f0 - BLOCK_F)[None, :],
+                             other=0.0)
+            partial += tl.sum(w * h[None, :], axis=1)
             h_ptrs += BLOCK_F
         partial = partial * routing_weight
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
     tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
     tl.debug_barrier()  # every thread's store is issued before the release below

@@ -1,19 +1,26 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode step's kernels.
 
-A decode step at batch 1 is a chain of ~15 short kernels; between two of them the GPU idles while
-the next grid is launched and ramps up (about 1-1.5 us each on the H200, bench/results/). With PDL
-a kernel may be launched while its predecessor's last programs still run: each program of every
-kernel here first executes `gdc_wait` (it returns once the previous grid has completed and its
-memory is visible), and, once its main loop is done, `gdc_launch_dependents` (the next grid may
-start launching). Every program waits unconditionally before it can exit, so completion stays
-transitive along the chain: a kernel that reads what a kernel two launches back wrote is safe.
+A decode step at batch 1 is a chain of ~11 short kernels; at each boundary the GPU drains one grid,
+launches the next and waits for its first loads (about 1 us of launch and 1-2 us of ramp and tail
+per kernel on the H200, bench/results/). With PDL a kernel may be launched while its predecessor
+still runs. Every program of every kernel here executes `gdc_wait` (it returns once the previous
+grid has completed and its memory is visible) before it reads anything a kernel wrote, and
+`gdc_launch_dependents` right after it (the next grid may then be scheduled into SM slots as they
+free up). Before its wait a program may only load what no kernel of the step writes -- the weights:
+the GEMVs (kernels.gemv, kernels.gemv_fused) load their first weight chunk there, so the next grid
+streams weights while the previous one drains; MoE down (kernels.moe_gemv) also reads its pair's
+expert id, written by the routing two grids back, which is complete once down may start (gate-up
+triggers only after its own wait). Every program waits unconditionally before it can exit, so
+completion stays transitive along the chain: a kernel that reads what a kernel two launches back
+wrote, after its wait, is safe.
 
 Kernels take a `USE_GDC: tl.constexpr` switch and launch with `**launch_options(device)`. It is OFF
 unless MOEI_PDL=1, and then only on CUDA devices of compute capability >= 9 whose Triton has the GDC
 intrinsics. Measured on the H200 (bench/results/2026-11-29-h200-run8-fused, v4-shape tg128 @ b1,
-graphs on): device time per step 146.2 us with PDL against 144.7 us without, and host time per step
-30.3 us against 12.2 us (a graph with programmatic edges costs more to launch). It does not pay here,
-so it stays an opt-in for the benchmark's A/B. The interpreter and older GPUs never use it.
+graphs on) with every program waiting first and no prefetch: device time per step 146.2 us with PDL
+against 144.7 us without; its host figure there was taken after a torch.profiler session, which slows
+every later CUDA call (run 20), so it says nothing of PDL. The weight prefetch before the wait is
+measured against it in later runs (bench/gpu_all.sh). The interpreter and older GPUs never use it.
 """
 
 from __future__ import annotations
