@@ -178,6 +178,13 @@ def stub_graphs(runner: BatchRunner, run_ahead: bool | None = True, race: bool =
         inputs = torch.tensor(values, dtype=torch.int64)
         staging = torch.empty((2, size), dtype=torch.int64)
         fields = {field.name for field in dataclasses.fields(_DecodeGraph)}
+        if "launches" in fields:  # two instances, each writing its own host buffer: a launch copies nothing
+            outputs = tuple(torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])
+                            for _ in range(2))
+            graphs = tuple(_StubGraph(stream, _Replay(inputs, output, engine.config.vocab_size)) for output in outputs)
+            captured = runner._graphs[key] = _DecodeGraph(graphs, inputs, staging, outputs, template, kernels)
+            captured.feed = lambda: stream.enqueue(lambda: inputs.copy_(staging))
+            return next_tokens
         if "observed" in fields:  # the graph's one static output: next tokens, then each layer's woken count
             output = torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])
         else:  # before the observed buffer (for before/after numbers): the next tokens alone
@@ -279,8 +286,8 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
              if hasattr(runner, name)}
     if "run_ahead" in saved:  # the path of a step launched the usual way (a run-ahead step launches earlier)
         runner.run_ahead = False
-    graphs = [(captured, captured.launch, getattr(captured, "copies", None)) for captured in runner._graphs.values()
-              if hasattr(captured, "launch")]
+    graphs = [(captured, captured.launch, getattr(captured, "launches", None), getattr(captured, "copies", None))
+              for captured in runner._graphs.values() if hasattr(captured, "launch")]
     Scheduler.schedule = timed_schedule(schedule)
     runner._graph_for = timed("BatchRunner._graph_for", saved["_graph_for"])
     runner._current_stream = timed("BatchRunner._current_stream", saved["_current_stream"])
@@ -292,8 +299,10 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
     elif saved.get("_records") is not None:
         runner._records = (timed("start event record", saved["_records"][0]),
                            timed("end event record", saved["_records"][1]))
-    for captured, launch, copies in graphs:
+    for captured, launch, instances, copies in graphs:
         captured.launch = timed("graph launch", launch)
+        if instances is not None:
+            captured.launches = tuple(timed("graph launch", instance) for instance in instances)
         if copies:
             captured.copies = tuple(timed("copy of the outputs to a landing buffer", copy) for copy in copies)
     empty_label = "an empty call, timed the same way"
@@ -309,8 +318,10 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
         Scheduler.schedule = schedule
         for name, value in saved.items():
             setattr(runner, name, value)
-        for captured, launch, copies in graphs:
+        for captured, launch, instances, copies in graphs:
             captured.launch = launch
+            if instances is not None:
+                captured.launches = instances
             if copies:
                 captured.copies = copies
     order = [("scheduler.schedule", 0), ("BatchRunner._graph_for", 0), ("BatchRunner._current_stream", 0),

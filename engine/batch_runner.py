@@ -14,15 +14,16 @@ one forward for all its rows, and returns each row's next token, with the step's
   a step copies nothing from the host; the host checks that the buffer holds what the scheduler
   feeds and copies only when it does not. A replay counts what the capture launched, once more
   (`Counters.replay`).
-  The graph also writes its next tokens and every MoE layer's observed-count output into one
-  static buffer (`observed`), so a step copies one buffer to the host (into a pinned buffer, waited
-  for at the step's one sync: its end event).
+  Each size is captured twice (two instances, launched alternately), and each instance's kernels
+  write the step's outputs -- its next tokens and every MoE layer's observed count -- straight into
+  its own pinned host buffer (`landing`; engine.decode_fused.StepOutputs), read after the step's one
+  sync (its end event): a launch copies nothing, and the step has no device-to-host copy of its own.
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
 - The host path of a replayed step is kept short (issue 7: host time per decode step at batch 1;
   bench/host_step.py measures it). Before the launch it does only what the launch needs: the graph
   for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
-  start event, the replay, the copy of its outputs and the end event. Everything else runs after the launch, while the
+  start event, the replay and the end event. Everything else runs after the launch, while the
   device works: the dispatcher's step, the arm and kernel counts and the decision records copied from
   the capture's (`Dispatcher.replay`, one call), the step's launch count for its record (the capture's
   counts: nothing else on the path launches a kernel). The events are
@@ -38,12 +39,11 @@ one forward for all its rows, and returns each row's next token, with the step's
   engine.scheduler: the same cohort, no row at its last token, nothing waiting) launches that next
   replay BEFORE its own sync, right after its own launch (or, itself launched ahead, as its first
   act): the device runs the next step straight after this one. The graph feeds itself, so the next
-  replay needs nothing from the host. Every replay writes the same static `observed` buffer, so each
-  launch also enqueues a copy of it into one of two host buffers of its graph (`landing`, pinned,
-  alternating per launch) and records its end event after that copy: stream order makes the next
-  replay overwrite `observed` only after the copy, and a step's sync is its own end event
-  (`synchronize`), after which it reads its own landing buffer, which the step in flight behind it
-  does not write (the one after that is launched only after this read). The next `run` finds its step
+  replay needs nothing from the host. The two instances alternate, so the step in flight behind a
+  step writes the other landing buffer; a step's sync is its own end event (`synchronize`), after
+  which it reads its own landing buffer (the instance that writes it again is launched only after
+  this read). (`_DecodeGraph` also takes one graph writing a device buffer, which each launch then
+  copies into one of two host buffers: bench/host_step.py's stubs of older runners.) The next `run` finds its step
   launched (`ahead`): it checks the Batch is the one launched (`_Ahead.feeds`: row by row against the
   previous step's rows and tokens; else raises: a bug, never a silent wrong step), does not launch
   again, and does everything else a replayed step does. Each step has its own start and end events:
@@ -51,8 +51,8 @@ one forward for all its rows, and returns each row's next token, with the step's
   recorded again only two launches later, after its step's sync read it.
   `drop_ahead` forgets a launched step that will not run. Not while steps are labelled for the profiler
   (a step's kernels would start inside the previous step's range).
-  Device time of a replayed step: from its start event to its end event, so it includes the copy of
-  its outputs to the host (about a microsecond), the work the next replay waits behind.
+  Device time of a replayed step: from its start event to its end event, so it includes the writes
+  of its outputs to the host, the work the next replay waits behind.
   Host time (`StepTiming.host_us`, the bench's host µs/step) of a step launched ahead: the host's busy
   time per step, from the return of the previous step's sync to the start of this step's own wait for
   its sync: everything the host does once per step (the previous step's postprocess and record, this
@@ -149,37 +149,53 @@ class _Ahead:
         return True
 
 
+def _launcher(graph) -> Callable[[], None]:
+    """graph.replay without torch's Python layer: torch.cuda.CUDAGraph.replay checks input liveness when
+    the capture asked for it (ours does not: `_tracker` is None), then calls the C replay."""
+    if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
+        return super(torch.cuda.CUDAGraph, graph).replay
+    return graph.replay
+
+
 @dataclass
 class _DecodeGraph:
-    graph: torch.cuda.CUDAGraph
+    """A captured decode step. Either two instances (`graph` and `observed` are pairs: each instance's
+    kernels write the step's outputs straight into its own pinned host buffer, so a launch copies
+    nothing), or one graph writing a device buffer that each launch copies into one of two host buffers."""
+
+    graph: object  # torch.cuda.CUDAGraph, or a pair of them (instances, launched alternately)
     inputs: torch.Tensor  # [2, B] int64 static: row 0 the tokens fed, row 1 their positions
     staging: torch.Tensor  # [2, B] int64 pinned host copy of the next inputs
-    observed: torch.Tensor  # [B + MoE layers] int64 static output: the next tokens, then each layer's woken experts
+    # [B + MoE layers] int64 static output: the next tokens, then each layer's woken experts; with instances,
+    # a pair of pinned host buffers, each written by its instance's kernels
+    observed: object
     template: object  # the capture's Dispatcher: decisions, arm counts, observed-count outputs
     kernels: dict[str, int]  # Triton launches the capture recorded (and a replay repeats)
     # What `inputs` holds after the last replay (the graph feeds its own output one position on):
     # one (request id, token, position) per row; a step that matches needs no host->device copy.
     holds: list[tuple[int, int, int]] | None = None
-    turn: int = 0  # the landing buffer the next launch copies `observed` into (alternates per launch)
-    launch: Callable[[], None] = field(init=False, repr=False)  # graph.replay, without torch's Python layer
+    turn: int = 0  # the instance / landing buffer of the next launch (alternates per launch)
+    launch: Callable[[], None] = field(init=False, repr=False)  # the first instance's launch
+    launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
-    # Two host buffers [B + MoE layers] (pinned on a GPU) that a launch copies `observed` into, alternating:
-    # a step reads its own after its sync while the next step in flight writes the other.
+    # Two host buffers [B + MoE layers] (pinned on a GPU) the outputs land in, alternating: a step reads its
+    # own after its sync while the next step in flight writes the other.
     landing: tuple[torch.Tensor, ...] = field(init=False, repr=False)
-    copies: tuple[Callable[[], object], ...] = field(init=False, repr=False)  # enqueue observed -> landing[i]
+    # per turn, enqueue observed -> landing[turn] after the launch; () with instances (they write it)
+    copies: tuple[Callable[[], object], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        graph = self.graph
-        # torch.cuda.CUDAGraph.replay checks input liveness when the capture asked for it (ours does
-        # not: `_tracker` is None), then calls the C replay; call that directly.
-        if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
-            self.launch = super(torch.cuda.CUDAGraph, graph).replay
-        else:
-            self.launch = graph.replay
-        # Tensor.copy_ is a C method: the partials cost one call each; non_blocking from and to pinned
-        # host memory, so each is only enqueued on the current stream (the replay's).
         inputs, observed = self.inputs, self.observed
         self.feed = None if inputs is None else partial(inputs.copy_, self.staging, non_blocking=True)
+        if isinstance(self.graph, tuple):
+            self.launches = tuple(_launcher(graph) for graph in self.graph)
+            self.launch = self.launches[0]
+            self.landing, self.copies = tuple(observed), ()
+            return
+        self.launch = _launcher(self.graph)
+        self.launches = (self.launch, self.launch)
+        # Tensor.copy_ is a C method: the partials cost one call each; non_blocking from and to pinned
+        # host memory, so each is only enqueued on the current stream (the replay's).
         if observed is None:
             self.landing = self.copies = ()
         else:
@@ -332,9 +348,11 @@ class BatchRunner:
         records = pair[1]
         stream = self._current_stream()
         records[0](stream)
-        self._replay(captured, batch.rows)
         turn = captured.turn
-        captured.copies[turn]()  # observed -> landing[turn], before the end event
+        self._replay(captured, batch.rows)  # the instance of this turn
+        copies = captured.copies
+        if copies:
+            copies[turn]()  # observed -> landing[turn], before the end event
         captured.turn = turn ^ 1
         records[1](stream)
         launched_at = _perf_counter()
@@ -397,9 +415,11 @@ class BatchRunner:
         captured.holds = None  # until that replay's outputs are known
         records = pair[1]
         records[0](stream)
-        captured.launch()
         turn = captured.turn
-        captured.copies[turn]()
+        captured.launches[turn]()
+        copies = captured.copies
+        if copies:
+            copies[turn]()
         captured.turn = turn ^ 1
         records[1](stream)
         self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn)
@@ -522,7 +542,7 @@ class BatchRunner:
             captured.feed()  # staging -> inputs, enqueued before the replay
             self.input_copies += 1
         captured.holds = None  # until this replay's outputs are known
-        captured.launch()
+        captured.launches[captured.turn]()
 
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
         """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
@@ -539,39 +559,49 @@ class BatchRunner:
             next_tokens = self._next_tokens(tokens, layout, dispatcher, True)
         torch.cuda.current_stream().wait_stream(side)
 
-        template = Dispatcher(self.engine, dispatcher.flags, timed=False)
-        template.begin_step(batch.step, DECODE, size)
-        # One static output for the step's one sync: the next tokens, then each MoE layer's woken-expert
-        # count (what `end_step_batch` concatenates on an eager step). The folds write into it where they
-        # run (engine.decode_fused.StepOutputs: the router's count, the LM head's argmax, which also feeds
-        # the next replay its inputs); what they did not write is written after the forward.
-        observed = torch.empty(size + config.n_layers, dtype=torch.int64, device=self.device)
-        template.outputs = outputs = StepOutputs(observed, inputs)
-        before = launches.snapshot()
-        graph = torch.cuda.CUDAGraph()
+        # Two instances of the step, launched alternately (run-ahead keeps two in flight). Each writes the step's
+        # outputs straight into its own pinned host buffer, which the host reads after the step's sync: the
+        # next tokens, then each MoE layer's woken-expert count (what `end_step_batch` concatenates on an eager
+        # step). The folds write there where they run (engine.decode_fused.StepOutputs: the router's count,
+        # the LM head's argmax, which also feeds the next replay its inputs); what they did not write is
+        # copied or written there after the forward. A launch then copies nothing (bench/probe_launch.py:
+        # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
+        landing = tuple(torch.empty(size + config.n_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
+        graphs, templates, counted = [], [], []
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
-                woken = template.pending_woken
-                if len(woken) != config.n_layers:
-                    raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
-                if any(count.data_ptr() != observed[size + layer].data_ptr() for layer, count in enumerate(woken)):
-                    torch.stack([count.long() for count in woken], out=observed[size:])
-                # The cohort's next step feeds these tokens one position on: the graph prepares its own
-                # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
-                # One kernel where the LM head did not: argmax into `observed`, the same tokens into
-                # inputs[0], inputs[1] + 1.
-                if not outputs.picked:
-                    next_tokens_into(logits.float(), observed, inputs)
+            for observed in landing:
+                template = Dispatcher(self.engine, dispatcher.flags, timed=False)
+                template.begin_step(batch.step, DECODE, size)
+                template.outputs = outputs = StepOutputs(observed, inputs)
+                before = launches.snapshot()
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
+                        woken = template.pending_woken
+                        if len(woken) != config.n_layers:
+                            raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
+                        if any(count.data_ptr() != observed[size + layer].data_ptr()
+                               for layer, count in enumerate(woken)):
+                            observed[size:].copy_(torch.stack([count.long() for count in woken]), non_blocking=True)
+                        # The cohort's next step feeds these tokens one position on: the graph prepares its own
+                        # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
+                        # One kernel where the LM head did not: argmax into `observed`, the same tokens into
+                        # inputs[0], inputs[1] + 1.
+                        if not outputs.picked:
+                            next_tokens_into(logits.float(), observed, inputs)
+                finally:
+                    template.outputs = None
+                    counted.append(launches.since(before))
+                    for name, count in counted[-1].items():  # captured, not launched: the replays count them
+                        launches.record(name, -count)
+                graphs.append(graph)
+                templates.append(template)
+            if counted[0] != counted[1]:
+                raise RuntimeError(f"the two instances launch {counted[0]} and {counted[1]}")
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            observed = None
-        finally:
-            template.outputs = None
-        kernels = launches.since(before)
-        for name, count in kernels.items():  # captured, not launched: the replays will count them
-            launches.record(name, -count)
-        if observed is not None:
-            staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
-            self._graphs[key] = _DecodeGraph(graph, inputs, staging, observed, template, kernels)
+            return next_tokens
+        staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
+        self._graphs[key] = _DecodeGraph(tuple(graphs), inputs, staging, landing, templates[0], counted[0])
         return next_tokens

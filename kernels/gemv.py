@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch
+from kernels.pdl import prefetch_l2
 
 MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
 TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
@@ -54,28 +55,27 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # with USE_GDC: w's rows into L2 first; w's element size
 ):
     pid = tl.program_id(0)
+    if USE_GDC:  # this program's weights into L2 before the wait, then let the next grid queue up (kernels.pdl)
+        if PREFETCH:
+            for row in tl.static_range(BLOCK_N):
+                if pid * BLOCK_N + row < n_out:
+                    prefetch_l2(w_ptr + (pid * BLOCK_N + row).to(tl.int64) * stride_wn, k_in * W_BYTES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    # The first weight chunk is loaded before the wait for the previous grid (weights are never written by
-    # a kernel): with PDL it streams while that grid drains; each step then loads the next chunk before
-    # reducing the current one (the last step's load is masked off).
-    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next grid may queue up and prefetch behind this one
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [M_PAD, BLOCK_K]
     for k0 in range(0, k_in, BLOCK_K):
         k_mask = offs_k < k_in - k0
-        w = w_next
-        w_ptrs += BLOCK_K
-        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in - k0 - BLOCK_K)[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if M_PAD >= 16:  # a skinny GEMM (a wide decode batch): tensor cores
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             accumulator = tl.dot(x, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
@@ -86,6 +86,7 @@ def _gemv_kernel(
                 x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0)
                 partial = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
                 accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -133,7 +134,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=pdl.can_prefetch(w),
+        W_BYTES=w.element_size(), num_warps=4, **pdl.launch_options(x.device),
     )
     launches.record("gemv")
     return out

@@ -37,13 +37,12 @@ whole program's stores and loads (the pattern of cooperative groups' grid sync).
 Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture and pick
 differently per run); they are set for the bandwidth-bound decode case on Hopper: each program
 streams 16-byte vectors of 8 rows x 512 (gate-up, w13's gate and up) or 8 x 1024 (down) weights
-per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. Down loads its next chunk
-before reducing the current one, its first before waiting for gate-up (kernels.pdl: with PDL it
-streams w2 while gate-up drains). An sm_90 compile without a GPU gives 80 and 83 registers at 4
-warps, so 6 programs fit an SM (96 and 192 KB of loads in flight per SM; ~30-50 KB per SM covers
-DRAM latency at 4.3 TB/s).
+per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. With PDL (kernels.pdl)
+down asks for its pair's w2 rows in L2 before waiting for gate-up. An sm_90 compile without
+a GPU gives 80 and 40 registers at 4 warps, so 6 and 12 programs fit an SM (up to 96 and 192 KB
+of loads in flight per SM; ~30-50 KB per SM covers DRAM latency at 4.3 TB/s).
     n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 256 = 1536 programs (1.9 waves of 792 slots)
-                                   down    6 x 512 = 3072 programs (3.9 waves of 792), 2 steps each
+                                   down    6 x 512 = 3072 programs (1.9 waves of 1584), 2 steps each
     n = 16:                        gate-up 24576, down 49152 programs
 Before, down ran one program per (token, block): 512 programs at n = 1 (3.9 per SM on 132 SMs),
 each a chain of k x 2 = 12 dependent steps, and reached 2.5 TB/s. Down at 8 x 1024 keeps two
@@ -60,6 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
+from kernels.pdl import prefetch_l2
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -144,40 +144,38 @@ def _down_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # with USE_GDC: the pair's w2 rows into L2 first; their size
 ):
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
-    # Before the wait for gate-up: the pair's expert and the first chunk of its w2 rows. The ids come from
-    # the routing, two grids back, complete once this grid may start (with PDL gate-up lets it start only
-    # after its own wait; kernels.pdl); weights are never written by a kernel.
+    # the pair's expert, from the routing two grids back: complete once this grid may start (with PDL,
+    # gate-up lets it start only after its own wait; kernels.pdl)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    valid = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) leaves its partial at 0
-    offs_f = tl.arange(0, BLOCK_F)
-    w_ptrs = w2_ptr + tl.where(valid, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr \
-        + offs_f[None, :]
-    expert_lanes = tl.zeros([BLOCK_D], dtype=tl.int32) + expert
-    rows_read = d_mask & (expert_lanes >= 0) & (expert_lanes < num_experts)  # [BLOCK_D]: none for an invalid id
-    w_next = tl.load(w_ptrs, mask=rows_read[:, None] & (offs_f < intermediate_size)[None, :], other=0.0)
-    if USE_GDC:
+    if USE_GDC:  # the pair's BLOCK_D rows of w2 into L2 before the wait for gate-up (kernels.pdl)
+        if PREFETCH:
+            if (expert >= 0) & (expert < num_experts):
+                for row in tl.static_range(BLOCK_D):
+                    if d_block * BLOCK_D + row < hidden_size:
+                        prefetch_l2(w2_ptr + expert.to(tl.int64) * stride_we + (d_block * BLOCK_D + row) * stride_wr,
+                                    intermediate_size * W_BYTES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if valid:
+    if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
+        offs_f = tl.arange(0, BLOCK_F)
+        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
-        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM; each step loads the
-        # next chunk of w2 before reducing the current one (the last step's load is masked off)
+        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
         for f0 in range(0, intermediate_size, BLOCK_F):
             f_mask = offs_f < intermediate_size - f0
             h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
-            w = w_next.to(tl.float32)
-            w_ptrs += BLOCK_F
-            w_next = tl.load(w_ptrs, mask=d_mask[:, None] & (offs_f < intermediate_size - f0 - BLOCK_F)[None, :],
-                             other=0.0)
+            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
             partial += tl.sum(w * h[None, :], axis=1)
+            w_ptrs += BLOCK_F
             h_ptrs += BLOCK_F
         partial = partial * routing_weight
     # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
@@ -230,8 +228,8 @@ def moe_gemv(
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device),
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, PREFETCH=pdl.can_prefetch(w2),
+        W_BYTES=w2.element_size(), num_warps=NUM_WARPS, **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.down")
     return out
