@@ -60,9 +60,9 @@ def _gemv_kernel(
     pid = tl.program_id(0)
     if USE_GDC:  # this program's weights into L2 before the wait, then let the next grid queue up (kernels.pdl)
         if PREFETCH:
-            for row in tl.static_range(BLOCK_N):
-                if pid * BLOCK_N + row < n_out:
-                    prefetch_l2(w_ptr + (pid * BLOCK_N + row).to(tl.int64) * stride_wn, k_in * W_BYTES)
+            for line in tl.static_range(BLOCK_N):
+                if pid * BLOCK_N + line < n_out:
+                    prefetch_l2(w_ptr + (pid * BLOCK_N + line).to(tl.int64) * stride_wn, k_in * W_BYTES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -189,9 +189,9 @@ def _gemv_fused_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     if USE_GDC:  # this program's weights into L2 before the wait, then let the next grid queue up (kernels.pdl)
         if PREFETCH:
-            for row in tl.static_range(BLOCK_N):
-                if pid * BLOCK_N + row < n_out:
-                    prefetch_l2(w_ptr + (pid * BLOCK_N + row).to(tl.int64) * stride_wn, k_in * W_BYTES)
+            for line in tl.static_range(BLOCK_N):  # (not `row`: a name the epilogues rebind as a runtime int)
+                if pid * BLOCK_N + line < n_out:
+                    prefetch_l2(w_ptr + (pid * BLOCK_N + line).to(tl.int64) * stride_wn, k_in * W_BYTES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)

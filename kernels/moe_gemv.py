@@ -157,9 +157,9 @@ def _down_kernel(
     if USE_GDC:  # the pair's BLOCK_D rows of w2 into L2 before the wait for gate-up (kernels.pdl)
         if PREFETCH:
             if (expert >= 0) & (expert < num_experts):
-                for row in tl.static_range(BLOCK_D):
-                    if d_block * BLOCK_D + row < hidden_size:
-                        prefetch_l2(w2_ptr + expert.to(tl.int64) * stride_we + (d_block * BLOCK_D + row) * stride_wr,
+                for line in tl.static_range(BLOCK_D):
+                    if d_block * BLOCK_D + line < hidden_size:
+                        prefetch_l2(w2_ptr + expert.to(tl.int64) * stride_we + (d_block * BLOCK_D + line) * stride_wr,
                                     intermediate_size * W_BYTES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -15,13 +15,12 @@ triggers only after its own wait). Every program waits unconditionally before it
 completion stays transitive along the chain: a kernel that reads what a kernel two launches back
 wrote, after its wait, is safe.
 
-Kernels take a `USE_GDC: tl.constexpr` switch and launch with `**launch_options(device)`. It is OFF
-unless MOEI_PDL=1, and then only on CUDA devices of compute capability >= 9 whose Triton has the GDC
-intrinsics. Measured on the H200 (bench/results/2026-11-29-h200-run8-fused, v4-shape tg128 @ b1,
-graphs on) with every program waiting first and no prefetch: device time per step 146.2 us with PDL
-against 144.7 us without; its host figure there was taken after a torch.profiler session, which slows
-every later CUDA call (run 20), so it says nothing of PDL. The weight prefetch before the wait is
-measured against it in later runs (bench/gpu_all.sh). The interpreter and older GPUs never use it.
+Kernels take a `USE_GDC: tl.constexpr` switch and launch with `**launch_options(device)`. It is ON on
+CUDA devices of compute capability >= 9 whose Triton has the GDC intrinsics, unless MOEI_PDL=0 (the
+benchmark's A/B). The interpreter and older GPUs never use it. Measured on the H200 (v4-shape tg128
+@ b1, graphs on): with every program waiting first and no prefetch, 146.2 us per step against 144.7
+without (run 8); with the weights loaded a chunk ahead in registers, 141.3 against 146.8 (run 21),
+and those loops were slower without PDL; with the L2 prefetch and the loops as they were: run 23.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def _triton_supports_pdl() -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("MOEI_PDL", "0") != "1":
+    if device.type != "cuda" or os.environ.get("MOEI_PDL", "1") == "0":
         return False
     if device not in _ENABLED:
         _ENABLED[device] = torch.cuda.get_device_capability(device)[0] >= 9 and _triton_supports_pdl()
