@@ -8,7 +8,7 @@
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
 #   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, GEMV bench, v4 table
-#   bash bench/gpu_all.sh decode     the decode step's GPU tests and v4 table, programmatic dependent launch on, then off
+#   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice and without run-ahead, host step, demo
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -95,17 +95,19 @@ elif [ "$mode" = step ]; then  # issues 4 and 7 together: GPU tests of the step 
     TAIL=30 stage 60 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
     TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
-elif [ "$mode" = decode ]; then  # issue 7's decode step: GPU tests, v4 table and host step, PDL on (default) then off
-    TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf --durations=5 \
-        tests/test_decode_fused.py tests/test_runtime_gpu.py tests/test_moe_kernels.py -k "not arms_match"
+elif [ "$mode" = decode ]; then  # issue 7's decode step: GPU tests, the v4 table (twice) and its A/Bs, host step, demo
+    TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf --durations=5 \
+        tests/test_decode_fused.py tests/test_runtime_gpu.py tests/test_engine_gpu.py tests/test_moe_kernels.py \
+        -k "not arms_match"
     TAIL=40 stage 100 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
+    TAIL=12 stage 100 bench_v4_again python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 \
+        --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_again.json"
+    TAIL=12 MOEI_RUN_AHEAD=0 stage 100 bench_v4_no_run_ahead python3 -m inspector bench --model v4-shape --pp 512 \
+        --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_run_ahead.json"
     TAIL=30 stage 50 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
-    TAIL=40 MOEI_PDL=0 stage 100 bench_v4_no_pdl python3 -m inspector bench --model v4-shape --pp 512 --tg 128 \
-        --batch 1 --reps 3 --gpu-weights --profile --format md --json-out "$WORK/bench_v4_no_pdl.json"
-    TAIL=30 MOEI_PDL=0 stage 50 host_step_no_pdl python3 bench/host_step.py --device cuda --model v4-shape --steps 2000
-    TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128 --tg 128 \
-        --batch 1,8,32 --reps 3 --format md --json-out "$WORK/bench_demo.json"
+    TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
+        --reps 3 --format md --json-out "$WORK/bench_demo.json"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh

@@ -7,7 +7,9 @@ Four questions, each answered by a measurement in one process (run on a GPU; pri
      leave the CUDA API slower for the rest of the process?);
   3. whether a device-to-pinned-host copy can be captured in a graph (and lands on replay);
   4. whether a Triton kernel can store straight into pinned host memory (zero-copy outputs);
-  5. whether timing events recorded inside a capture (torch.cuda.Event(external=True)) time each replay.
+  5. whether timing events recorded inside a capture (torch.cuda.Event(external=True)) time each replay;
+  6. the host cost of an event record and a graph launch through torch's C methods, against the CUDA
+     driver's cuEventRecord / cuGraphLaunch called through ctypes on the same handles.
 
     python3 bench/probe_launch.py
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 import triton
@@ -127,6 +130,39 @@ def main() -> None:
                     f"(a ~200k-cycle spin); launch of that graph median {statistics.median(host):.2f} us")
     except Exception as error:  # noqa: BLE001
         rows.append(f"5. captured timing events: FAILED {type(error).__name__}: {error}")
+
+    # 6. torch's C methods against the driver API through ctypes
+    try:
+        import ctypes
+
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        driver.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        stream = torch.cuda.current_stream()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        record = super(torch.cuda.Event, event).record
+        handle, raw_stream = event.cuda_event, stream.cuda_stream
+        exec_handle = one.raw_cuda_graph_exec()
+
+        def per_call(call, count=2000):
+            costs = []
+            for block in range(count // 20):
+                torch.cuda._sleep(20_000_000)
+                for _ in range(20):
+                    started = time.perf_counter()
+                    call()
+                    costs.append((time.perf_counter() - started) * 1e6)
+                torch.cuda.synchronize()
+            return costs
+
+        report("6. event record, torch C method", per_call(lambda: record(stream)))
+        report("6. event record, cuEventRecord via ctypes", per_call(lambda: driver.cuEventRecord(handle, raw_stream)))
+        report("6. graph launch, torch C method", per_call(launch, 400))
+        launch_raw = partial(driver.cuGraphLaunch, exec_handle, raw_stream)
+        report("6. graph launch, cuGraphLaunch via ctypes", per_call(launch_raw, 400))
+    except Exception as error:  # noqa: BLE001
+        rows.append(f"6. driver calls: FAILED {type(error).__name__}: {error}")
 
     # 2. after a profiler session
     from torch.profiler import ProfilerActivity, profile

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch
-from kernels.pdl import prefetch_l2
 
 MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
 TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
@@ -55,16 +54,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # with USE_GDC: w's rows into L2 first; w's element size
 ):
-    pid = tl.program_id(0)
-    if USE_GDC:  # this program's weights into L2 before the wait, then let the next grid queue up (kernels.pdl)
-        if PREFETCH:
-            for line in tl.static_range(BLOCK_N):
-                if pid * BLOCK_N + line < n_out:
-                    prefetch_l2(w_ptr + (pid * BLOCK_N + line).to(tl.int64) * stride_wn, k_in * W_BYTES)
+    if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
@@ -88,6 +81,8 @@ def _gemv_kernel(
                 accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -134,8 +129,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH=pdl.can_prefetch(w),
-        W_BYTES=w.element_size(), num_warps=4, **pdl.launch_options(x.device),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
     )
     launches.record("gemv")
     return out

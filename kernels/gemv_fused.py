@@ -72,7 +72,6 @@ from kernels import arrivals, launches, pdl, scratch
 from kernels.gemv import TENSOR_CORE_ROWS, block_sizes
 from kernels.next_tokens import BLOCK as PICK_BLOCK
 from kernels.next_tokens import _argmax_row, _feed
-from kernels.pdl import prefetch_l2
 from kernels.rope_cache import _rotate
 from kernels.router import MAX_EXPERTS, _count_ids, _topk_softmax_row
 
@@ -178,8 +177,9 @@ def _gemv_fused_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # with USE_GDC: w's rows into L2 first; w's element size
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -187,13 +187,6 @@ def _gemv_fused_kernel(
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    if USE_GDC:  # this program's weights into L2 before the wait, then let the next grid queue up (kernels.pdl)
-        if PREFETCH:
-            for line in tl.static_range(BLOCK_N):  # (not `row`: a name the epilogues rebind as a runtime int)
-                if pid * BLOCK_N + line < n_out:
-                    prefetch_l2(w_ptr + (pid * BLOCK_N + line).to(tl.int64) * stride_wn, k_in * W_BYTES)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([M_PAD], dtype=tl.float32)  # sum of x^2 per row (NORM)
     if NORM and EXACT:  # a first pass for the scale, so h can be rounded before the product
@@ -226,6 +219,8 @@ def _gemv_fused_kernel(
             partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
             accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
         w_ptrs += BLOCK_K
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         if not EXACT:
             scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
@@ -444,7 +439,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
         ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
         PICK=pick is not None, FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(n_out)),
-        PREFETCH=pdl.can_prefetch(w), W_BYTES=w.element_size(), num_warps=4, **pdl.launch_options(device),
+        num_warps=4, **pdl.launch_options(device),
     )
     launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_pick"
                     if pick is not None else "gemv_norm" if norm is not None else "gemv")

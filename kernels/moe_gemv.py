@@ -37,8 +37,7 @@ whole program's stores and loads (the pattern of cooperative groups' grid sync).
 Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture and pick
 differently per run); they are set for the bandwidth-bound decode case on Hopper: each program
 streams 16-byte vectors of 8 rows x 512 (gate-up, w13's gate and up) or 8 x 1024 (down) weights
-per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. With PDL (kernels.pdl)
-down asks for its pair's w2 rows in L2 before waiting for gate-up. An sm_90 compile without
+per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. An sm_90 compile without
 a GPU gives 80 and 40 registers at 4 warps, so 6 and 12 programs fit an SM (up to 96 and 192 KB
 of loads in flight per SM; ~30-50 KB per SM covers DRAM latency at 4.3 TB/s).
     n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 256 = 1536 programs (1.9 waves of 792 slots)
@@ -59,7 +58,6 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
-from kernels.pdl import prefetch_l2
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -89,7 +87,6 @@ def _gate_up_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # down may queue up and prefetch its w2 behind this grid
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
     token = pair // TOP_K
@@ -118,9 +115,10 @@ def _gate_up_kernel(
             gate_ptrs += BLOCK_D
             up_ptrs += BLOCK_D
             x_ptrs += BLOCK_D
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
-                 mask=f_mask)
+        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
 
 
 @triton.jit
@@ -144,25 +142,15 @@ def _down_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # with USE_GDC: the pair's w2 rows into L2 first; their size
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
-    # the pair's expert, from the routing two grids back: complete once this grid may start (with PDL,
-    # gate-up lets it start only after its own wait; kernels.pdl)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    if USE_GDC:  # the pair's BLOCK_D rows of w2 into L2 before the wait for gate-up (kernels.pdl)
-        if PREFETCH:
-            if (expert >= 0) & (expert < num_experts):
-                for line in tl.static_range(BLOCK_D):
-                    if d_block * BLOCK_D + line < hidden_size:
-                        prefetch_l2(w2_ptr + expert.to(tl.int64) * stride_we + (d_block * BLOCK_D + line) * stride_wr,
-                                    intermediate_size * W_BYTES)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
     if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
@@ -178,6 +166,8 @@ def _down_kernel(
             w_ptrs += BLOCK_F
             h_ptrs += BLOCK_F
         partial = partial * routing_weight
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
     tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
     tl.debug_barrier()  # every thread's store is issued before the release below
@@ -228,8 +218,8 @@ def moe_gemv(
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, PREFETCH=pdl.can_prefetch(w2),
-        W_BYTES=w2.element_size(), num_warps=NUM_WARPS, **pdl.launch_options(x.device),
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.down")
     return out
