@@ -37,8 +37,10 @@ router's fold writes each layer's woken count into the step's output buffer, and
 each row's next token into it (and feeds the next replay's inputs), so a graphed step at B = 1 needs no
 next_tokens launch and no copy gathering the counts.
 
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2): 9 Triton launches per graphed step (7
-with FOLD_QKV), 15 before the folds (3 rms_norm, topk_softmax, rope_cache and the graph's next_tokens).
+v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2): 10 Triton launches per graphed step (8
+with FOLD_QKV) and no copy; 14 launches and 2 copies before the folds (the norms in front of the router
+and the LM head, topk_softmax and the graph's next_tokens had launches of their own; the woken count was
+copied into the output buffer, and that buffer to the host).
 Without a packed qkv weight the three projections are separate products between an rms_norm and a
 rope_cache launch.
 
