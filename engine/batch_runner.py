@@ -111,8 +111,8 @@ class _Ahead:
     """A replayed step launched ahead, before the sync of the step in flight before it (`_launch_ahead`).
 
     `started` (the caller's clock) is stamped right before that launch; `launched_at` (perf_counter)
-    right after it. `pair` is the step's own (events, records, wait, elapsed) and `turn` the landing
-    buffer its outputs are copied into. At the previous step's sync, `fed` and `tokens` are set to that
+    right after it. `pair` is the step's own (events, records, wait, elapsed) and `turn` the instance
+    launched, whose landing buffer holds its outputs. At the previous step's sync, `fed` and `tokens` are set to that
     step's rows and tokens: the replay launched computes each row's token one position on. `expected`,
     (request id, token, position) per row fed, is made from them when read, unless it was set."""
 
