@@ -492,10 +492,13 @@ class Report:
 
 def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | None = None,
               profile: bool = False, depth_floor: int | None = None, token_budget: int | None = None,
-              progress=None, weights_note: str = "", clock: Callable[[], float] | None = None) -> Report:
+              progress=None, weights_note: str = "", clock: Callable[[], float] | None = None,
+              on_row: Callable[[Row], None] | None = None) -> Report:
     """Every row: one warm-up repetition and `reps` timed ones; with `profile`, then one profiled repetition
     per row, all after the last timed one (a profiler session slows the process's CUDA calls for good).
-    Raises MeasurementError (exit 2) on the first invalid repetition; nothing is printed here."""
+    `on_row` is called with each row once its timed repetitions are done (before any profile: the TUI
+    shows rows as they arrive). Raises MeasurementError (exit 2) on the first invalid repetition; nothing
+    is printed here."""
     from engine.batch_runner import BatchRunner
 
     if reps < 1:
@@ -525,6 +528,8 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
             profiled.append((row, runner, run_once, floor))
         rows.append(row)
         del runner
+        if on_row is not None:
+            on_row(row)
     # Every profiled repetition after every timed one: a torch.profiler session leaves the process's CUDA
     # calls slower for good (bench/probe_launch.py, H200: a graph launch 4.0 us before one, 13.9 us after),
     # so a row timed after another row's profile would carry that cost in its host time.

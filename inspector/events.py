@@ -87,6 +87,11 @@ class BenchRowEvent:
 
 
 @dataclass(frozen=True)
+class BenchProfileEvent:
+    row: dict  # a row of engine.bench's JSON report with its kernel shares (profiled after every timed row)
+
+
+@dataclass(frozen=True)
 class BenchDoneEvent:
     """The bench finished: `report` is the whole JSON report; else `refused` (a MeasurementError's
     reason) or `error` (bad input) says why there is no table; `cancelled` when the screen was left."""
@@ -140,6 +145,8 @@ class EngineQueue:
                     messages.append(BenchProgressed([event.note]))
             elif isinstance(event, BenchRowEvent):
                 messages.append(BenchRowArrived(event.row))
+            elif isinstance(event, BenchProfileEvent):
+                messages.append(BenchProfileArrived(event.row))
             elif isinstance(event, BenchDoneEvent):
                 messages.append(BenchFinished(event.report, event.refused, event.error, event.cancelled,
                                               event.wall_s))
@@ -226,6 +233,12 @@ class BenchProgressed(Message, bubble=False):
 
 
 class BenchRowArrived(Message, bubble=False):
+    def __init__(self, row: dict) -> None:
+        super().__init__()
+        self.row = row
+
+
+class BenchProfileArrived(Message, bubble=False):
     def __init__(self, row: dict) -> None:
         super().__init__()
         self.row = row

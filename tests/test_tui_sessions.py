@@ -265,6 +265,46 @@ async def test_bench_screen_runs_rows_fills_the_progress_bar_and_records_a_step(
 
 
 @synchronously
+async def test_bench_screen_shows_rows_as_they_are_timed_and_kernel_shares_after_every_row(engine, tmp_path):
+    # run_bench profiles after every row is timed (a profiler session slows later CUDA calls): the screen gets
+    # each row from on_row, then the shares. A CPU has no profile, so a wrapper adds one to each finished row.
+    from engine import bench
+
+    seen = []
+
+    def profiled_bench(*args, on_row=None, **kwargs):
+        def arrived(row):
+            seen.append((row.spec.name, row.profile))
+            on_row(row)
+
+        report = bench.run_bench(*args, on_row=arrived, **kwargs)
+        for row in report.rows:
+            row.profile = [{"kernel": f"k_{row.spec.name}", "device_us": 2.0, "calls": 4, "share": 0.5,
+                            "launches_per_step": 1.0}]
+            row.profile_note = "stub shares"
+        return report
+
+    app = make_app(engine, tmp_path / "shares.toml")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = BenchScreen(engine, app.main_screen.flags, app.engine_lock, run_bench=profiled_bench)
+        app.push_screen(screen)
+        await pilot.pause()
+        screen.query_one("#bench-pp", Input).value = "16"
+        screen.query_one("#bench-tg", Input).value = "none"
+        screen.query_one("#bench-batch", Input).value = "1,2"
+        screen.query_one("#bench-reps", Input).value = "1"
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: not screen.running and screen.report is not None)
+        await pilot.pause()
+        assert seen == [("pp16", None), ("pp16 @ b2", None)]  # each row sent before any profile ran
+        kernels = screen.query_one("#bench-kernels", DataTable)
+        assert kernels.display and kernels.row_count == 2
+        assert [kernels.get_row_at(i)[1] for i in range(2)] == ["k_pp16", "k_pp16 @ b2"]
+        assert "kernel shares, stub shares" in text_of(screen.query_one("#bench-shares-note"))
+        assert [row["test"] for row in screen.rows] == ["pp16", "pp16 @ b2"]
+
+
+@synchronously
 async def test_bench_screen_shows_a_refused_measurement_instead_of_a_table(engine, tmp_path):
     app = make_app(engine, tmp_path / "refused.toml")
     async with app.run_test(size=SIZE) as pilot:

@@ -1,8 +1,9 @@
 """The bench screen: llama-bench rows (engine.bench) on the current engine under configuration A.
 
-A thread worker runs `run_bench` one row at a time, holding the engine lock, so each row reaches
-the table as it finishes; its progress object only puts notes on the queue, which a timer drains
-into the progress bar. Beside the table: the steady-state trajectory (generated tokens/s in
+A thread worker runs `run_bench`, holding the engine lock; each row reaches the table as its timed
+repetitions finish, and its kernel shares once every row is timed (profiles run last: a profiler
+session slows the process's later CUDA calls); its progress object only puts notes on the queue,
+which a timer drains into the progress bar. Beside the table: the steady-state trajectory (generated tokens/s in
 2-second bins) and, when profiled on a GPU, the kernel shares. A refused measurement
 (MeasurementError: zero tokens, zero time, a non-finite rate) shows its reason instead of a table.
 
@@ -108,19 +109,6 @@ def parse_plan(values: dict[str, str], profile: bool, context: int) -> Plan:
             raise UserError(f"{spec.name} needs {spec.prompt_len + spec.max_tokens} positions, more than the context "
                             f"of {context}: choose shorter pp/tg")
     return plan
-
-
-def combine(reports: list[dict]) -> dict:
-    """One report from the one-row reports the worker produced, shaped as run_bench's whole report."""
-    targets: dict = {}
-    for report in reports:
-        if report.get("targets"):
-            if not targets:
-                targets = {**report["targets"], "rows": []}
-            targets["rows"] += report["targets"]["rows"]
-    last = reports[-1]
-    return {"model": last["model"], "device": last["device"], "rows": [report["rows"][0] for report in reports],
-            "targets": targets, "footer": last["footer"]}
 
 
 def row_cells(row: dict) -> list[str]:
@@ -241,17 +229,22 @@ class BenchScreen(Screen):
 
     @work(thread=True, exclusive=True, group="bench")
     def run_rows(self, plan: Plan) -> None:
-        """On the worker thread: one run_bench per row, so rows arrive as they finish; only the queue is touched."""
+        """On the worker thread: one run_bench, each row sent as its timed repetitions finish, then each row's
+        kernel shares (profiled after every timed row: a profiler session slows later CUDA calls); only the
+        queue is touched."""
         progress = QueueProgress(self.queue, self.cancel)
         started = time.perf_counter()
-        reports = []
+
+        def arrived(row) -> None:
+            self.queue.put(events.BenchRowEvent(row.to_json()))
+
         try:
             with self.engine_lock:
-                for spec in plan.specs:
-                    report = self.run_bench_function(self.engine, self.flags, [spec], plan.reps, profile=plan.profile,
-                                                     progress=progress, clock=self.clock).to_json()
-                    reports.append(report)
-                    self.queue.put(events.BenchRowEvent(report["rows"][0]))
+                report = self.run_bench_function(self.engine, self.flags, plan.specs, plan.reps, profile=plan.profile,
+                                                 progress=progress, clock=self.clock, on_row=arrived).to_json()
+            for row in report["rows"]:
+                if "profile" in row:
+                    self.queue.put(events.BenchProfileEvent(row))
         except BenchCancelled:
             self.queue.put(events.BenchDoneEvent(None, cancelled=True))
             return
@@ -261,7 +254,7 @@ class BenchScreen(Screen):
         except UserError as error:
             self.queue.put(events.BenchDoneEvent(None, error=str(error)))
             return
-        self.queue.put(events.BenchDoneEvent(combine(reports), wall_s=time.perf_counter() - started))
+        self.queue.put(events.BenchDoneEvent(report, wall_s=time.perf_counter() - started))
 
     def cancel_work(self) -> None:
         self.cancel.set()
@@ -284,6 +277,9 @@ class BenchScreen(Screen):
         row = message.row
         self.rows.append(row)
         self.query_one("#bench-rows", DataTable).add_row(*row_cells(row), key=row["test"])
+
+    def on_bench_profile_arrived(self, message: events.BenchProfileArrived) -> None:
+        row = message.row
         if "profile" in row:
             kernels = self.query_one("#bench-kernels", DataTable)
             kernels.display = True
@@ -361,6 +357,7 @@ def footer_text(report: dict) -> str:
         share = ("device time n/a here, so no host share" if entry.get("host_share") is None else
                  f"host {100 * entry['host_share']:.1f} % of the device step (target < "
                  f"{100 * entry['target_host_share']:.0f} %)")
-        lines.append(f"{entry['test']} @ b1: {entry['tps']:.1f} t/s; the weight-bandwidth bound, {entry['bound_tps']:.1f} "
-                     f"t/s, is {entry['ratio_to_bound']:.2f}× that (target ≤ {entry['target_ratio']}×); {share}")
+        lines.append(f"{entry['test']} @ b1: {entry['tps']:.1f} t/s; the weight-bandwidth bound, "
+                     f"{entry['bound_tps']:.1f} t/s, is {entry['ratio_to_bound']:.2f}× that "
+                     f"(target ≤ {entry['target_ratio']}×); {share}")
     return "\n".join(lines)
