@@ -286,8 +286,9 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
              if hasattr(runner, name)}
     if "run_ahead" in saved:  # the path of a step launched the usual way (a run-ahead step launches earlier)
         runner.run_ahead = False
-    graphs = [(captured, captured.launch, getattr(captured, "launches", None), getattr(captured, "copies", None))
-              for captured in runner._graphs.values() if hasattr(captured, "launch")]
+    graphs = [(captured, getattr(captured, "launch", None), getattr(captured, "launches", None),
+               getattr(captured, "copies", None))  # one launch (older runners) or one per instance
+              for captured in runner._graphs.values() if hasattr(captured, "launch") or hasattr(captured, "launches")]
     Scheduler.schedule = timed_schedule(schedule)
     runner._graph_for = timed("BatchRunner._graph_for", saved["_graph_for"])
     runner._current_stream = timed("BatchRunner._current_stream", saved["_current_stream"])
@@ -300,7 +301,8 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
         runner._records = (timed("start event record", saved["_records"][0]),
                            timed("end event record", saved["_records"][1]))
     for captured, launch, instances, copies in graphs:
-        captured.launch = timed("graph launch", launch)
+        if launch is not None:
+            captured.launch = timed("graph launch", launch)
         if instances is not None:
             captured.launches = tuple(timed("graph launch", instance) for instance in instances)
         if copies:
@@ -319,7 +321,8 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
         for name, value in saved.items():
             setattr(runner, name, value)
         for captured, launch, instances, copies in graphs:
-            captured.launch = launch
+            if launch is not None:
+                captured.launch = launch
             if instances is not None:
                 captured.launches = instances
             if copies:

@@ -42,13 +42,12 @@ one forward for all its rows, and returns each row's next token, with the step's
   replay needs nothing from the host. The two instances alternate, so the step in flight behind a
   step writes the other landing buffer; a step's sync is its own end event (`synchronize`), after
   which it reads its own landing buffer (the instance that writes it again is launched only after
-  this read). (`_DecodeGraph` also takes one graph writing a device buffer, which each launch then
-  copies into one of two host buffers: bench/host_step.py's stubs of older runners.) The next `run` finds its step
-  launched (`ahead`): it checks the Batch is the one launched (`_Ahead.feeds`: row by row against the
-  previous step's rows and tokens; else raises: a bug, never a silent wrong step), does not launch
-  again, and does everything else a replayed step does. Each step has its own start and end events:
-  two pairs, a step launched ahead taking the other pair than the step in flight before it; a pair is
-  recorded again only two launches later, after its step's sync read it.
+  this read). The next `run` finds its step launched (`ahead`): it checks the Batch is the one
+  launched (`_Ahead.feeds`: row by row against the previous step's rows and tokens; else raises: a
+  bug, never a silent wrong step), does not launch again, and does everything else a replayed step
+  does. Each step has its own start and end events: two pairs, a step launched ahead taking the other
+  pair than the step in flight before it; a pair is recorded again only two launches later, after its
+  step's sync read it.
   `drop_ahead` forgets a launched step that will not run. Not while steps are labelled for the profiler
   (a step's kernels would start inside the previous step's range).
   Device time of a replayed step: from its start event to its end event, so it includes the writes
@@ -159,49 +158,30 @@ def _launcher(graph) -> Callable[[], None]:
 
 @dataclass
 class _DecodeGraph:
-    """A captured decode step. Either two instances (`graph` and `observed` are pairs: each instance's
-    kernels write the step's outputs straight into its own pinned host buffer, so a launch copies
-    nothing), or one graph writing a device buffer that each launch copies into one of two host buffers."""
+    """A captured decode step: two instances of it, launched alternately, each of whose kernels write the
+    step's outputs straight into its own pinned host buffer, so a launch copies nothing."""
 
-    graph: object  # torch.cuda.CUDAGraph, or a pair of them (instances, launched alternately)
+    graphs: tuple  # two torch.cuda.CUDAGraph instances of the step
     inputs: torch.Tensor  # [2, B] int64 static: row 0 the tokens fed, row 1 their positions
     staging: torch.Tensor  # [2, B] int64 pinned host copy of the next inputs
-    # [B + MoE layers] int64 static output: the next tokens, then each layer's woken experts; with instances,
-    # a pair of pinned host buffers, each written by its instance's kernels
-    observed: object
+    # per instance, [B + MoE layers] int64 pinned: the next tokens, then each layer's woken experts; a step
+    # reads its own after its sync while the next step in flight writes the other
+    landing: tuple
     template: object  # the capture's Dispatcher: decisions, arm counts, observed-count outputs
     kernels: dict[str, int]  # Triton launches the capture recorded (and a replay repeats)
     # What `inputs` holds after the last replay (the graph feeds its own output one position on):
     # one (request id, token, position) per row; a step that matches needs no host->device copy.
     holds: list[tuple[int, int, int]] | None = None
     turn: int = 0  # the instance / landing buffer of the next launch (alternates per launch)
-    launch: Callable[[], None] = field(init=False, repr=False)  # the first instance's launch
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
-    # Two host buffers [B + MoE layers] (pinned on a GPU) the outputs land in, alternating: a step reads its
-    # own after its sync while the next step in flight writes the other.
-    landing: tuple[torch.Tensor, ...] = field(init=False, repr=False)
-    # per turn, enqueue observed -> landing[turn] after the launch; () with instances (they write it)
-    copies: tuple[Callable[[], object], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        inputs, observed = self.inputs, self.observed
+        inputs = self.inputs
+        # Tensor.copy_ is a C method: the partial costs one call; non_blocking from pinned host memory, so it
+        # is only enqueued on the current stream (the replay's).
         self.feed = None if inputs is None else partial(inputs.copy_, self.staging, non_blocking=True)
-        if isinstance(self.graph, tuple):
-            self.launches = tuple(_launcher(graph) for graph in self.graph)
-            self.launch = self.launches[0]
-            self.landing, self.copies = tuple(observed), ()
-            return
-        self.launch = _launcher(self.graph)
-        self.launches = (self.launch, self.launch)
-        # Tensor.copy_ is a C method: the partials cost one call each; non_blocking from and to pinned
-        # host memory, so each is only enqueued on the current stream (the replay's).
-        if observed is None:
-            self.landing = self.copies = ()
-        else:
-            self.landing = tuple(torch.empty(observed.shape, dtype=observed.dtype, pin_memory=observed.is_cuda)
-                                 for _ in range(2))
-            self.copies = tuple(partial(landing.copy_, observed, non_blocking=True) for landing in self.landing)
+        self.launches = tuple(_launcher(graph) for graph in self.graphs)
 
 
 # (stream id, device index, device type) of a device's current stream: the one C call inside
@@ -350,9 +330,6 @@ class BatchRunner:
         records[0](stream)
         turn = captured.turn
         self._replay(captured, batch.rows)  # the instance of this turn
-        copies = captured.copies
-        if copies:
-            copies[turn]()  # observed -> landing[turn], before the end event
         captured.turn = turn ^ 1
         records[1](stream)
         launched_at = _perf_counter()
@@ -417,9 +394,6 @@ class BatchRunner:
         records[0](stream)
         turn = captured.turn
         captured.launches[turn]()
-        copies = captured.copies
-        if copies:
-            copies[turn]()
         captured.turn = turn ^ 1
         records[1](stream)
         self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn)

@@ -135,9 +135,10 @@ def test_a_graph_replays_through_its_own_replay_unless_it_is_a_cuda_graph():
             calls.append("replayed")
 
     calls = []
-    captured = _DecodeGraph(Graph(), None, None, None, None, {})
-    captured.launch()
-    assert calls == ["replayed"]
+    captured = _DecodeGraph((Graph(), Graph()), None, None, (None, None), None, {})
+    captured.launches[0]()
+    captured.launches[1]()
+    assert calls == ["replayed", "replayed"]
 
 
 # ------------------------------------------------------------------------------------------------ run-ahead
