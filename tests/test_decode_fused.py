@@ -180,6 +180,18 @@ def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, pac
         _close(fused_cache.v[layer], torch_cache.v[layer], torch.float32)
 
 
+def _one_row_after_prefill():
+    """tiny with its q/k/v packed, one cache row of 24 positions holding a 5-token prefill, and the
+    dispatcher that ran it: what a one-row decode step at position 5 starts from."""
+    engine = Engine.load("tiny", "cpu", seed=0)
+    decode_fused.pack_qkv(engine.config, engine.weights)
+    config = engine.config
+    cache = KVCache.allocate(config, 1, 24, engine.device, engine.dtype)
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+    forward(config, engine.weights, torch.tensor([[1, 2, 3, 4, 5]]), 0, cache, dispatcher)
+    return engine, config, cache, dispatcher
+
+
 @pytest.mark.parametrize("fold_wide", [False, True])
 def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
@@ -190,12 +202,7 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
-    engine = Engine.load("tiny", "cpu", seed=0)
-    decode_fused.pack_qkv(engine.config, engine.weights)
-    config = engine.config
-    cache = KVCache.allocate(config, 1, 24, engine.device, engine.dtype)
-    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
-    forward(config, engine.weights, torch.tensor([[1, 2, 3, 4, 5]]), 0, cache, dispatcher)
+    engine, config, cache, dispatcher = _one_row_after_prefill()
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
                                 dispatcher)
@@ -214,12 +221,7 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
     next replay: no next_tokens launch, the same logits."""
     from kernels import launches
 
-    engine = Engine.load("tiny", "cpu", seed=0)
-    decode_fused.pack_qkv(engine.config, engine.weights)
-    config = engine.config
-    cache = KVCache.allocate(config, 1, 24, engine.device, engine.dtype)
-    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
-    forward(config, engine.weights, torch.tensor([[1, 2, 3, 4, 5]]), 0, cache, dispatcher)
+    engine, config, cache, dispatcher = _one_row_after_prefill()
     plain = decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None,
                                         cache, dispatcher)
     dispatcher.begin_step(1, "decode", 1)
