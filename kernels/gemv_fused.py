@@ -34,7 +34,8 @@ Epilogues (one per launch):
                 logits of every row past L1 and does what kernels.router.topk_softmax does (the
                 same jit function): ids [M, k] int32, weights [M, k], and the number of distinct
                 experts chosen (0-d int64; Route.into: written into the given int64 element instead,
-                e.g. the graphed step's output buffer, so no copy gathers it)
+                e.g. the graphed step's output buffer, so no copy gathers it; for one row that is k, stored
+                without the count's second read of the ids)
     pick        out = float32 logits; the last program to arrive takes each row's argmax (the lowest id
                 on ties, as torch.argmax: kernels.next_tokens's jit function) into tokens[m], and with
                 `inputs` feeds the next replay: inputs[0, m] = that token, inputs[1, m] += 1 (what
@@ -255,8 +256,11 @@ def _gemv_fused_kernel(
                 _topk_softmax_row(logits, offs_e, n_out, ids_ptr + tl.cast(row, tl.int64) * stride_ids,
                                   weights_ptr + tl.cast(row, tl.int64) * stride_weights, E_PAD, TOP_K, K_PAD)
             if WOKEN:
-                tl.debug_barrier()
-                tl.store(woken_ptr, _count_ids(ids_ptr, rows * TOP_K, n_out, E_PAD, COUNT_BLOCK).to(tl.int64))
+                if M_PAD == 1:  # one row: its k ids are distinct (the top-k never takes an id twice)
+                    tl.store(woken_ptr, tl.full([], TOP_K, tl.int64))
+                else:
+                    tl.debug_barrier()
+                    tl.store(woken_ptr, _count_ids(ids_ptr, rows * TOP_K, n_out, E_PAD, COUNT_BLOCK).to(tl.int64))
             tl.atomic_xchg(arrivals_ptr, 0)
     if PICK:  # the last program takes every row's argmax
         tl.debug_barrier()

@@ -53,11 +53,15 @@ the sweep still times this arm), counters T x D/8 int32 (kept in the shared arri
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
+from kernels.l2_prefetch import _bulk_prefetch
+from kernels.l2_prefetch import available as l2_prefetch_available
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -65,6 +69,45 @@ GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B p
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 NUM_WARPS = 4
+# Gate-up and down in one launch (`_moe_one_launch_kernel`) unless told otherwise; not measured yet.
+ONE_LAUNCH = False
+# Registers per thread of the one-launch kernel: gate-up's own count (an sm_90 compile gives 96 to the
+# union of both paths, 80 with this cap and no spill), so 6 programs fit an SM as in the gate-up kernel.
+ONE_LAUNCH_REGISTERS = 80
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, f_block, token, expert, hidden_size, intermediate_size,
+                  stride_xt, stride_we, stride_wr, stride_hp, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+                  USE_GDC: tl.constexpr):
+    """One program's gate-up work: pair `pair`'s BLOCK_F hidden units of block `f_block` (expert valid)."""
+    offs_f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_mask = offs_f < intermediate_size
+    offs_d = tl.arange(0, BLOCK_D)
+    # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
+    up_ptrs = gate_ptrs + intermediate_size * stride_wr
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
+    # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
+    # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
+    gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+    up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for d0 in range(0, hidden_size, BLOCK_D):
+        d_mask = offs_d < hidden_size - d0
+        w_mask = f_mask[:, None] & d_mask[None, :]
+        x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
+        up_sum += tl.sum(up * x_chunk[None, :], axis=1)
+        gate_ptrs += BLOCK_D
+        up_ptrs += BLOCK_D
+        x_ptrs += BLOCK_D
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
+    tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
 
 
 @triton.jit
@@ -92,33 +135,44 @@ def _gate_up_kernel(
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert >= 0) & (expert < num_experts):
-        offs_f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
-        f_mask = offs_f < intermediate_size
-        offs_d = tl.arange(0, BLOCK_D)
-        # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
-        w_base = w13_ptr + expert.to(tl.int64) * stride_we
-        gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
-        up_ptrs = gate_ptrs + intermediate_size * stride_wr
-        x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
-        # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
-        # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
-        gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-        up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-        for d0 in range(0, hidden_size, BLOCK_D):
-            d_mask = offs_d < hidden_size - d0
-            w_mask = f_mask[:, None] & d_mask[None, :]
-            x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
-            up_sum += tl.sum(up * x_chunk[None, :], axis=1)
-            gate_ptrs += BLOCK_D
-            up_ptrs += BLOCK_D
-            x_ptrs += BLOCK_D
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
+        _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, f_block, token, expert, hidden_size, intermediate_size,
+                      stride_xt, stride_we, stride_wr, stride_hp, BLOCK_F, BLOCK_D, USE_GDC)
+
+
+@triton.jit
+def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, f_start, intermediate_size, BLOCK_F: tl.constexpr,
+                PAST_L1: tl.constexpr):
+    """partial + w2 rows . hidden over F from f_start (pointers at f_start), one BLOCK_F step at a time,
+    reduced every step into [BLOCK_D] fp32: few registers, many programs per SM. PAST_L1: the hidden
+    row was written in this launch by other programs (read at L2, ".cg")."""
+    for f0 in range(f_start, intermediate_size, BLOCK_F):
+        f_mask = offs_f < intermediate_size - f0
+        if PAST_L1:
+            h = tl.load(h_ptrs, mask=f_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        partial += tl.sum(w * h[None, :], axis=1)
+        w_ptrs += BLOCK_F
+        h_ptrs += BLOCK_F
+    return partial
+
+
+@triton.jit
+def _down_arrive(partial, partials_ptr, counter, out_ptr, pair, token, offs_d, d_mask, stride_pp, stride_ot,
+                 TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Last program reduces (kernels/arrivals.py): the pair's partial stored, then counted in at `counter`
+    (its (token, output block)); the last of the k sums the k partials in the order j = 0..k-1."""
+    tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
+    tl.debug_barrier()  # every thread's store is issued before the release below
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
+            total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
 
 
 @triton.jit
@@ -157,29 +211,98 @@ def _down_kernel(
         offs_f = tl.arange(0, BLOCK_F)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
-        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
-        for f0 in range(0, intermediate_size, BLOCK_F):
-            f_mask = offs_f < intermediate_size - f0
-            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
-            partial += tl.sum(w * h[None, :], axis=1)
-            w_ptrs += BLOCK_F
-            h_ptrs += BLOCK_F
+        partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, BLOCK_F, False)
         partial = partial * routing_weight
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
-    tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
-    tl.debug_barrier()  # every thread's store is issued before the release below
-    counter = counters_ptr + token * tl.num_programs(1) + d_block
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == TOP_K - 1:
-        first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
-        total = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
-            total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
-        tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
+    _down_arrive(partial, partials_ptr, counters_ptr + token * tl.num_programs(1) + d_block, out_ptr, pair, token,
+                 offs_d, d_mask, stride_pp, stride_ot, TOP_K, BLOCK_D)
+
+
+@triton.jit
+def _moe_one_launch_kernel(
+    x_ptr, w13_ptr, w2_ptr, topk_ids_ptr, topk_weights_ptr, hidden_ptr, partials_ptr, out_ptr,
+    counters_ptr,  # [T * down_blocks] down's arrivals, then the ticket, then [N] ready, then [N] passed
+    num_experts, num_pairs, hidden_size, intermediate_size, f_blocks, down_blocks,
+    stride_xt, stride_w13e, stride_w13r, stride_hp, stride_w2e, stride_w2r, stride_pp, stride_ot,
+    TOP_K: tl.constexpr,
+    GATE_UP_BLOCK_F: tl.constexpr, GATE_UP_BLOCK_D: tl.constexpr,
+    DOWN_BLOCK_D: tl.constexpr, DOWN_BLOCK_F: tl.constexpr,
+    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # w2's rows into L2 before the wait (sm_90); its element size
+):
+    """Gate-up and down in one grid (`moe_gemv(..., one_launch=True)`): a program's work is its ticket,
+    taken in the order programs start; tickets [0, N * f_blocks) are gate-up's programs, the rest down's,
+    in the two kernels' grid orders. A down program asks for its w2 rows in L2 (sm_90), then waits until
+    every gate-up program of its pair has stored its hidden units (the pair's ready count), then runs as
+    `_down_kernel` (the same jit functions: the same bits). Tickets make this safe whatever order the GPU
+    starts programs in: a down program waits only on gate-up tickets, already held by running programs that
+    never wait."""
+    ticket_ptr = counters_ptr + (num_pairs // TOP_K) * down_blocks
+    ready_ptr = ticket_ptr + 1
+    passed_ptr = ready_ptr + num_pairs
+    gate_up_programs = num_pairs * f_blocks
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    if ticket == gate_up_programs + num_pairs * down_blocks - 1:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")  # every program holds its ticket: 0 for the next launch
+    if ticket < gate_up_programs:
+        pair = ticket % num_pairs
+        token = pair // TOP_K
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+        if (expert >= 0) & (expert < num_experts):
+            _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, ticket // num_pairs, token, expert, hidden_size,
+                          intermediate_size, stride_xt, stride_w13e, stride_w13r, stride_hp, GATE_UP_BLOCK_F,
+                          GATE_UP_BLOCK_D, False)
+        tl.debug_barrier()  # every thread's store is issued before the release below
+        tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
+    else:
+        work = ticket - gate_up_programs
+        pair = work % num_pairs
+        d_block = work // num_pairs
+        token = pair // TOP_K
+        offs_d = d_block * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)
+        d_mask = offs_d < hidden_size
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+        valid = (expert >= 0) & (expert < num_experts)
+        if PREFETCH:  # this program's rows of w2 into L2 while it waits (kernels.l2_prefetch)
+            if valid:
+                for row in tl.static_range(DOWN_BLOCK_D):
+                    if d_block * DOWN_BLOCK_D + row < hidden_size:
+                        _bulk_prefetch(w2_ptr + expert.to(tl.int64) * stride_w2e
+                                       + (d_block * DOWN_BLOCK_D + row) * stride_w2r, intermediate_size * W_BYTES)
+        while tl.load(ready_ptr + pair, volatile=True) < f_blocks:
+            pass
+        # acquire: the pair's hidden row, stored before each gate-up program's release (a compare-and-swap that
+        # never swaps, so the compiler keeps it whether or not its value is used)
+        tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire")
+        tl.debug_barrier()  # one thread acquired: the others read after it (the pattern of a grid sync)
+        if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == down_blocks - 1:  # the pair's last past the wait
+            tl.atomic_xchg(ready_ptr + pair, 0, sem="relaxed")
+            tl.atomic_xchg(passed_ptr + pair, 0, sem="relaxed")
+        partial = tl.zeros([DOWN_BLOCK_D], dtype=tl.float32)
+        if valid:  # an id outside [0, E) leaves its partial at 0; as _down_kernel, the hidden row read at L2
+            routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+            offs_f = tl.arange(0, DOWN_BLOCK_F)
+            w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + offs_d[:, None] * stride_w2r + offs_f[None, :]
+            h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
+            partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, DOWN_BLOCK_F, True)
+            partial = partial * routing_weight
+        _down_arrive(partial, partials_ptr, counters_ptr + token * down_blocks + d_block, out_ptr, pair, token,
+                     offs_d, d_mask, stride_pp, stride_ot, TOP_K, DOWN_BLOCK_D)
+
+
+def _w2_rows_prefetchable(w2: torch.Tensor) -> bool:
+    """Whether each row of each expert's w2 can be asked for in L2 with one bulk prefetch: an sm_90 GPU, and
+    the rows' starts and lengths multiples of 16 bytes (MOEI_MOE_PREFETCH=0: never, the benchmark's A/B)."""
+    size = w2.element_size()
+    return (os.environ.get("MOEI_MOE_PREFETCH", "1") != "0" and l2_prefetch_available(w2.device) and w2.data_ptr() % 16 == 0 and w2.stride(2) == 1
+            and all((stride * size) % 16 == 0 for stride in w2.stride()[:2]) and (w2.shape[2] * size) % 16 == 0)
+
+
+def one_launch_default() -> bool:
+    """Whether moe_gemv runs gate-up and down in one launch when not told: MOEI_MOE_ONE_LAUNCH=1 (the
+    benchmark's A/B) or ONE_LAUNCH."""
+    value = os.environ.get("MOEI_MOE_ONE_LAUNCH")
+    return ONE_LAUNCH if value is None else value == "1"
 
 
 def moe_gemv(
@@ -188,6 +311,7 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, D, F]
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
+    one_launch: bool | None = None,  # gate-up and down in one grid (_moe_one_launch_kernel); None: the default
 ) -> torch.Tensor:  # [T, D]
     """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`."""
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
@@ -202,7 +326,26 @@ def moe_gemv(
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
+    f_blocks = triton.cdiv(intermediate, GATE_UP_BLOCK_F)
+    # one program per (pair, output block); the k pairs of a token add up in the kernel
+    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
+    if one_launch_default() if one_launch is None else one_launch:
+        # down's arrivals [T, D / BLOCK_D], the ticket, the pairs' ready and passed counts
+        counters = arrivals.counters(x.device, tokens * down_blocks + 1 + 2 * num_pairs)
+        _moe_one_launch_kernel[(num_pairs * (f_blocks + down_blocks),)](
+            x, w13, w2, flat_ids, flat_weights, hidden, partials, out, counters,
+            experts, num_pairs, hidden_size, intermediate, f_blocks, down_blocks,
+            x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0), w2.stride(0), w2.stride(1),
+            partials.stride(0), out.stride(0),
+            TOP_K=top_k, GATE_UP_BLOCK_F=GATE_UP_BLOCK_F, GATE_UP_BLOCK_D=gate_up_block_d,
+            DOWN_BLOCK_D=DOWN_BLOCK_D, DOWN_BLOCK_F=down_block_f,
+            PREFETCH=_w2_rows_prefetchable(w2),
+            W_BYTES=w2.element_size(), num_warps=NUM_WARPS, maxnreg=ONE_LAUNCH_REGISTERS,
+        )
+        launches.record("moe_gemv.one_launch")
+        return out
+    _gate_up_kernel[(num_pairs, f_blocks)](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
@@ -210,9 +353,6 @@ def moe_gemv(
         **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.gate_up")
-    # one program per (pair, output block); the k pairs of a token add up in the kernel
-    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
-    partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
     _down_kernel[(num_pairs, down_blocks)](
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
