@@ -109,7 +109,7 @@ elif [ "$mode" = decode ]; then  # issue 7's decode step: GPU tests, the v4 tabl
     TAIL=30 stage 50 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
     TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
-elif [ "$mode" = ab ]; then  # A/B of MOEI_MOE_ONE_LAUNCH, MOEI_MOE_PREFETCH and MOEI_L2_PREFETCH on v4 tg128 @ b1
+elif [ "$mode" = ab ]; then  # A/B of MOEI_MOE_ONE_LAUNCH, MOEI_MOE_TICKET and MOEI_L2_PREFETCH on v4 tg128 @ b1
     TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -v -p no:cacheprovider -rf --durations=5 \
         tests/test_moe_kernels.py tests/test_decode_fused.py -k "one_launch or v4_shape or graph_replay or l2_prefetch"
     v4() {  # v4 NAME [ENV=VALUE ...] [-- extra bench args]
@@ -119,13 +119,13 @@ elif [ "$mode" = ab ]; then  # A/B of MOEI_MOE_ONE_LAUNCH, MOEI_MOE_PREFETCH and
     }
     v4 v4_base MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=0
     v4 v4_one MOEI_MOE_ONE_LAUNCH=1 MOEI_L2_PREFETCH=0
-    v4 v4_one_no_w2_prefetch MOEI_MOE_ONE_LAUNCH=1 MOEI_MOE_PREFETCH=0 MOEI_L2_PREFETCH=0
-    v4 v4_l2 MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=1
-    v4 v4_both MOEI_MOE_ONE_LAUNCH=1 MOEI_L2_PREFETCH=1
+    v4 v4_one_by_program_id MOEI_MOE_ONE_LAUNCH=1 MOEI_MOE_TICKET=0 MOEI_L2_PREFETCH=0
+    v4 v4_l2_wo MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=wo
     v4 v4_base_again MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=0
-    TAIL=40 MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=0 stage 100 v4_base_profile python3 -m inspector bench \
+    v4 v4_one_again MOEI_MOE_ONE_LAUNCH=1 MOEI_L2_PREFETCH=0
+    TAIL=30 MOEI_MOE_ONE_LAUNCH=1 MOEI_L2_PREFETCH=0 stage 100 v4_one_profile python3 -m inspector bench \
         --model v4-shape --pp 128 --tg 128 --batch 1 --reps 3 --gpu-weights --profile --format md
-    TAIL=40 MOEI_MOE_ONE_LAUNCH=1 MOEI_L2_PREFETCH=1 stage 100 v4_both_profile python3 -m inspector bench \
+    TAIL=30 MOEI_MOE_ONE_LAUNCH=0 MOEI_L2_PREFETCH=wo stage 100 v4_l2_wo_profile python3 -m inspector bench \
         --model v4-shape --pp 128 --tg 128 --batch 1 --reps 3 --gpu-weights --profile --format md
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^- (tg128|host time|the device)" "$f"; done \
         > "$WORK/ab_summary.txt"

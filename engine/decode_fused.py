@@ -94,13 +94,14 @@ L2_PREFETCH = False
 _SIDE_STREAMS: dict = {}
 
 
-def _l2_prefetch_on(device: torch.device) -> bool:
+def _l2_prefetch_on(device: torch.device):
     import os
 
     from kernels import l2_prefetch
 
     value = os.environ.get("MOEI_L2_PREFETCH")
-    return (L2_PREFETCH if value is None else value == "1") and l2_prefetch.available(device)
+    on = L2_PREFETCH if value is None else value
+    return on and on != "0" and l2_prefetch.available(device)
 
 
 def _prefetch(weights: list[torch.Tensor], device: torch.device) -> None:
@@ -255,7 +256,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if prefetching:
+        if prefetching and prefetching != "wo":  # MOEI_L2_PREFETCH=wo: only wo and the router
             _prefetch([packed] if packed is not None else [weights[p + name] for name in ("wq", "wk", "wv")],
                       tokens.device)
         if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch

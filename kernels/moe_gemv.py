@@ -60,8 +60,6 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
-from kernels.l2_prefetch import _bulk_prefetch
-from kernels.l2_prefetch import available as l2_prefetch_available
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -74,6 +72,7 @@ ONE_LAUNCH = False
 # Registers per thread of the one-launch kernel: gate-up's own count (an sm_90 compile gives 96 to the
 # union of both paths, 80 with this cap and no spill), so 6 programs fit an SM as in the gate-up kernel.
 ONE_LAUNCH_REGISTERS = 80
+ONE_LAUNCH_POLL_NS = 256  # a waiting down program's poll interval
 
 
 @triton.jit
@@ -220,6 +219,14 @@ def _down_kernel(
 
 
 @triton.jit
+def _pause(nanoseconds):
+    """Sleep the calling threads about this long (sm_70+ `nanosleep`): a waiting program's poll backs off
+    instead of flooding the L2 slice that holds the counter it polls."""
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [nanoseconds], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _moe_one_launch_kernel(
     x_ptr, w13_ptr, w2_ptr, topk_ids_ptr, topk_weights_ptr, hidden_ptr, partials_ptr, out_ptr,
     counters_ptr,  # [T * down_blocks] down's arrivals, then the ticket, then [N] ready, then [N] passed
@@ -228,74 +235,66 @@ def _moe_one_launch_kernel(
     TOP_K: tl.constexpr,
     GATE_UP_BLOCK_F: tl.constexpr, GATE_UP_BLOCK_D: tl.constexpr,
     DOWN_BLOCK_D: tl.constexpr, DOWN_BLOCK_F: tl.constexpr,
-    PREFETCH: tl.constexpr, W_BYTES: tl.constexpr,  # w2's rows into L2 before the wait (sm_90); its element size
+    TICKET: tl.constexpr,  # work by ticket (any start order is safe), else by program id (in-order starts)
+    SLEEP: tl.constexpr,  # the wait's poll interval, ns (under the interpreter 0: nothing to wait for)
 ):
-    """Gate-up and down in one grid (`moe_gemv(..., one_launch=True)`): a program's work is its ticket,
-    taken in the order programs start; tickets [0, N * f_blocks) are gate-up's programs, the rest down's,
-    in the two kernels' grid orders. A down program asks for its w2 rows in L2 (sm_90), then waits until
-    every gate-up program of its pair has stored its hidden units (the pair's ready count), then runs as
+    """Gate-up and down in one grid (`moe_gemv(..., one_launch=True)`). A program's work is its ticket,
+    taken in the order programs start: tickets [0, N * f_blocks) are gate-up's, pair-major (all of pair 0's
+    hidden blocks, then pair 1's, ...), the rest down's, pair-major too. So by the time the first down
+    tickets are handed out, the first pairs' hidden rows are done and their down programs start at once,
+    while gate-up's last programs still stream: down's ramp overlaps gate-up's tail, with no gap between
+    two launches. A down program waits (one thread polling with `nanosleep` between polls) until every
+    gate-up program of its pair has stored its hidden units (the pair's ready count), then runs as
     `_down_kernel` (the same jit functions: the same bits). Tickets make this safe whatever order the GPU
     starts programs in: a down program waits only on gate-up tickets, already held by running programs that
-    never wait."""
+    never wait. The pair's last down program past the wait sets its counts back to 0 for the next launch."""
     ticket_ptr = counters_ptr + (num_pairs // TOP_K) * down_blocks
     ready_ptr = ticket_ptr + 1
     passed_ptr = ready_ptr + num_pairs
     gate_up_programs = num_pairs * f_blocks
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-    if ticket == gate_up_programs + num_pairs * down_blocks - 1:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")  # every program holds its ticket: 0 for the next launch
+    if TICKET:
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+        if ticket == gate_up_programs + num_pairs * down_blocks - 1:
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")  # every program holds its ticket: 0 for the next launch
+    else:
+        ticket = tl.program_id(0)
     if ticket < gate_up_programs:
-        pair = ticket % num_pairs
+        pair = ticket // f_blocks
         token = pair // TOP_K
         expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
         if (expert >= 0) & (expert < num_experts):
-            _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, ticket // num_pairs, token, expert, hidden_size,
+            _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, ticket % f_blocks, token, expert, hidden_size,
                           intermediate_size, stride_xt, stride_w13e, stride_w13r, stride_hp, GATE_UP_BLOCK_F,
                           GATE_UP_BLOCK_D, False)
         tl.debug_barrier()  # every thread's store is issued before the release below
         tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
     else:
         work = ticket - gate_up_programs
-        pair = work % num_pairs
-        d_block = work // num_pairs
+        pair = work // down_blocks
+        d_block = work % down_blocks
         token = pair // TOP_K
         offs_d = d_block * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)
         d_mask = offs_d < hidden_size
         expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-        valid = (expert >= 0) & (expert < num_experts)
-        if PREFETCH:  # this program's rows of w2 into L2 while it waits (kernels.l2_prefetch)
-            if valid:
-                for row in tl.static_range(DOWN_BLOCK_D):
-                    if d_block * DOWN_BLOCK_D + row < hidden_size:
-                        _bulk_prefetch(w2_ptr + expert.to(tl.int64) * stride_w2e
-                                       + (d_block * DOWN_BLOCK_D + row) * stride_w2r, intermediate_size * W_BYTES)
-        while tl.load(ready_ptr + pair, volatile=True) < f_blocks:
-            pass
-        # acquire: the pair's hidden row, stored before each gate-up program's release (a compare-and-swap that
-        # never swaps, so the compiler keeps it whether or not its value is used)
-        tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire")
-        tl.debug_barrier()  # one thread acquired: the others read after it (the pattern of a grid sync)
+        # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before each
+        # gate-up program's release; the barrier after each poll hands the value and the order to every thread
+        while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
+            if SLEEP > 0:
+                _pause(SLEEP)
+        tl.debug_barrier()
         if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == down_blocks - 1:  # the pair's last past the wait
             tl.atomic_xchg(ready_ptr + pair, 0, sem="relaxed")
             tl.atomic_xchg(passed_ptr + pair, 0, sem="relaxed")
         partial = tl.zeros([DOWN_BLOCK_D], dtype=tl.float32)
-        if valid:  # an id outside [0, E) leaves its partial at 0; as _down_kernel, the hidden row read at L2
+        if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
             routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
             offs_f = tl.arange(0, DOWN_BLOCK_F)
             w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + offs_d[:, None] * stride_w2r + offs_f[None, :]
-            h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
+            h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f  # written in this launch: read at L2
             partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, DOWN_BLOCK_F, True)
             partial = partial * routing_weight
         _down_arrive(partial, partials_ptr, counters_ptr + token * down_blocks + d_block, out_ptr, pair, token,
                      offs_d, d_mask, stride_pp, stride_ot, TOP_K, DOWN_BLOCK_D)
-
-
-def _w2_rows_prefetchable(w2: torch.Tensor) -> bool:
-    """Whether each row of each expert's w2 can be asked for in L2 with one bulk prefetch: an sm_90 GPU, and
-    the rows' starts and lengths multiples of 16 bytes (MOEI_MOE_PREFETCH=0: never, the benchmark's A/B)."""
-    size = w2.element_size()
-    return (os.environ.get("MOEI_MOE_PREFETCH", "1") != "0" and l2_prefetch_available(w2.device) and w2.data_ptr() % 16 == 0 and w2.stride(2) == 1
-            and all((stride * size) % 16 == 0 for stride in w2.stride()[:2]) and (w2.shape[2] * size) % 16 == 0)
 
 
 def one_launch_default() -> bool:
@@ -340,8 +339,9 @@ def moe_gemv(
             partials.stride(0), out.stride(0),
             TOP_K=top_k, GATE_UP_BLOCK_F=GATE_UP_BLOCK_F, GATE_UP_BLOCK_D=gate_up_block_d,
             DOWN_BLOCK_D=DOWN_BLOCK_D, DOWN_BLOCK_F=down_block_f,
-            PREFETCH=_w2_rows_prefetchable(w2),
-            W_BYTES=w2.element_size(), num_warps=NUM_WARPS, maxnreg=ONE_LAUNCH_REGISTERS,
+            TICKET=os.environ.get("MOEI_MOE_TICKET", "1") != "0",
+            SLEEP=0 if os.environ.get("TRITON_INTERPRET") == "1" else ONE_LAUNCH_POLL_NS,
+            num_warps=NUM_WARPS, maxnreg=ONE_LAUNCH_REGISTERS,
         )
         launches.record("moe_gemv.one_launch")
         return out
