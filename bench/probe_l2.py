@@ -1,16 +1,24 @@
-"""GPU probe: how much faster is a decode GEMV whose weight was prefetched into L2 (kernels.l2_prefetch)
-during an idle window, against the same GEMV reading DRAM?
+"""GPU probe: how much faster is a decode GEMV whose weight was prefetched into L2 (sm_90
+`cp.async.bulk.prefetch.L2`, the kernel below) during an idle window, against the same GEMV reading DRAM?
 
 For the v4-shape wo [4096, 4096] (33.5 MB) and packed qkv [5120, 4096] (41.9 MB) weights, bf16, one row:
   cold      L2 flushed (a 512 MB read), a spin of W us, then the GEMV (timed by events around it alone);
   warm      the GEMV right after the same GEMV (its weight as much in L2 as it can be);
-  prefetch  flushed, then kernels.l2_prefetch with P programs of C-byte chunks, a spin of W us, the GEMV;
+  prefetch  flushed, then `prefetch` (below) with P programs of C-byte chunks, a spin of W us, the GEMV;
   side      as prefetch, but the prefetch on a second stream that the spin does not wait for.
 A long spin (torch.cuda._sleep) before each repetition keeps the host's launches off the timeline.
 Medians of REPS repetitions.
 Also the prefetch kernel's own device time, and the copy bandwidth (a device-to-device copy of 1 GiB).
 
     python3 bench/probe_l2.py [--json PATH]
+
+H200, run 26 (bench/results/2026-11-29-h200-run26-l2-probe): L2 60 MiB, copy 4.27 TB/s. wo: 12.96 us cold,
+11.23 us after the prefetch (8 programs; 11.7-12.0 with 32 or 132; no gain at 1 MB per instruction), 9.23 us
+warm, whatever the window (2-10 us); qkv: 14.42, 12.86, 10.93 us. The prefetch kernel stays resident until its
+lines land (8.0 us for wo's 33.6 MB, the copy time), so it has to run on a side stream. In the v4 decode step
+(the qkv weight at the step's start, wo and the router's after the qkv GEMV, on a side stream joined at the
+step's end) q/k/v and o each took 1.25 us less but the step went from 133.5 to 135.9 and 135.7 us (runs 26,
+27): attention slowed beside the prefetch's DRAM traffic, and the fork and join cost the rest. Not kept.
 """
 
 from __future__ import annotations
@@ -24,12 +32,42 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from kernels import l2_prefetch  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 
 REPS = 40
 CYCLES_PER_US = 1980  # the H200's boost clock; the spin's length in us is measured below
+
+
+@triton.jit
+def _bulk_prefetch(address, nbytes):
+    """One bulk prefetch of [address, address + nbytes) into L2 by the program's first thread;
+    `address` 16-byte aligned and `nbytes` a multiple of 16."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [address.to(tl.pointer_type(tl.int8)), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_kernel(base_ptr, nbytes, per_program, CHUNK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * per_program
+    end = tl.minimum(start + per_program, nbytes)
+    for offset in range(start, end, CHUNK):
+        _bulk_prefetch(base_ptr + offset, tl.minimum(end - offset, CHUNK))
+
+
+def prefetch(weight: torch.Tensor, programs: int = 32, chunk: int = 65536) -> None:
+    """Bulk L2 prefetches over all of `weight`'s bytes (contiguous, 16-byte aligned, a multiple of 16 bytes
+    long) from `programs` programs, `chunk` bytes per instruction, on the current stream."""
+    nbytes = weight.numel() * weight.element_size()
+    if not weight.is_contiguous() or weight.data_ptr() % 16 or nbytes % 16 or chunk % 16:
+        raise ValueError("prefetch: a contiguous, 16-byte aligned weight of a multiple of 16 bytes")
+    per_program = -(-(-(-nbytes // programs)) // chunk) * chunk  # whole chunks per program
+    _prefetch_kernel[(-(-nbytes // per_program),)](weight.reshape(-1).view(torch.uint8), nbytes, per_program,
+                                                   CHUNK=chunk, num_warps=1)
 
 
 def _timed(before, work, reps=REPS) -> float:
@@ -91,7 +129,7 @@ def main() -> int:
             for window in (2, 5, 10):
                 def before(p=programs, c=chunk, w_=window):
                     flush_l2()
-                    l2_prefetch.prefetch(w, programs=p, chunk=c)
+                    prefetch(w, programs=p, chunk=c)
                     torch.cuda._sleep(w_ * CYCLES_PER_US)
                 row(f"prefetch P={programs} C={chunk // 1024}K, spin {window}", _timed(before, run))
         for window in (5, 10):
@@ -99,11 +137,11 @@ def main() -> int:
                 flush_l2()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    l2_prefetch.prefetch(w)
+                    prefetch(w)
                 torch.cuda._sleep(w_ * CYCLES_PER_US)
                 torch.cuda.current_stream().wait_stream(side)
             row(f"side-stream prefetch, spin {window}", _timed(before_side, run))
-        issue = _timed(lambda: (flush_l2(), torch.cuda._sleep(2 * CYCLES_PER_US)), lambda: l2_prefetch.prefetch(w))
+        issue = _timed(lambda: (flush_l2(), torch.cuda._sleep(2 * CYCLES_PER_US)), lambda: prefetch(w))
         row("the prefetch kernel itself (P=32 C=64K)", issue)
         torch.cuda.synchronize()
         if not torch.equal(gemv(x, w), reference):

@@ -86,40 +86,6 @@ FOLD_RESIDUAL_MAX_N = 1024
 # programs each read the embedding row and the norm weight and arrive on one counter per head. The
 # router's fold (7.0 vs 8.1 us) and the LM head's (4.0 vs 4.9 us) pay and stay.
 FOLD_QKV = False
-# Whether each layer's qkv weight (at the step's or layer's start) and its wo and router weights (once the
-# qkv GEMV is done, while RoPE and attention run) are asked for in L2 on a side stream (kernels.l2_prefetch)
-# so the GEMVs find them there: MOEI_L2_PREFETCH=1, for the benchmark's A/B; not measured in the step yet
-# (bench/probe_l2.py: wo 11.2 us prefetched against 13.0 us from DRAM, on its own).
-L2_PREFETCH = False
-_SIDE_STREAMS: dict = {}
-
-
-def _l2_prefetch_on(device: torch.device):
-    import os
-
-    from kernels import l2_prefetch
-
-    value = os.environ.get("MOEI_L2_PREFETCH")
-    on = L2_PREFETCH if value is None else value
-    return on and on != "0" and l2_prefetch.available(device)
-
-
-def _prefetch(weights: list[torch.Tensor], device: torch.device) -> None:
-    """Ask for these weights in L2 on the device's side stream, after what the current stream has queued
-    (the step's end joins it back: `_join`)."""
-    from kernels import l2_prefetch
-
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for weight in weights:
-            l2_prefetch.prefetch(weight)
-
-
-def _join(device: torch.device) -> None:
-    torch.cuda.current_stream(device).wait_stream(_SIDE_STREAMS[device])
 
 
 @dataclass
@@ -252,13 +218,9 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
     x = None  # [B, D] the residual stream, once written
     norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
-    prefetching = _l2_prefetch_on(tokens.device)
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if prefetching and prefetching != "wo":  # MOEI_L2_PREFETCH=wo: only wo and the router
-            _prefetch([packed] if packed is not None else [weights[p + name] for name in ("wq", "wk", "wv")],
-                      tokens.device)
         if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
             if _folds(norm, packed, batch):
@@ -274,8 +236,6 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
                                     c.n_heads)
         # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
-        if prefetching:  # behind the qkv GEMV (and RoPE): while attention runs
-            _prefetch([weights[p + "wo"], weights[p + "router"]], tokens.device)
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                    _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
@@ -300,9 +260,6 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]
         if pick is not None:
             outputs.picked = True
-    else:
-        x, h = _rms_norm(x, norm)
-        logits = _dense(h, head, torch.float32)  # [B, V]
-    if prefetching:
-        _join(tokens.device)
-    return logits
+        return logits
+    x, h = _rms_norm(x, norm)
+    return _dense(h, head, torch.float32)  # [B, V]

@@ -69,8 +69,9 @@ DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in 
 NUM_WARPS = 4
 # Gate-up and down in one launch (`_moe_one_launch_kernel`) unless told otherwise; not measured yet.
 ONE_LAUNCH = False
-# Registers per thread of the one-launch kernel: gate-up's own count (an sm_90 compile gives 96 to the
-# union of both paths, 80 with this cap and no spill), so 6 programs fit an SM as in the gate-up kernel.
+# Registers per thread of the one-launch kernel: gate-up's own count, so 6 programs fit an SM as in the
+# gate-up kernel (an sm_90 compile gives 96 to the persistent loop over both paths: 5 per SM; at 80 it
+# spills 48 bytes of stack).
 ONE_LAUNCH_REGISTERS = 80
 ONE_LAUNCH_POLL_NS = 256  # a waiting down program's poll interval
 
@@ -161,17 +162,20 @@ def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, f_start, intermediate_s
 def _down_arrive(partial, partials_ptr, counter, out_ptr, pair, token, offs_d, d_mask, stride_pp, stride_ot,
                  TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Last program reduces (kernels/arrivals.py): the pair's partial stored, then counted in at `counter`
-    (its (token, output block)); the last of the k sums the k partials in the order j = 0..k-1."""
+    (its (token, output block)); the last of the k sums the k partials in the order j = 0..k-1 (and returns
+    True)."""
     tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
     tl.debug_barrier()  # every thread's store is issued before the release below
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == TOP_K - 1:
+    last = arrived == TOP_K - 1
+    if last:
         first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
             total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
         tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
+    return last
 
 
 @triton.jit
@@ -229,72 +233,102 @@ def _pause(nanoseconds):
 @triton.jit
 def _moe_one_launch_kernel(
     x_ptr, w13_ptr, w2_ptr, topk_ids_ptr, topk_weights_ptr, hidden_ptr, partials_ptr, out_ptr,
-    counters_ptr,  # [T * down_blocks] down's arrivals, then the ticket, then [N] ready, then [N] passed
+    counters_ptr,  # [T * down_blocks] down's arrivals, then [N] ready (per pair), then [T] finished (per token)
     num_experts, num_pairs, hidden_size, intermediate_size, f_blocks, down_blocks,
     stride_xt, stride_w13e, stride_w13r, stride_hp, stride_w2e, stride_w2r, stride_pp, stride_ot,
     TOP_K: tl.constexpr,
     GATE_UP_BLOCK_F: tl.constexpr, GATE_UP_BLOCK_D: tl.constexpr,
     DOWN_BLOCK_D: tl.constexpr, DOWN_BLOCK_F: tl.constexpr,
-    TICKET: tl.constexpr,  # work by ticket (any start order is safe), else by program id (in-order starts)
-    SLEEP: tl.constexpr,  # the wait's poll interval, ns (under the interpreter 0: nothing to wait for)
+    SLEEP: tl.constexpr,  # a waiting program's poll interval, ns (0 under the interpreter: one program)
 ):
-    """Gate-up and down in one grid (`moe_gemv(..., one_launch=True)`). A program's work is its ticket,
-    taken in the order programs start: tickets [0, N * f_blocks) are gate-up's, pair-major (all of pair 0's
-    hidden blocks, then pair 1's, ...), the rest down's, pair-major too. So by the time the first down
-    tickets are handed out, the first pairs' hidden rows are done and their down programs start at once,
-    while gate-up's last programs still stream: down's ramp overlaps gate-up's tail, with no gap between
-    two launches. A down program waits (one thread polling with `nanosleep` between polls) until every
-    gate-up program of its pair has stored its hidden units (the pair's ready count), then runs as
-    `_down_kernel` (the same jit functions: the same bits). Tickets make this safe whatever order the GPU
-    starts programs in: a down program waits only on gate-up tickets, already held by running programs that
-    never wait. The pair's last down program past the wait sets its counts back to 0 for the next launch."""
-    ticket_ptr = counters_ptr + (num_pairs // TOP_K) * down_blocks
-    ready_ptr = ticket_ptr + 1
-    passed_ptr = ready_ptr + num_pairs
-    gate_up_programs = num_pairs * f_blocks
-    if TICKET:
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
-        if ticket == gate_up_programs + num_pairs * down_blocks - 1:
-            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")  # every program holds its ticket: 0 for the next launch
-    else:
-        ticket = tl.program_id(0)
-    if ticket < gate_up_programs:
-        pair = ticket // f_blocks
-        token = pair // TOP_K
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-        if (expert >= 0) & (expert < num_experts):
-            _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, ticket % f_blocks, token, expert, hidden_size,
-                          intermediate_size, stride_xt, stride_w13e, stride_w13r, stride_hp, GATE_UP_BLOCK_F,
-                          GATE_UP_BLOCK_D, False)
-        tl.debug_barrier()  # every thread's store is issued before the release below
-        tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
-    else:
-        work = ticket - gate_up_programs
-        pair = work // down_blocks
-        d_block = work % down_blocks
-        token = pair // TOP_K
-        offs_d = d_block * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)
-        d_mask = offs_d < hidden_size
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-        # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before each
-        # gate-up program's release; the barrier after each poll hands the value and the order to every thread
-        while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
-            if SLEEP > 0:
-                _pause(SLEEP)
-        tl.debug_barrier()
-        if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == down_blocks - 1:  # the pair's last past the wait
-            tl.atomic_xchg(ready_ptr + pair, 0, sem="relaxed")
-            tl.atomic_xchg(passed_ptr + pair, 0, sem="relaxed")
-        partial = tl.zeros([DOWN_BLOCK_D], dtype=tl.float32)
-        if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
-            routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-            offs_f = tl.arange(0, DOWN_BLOCK_F)
-            w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + offs_d[:, None] * stride_w2r + offs_f[None, :]
-            h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f  # written in this launch: read at L2
-            partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, DOWN_BLOCK_F, True)
-            partial = partial * routing_weight
-        _down_arrive(partial, partials_ptr, counters_ptr + token * down_blocks + d_block, out_ptr, pair, token,
-                     offs_d, d_mask, stride_pp, stride_ot, TOP_K, DOWN_BLOCK_D)
+    """Gate-up and down in one persistent, cooperative grid (`moe_gemv(..., one_launch=True)`).
+
+    Work items: [0, N * f_blocks) gate-up's (pair-major: all of pair 0's hidden blocks, then pair 1's, ...),
+    then N * down_blocks of down's (pair-major too). Program p takes items p, p + P, p + 2P, ... in order (P
+    programs, all resident at once: a cooperative launch, which the driver refuses rather than run with
+    fewer). So the first pairs' hidden rows are done by the time their down items come up, and down's first
+    items run while gate-up's last ones stream: no gap between two launches and no ramp of a second grid.
+    A down item waits (one thread polling with an acquire, `nanosleep` between polls) until every gate-up
+    item of its pair has stored its hidden units and released the pair's ready count; since every program
+    runs its gate-up items before its down items and all programs are resident, the gate-up items a wait
+    needs are always running or done. Then it runs as `_down_kernel` (the same jit functions: the same
+    bits). The last (token, output block) reduction of a token sets its pairs' ready counts and its own
+    count back to 0 for the next launch."""
+    ready_ptr = counters_ptr + (num_pairs // TOP_K) * down_blocks
+    finished_ptr = ready_ptr + num_pairs
+    gate_up_items = num_pairs * f_blocks
+    for item in range(tl.program_id(0), gate_up_items + num_pairs * down_blocks, tl.num_programs(0)):
+        if item < gate_up_items:
+            pair = item // f_blocks
+            token = pair // TOP_K
+            expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+            if (expert >= 0) & (expert < num_experts):
+                _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, item % f_blocks, token, expert, hidden_size,
+                              intermediate_size, stride_xt, stride_w13e, stride_w13r, stride_hp, GATE_UP_BLOCK_F,
+                              GATE_UP_BLOCK_D, False)
+            tl.debug_barrier()  # every thread's store is issued before the release below
+            tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
+        else:
+            work = item - gate_up_items
+            pair = work // down_blocks
+            d_block = work % down_blocks
+            token = pair // TOP_K
+            offs_d = d_block * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)
+            d_mask = offs_d < hidden_size
+            expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+            # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before
+            # each gate-up item's release; the barrier after each poll hands the value and the order on
+            while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
+                if SLEEP > 0:
+                    _pause(SLEEP)
+            tl.debug_barrier()
+            partial = tl.zeros([DOWN_BLOCK_D], dtype=tl.float32)
+            if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
+                routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+                offs_f = tl.arange(0, DOWN_BLOCK_F)
+                w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + offs_d[:, None] * stride_w2r + offs_f[None, :]
+                h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f  # written in this launch: read at L2
+                partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, DOWN_BLOCK_F,
+                                      True)
+                partial = partial * routing_weight
+            if _down_arrive(partial, partials_ptr, counters_ptr + token * down_blocks + d_block, out_ptr, pair,
+                            token, offs_d, d_mask, stride_pp, stride_ot, TOP_K, DOWN_BLOCK_D):
+                # the token's blocks reduced so far; at the last, every down item of its pairs is past its wait
+                if tl.atomic_add(finished_ptr + token, 1, sem="relaxed") == down_blocks - 1:
+                    for j in tl.static_range(TOP_K):
+                        tl.atomic_xchg(ready_ptr + token * TOP_K + j, 0, sem="relaxed")
+                    tl.atomic_xchg(finished_ptr + token, 0, sem="relaxed")
+
+
+def one_launch_available(device: torch.device) -> bool:
+    """Whether the one-launch arm can run here: under the interpreter (one program walks every item in
+    order), or on a CUDA device with a Triton that launches cooperative grids."""
+    if device.type != "cuda":
+        return True
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_RESIDENT: dict = {}
+
+
+def one_launch_registers() -> int:
+    """The one-launch kernel's register cap per thread: ONE_LAUNCH_REGISTERS, or MOEI_MOE_REGISTERS (A/B)."""
+    return int(os.environ.get("MOEI_MOE_REGISTERS", ONE_LAUNCH_REGISTERS))
+
+
+def resident_programs(device: torch.device, registers: int) -> int:
+    """Programs of the one-launch kernel that fit the device at once: per SM, the register file over
+    `registers` x NUM_WARPS x 32 threads (2 KB of shared memory each binds nowhere near)."""
+    key = (device, registers)
+    if key not in _RESIDENT:
+        properties = torch.cuda.get_device_properties(device)
+        register_file = getattr(properties, "regs_per_multiprocessor", 65536)
+        per_sm = min(register_file // (registers * NUM_WARPS * 32),
+                     properties.max_threads_per_multi_processor // (NUM_WARPS * 32))
+        _RESIDENT[key] = properties.multi_processor_count * per_sm
+    return _RESIDENT[key]
 
 
 def one_launch_default() -> bool:
@@ -330,18 +364,23 @@ def moe_gemv(
     down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     if one_launch_default() if one_launch is None else one_launch:
-        # down's arrivals [T, D / BLOCK_D], the ticket, the pairs' ready and passed counts
-        counters = arrivals.counters(x.device, tokens * down_blocks + 1 + 2 * num_pairs)
-        _moe_one_launch_kernel[(num_pairs * (f_blocks + down_blocks),)](
+        if not one_launch_available(x.device):
+            raise ValueError("moe_gemv: one_launch needs a cooperative launch (a CUDA device and a Triton with "
+                             "launch_cooperative_grid), or the interpreter")
+        # down's arrivals [T, D / BLOCK_D], the pairs' ready counts, the tokens' finished counts
+        counters = arrivals.counters(x.device, tokens * down_blocks + num_pairs + tokens)
+        items = num_pairs * (f_blocks + down_blocks)
+        interpreted = x.device.type != "cuda"
+        registers = one_launch_registers()
+        options = {} if interpreted else {"launch_cooperative_grid": True, "maxnreg": registers}
+        _moe_one_launch_kernel[(1 if interpreted else min(items, resident_programs(x.device, registers)),)](
             x, w13, w2, flat_ids, flat_weights, hidden, partials, out, counters,
             experts, num_pairs, hidden_size, intermediate, f_blocks, down_blocks,
             x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0), w2.stride(0), w2.stride(1),
             partials.stride(0), out.stride(0),
             TOP_K=top_k, GATE_UP_BLOCK_F=GATE_UP_BLOCK_F, GATE_UP_BLOCK_D=gate_up_block_d,
             DOWN_BLOCK_D=DOWN_BLOCK_D, DOWN_BLOCK_F=down_block_f,
-            TICKET=os.environ.get("MOEI_MOE_TICKET", "1") != "0",
-            SLEEP=0 if os.environ.get("TRITON_INTERPRET") == "1" else ONE_LAUNCH_POLL_NS,
-            num_warps=NUM_WARPS, maxnreg=ONE_LAUNCH_REGISTERS,
+            SLEEP=0 if interpreted else ONE_LAUNCH_POLL_NS, num_warps=NUM_WARPS, **options,
         )
         launches.record("moe_gemv.one_launch")
         return out

@@ -290,58 +290,6 @@ def test_gpu_fused_decode_matches_torch_forward(model, rows):
     assert torch.equal(fused.argmax(-1), reference.argmax(-1)) or model == "v4-shape"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["demo", "v4-shape"])
-def test_gpu_l2_prefetch_changes_no_bit_of_the_step(model, monkeypatch):
-    """kernels.l2_prefetch on a side stream only moves lines into L2: the one-row step with it gives the
-    same logits to the bit as without, eager and replayed from a captured graph (the side stream joined
-    back inside the capture), and it does launch (l2_prefetch counted, on the H200)."""
-    from kernels import l2_prefetch, launches
-
-    engine = _v4_on_gpu() if model == "v4-shape" else Engine.load(model, "cuda", seed=0)
-    config = engine.config
-    assert l2_prefetch.available(engine.device), "an sm_90 GPU runs this test"
-    prompt = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(9)).cuda()
-    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
-    results = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("MOEI_L2_PREFETCH", setting)
-        cache = KVCache.allocate(config, 1, 64, engine.device, engine.dtype)
-        with torch.inference_mode():
-            forward(config, engine.weights, prompt, 0, cache, dispatcher)
-            tokens, start = prompt[:, -1:].contiguous(), torch.full((1,), 12, device="cuda")
-            before = launches.snapshot()
-            eager = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache,
-                                                dispatcher).clone()
-            counted = launches.since(before).get("l2_prefetch", 0)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache,
-                                                     dispatcher)
-            graph.replay()
-            graph.replay()
-            torch.cuda.synchronize()
-        results[setting] = (eager, static.clone(), counted)
-    assert results["0"][2] == 0 and results["1"][2] == 3 * config.n_layers  # qkv, then wo and the router
-    assert torch.equal(results["1"][0], results["0"][0]) and torch.equal(results["1"][1], results["0"][1])
-    assert torch.equal(results["0"][1], results["0"][0])
-
-
-@pytest.mark.gpu
-def test_gpu_l2_prefetch_kernel_takes_odd_sizes_and_refuses_misaligned():
-    from kernels import l2_prefetch
-
-    for numel in (8, 8 * 1001, 4096 * 4096):
-        weight = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-        copy = weight.clone()
-        assert l2_prefetch.prefetch(weight, programs=7, chunk=4096)
-        torch.cuda.synchronize()
-        assert torch.equal(weight, copy)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        l2_prefetch.prefetch(torch.randn(64, device="cuda", dtype=torch.bfloat16)[1:9])
-
-
 @functools.lru_cache(maxsize=1)
 def _v4_on_gpu() -> Engine:
     """v4-shape with weights drawn on the GPU (engine.bench.device_random_weights): seconds, where the

@@ -387,16 +387,16 @@ def test_gemv_repeated_calls_bit_identical_and_counters_back_to_zero():
 
 
 def _one_launch_counters(x: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Every counter the one-launch kernel uses for this x: down's arrivals, the ticket, the pairs'
-    ready and passed counts."""
+    """Every counter the one-launch kernel uses for this x: down's arrivals, the pairs' ready counts, the
+    tokens' finished counts."""
     tokens, hidden = x.shape
-    return arrivals.counters(x.device, tokens * -(-hidden // moe_gemv_module.DOWN_BLOCK_D) + 1 + 2 * tokens * top_k)
+    return arrivals.counters(x.device, tokens * -(-hidden // moe_gemv_module.DOWN_BLOCK_D) + tokens * top_k + tokens)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, hidden, intermediate, routing", GEMV_EDGE_SHAPES)
 def test_gemv_one_launch_gives_the_two_launches_bits(tokens, top_k, experts, hidden, intermediate, routing):
     # gate-up and down in one grid run the same jit functions: the same bits, with dropped ids too,
-    # and every counter (arrivals, ticket, ready, passed) back at 0 for the next launch
+    # and every counter (arrivals, ready, finished) back at 0 for the next launch
     x, w13, w2, topk_ids, topk_weights = _edge_case(tokens, top_k, experts, hidden, intermediate, routing,
                                                      torch.float16)
     topk_ids[0, 0] = -1
