@@ -25,6 +25,16 @@ The down grid is the (T, D / BLOCK_D, k) program set with token and j merged int
 order as in gate-up: the k programs of one (token, block) are dispatched side by side, and all
 pairs of one output block stream at once, so pairs that share an expert share its lines in L2.
 
+Overlap (`overlap=True`, MOEI_MOE_OVERLAP=1): both grids pair-major (all of pair 0's programs, then
+pair 1's, ...), gate-up counting each pair's finished programs into ready[pair] (a release), and down
+launched early by programmatic dependent launch: gate-up lets it launch at its start, so down's programs
+take the slots gate-up's last wave frees, each waiting (one thread polling with an acquire, nanosleep
+between polls) only for its own pair's ready count. The first pairs' down work then runs while gate-up's
+last pairs stream: no gap between the grids and no ramp of down on its own. Deadlock-free: PDL launches
+the dependent grid only once every gate-up program has started, and gate-up never waits. The token's
+last reduction sets its pairs' ready counts back to 0. Without PDL (the interpreter, pre-Hopper) down
+launches after gate-up as usual and finds every count complete. Same jit code, same bits.
+
 Down's reduction over the k pairs ("last program reduces", kernels/arrivals.py): each program
 stores its partial (0 for an id outside [0, E): it still arrives), `tl.debug_barrier()`, one
 `atomic_add(counter, 1, sem="acq_rel")` per program; the program that sees k - 1 reads the k
@@ -67,13 +77,13 @@ GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B p
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 NUM_WARPS = 4
-# Gate-up and down in one launch (`_moe_one_launch_kernel`) unless told otherwise; not measured yet.
-ONE_LAUNCH = False
-# Registers per thread of the one-launch kernel: gate-up's own count, so 6 programs fit an SM as in the
-# gate-up kernel (an sm_90 compile gives 96 to the persistent loop over both paths: 5 per SM; at 80 it
-# spills 48 bytes of stack).
-ONE_LAUNCH_REGISTERS = 80
-ONE_LAUNCH_POLL_NS = 256  # a waiting down program's poll interval
+# Down launched while gate-up runs (programmatic dependent launch), each down program waiting for its own
+# pair's hidden row instead of for all of gate-up (`moe_gemv(..., overlap=True)`); not measured yet.
+OVERLAP = False
+OVERLAP_POLL_NS = 256  # a waiting down program's poll interval
+# Gate-up's registers when it counts its pairs: an sm_90 compile gives 96 (5 programs per SM), capped at the
+# plain kernel's 80 (6 per SM) with no spill.
+OVERLAP_GATE_UP_REGISTERS = 80
 
 
 @triton.jit
@@ -116,6 +126,7 @@ def _gate_up_kernel(
     w13_ptr,  # [E, 2F, D]
     topk_ids_ptr,  # [N] flattened [T, k]
     hidden_ptr,  # [N, F] out
+    ready_ptr,  # [N] int32 (OVERLAP): each pair's gate-up programs done
     num_experts,
     hidden_size,  # D
     intermediate_size,  # F
@@ -126,26 +137,37 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OVERLAP: tl.constexpr,  # pair-major grid (F / BLOCK_F, N); count each pair's programs done
+    TRIGGER: tl.constexpr,  # OVERLAP on a GPU with PDL: down's grid may launch once every program here started
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    pair = tl.program_id(0)
-    f_block = tl.program_id(1)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    if OVERLAP:
+        f_block = tl.program_id(0)
+        pair = tl.program_id(1)
+    else:
+        pair = tl.program_id(0)
+        f_block = tl.program_id(1)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert >= 0) & (expert < num_experts):
         _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, f_block, token, expert, hidden_size, intermediate_size,
                       stride_xt, stride_we, stride_wr, stride_hp, BLOCK_F, BLOCK_D, USE_GDC)
+    if OVERLAP:
+        tl.debug_barrier()  # every thread's store is issued before the release below
+        tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
 
 
 @triton.jit
-def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, f_start, intermediate_size, BLOCK_F: tl.constexpr,
+def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, intermediate_size, BLOCK_F: tl.constexpr,
                 PAST_L1: tl.constexpr):
-    """partial + w2 rows . hidden over F from f_start (pointers at f_start), one BLOCK_F step at a time,
-    reduced every step into [BLOCK_D] fp32: few registers, many programs per SM. PAST_L1: the hidden
-    row was written in this launch by other programs (read at L2, ".cg")."""
-    for f0 in range(f_start, intermediate_size, BLOCK_F):
+    """partial + w2 rows . hidden over F, one BLOCK_F step at a time, reduced every step into [BLOCK_D] fp32:
+    few registers, many programs per SM. PAST_L1: the hidden row may have been written while this grid runs
+    (OVERLAP): read at L2 (".cg")."""
+    for f0 in range(0, intermediate_size, BLOCK_F):
         f_mask = offs_f < intermediate_size - f0
         if PAST_L1:
             h = tl.load(h_ptrs, mask=f_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -159,23 +181,11 @@ def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, f_start, intermediate_s
 
 
 @triton.jit
-def _down_arrive(partial, partials_ptr, counter, out_ptr, pair, token, offs_d, d_mask, stride_pp, stride_ot,
-                 TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Last program reduces (kernels/arrivals.py): the pair's partial stored, then counted in at `counter`
-    (its (token, output block)); the last of the k sums the k partials in the order j = 0..k-1 (and returns
-    True)."""
-    tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
-    tl.debug_barrier()  # every thread's store is issued before the release below
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    last = arrived == TOP_K - 1
-    if last:
-        first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
-        total = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
-            total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
-        tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
-    return last
+def _pause(nanoseconds):
+    """Sleep the calling threads about this long (sm_70+ `nanosleep`): a waiting program's poll backs off
+    instead of flooding the L2 slice that holds the counter it polls."""
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [nanoseconds], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -185,11 +195,14 @@ def _down_kernel(
     topk_ids_ptr,  # [N]
     topk_weights_ptr,  # [N]
     partials_ptr,  # [N, D] fp32 scratch: pair p's routing-weighted down row
-    counters_ptr,  # [T, D / BLOCK_D] int32 arrival counters, 0 on entry and on exit
+    counters_ptr,  # [T, D / BLOCK_D] int32 arrival counters, 0 on entry and on exit; OVERLAP: then [T] finished
+    ready_ptr,  # [N] int32 (OVERLAP): each pair's gate-up programs done; 0 again on exit
     out_ptr,  # [T, D] out
     num_experts,
     hidden_size,  # D
     intermediate_size,  # F
+    down_blocks,  # D / BLOCK_D
+    f_blocks,  # gate-up's programs per pair (OVERLAP)
     stride_hp,
     stride_we,
     stride_wr,
@@ -198,144 +211,64 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    OVERLAP: tl.constexpr,  # pair-major grid (D / BLOCK_D, N), launched while gate-up runs: wait per pair
+    SLEEP: tl.constexpr,  # OVERLAP: the wait's poll interval, ns
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    pair = tl.program_id(0)
-    d_block = tl.program_id(1)
+    if OVERLAP:
+        d_block = tl.program_id(0)
+        pair = tl.program_id(1)
+    else:
+        pair = tl.program_id(0)
+        d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if OVERLAP:
+        # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before each
+        # gate-up program's release; the barrier after each poll hands the value and the order to every thread
+        while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
+            if SLEEP > 0:
+                _pause(SLEEP)
+        tl.debug_barrier()
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
     if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
         offs_f = tl.arange(0, BLOCK_F)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
-        partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, BLOCK_F, False)
+        partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, intermediate_size, BLOCK_F, OVERLAP)
         partial = partial * routing_weight
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    _down_arrive(partial, partials_ptr, counters_ptr + token * tl.num_programs(1) + d_block, out_ptr, pair, token,
-                 offs_d, d_mask, stride_pp, stride_ot, TOP_K, BLOCK_D)
+    # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
+    tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
+    tl.debug_barrier()  # every thread's store is issued before the release below
+    counter = counters_ptr + token * down_blocks + d_block
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # fixed order: the same bits whichever program came last
+            total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
+        if OVERLAP:  # the token's last block: every down program of its pairs is past its wait
+            finished = counters_ptr + tl.num_programs(1) // TOP_K * down_blocks + token
+            if tl.atomic_add(finished, 1, sem="relaxed") == down_blocks - 1:
+                for j in tl.static_range(TOP_K):
+                    tl.atomic_xchg(ready_ptr + token * TOP_K + j, 0, sem="relaxed")
+                tl.atomic_xchg(finished, 0, sem="relaxed")
 
 
-@triton.jit
-def _pause(nanoseconds):
-    """Sleep the calling threads about this long (sm_70+ `nanosleep`): a waiting program's poll backs off
-    instead of flooding the L2 slice that holds the counter it polls."""
-    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [nanoseconds], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _moe_one_launch_kernel(
-    x_ptr, w13_ptr, w2_ptr, topk_ids_ptr, topk_weights_ptr, hidden_ptr, partials_ptr, out_ptr,
-    counters_ptr,  # [T * down_blocks] down's arrivals, then [N] ready (per pair), then [T] finished (per token)
-    num_experts, num_pairs, hidden_size, intermediate_size, f_blocks, down_blocks,
-    stride_xt, stride_w13e, stride_w13r, stride_hp, stride_w2e, stride_w2r, stride_pp, stride_ot,
-    TOP_K: tl.constexpr,
-    GATE_UP_BLOCK_F: tl.constexpr, GATE_UP_BLOCK_D: tl.constexpr,
-    DOWN_BLOCK_D: tl.constexpr, DOWN_BLOCK_F: tl.constexpr,
-    SLEEP: tl.constexpr,  # a waiting program's poll interval, ns (0 under the interpreter: one program)
-):
-    """Gate-up and down in one persistent, cooperative grid (`moe_gemv(..., one_launch=True)`).
-
-    Work items: [0, N * f_blocks) gate-up's (pair-major: all of pair 0's hidden blocks, then pair 1's, ...),
-    then N * down_blocks of down's (pair-major too). Program p takes items p, p + P, p + 2P, ... in order (P
-    programs, all resident at once: a cooperative launch, which the driver refuses rather than run with
-    fewer). So the first pairs' hidden rows are done by the time their down items come up, and down's first
-    items run while gate-up's last ones stream: no gap between two launches and no ramp of a second grid.
-    A down item waits (one thread polling with an acquire, `nanosleep` between polls) until every gate-up
-    item of its pair has stored its hidden units and released the pair's ready count; since every program
-    runs its gate-up items before its down items and all programs are resident, the gate-up items a wait
-    needs are always running or done. Then it runs as `_down_kernel` (the same jit functions: the same
-    bits). The last (token, output block) reduction of a token sets its pairs' ready counts and its own
-    count back to 0 for the next launch."""
-    ready_ptr = counters_ptr + (num_pairs // TOP_K) * down_blocks
-    finished_ptr = ready_ptr + num_pairs
-    gate_up_items = num_pairs * f_blocks
-    for item in range(tl.program_id(0), gate_up_items + num_pairs * down_blocks, tl.num_programs(0)):
-        if item < gate_up_items:
-            pair = item // f_blocks
-            token = pair // TOP_K
-            expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-            if (expert >= 0) & (expert < num_experts):
-                _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, item % f_blocks, token, expert, hidden_size,
-                              intermediate_size, stride_xt, stride_w13e, stride_w13r, stride_hp, GATE_UP_BLOCK_F,
-                              GATE_UP_BLOCK_D, False)
-            tl.debug_barrier()  # every thread's store is issued before the release below
-            tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
-        else:
-            work = item - gate_up_items
-            pair = work // down_blocks
-            d_block = work % down_blocks
-            token = pair // TOP_K
-            offs_d = d_block * DOWN_BLOCK_D + tl.arange(0, DOWN_BLOCK_D)
-            d_mask = offs_d < hidden_size
-            expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-            # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before
-            # each gate-up item's release; the barrier after each poll hands the value and the order on
-            while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
-                if SLEEP > 0:
-                    _pause(SLEEP)
-            tl.debug_barrier()
-            partial = tl.zeros([DOWN_BLOCK_D], dtype=tl.float32)
-            if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
-                routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-                offs_f = tl.arange(0, DOWN_BLOCK_F)
-                w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + offs_d[:, None] * stride_w2r + offs_f[None, :]
-                h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f  # written in this launch: read at L2
-                partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, 0, intermediate_size, DOWN_BLOCK_F,
-                                      True)
-                partial = partial * routing_weight
-            if _down_arrive(partial, partials_ptr, counters_ptr + token * down_blocks + d_block, out_ptr, pair,
-                            token, offs_d, d_mask, stride_pp, stride_ot, TOP_K, DOWN_BLOCK_D):
-                # the token's blocks reduced so far; at the last, every down item of its pairs is past its wait
-                if tl.atomic_add(finished_ptr + token, 1, sem="relaxed") == down_blocks - 1:
-                    for j in tl.static_range(TOP_K):
-                        tl.atomic_xchg(ready_ptr + token * TOP_K + j, 0, sem="relaxed")
-                    tl.atomic_xchg(finished_ptr + token, 0, sem="relaxed")
-
-
-def one_launch_available(device: torch.device) -> bool:
-    """Whether the one-launch arm can run here: under the interpreter (one program walks every item in
-    order), or on a CUDA device with a Triton that launches cooperative grids."""
-    if device.type != "cuda":
-        return True
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-_RESIDENT: dict = {}
-
-
-def one_launch_registers() -> int:
-    """The one-launch kernel's register cap per thread: ONE_LAUNCH_REGISTERS, or MOEI_MOE_REGISTERS (A/B)."""
-    return int(os.environ.get("MOEI_MOE_REGISTERS", ONE_LAUNCH_REGISTERS))
-
-
-def resident_programs(device: torch.device, registers: int) -> int:
-    """Programs of the one-launch kernel that fit the device at once: per SM, the register file over
-    `registers` x NUM_WARPS x 32 threads (2 KB of shared memory each binds nowhere near)."""
-    key = (device, registers)
-    if key not in _RESIDENT:
-        properties = torch.cuda.get_device_properties(device)
-        register_file = getattr(properties, "regs_per_multiprocessor", 65536)
-        per_sm = min(register_file // (registers * NUM_WARPS * 32),
-                     properties.max_threads_per_multi_processor // (NUM_WARPS * 32))
-        _RESIDENT[key] = properties.multi_processor_count * per_sm
-    return _RESIDENT[key]
-
-
-def one_launch_default() -> bool:
-    """Whether moe_gemv runs gate-up and down in one launch when not told: MOEI_MOE_ONE_LAUNCH=1 (the
-    benchmark's A/B) or ONE_LAUNCH."""
-    value = os.environ.get("MOEI_MOE_ONE_LAUNCH")
-    return ONE_LAUNCH if value is None else value == "1"
+def overlap_default() -> bool:
+    """Whether moe_gemv overlaps down with gate-up when not told: MOEI_MOE_OVERLAP=1/0 (the benchmark's
+    A/B), else OVERLAP."""
+    value = os.environ.get("MOEI_MOE_OVERLAP")
+    return OVERLAP if value is None else value == "1"
 
 
 def moe_gemv(
@@ -344,7 +277,7 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, D, F]
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
-    one_launch: bool | None = None,  # gate-up and down in one grid (_moe_one_launch_kernel); None: the default
+    overlap: bool | None = None,  # down overlaps gate-up's tail (module docstring); None: overlap_default()
 ) -> torch.Tensor:  # [T, D]
     """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`."""
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
@@ -352,6 +285,7 @@ def moe_gemv(
     out = scratch.empty((tokens, hidden_size), x.dtype, x.device)
     if tokens == 0:
         return out
+    overlap = overlap_default() if overlap is None else overlap
     num_pairs = tokens * top_k
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
@@ -362,43 +296,26 @@ def moe_gemv(
     f_blocks = triton.cdiv(intermediate, GATE_UP_BLOCK_F)
     # one program per (pair, output block); the k pairs of a token add up in the kernel
     down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    # down's arrivals [T, D / BLOCK_D]; overlapped, then the tokens' finished counts and the pairs' ready counts
+    counters = arrivals.counters(x.device, tokens * down_blocks + (tokens + num_pairs if overlap else 0))
+    ready = counters[tokens * down_blocks + tokens:] if overlap else counters
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
-    if one_launch_default() if one_launch is None else one_launch:
-        if not one_launch_available(x.device):
-            raise ValueError("moe_gemv: one_launch needs a cooperative launch (a CUDA device and a Triton with "
-                             "launch_cooperative_grid), or the interpreter")
-        # down's arrivals [T, D / BLOCK_D], the pairs' ready counts, the tokens' finished counts
-        counters = arrivals.counters(x.device, tokens * down_blocks + num_pairs + tokens)
-        items = num_pairs * (f_blocks + down_blocks)
-        interpreted = x.device.type != "cuda"
-        registers = one_launch_registers()
-        options = {} if interpreted else {"launch_cooperative_grid": True, "maxnreg": registers}
-        _moe_one_launch_kernel[(1 if interpreted else min(items, resident_programs(x.device, registers)),)](
-            x, w13, w2, flat_ids, flat_weights, hidden, partials, out, counters,
-            experts, num_pairs, hidden_size, intermediate, f_blocks, down_blocks,
-            x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0), w2.stride(0), w2.stride(1),
-            partials.stride(0), out.stride(0),
-            TOP_K=top_k, GATE_UP_BLOCK_F=GATE_UP_BLOCK_F, GATE_UP_BLOCK_D=gate_up_block_d,
-            DOWN_BLOCK_D=DOWN_BLOCK_D, DOWN_BLOCK_F=down_block_f,
-            SLEEP=0 if interpreted else ONE_LAUNCH_POLL_NS, num_warps=NUM_WARPS, **options,
-        )
-        launches.record("moe_gemv.one_launch")
-        return out
-    _gate_up_kernel[(num_pairs, f_blocks)](
-        x, w13, flat_ids, hidden,
+    gdc = pdl.launch_options(x.device)
+    early = overlap and pdl.supported(x.device)  # down launched while gate-up runs (nothing between the two)
+    _gate_up_kernel[(f_blocks, num_pairs) if overlap else (num_pairs, f_blocks)](
+        x, w13, flat_ids, hidden, ready,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device),
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, OVERLAP=overlap, TRIGGER=early,
+        num_warps=NUM_WARPS, **(dict(gdc, maxnreg=OVERLAP_GATE_UP_REGISTERS) if early else gdc),
     )
     launches.record("moe_gemv.gate_up")
-    counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
-    _down_kernel[(num_pairs, down_blocks)](
-        hidden, w2, flat_ids, flat_weights, partials, counters, out,
-        experts, hidden_size, intermediate,
+    _down_kernel[(down_blocks, num_pairs) if overlap else (num_pairs, down_blocks)](
+        hidden, w2, flat_ids, flat_weights, partials, counters, ready, out,
+        experts, hidden_size, intermediate, down_blocks, f_blocks,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device),
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, OVERLAP=overlap,
+        SLEEP=OVERLAP_POLL_NS if early else 0, num_warps=NUM_WARPS, **(dict(gdc, launch_pdl=True) if early else gdc),
     )
     launches.record("moe_gemv.down")
     return out

@@ -38,12 +38,18 @@ def _triton_supports_pdl() -> bool:
     return hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
 
 
-def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("MOEI_PDL", "0") != "1":
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch early and trigger and wait (CUDA, compute capability >= 9, a
+    Triton with the GDC intrinsics), whatever MOEI_PDL says (kernels.moe_gemv's overlap uses it on its own)."""
+    if device.type != "cuda":
         return False
     if device not in _ENABLED:
         _ENABLED[device] = torch.cuda.get_device_capability(device)[0] >= 9 and _triton_supports_pdl()
     return _ENABLED[device]
+
+
+def enabled(device: torch.device) -> bool:
+    return os.environ.get("MOEI_PDL", "0") == "1" and supported(device)
 
 
 def launch_options(device: torch.device) -> dict:

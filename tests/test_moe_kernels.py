@@ -386,40 +386,41 @@ def test_gemv_repeated_calls_bit_identical_and_counters_back_to_zero():
     assert relative_error(outs[1], moe_reference(*cases[1])) <= TOLERANCE[torch.float16]
 
 
-def _one_launch_counters(x: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Every counter the one-launch kernel uses for this x: down's arrivals, the pairs' ready counts, the
-    tokens' finished counts."""
+def _overlap_counters(x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Every counter the overlapped arm uses for this x: down's arrivals, the tokens' finished counts, the
+    pairs' ready counts."""
     tokens, hidden = x.shape
     return arrivals.counters(x.device, tokens * -(-hidden // moe_gemv_module.DOWN_BLOCK_D) + tokens * top_k + tokens)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, hidden, intermediate, routing", GEMV_EDGE_SHAPES)
-def test_gemv_one_launch_gives_the_two_launches_bits(tokens, top_k, experts, hidden, intermediate, routing):
-    # gate-up and down in one grid run the same jit functions: the same bits, with dropped ids too,
-    # and every counter (arrivals, ready, finished) back at 0 for the next launch
+def test_gemv_overlap_gives_the_same_bits(tokens, top_k, experts, hidden, intermediate, routing):
+    # pair-major grids with per-pair ready counts run the same jit functions: the same bits, with dropped
+    # ids too, and every counter (arrivals, finished, ready) back at 0 for the next launch
     x, w13, w2, topk_ids, topk_weights = _edge_case(tokens, top_k, experts, hidden, intermediate, routing,
                                                      torch.float16)
     topk_ids[0, 0] = -1
     if tokens > 1:  # (one token keeps one valid id: an all-zero row has no relative error)
         topk_ids[-1, -1] = experts
     with scratch.poison_new_buffers():
-        two = moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=False)
+        plain = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=False)
         before = launches.snapshot()
-        one = moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=True)
-        assert launches.since(before) == {"moe_gemv.one_launch": 1}
-        assert torch.count_nonzero(_one_launch_counters(x, top_k)) == 0
-        again = moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=True)
-    assert torch.equal(one, two) and torch.equal(again, two)
-    assert relative_error(one, _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)) <= TOLERANCE[torch.float16]
+        overlapped = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=True)
+        assert launches.since(before) == {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
+        assert torch.count_nonzero(_overlap_counters(x, top_k)) == 0
+        again = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=True)
+    assert torch.equal(overlapped, plain) and torch.equal(again, plain)
+    assert relative_error(overlapped, _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)) \
+        <= TOLERANCE[torch.float16]
 
 
-def test_gemv_one_launch_default_follows_the_environment(monkeypatch):
-    monkeypatch.setenv("MOEI_MOE_ONE_LAUNCH", "1")
-    assert moe_gemv_module.one_launch_default()
-    monkeypatch.setenv("MOEI_MOE_ONE_LAUNCH", "0")
-    assert not moe_gemv_module.one_launch_default()
-    monkeypatch.delenv("MOEI_MOE_ONE_LAUNCH")
-    assert moe_gemv_module.one_launch_default() == moe_gemv_module.ONE_LAUNCH
+def test_gemv_overlap_default_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("MOEI_MOE_OVERLAP", "1")
+    assert moe_gemv_module.overlap_default()
+    monkeypatch.setenv("MOEI_MOE_OVERLAP", "0")
+    assert not moe_gemv_module.overlap_default()
+    monkeypatch.delenv("MOEI_MOE_OVERLAP")
+    assert moe_gemv_module.overlap_default() == moe_gemv_module.OVERLAP
 
 
 def test_outgrown_arrival_buffer_is_kept_alive():
@@ -472,7 +473,7 @@ def test_launch_counters_are_exact():
         "moe_grouped.gate_up.v1": 1, "moe_grouped.down.v1": 1, "moe_grouped.reduce": 1,
     }
     before = launches.snapshot()
-    moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=False)
+    moe_gemv(x, w13, w2, topk_ids, topk_weights)
     assert launches.since(before) == {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
 
 
@@ -580,18 +581,18 @@ def _capture(fn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["grouped_v0", "grouped_v2", "gemv", "gemv_one_launch"])
+@pytest.mark.parametrize("arm", ["grouped_v0", "grouped_v2", "gemv", "gemv_overlap"])
 def test_gpu_cuda_graph_replay_matches_eager(arm):
     tokens, top_k, experts, hidden, intermediate = 33, 6, 64, 1024, 512
     generator = torch.Generator().manual_seed(21)
     topk_ids, topk_weights = make_routing(tokens, top_k, experts, generator, device="cuda")
     x, w13, w2 = make_layer(tokens, hidden, intermediate, experts, torch.bfloat16, generator, device="cuda")
     if arm.startswith("gemv"):
-        one_launch = arm == "gemv_one_launch"
+        overlap = arm == "gemv_overlap"
 
         def run():
-            return moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=one_launch)
-        expected_launches = {"moe_gemv.one_launch": 1} if one_launch else {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
+            return moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap)
+        expected_launches = {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
     else:
         variant = int(arm[-1])
 
@@ -637,9 +638,9 @@ def _v4_decode_inputs(tokens, experts, hidden, generator):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "one-launch"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens, one_launch):
+def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens, overlap):
     # issue 7's shape: 6 x 512 down programs per token, the last of each (token, block) group to
     # arrive sums the 6 partials; which one that is varies run to run, the output bits must not
     w13, w2 = v4_weights
@@ -648,26 +649,26 @@ def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens, one_launc
     if tokens > 1:  # dropped pairs (-1, E) on the compiled path too
         topk_ids[1, 3], topk_ids[tokens - 1, 0] = -1, w13.shape[0]
     with scratch.poison_new_buffers():
-        outs = [moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=one_launch) for _ in range(5)]
-        other = moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=not one_launch)
+        outs = [moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap) for _ in range(5)]
+        other = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=not overlap)
     for call, out in enumerate(outs[1:], start=2):
         assert torch.equal(out, outs[0]), f"call {call} differs from call 1"
-    assert torch.equal(other, outs[0]), "one launch and two launches differ"
-    assert torch.count_nonzero(_one_launch_counters(x, 6)).item() == 0
+    assert torch.equal(other, outs[0]), "overlapped and plain launches differ"
+    assert torch.count_nonzero(_overlap_counters(x, 6)).item() == 0
     ref = _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)
     assert relative_error(outs[0], ref) <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "one-launch"])
-def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights, one_launch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights, overlap):
     # replayed back to back, the captured kernels must leave their own counters at 0
     w13, w2 = v4_weights
     generator = torch.Generator().manual_seed(71)
     x, topk_ids, topk_weights = _v4_decode_inputs(1, w13.shape[0], w13.shape[2], generator)
 
     def run():
-        return moe_gemv(x, w13, w2, topk_ids, topk_weights, one_launch=one_launch)
+        return moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap)
 
     graph, static_out = _capture(run)
     for _ in range(3):
@@ -680,7 +681,7 @@ def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights, one_l
         eager = run()
         assert torch.equal(static_out, eager)
         assert relative_error(eager, moe_reference(x, w13, w2, topk_ids, topk_weights)) <= TOLERANCE[torch.bfloat16]
-    assert torch.count_nonzero(_one_launch_counters(x, 6)).item() == 0
+    assert torch.count_nonzero(_overlap_counters(x, 6)).item() == 0
 
 
 @pytest.mark.gpu
