@@ -40,7 +40,7 @@ def _types(name: str) -> str:
     if not name.endswith("_ptr"):
         return "i32"
     if any(part in name for part in ("sorted", "tile_expert", "window", "padded", "topk_ids", "rank", "chunk",
-                                     "counts", "offsets", "pair_rows", "used", "counters", "ready")):
+                                     "counts", "offsets", "pair_rows", "used", "counters")):
         return "*i32"
     return "*fp32" if "topk_weights" in name or "partials" in name else "*bf16"
 

@@ -611,7 +611,8 @@ def graphs_note(engine, graphs: bool | None) -> str:
     return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches before the step's "
                                       "sync, two in flight (MOEI_RUN_AHEAD=0 turns it off)" if run_ahead
                                       else "; run-ahead off")
-            + ("; programmatic dependent launch on (MOEI_PDL=1)" if pdl.enabled(engine.device) else ""))
+            + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)" if pdl.enabled(engine.device)
+               else ""))
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:

@@ -25,16 +25,6 @@ The down grid is the (T, D / BLOCK_D, k) program set with token and j merged int
 order as in gate-up: the k programs of one (token, block) are dispatched side by side, and all
 pairs of one output block stream at once, so pairs that share an expert share its lines in L2.
 
-Overlap (`overlap=True`, MOEI_MOE_OVERLAP=1): both grids pair-major (all of pair 0's programs, then
-pair 1's, ...), gate-up counting each pair's finished programs into ready[pair] (a release), and down
-launched early by programmatic dependent launch: gate-up lets it launch at its start, so down's programs
-take the slots gate-up's last wave frees, each waiting (one thread polling with an acquire, nanosleep
-between polls) only for its own pair's ready count. The first pairs' down work then runs while gate-up's
-last pairs stream: no gap between the grids and no ramp of down on its own. Deadlock-free: PDL launches
-the dependent grid only once every gate-up program has started, and gate-up never waits. The token's
-last reduction sets its pairs' ready counts back to 0. Without PDL (the interpreter, pre-Hopper) down
-launches after gate-up as usual and finds every count complete. Same jit code, same bits.
-
 Down's reduction over the k pairs ("last program reduces", kernels/arrivals.py): each program
 stores its partial (0 for an id outside [0, E): it still arrives), `tl.debug_barrier()`, one
 `atomic_add(counter, 1, sem="acq_rel")` per program; the program that sees k - 1 reads the k
@@ -63,8 +53,6 @@ the sweep still times this arm), counters T x D/8 int32 (kept in the shared arri
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -77,47 +65,6 @@ GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B p
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 NUM_WARPS = 4
-# Down launched while gate-up runs (programmatic dependent launch), each down program waiting for its own
-# pair's hidden row instead of for all of gate-up (`moe_gemv(..., overlap=True)`); not measured yet.
-OVERLAP = False
-OVERLAP_POLL_NS = 256  # a waiting down program's poll interval
-# Gate-up's registers when it counts its pairs: an sm_90 compile gives 96 (5 programs per SM), capped at the
-# plain kernel's 80 (6 per SM) with no spill.
-OVERLAP_GATE_UP_REGISTERS = 80
-
-
-@triton.jit
-def _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, f_block, token, expert, hidden_size, intermediate_size,
-                  stride_xt, stride_we, stride_wr, stride_hp, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                  USE_GDC: tl.constexpr):
-    """One program's gate-up work: pair `pair`'s BLOCK_F hidden units of block `f_block` (expert valid)."""
-    offs_f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_mask = offs_f < intermediate_size
-    offs_d = tl.arange(0, BLOCK_D)
-    # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
-    w_base = w13_ptr + expert.to(tl.int64) * stride_we
-    gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
-    up_ptrs = gate_ptrs + intermediate_size * stride_wr
-    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
-    # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
-    # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
-    gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-    up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-    for d0 in range(0, hidden_size, BLOCK_D):
-        d_mask = offs_d < hidden_size - d0
-        w_mask = f_mask[:, None] & d_mask[None, :]
-        x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
-        up_sum += tl.sum(up * x_chunk[None, :], axis=1)
-        gate_ptrs += BLOCK_D
-        up_ptrs += BLOCK_D
-        x_ptrs += BLOCK_D
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-    hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-    tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
 
 
 @triton.jit
@@ -126,7 +73,6 @@ def _gate_up_kernel(
     w13_ptr,  # [E, 2F, D]
     topk_ids_ptr,  # [N] flattened [T, k]
     hidden_ptr,  # [N, F] out
-    ready_ptr,  # [N] int32 (OVERLAP): each pair's gate-up programs done
     num_experts,
     hidden_size,  # D
     intermediate_size,  # F
@@ -137,55 +83,42 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    OVERLAP: tl.constexpr,  # pair-major grid (F / BLOCK_F, N); count each pair's programs done
-    TRIGGER: tl.constexpr,  # OVERLAP on a GPU with PDL: down's grid may launch once every program here started
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    if OVERLAP:
-        f_block = tl.program_id(0)
-        pair = tl.program_id(1)
-    else:
-        pair = tl.program_id(0)
-        f_block = tl.program_id(1)
+    pair = tl.program_id(0)
+    f_block = tl.program_id(1)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert >= 0) & (expert < num_experts):
-        _gate_up_rows(x_ptr, w13_ptr, hidden_ptr, pair, f_block, token, expert, hidden_size, intermediate_size,
-                      stride_xt, stride_we, stride_wr, stride_hp, BLOCK_F, BLOCK_D, USE_GDC)
-    if OVERLAP:
-        tl.debug_barrier()  # every thread's store is issued before the release below
-        tl.atomic_add(ready_ptr + pair, 1, sem="release")  # counted even for an invalid id: down waits on it
-
-
-@triton.jit
-def _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, intermediate_size, BLOCK_F: tl.constexpr,
-                PAST_L1: tl.constexpr):
-    """partial + w2 rows . hidden over F, one BLOCK_F step at a time, reduced every step into [BLOCK_D] fp32:
-    few registers, many programs per SM. PAST_L1: the hidden row may have been written while this grid runs
-    (OVERLAP): read at L2 (".cg")."""
-    for f0 in range(0, intermediate_size, BLOCK_F):
-        f_mask = offs_f < intermediate_size - f0
-        if PAST_L1:
-            h = tl.load(h_ptrs, mask=f_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
-        partial += tl.sum(w * h[None, :], axis=1)
-        w_ptrs += BLOCK_F
-        h_ptrs += BLOCK_F
-    return partial
-
-
-@triton.jit
-def _pause(nanoseconds):
-    """Sleep the calling threads about this long (sm_70+ `nanosleep`): a waiting program's poll backs off
-    instead of flooding the L2 slice that holds the counter it polls."""
-    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [nanoseconds], dtype=tl.int32,
-                              is_pure=False, pack=1)
+        offs_f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_mask = offs_f < intermediate_size
+        offs_d = tl.arange(0, BLOCK_D)
+        # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
+        w_base = w13_ptr + expert.to(tl.int64) * stride_we
+        gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
+        up_ptrs = gate_ptrs + intermediate_size * stride_wr
+        x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
+        # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
+        # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
+        gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+        up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for d0 in range(0, hidden_size, BLOCK_D):
+            d_mask = offs_d < hidden_size - d0
+            w_mask = f_mask[:, None] & d_mask[None, :]
+            x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
+            up_sum += tl.sum(up * x_chunk[None, :], axis=1)
+            gate_ptrs += BLOCK_D
+            up_ptrs += BLOCK_D
+            x_ptrs += BLOCK_D
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
+        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
 
 
 @triton.jit
@@ -195,14 +128,11 @@ def _down_kernel(
     topk_ids_ptr,  # [N]
     topk_weights_ptr,  # [N]
     partials_ptr,  # [N, D] fp32 scratch: pair p's routing-weighted down row
-    counters_ptr,  # [T, D / BLOCK_D] int32 arrival counters, 0 on entry and on exit; OVERLAP: then [T] finished
-    ready_ptr,  # [N] int32 (OVERLAP): each pair's gate-up programs done; 0 again on exit
+    counters_ptr,  # [T, D / BLOCK_D] int32 arrival counters, 0 on entry and on exit
     out_ptr,  # [T, D] out
     num_experts,
     hidden_size,  # D
     intermediate_size,  # F
-    down_blocks,  # D / BLOCK_D
-    f_blocks,  # gate-up's programs per pair (OVERLAP)
     stride_hp,
     stride_we,
     stride_wr,
@@ -211,43 +141,37 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
-    OVERLAP: tl.constexpr,  # pair-major grid (D / BLOCK_D, N), launched while gate-up runs: wait per pair
-    SLEEP: tl.constexpr,  # OVERLAP: the wait's poll interval, ns
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    if OVERLAP:
-        d_block = tl.program_id(0)
-        pair = tl.program_id(1)
-    else:
-        pair = tl.program_id(0)
-        d_block = tl.program_id(1)
+    pair = tl.program_id(0)
+    d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    if OVERLAP:
-        # acquire (one thread; a compare-and-swap that never swaps): the pair's hidden row, stored before each
-        # gate-up program's release; the barrier after each poll hands the value and the order to every thread
-        while tl.atomic_cas(ready_ptr + pair, -1, -1, sem="acquire") < f_blocks:
-            if SLEEP > 0:
-                _pause(SLEEP)
-        tl.debug_barrier()
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
     if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
         offs_f = tl.arange(0, BLOCK_F)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
-        partial = _down_steps(partial, w_ptrs, h_ptrs, d_mask, offs_f, intermediate_size, BLOCK_F, OVERLAP)
+        # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
+        for f0 in range(0, intermediate_size, BLOCK_F):
+            f_mask = offs_f < intermediate_size - f0
+            h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+            partial += tl.sum(w * h[None, :], axis=1)
+            w_ptrs += BLOCK_F
+            h_ptrs += BLOCK_F
         partial = partial * routing_weight
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     # last program reduces (kernels/arrivals.py): every pair stores its partial, then counts in
     tl.store(partials_ptr + pair.to(tl.int64) * stride_pp + offs_d, partial, mask=d_mask)
     tl.debug_barrier()  # every thread's store is issued before the release below
-    counter = counters_ptr + token * down_blocks + d_block
+    counter = counters_ptr + token * tl.num_programs(1) + d_block
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived == TOP_K - 1:
         first_ptrs = partials_ptr + (token * TOP_K).to(tl.int64) * stride_pp + offs_d
@@ -256,19 +180,6 @@ def _down_kernel(
             total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
         tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
-        if OVERLAP:  # the token's last block: every down program of its pairs is past its wait
-            finished = counters_ptr + tl.num_programs(1) // TOP_K * down_blocks + token
-            if tl.atomic_add(finished, 1, sem="relaxed") == down_blocks - 1:
-                for j in tl.static_range(TOP_K):
-                    tl.atomic_xchg(ready_ptr + token * TOP_K + j, 0, sem="relaxed")
-                tl.atomic_xchg(finished, 0, sem="relaxed")
-
-
-def overlap_default() -> bool:
-    """Whether moe_gemv overlaps down with gate-up when not told: MOEI_MOE_OVERLAP=1/0 (the benchmark's
-    A/B), else OVERLAP."""
-    value = os.environ.get("MOEI_MOE_OVERLAP")
-    return OVERLAP if value is None else value == "1"
 
 
 def moe_gemv(
@@ -277,7 +188,6 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, D, F]
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
-    overlap: bool | None = None,  # down overlaps gate-up's tail (module docstring); None: overlap_default()
 ) -> torch.Tensor:  # [T, D]
     """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`."""
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
@@ -285,7 +195,6 @@ def moe_gemv(
     out = scratch.empty((tokens, hidden_size), x.dtype, x.device)
     if tokens == 0:
         return out
-    overlap = overlap_default() if overlap is None else overlap
     num_pairs = tokens * top_k
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
@@ -293,29 +202,24 @@ def moe_gemv(
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    f_blocks = triton.cdiv(intermediate, GATE_UP_BLOCK_F)
-    # one program per (pair, output block); the k pairs of a token add up in the kernel
-    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
-    # down's arrivals [T, D / BLOCK_D]; overlapped, then the tokens' finished counts and the pairs' ready counts
-    counters = arrivals.counters(x.device, tokens * down_blocks + (tokens + num_pairs if overlap else 0))
-    ready = counters[tokens * down_blocks + tokens:] if overlap else counters
-    partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
-    gdc = pdl.launch_options(x.device)
-    early = overlap and pdl.supported(x.device)  # down launched while gate-up runs (nothing between the two)
-    _gate_up_kernel[(f_blocks, num_pairs) if overlap else (num_pairs, f_blocks)](
-        x, w13, flat_ids, hidden, ready,
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
+        x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, OVERLAP=overlap, TRIGGER=early,
-        num_warps=NUM_WARPS, **(dict(gdc, maxnreg=OVERLAP_GATE_UP_REGISTERS) if early else gdc),
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
+        **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.gate_up")
-    _down_kernel[(down_blocks, num_pairs) if overlap else (num_pairs, down_blocks)](
-        hidden, w2, flat_ids, flat_weights, partials, counters, ready, out,
-        experts, hidden_size, intermediate, down_blocks, f_blocks,
+    # one program per (pair, output block); the k pairs of a token add up in the kernel
+    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
+    counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
+    _down_kernel[(num_pairs, down_blocks)](
+        hidden, w2, flat_ids, flat_weights, partials, counters, out,
+        experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, OVERLAP=overlap,
-        SLEEP=OVERLAP_POLL_NS if early else 0, num_warps=NUM_WARPS, **(dict(gdc, launch_pdl=True) if early else gdc),
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        **pdl.launch_options(x.device),
     )
     launches.record("moe_gemv.down")
     return out

@@ -386,43 +386,6 @@ def test_gemv_repeated_calls_bit_identical_and_counters_back_to_zero():
     assert relative_error(outs[1], moe_reference(*cases[1])) <= TOLERANCE[torch.float16]
 
 
-def _overlap_counters(x: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Every counter the overlapped arm uses for this x: down's arrivals, the tokens' finished counts, the
-    pairs' ready counts."""
-    tokens, hidden = x.shape
-    return arrivals.counters(x.device, tokens * -(-hidden // moe_gemv_module.DOWN_BLOCK_D) + tokens * top_k + tokens)
-
-
-@pytest.mark.parametrize("tokens, top_k, experts, hidden, intermediate, routing", GEMV_EDGE_SHAPES)
-def test_gemv_overlap_gives_the_same_bits(tokens, top_k, experts, hidden, intermediate, routing):
-    # pair-major grids with per-pair ready counts run the same jit functions: the same bits, with dropped
-    # ids too, and every counter (arrivals, finished, ready) back at 0 for the next launch
-    x, w13, w2, topk_ids, topk_weights = _edge_case(tokens, top_k, experts, hidden, intermediate, routing,
-                                                     torch.float16)
-    topk_ids[0, 0] = -1
-    if tokens > 1:  # (one token keeps one valid id: an all-zero row has no relative error)
-        topk_ids[-1, -1] = experts
-    with scratch.poison_new_buffers():
-        plain = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=False)
-        before = launches.snapshot()
-        overlapped = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=True)
-        assert launches.since(before) == {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
-        assert torch.count_nonzero(_overlap_counters(x, top_k)) == 0
-        again = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=True)
-    assert torch.equal(overlapped, plain) and torch.equal(again, plain)
-    assert relative_error(overlapped, _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)) \
-        <= TOLERANCE[torch.float16]
-
-
-def test_gemv_overlap_default_follows_the_environment(monkeypatch):
-    monkeypatch.setenv("MOEI_MOE_OVERLAP", "1")
-    assert moe_gemv_module.overlap_default()
-    monkeypatch.setenv("MOEI_MOE_OVERLAP", "0")
-    assert not moe_gemv_module.overlap_default()
-    monkeypatch.delenv("MOEI_MOE_OVERLAP")
-    assert moe_gemv_module.overlap_default() == moe_gemv_module.OVERLAP
-
-
 def test_outgrown_arrival_buffer_is_kept_alive():
     # the gemv down kernel needs T x D/8 counters (past the 4096 minimum from T = 9 at D = 4096): a
     # graph captured at a smaller batch keeps counting into the old buffer, which must not be freed
@@ -581,17 +544,15 @@ def _capture(fn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arm", ["grouped_v0", "grouped_v2", "gemv", "gemv_overlap"])
+@pytest.mark.parametrize("arm", ["grouped_v0", "grouped_v2", "gemv"])
 def test_gpu_cuda_graph_replay_matches_eager(arm):
     tokens, top_k, experts, hidden, intermediate = 33, 6, 64, 1024, 512
     generator = torch.Generator().manual_seed(21)
     topk_ids, topk_weights = make_routing(tokens, top_k, experts, generator, device="cuda")
     x, w13, w2 = make_layer(tokens, hidden, intermediate, experts, torch.bfloat16, generator, device="cuda")
-    if arm.startswith("gemv"):
-        overlap = arm == "gemv_overlap"
-
+    if arm == "gemv":
         def run():
-            return moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap)
+            return moe_gemv(x, w13, w2, topk_ids, topk_weights)
         expected_launches = {"moe_gemv.gate_up": 1, "moe_gemv.down": 1}
     else:
         variant = int(arm[-1])
@@ -638,9 +599,8 @@ def _v4_decode_inputs(tokens, experts, hidden, generator):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens, overlap):
+def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens):
     # issue 7's shape: 6 x 512 down programs per token, the last of each (token, block) group to
     # arrive sums the 6 partials; which one that is varies run to run, the output bits must not
     w13, w2 = v4_weights
@@ -649,26 +609,23 @@ def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens, overlap):
     if tokens > 1:  # dropped pairs (-1, E) on the compiled path too
         topk_ids[1, 3], topk_ids[tokens - 1, 0] = -1, w13.shape[0]
     with scratch.poison_new_buffers():
-        outs = [moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap) for _ in range(5)]
-        other = moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=not overlap)
+        outs = [moe_gemv(x, w13, w2, topk_ids, topk_weights) for _ in range(5)]
     for call, out in enumerate(outs[1:], start=2):
         assert torch.equal(out, outs[0]), f"call {call} differs from call 1"
-    assert torch.equal(other, outs[0]), "overlapped and plain launches differ"
-    assert torch.count_nonzero(_overlap_counters(x, 6)).item() == 0
+    assert torch.count_nonzero(_gemv_counters_in_use(x)).item() == 0
     ref = _dropped_ids_reference(x, w13, w2, topk_ids, topk_weights)
     assert relative_error(outs[0], ref) <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights, overlap):
-    # replayed back to back, the captured kernels must leave their own counters at 0
+def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights):
+    # replayed back to back, the captured down kernel must leave its own counters at 0
     w13, w2 = v4_weights
     generator = torch.Generator().manual_seed(71)
     x, topk_ids, topk_weights = _v4_decode_inputs(1, w13.shape[0], w13.shape[2], generator)
 
     def run():
-        return moe_gemv(x, w13, w2, topk_ids, topk_weights, overlap=overlap)
+        return moe_gemv(x, w13, w2, topk_ids, topk_weights)
 
     graph, static_out = _capture(run)
     for _ in range(3):
@@ -681,7 +638,7 @@ def test_gpu_gemv_v4_shape_one_token_graph_replays_equal_eager(v4_weights, overl
         eager = run()
         assert torch.equal(static_out, eager)
         assert relative_error(eager, moe_reference(x, w13, w2, topk_ids, topk_weights)) <= TOLERANCE[torch.bfloat16]
-    assert torch.count_nonzero(_overlap_counters(x, 6)).item() == 0
+    assert torch.count_nonzero(_gemv_counters_in_use(x)).item() == 0
 
 
 @pytest.mark.gpu
