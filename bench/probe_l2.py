@@ -12,7 +12,7 @@ Also the prefetch kernel's own device time, and the copy bandwidth (a device-to-
 
     python3 bench/probe_l2.py [--json PATH]
 
-H200, run 26 (bench/results/2026-11-29-h200-run26-l2-probe): L2 60 MiB, copy 4.27 TB/s. wo: 12.96 us cold,
+H200, run 26 (bench/results/2026-11-29-h200-run26-l2-probe-one-launch): L2 60 MiB, copy 4.27 TB/s. wo: 12.96 us cold,
 11.23 us after the prefetch (8 programs; 11.7-12.0 with 32 or 132; no gain at 1 MB per instruction), 9.23 us
 warm, whatever the window (2-10 us); qkv: 14.42, 12.86, 10.93 us. The prefetch kernel stays resident until its
 lines land (8.0 us for wo's 33.6 MB, the copy time), so it has to run on a side stream. In the v4 decode step

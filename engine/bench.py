@@ -567,7 +567,19 @@ def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor
     window = set(measured.window_steps)
     device_us = None if measured.device_s is None else measured.device_s * 1e6
     rows, note = kernel_shares(kernels, step_ranges, window, device_us, len(result.steps))
-    return rows, f"{note} of one extra repetition under torch.profiler (not in the timings)"
+    return rows, profile_note(note, runner.device)
+
+
+def profile_note(note: str, device: torch.device) -> str:
+    """What a kernel-share table's heading says of its profile; with programmatic dependent launch on, that
+    a kernel's span starts at its early launch (kernels.pdl), so spans overlap and add to more than the step."""
+    from kernels import pdl
+
+    note = f"{note} of one extra repetition under torch.profiler (not in the timings)"
+    if pdl.enabled(device):
+        note += ("; programmatic dependent launch on: a kernel launches while the one before it runs and its time "
+                 "includes that wait, so the times overlap and add up to more than the step (MOEI_PDL=0: without)")
+    return note
 
 
 def _targets(engine, rows: list[Row]) -> dict:

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from engine import bench, flags
 from engine.errors import MeasurementError
@@ -327,3 +328,13 @@ def test_every_profiled_repetition_runs_after_every_timed_one(tiny, monkeypatch)
     names = [spec.name for spec in specs]
     assert order == [("timed", names[0])] * 2 + [("timed", names[1])] * 2 + [("profiled", n) for n in names]
     assert [row.profile_note for row in report.rows] == ["stub", "stub"]
+
+
+def test_profile_note_says_when_kernel_times_overlap(monkeypatch):
+    from engine.bench import profile_note
+    from kernels import pdl
+
+    plain = profile_note("steps 8-127 (120 steps)", torch.device("cpu"))
+    assert plain == "steps 8-127 (120 steps) of one extra repetition under torch.profiler (not in the timings)"
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    assert "overlap and add up to more than the step" in profile_note("steps 8-127 (120 steps)", torch.device("cpu"))
