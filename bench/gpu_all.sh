@@ -9,7 +9,7 @@
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
 #   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, GEMV bench, v4 table
 #   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead and without PDL, host step, demo
-#   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off, at batch 1 (twice) and 8
+#   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off, at batch 1, 8 and 32
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -113,18 +113,16 @@ elif [ "$mode" = decode ]; then  # issue 7's decode step: GPU tests, the v4 tabl
     TAIL=30 stage 50 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
     TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
-elif [ "$mode" = ab ]; then  # A/B of MOEI_PDL on v4 tg128 at batch 1 (twice) and 8
+elif [ "$mode" = ab ]; then  # A/B of MOEI_PDL on v4 tg128 at batch 1, 8 and 32
     v4() {  # v4 NAME BATCH [ENV=VALUE ...]
         local name=$1 batch=$2; shift 2
         TAIL=8 stage 100 "$name" env "$@" python3 -m inspector bench --model v4-shape --tg 128 --pp 128 \
             --batch "$batch" --reps 3 --gpu-weights --format md --json-out "$WORK/$name.json"
     }
-    for round in 1 2; do
-        v4 v4_pdl_off_$round 1 MOEI_PDL=0
-        v4 v4_pdl_on_$round 1 MOEI_PDL=1
+    for batch in 1 8 32; do
+        v4 v4_b${batch}_pdl_off "$batch" MOEI_PDL=0
+        v4 v4_b${batch}_pdl_on "$batch" MOEI_PDL=1
     done
-    v4 v4_b8_pdl_off 8 MOEI_PDL=0
-    v4 v4_b8_pdl_on 8 MOEI_PDL=1
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time" "$f" | cut -c1-150; done \
         > "$WORK/ab_summary.txt"
     cat "$WORK/ab_summary.txt"
