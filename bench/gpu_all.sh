@@ -119,10 +119,19 @@ elif [ "$mode" = ab ]; then  # A/B of MOEI_PDL on v4 tg128 at batch 1, 8 and 32
         TAIL=8 stage 100 "$name" env "$@" python3 -m inspector bench --model v4-shape --tg 128 --pp 128 \
             --batch "$batch" --reps 3 --gpu-weights --format md --json-out "$WORK/$name.json"
     }
-    for batch in 1 8 32; do
-        v4 v4_b${batch}_pdl_off "$batch" MOEI_PDL=0
-        v4 v4_b${batch}_pdl_on "$batch" MOEI_PDL=1
-    done
+    if [ -n "${PRELOAD_AB:-}" ]; then  # the first weight tile before the wait (kernels.pdl.preload), with its tests
+        TAIL=8 MOEI_PDL_PRELOAD=1 stage 150 pytest_preload python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+            tests/test_decode_fused.py tests/test_moe_kernels.py -k "v4 or widths or matches_torch"
+        for round in 1 2; do
+            v4 v4_b1_preload_off_$round 1 MOEI_PDL_PRELOAD=0
+            v4 v4_b1_preload_on_$round 1 MOEI_PDL_PRELOAD=1
+        done
+    else
+        for batch in 1 8 32; do
+            v4 v4_b${batch}_pdl_off "$batch" MOEI_PDL=0
+            v4 v4_b${batch}_pdl_on "$batch" MOEI_PDL=1
+        done
+    fi
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time" "$f" | cut -c1-150; done \
         > "$WORK/ab_summary.txt"
     cat "$WORK/ab_summary.txt"

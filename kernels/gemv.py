@@ -39,6 +39,24 @@ BYTES_PER_STEP = 8192  # weight bytes one program loads per K step
 
 
 @triton.jit
+def _gemv_step(accumulator, w, x_ptr, x_ptrs, k0, k_mask, offs_k, offs_m, rows, stride_xm, M_PAD: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The accumulator plus one loaded [BLOCK_N, BLOCK_K] weight tile times the rows' x at k0."""
+    m_mask = offs_m < rows
+    if M_PAD >= 16:  # a skinny GEMM (a wide decode batch): tensor cores
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        accumulator = tl.dot(x, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
+    else:  # a few rows: FMAs on the loaded tile, reduced at once
+        w32 = w.to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            row_lanes = tl.full([BLOCK_K], m, dtype=tl.int32) < rows
+            x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0)
+            partial = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+            accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+    return accumulator
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -54,9 +72,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PRELOAD: tl.constexpr,  # with USE_GDC: the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -64,21 +81,24 @@ def _gemv_kernel(
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [M_PAD, BLOCK_K]
-    for k0 in range(0, k_in, BLOCK_K):
+    if PRELOAD:  # the weight does not depend on the grid before: its first tile while that grid ends
+        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    k_start = 0
+    if PRELOAD:  # the loop's first step, on the preloaded tile
+        accumulator = _gemv_step(accumulator, w_first, x_ptr, x_ptrs, 0, offs_k < k_in, offs_k, offs_m, rows,
+                                 stride_xm, M_PAD, BLOCK_K, DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, k_in, BLOCK_K):
         k_mask = offs_k < k_in - k0
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if M_PAD >= 16:  # a skinny GEMM (a wide decode batch): tensor cores
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            accumulator = tl.dot(x, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
-        else:  # a few rows: FMAs on the loaded tile, reduced at once
-            w32 = w.to(tl.float32)
-            for m in tl.static_range(M_PAD):
-                row_lanes = tl.full([BLOCK_K], m, dtype=tl.int32) < rows
-                x_row = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & row_lanes, other=0.0)
-                partial = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-                accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        accumulator = _gemv_step(accumulator, w, x_ptr, x_ptrs, k0, k_mask, offs_k, offs_m, rows, stride_xm, M_PAD,
+                                 BLOCK_K, DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_GDC:
@@ -130,6 +150,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
+        PRELOAD=pdl.preload(x.device),
     )
     launches.record("gemv")
     return out

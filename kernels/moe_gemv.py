@@ -142,23 +142,38 @@ def _down_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PRELOAD: tl.constexpr,  # with USE_GDC: the first w2 tile loaded before the wait (kernels.pdl.preload)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
     token = pair // TOP_K
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < hidden_size
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    offs_f = tl.arange(0, BLOCK_F)
+    if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
+        expert = tl.load(topk_ids_ptr + pair, cache_modifier=".cg").to(tl.int32)
+        known = (expert >= 0) & (expert < num_experts)
+        w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
+                          + offs_f[None, :], mask=(d_mask & known)[:, None] & (offs_f < intermediate_size)[None, :],
+                          other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    if not PRELOAD:
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     partial = tl.zeros([BLOCK_D], dtype=tl.float32)
     if (expert >= 0) & (expert < num_experts):  # an id outside [0, E) leaves its partial at 0
         routing_weight = tl.load(topk_weights_ptr + pair).to(tl.float32)  # issued before the loop
-        offs_f = tl.arange(0, BLOCK_F)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wr + offs_f[None, :]
         h_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f
+        f_start = 0
+        if PRELOAD:  # the loop's first step, on the preloaded tile
+            h = tl.load(h_ptrs, mask=offs_f < intermediate_size, other=0.0).to(tl.float32)
+            partial += tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
+            w_ptrs += BLOCK_F
+            h_ptrs += BLOCK_F
+            f_start = BLOCK_F
         # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
-        for f0 in range(0, intermediate_size, BLOCK_F):
+        for f0 in range(f_start, intermediate_size, BLOCK_F):
             f_mask = offs_f < intermediate_size - f0
             h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
@@ -219,7 +234,7 @@ def moe_gemv(
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device),
     )
     launches.record("moe_gemv.down")
     return out

@@ -47,6 +47,12 @@ def enabled(device: torch.device) -> bool:
     return _ENABLED[device]
 
 
+def preload(device: torch.device) -> bool:
+    """Whether a kernel with PDL loads its first weight tile before its wait (weights do not depend on the
+    grid before; kernels.gemv, kernels.moe_gemv's down): MOEI_PDL_PRELOAD=1 (the benchmark's A/B), with PDL."""
+    return os.environ.get("MOEI_PDL_PRELOAD", "0") == "1" and enabled(device)
+
+
 def launch_options(device: torch.device) -> dict:
     """What to add to a launch: {"USE_GDC": bool} and, when on, {"launch_pdl": True}."""
     if enabled(device):
