@@ -13,13 +13,15 @@ CUDA devices of compute capability >= 9 whose Triton has the GDC intrinsics, unl
 benchmark's A/B). The interpreter and older GPUs never use it. On the H200 (v4-shape tg128 @ b1, graphs
 on, device time per step, PDL on against off):
 - run 29, the kernels as they are now: 126.5 and 126.7 us against 133.0 and 132.9 us (two bench processes
-  each), so it is on;
+  each), so it is on; run 31: +5 % tokens/s at batch 1, nothing beyond the spread at batch 8 and 32;
+- run 32: the dense GEMV and MoE down loading their first weight tile before the wait (`preload`, the
+  loops otherwise unchanged): 125.4 and 125.2 us against 126.7 and 126.7;
 - before, with other loops, it lost: run 8 146.2 against 144.7 us; run 21 (each kernel loading its
   first weight chunk before its wait and each next chunk one step ahead) 141.3 against 146.8 us, but
   those loops were slower than these; run 23 (each program asking for its weight rows in L2 with a bulk
   prefetch before its wait) 139.0 against 133.9 us: a bulk prefetch keeps its program resident until the
   lines land (bench/probe_l2.py), so the early programs held slots and bandwidth the running grid needed.
-(bench/results/2026-11-29-h200-run21..23, run29-pdl-ab.)
+(bench/results/2026-11-29-h200-run21..23, run29-pdl-ab, run31-pdl-batches, run32-pdl-preload.)
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def enabled(device: torch.device) -> bool:
 
 def preload(device: torch.device) -> bool:
     """Whether a kernel with PDL loads its first weight tile before its wait (weights do not depend on the
-    grid before; kernels.gemv, kernels.moe_gemv's down): MOEI_PDL_PRELOAD=1 (the benchmark's A/B), with PDL."""
-    return os.environ.get("MOEI_PDL_PRELOAD", "0") == "1" and enabled(device)
+    grid before; kernels.gemv, kernels.moe_gemv's down): with PDL, unless MOEI_PDL_PRELOAD=0 (the A/B).
+    Run 32: the v4 step 125.4 and 125.2 us against 126.7 and 126.7 without."""
+    return os.environ.get("MOEI_PDL_PRELOAD", "1") != "0" and enabled(device)
 
 
 def launch_options(device: torch.device) -> dict:
