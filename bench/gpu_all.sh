@@ -9,7 +9,8 @@
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
 #   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, GEMV bench, v4 table
 #   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead and without PDL, host step, demo
-#   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off, at batch 1, 8 and 32
+#   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off at batch 1, 8 and 32 (PRELOAD_AB=1: the PDL
+#                                    preload on and off at batch 1, twice, with its GPU tests)
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
