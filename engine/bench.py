@@ -624,7 +624,9 @@ def graphs_note(engine, graphs: bool | None) -> str:
                                       "sync, two in flight (MOEI_RUN_AHEAD=0 turns it off)" if run_ahead
                                       else "; run-ahead off")
             + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)" if pdl.enabled(engine.device)
-               else ""))
+               else "")
+            + ("; the dense GEMV and MoE down load their first weight tile before its wait (MOEI_PDL_PRELOAD=0 "
+               "turns it off)" if pdl.preload(engine.device) else ""))
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:
