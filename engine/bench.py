@@ -625,7 +625,7 @@ def graphs_note(engine, graphs: bool | None) -> str:
                                       else "; run-ahead off")
             + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)" if pdl.enabled(engine.device)
                else "")
-            + ("; the dense GEMV and MoE down load their first weight tile before its wait (MOEI_PDL_PRELOAD=0 "
+            + ("; the dense GEMV and MoE down load their first weight tile before that wait (MOEI_PDL_PRELOAD=0 "
                "turns it off)" if pdl.preload(engine.device) else ""))
 
 
