@@ -369,7 +369,7 @@ class BatchRunner:
         # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
         kernels = captured.kernels
         dispatcher.replay(captured.template, kernels, step, len(rows))
-        # launches.since(kernels_before): what the replay launched, counted by `begin_replay` (nothing else on
+        # launches.since(kernels_before): what the replay launched, counted by `Dispatcher.replay` (nothing else on
         # a replayed step's host path launches), without a pass over every kernel's count
         counted = None if kernels_before is None else dict(kernels)
         waited = _perf_counter()

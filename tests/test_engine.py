@@ -57,6 +57,17 @@ def test_generate_twice_gives_identical_tokens(tiny):
     assert first.tokens == second.tokens and len(first.tokens) == 6
 
 
+def test_batch_step_records_open_with_the_dispatchers_step_record(tiny):
+    # Engine._batch_step writes the step record inline (one dict literal on the host path of every
+    # step) rather than calling Dispatcher.step_record: its leading keys must stay the same
+    from engine.runtime import Dispatcher
+
+    result = tiny.generate_batch([[1, 2, 3], [4, 5]], 3, flags.resolve())
+    decision_keys = list(Dispatcher(tiny, flags.resolve(), timed=False).step_record())
+    for step in result.steps:
+        assert list(step)[:len(decision_keys)] == decision_keys
+
+
 def test_step_records(tiny):
     prompt = "héllo"  # 6 bytes
     result = tiny.generate(prompt, 4, flags.resolve(environ={}))
