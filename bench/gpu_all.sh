@@ -11,6 +11,9 @@
 #   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead and without PDL, host step, demo
 #   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off at batch 1, 8 and 32 (PRELOAD_AB=1: the PDL
 #                                    preload on and off at batch 1, twice, with its GPU tests)
+#   bash bench/gpu_all.sh steps      graphs of several decode steps (steps_per_graph): the runtime's, the decode
+#                                    step's and attention decode's GPU tests, v4 tg128 at 1, 2, 4 and 8 steps per
+#                                    graph (b1, twice each; b8 and b32 at 1 and 4), host step, the demo table
 #
 # Logs and results go under $WORK (default /tmp/moei-gpu), then into $OUT as one log and one
 # tarball (the device tool brings back at most 8 files). Each stage has its own time limit.
@@ -136,6 +139,32 @@ elif [ "$mode" = ab ]; then  # A/B of MOEI_PDL on v4 tg128 at batch 1, 8 and 32
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time" "$f" | cut -c1-150; done \
         > "$WORK/ab_summary.txt"
     cat "$WORK/ab_summary.txt"
+elif [ "$mode" = steps ]; then  # steps_per_graph: tests, then v4 tg128 at each setting, interleaved
+    TAIL=25 stage 300 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf --durations=5 \
+        tests/test_runtime_gpu.py tests/test_engine_gpu.py tests/test_decode_fused.py
+    TAIL=12 stage 150 pytest_attention python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_attention_kernels.py -k "decode or graph"
+    v4() {  # v4 NAME BATCH STEPS [more bench arguments]
+        local name=$1 batch=$2 steps=$3; shift 3
+        TAIL=8 stage 100 "$name" python3 -m inspector bench --model v4-shape --tg 128 --pp 128 --batch "$batch" \
+            --reps 3 --gpu-weights --set "steps_per_graph=$steps" --format md --json-out "$WORK/$name.json" "$@"
+    }
+    for round in 1 2; do
+        for steps in 1 2 4 8; do v4 "v4_b1_k${steps}_$round" 1 "$steps"; done
+    done
+    for batch in 8 32; do
+        for steps in 1 4; do v4 "v4_b${batch}_k$steps" "$batch" "$steps"; done
+    done
+    TAIL=40 stage 100 v4_b1_k4_profile python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 \
+        --reps 3 --gpu-weights --profile --set steps_per_graph=4 --format md --json-out "$WORK/v4_b1_k4_profile.json"
+    TAIL=12 stage 50 host_step_k1 python3 bench/host_step.py --device cuda --model v4-shape --steps 2000
+    TAIL=12 stage 50 host_step_k4 python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 \
+        --set steps_per_graph=4
+    TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
+        --reps 3 --set steps_per_graph=4 --format md --json-out "$WORK/bench_demo.json"
+    for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time|^- the device" "$f" \
+        | cut -c1-200; done > "$WORK/steps_summary.txt"
+    cat "$WORK/steps_summary.txt"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh

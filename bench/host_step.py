@@ -134,6 +134,18 @@ class _Replay:
         inputs[1] += 1
 
 
+class _BlockReplay:
+    """A stub replay of a graph of several steps: `_Replay` once per row of `landing` [steps, B + layers], each
+    step fed by the one before (as the graph's steps feed each other on the device)."""
+
+    def __init__(self, inputs, landing, vocab_size: int) -> None:
+        self.steps = [_Replay(inputs, observed, vocab_size) for observed in landing]
+
+    def __call__(self) -> None:
+        for step in self.steps:
+            step()
+
+
 class _StubGraph:
     def __init__(self, stream: StubStream | None = None, work=None) -> None:
         self.stream, self.work = stream, work
@@ -184,6 +196,12 @@ def stub_graphs(runner: BatchRunner, run_ahead: bool | None = True, race: bool =
             graphs = tuple(_StubGraph(stream, _Replay(inputs, output, engine.config.vocab_size)) for output in outputs)
             captured = runner._graphs[key] = _DecodeGraph(graphs, inputs, staging, outputs, template, kernels)
             captured.feed = lambda: stream.enqueue(lambda: inputs.copy_(staging))
+            steps = dispatcher.flags.values.get("steps_per_graph", 1)
+            if steps > 1 and "block" in fields:  # the graph of several steps beside it, sharing its inputs
+                blocks = tuple(outputs[0].repeat(steps, 1) for _ in range(2))
+                graphs = tuple(_StubGraph(stream, _BlockReplay(inputs, block, engine.config.vocab_size))
+                               for block in blocks)
+                captured.block = _DecodeGraph(graphs, inputs, staging, blocks, template, kernels, steps=steps)
             return next_tokens
         if "observed" in fields:  # the graph's one static output: next tokens, then each layer's woken count
             output = torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])

@@ -90,7 +90,8 @@ class Counters:
         # a plain dict, not a Counter: `replay` adds to it on every replayed step, and a Counter's item
         # access is twice as slow
         self.arms: dict[str, int] = {}
-        self.graph_replays = 0
+        self.graph_replays = 0  # decode steps a CUDA-graph replay served
+        self.graph_launches = 0  # graph launches: fewer than the steps where a graph runs several (steps_per_graph)
         self._kernel_baseline = launches.snapshot()
 
     def bump(self, label: str, times: int = 1) -> None:
@@ -113,6 +114,7 @@ class Counters:
         arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
         arms.update(self.arms)
         counts = {"arms": arms, "kernels": launches.since(self._kernel_baseline)}
-        if self.graph_replays:  # only runs that replayed graphs carry it: generate's layout is unchanged
+        if self.graph_replays:  # only runs that replayed graphs carry them: generate's layout is unchanged
             counts["graph_replays"] = self.graph_replays
+            counts["graph_launches"] = self.graph_launches
         return counts

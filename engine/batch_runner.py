@@ -104,6 +104,11 @@ class StepTiming:
     # step (from the previous step's sync to this step's wait; module docstring). None: the caller's,
     # from the step's start to `launched_at`.
     host_us: float | None = None
+    # The decode steps the launch that computed this step ran (a graph of several steps: the flag
+    # steps_per_graph) and this step's index among them; device_us is then that launch's device time
+    # over `span`. 1 and 0 for every other step.
+    span: int = 1
+    span_index: int = 0
 
 
 class _Ahead:
@@ -115,19 +120,22 @@ class _Ahead:
     step's rows and tokens: the replay launched computes each row's token one position on. `expected`,
     (request id, token, position) per row fed, is made from them when read, unless it was set."""
 
-    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "fed", "tokens",
-                 "_expected")
+    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "span", "fed", "tokens",
+                 "offset", "_expected")
 
-    def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn) -> None:
+    def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn, span=1) -> None:
         self.captured, self.step, self.dispatcher = captured, step, dispatcher
         self.started, self.launched_at, self.pair, self.turn = started, launched_at, pair, turn
+        self.span = span  # the steps the launch runs: 1, or a graph of several steps (`_DecodeGraph.block`)
         self.fed = self.tokens = self._expected = None
+        self.offset = 1  # positions from the rows `fed` to this step's: the steps the launch before ran
 
     @property
     def expected(self) -> list[tuple[int, int, int]] | None:
         if self._expected is not None or self.tokens is None:
             return self._expected
-        return [(row.sequence.request_id, token, row.start + 1) for row, token in zip(self.fed, self.tokens)]
+        offset = self.offset
+        return [(row.sequence.request_id, token, row.start + offset) for row, token in zip(self.fed, self.tokens)]
 
     @expected.setter
     def expected(self, value: list[tuple[int, int, int]] | None) -> None:
@@ -138,12 +146,38 @@ class _Ahead:
         row.start) for row in rows]`, compared row by row without making either list (host time per step)."""
         if self._expected is not None:
             return self._expected == [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
-        fed, tokens = self.fed, self.tokens
+        fed, tokens, offset = self.fed, self.tokens, self.offset
         if tokens is None or len(rows) != len(fed):
             return False
         for row, before, token in zip(rows, fed, tokens):
-            if (row.tokens[0] != token or row.start != before.start + 1
+            if (row.tokens[0] != token or row.start != before.start + offset
                     or row.sequence.request_id != before.sequence.request_id):
+                return False
+        return True
+
+
+class _Served:
+    """A synced graph of several steps (`_DecodeGraph.block`) whose later steps have not run yet: their
+    tokens and woken counts are on the host already (`values`, one list per step of the graph). Each of
+    those steps' `run` checks its rows against what the graph computed and returns its values, launching
+    and waiting for nothing. `started` and `launched_at` are the launch's; `device_us` its device time
+    over its steps."""
+
+    __slots__ = ("captured", "dispatcher", "first", "rows", "values", "index", "started", "launched_at", "device_us")
+
+    def __init__(self, captured, dispatcher, first, rows, values, started, launched_at, device_us) -> None:
+        self.captured, self.dispatcher, self.first, self.rows, self.values = captured, dispatcher, first, rows, values
+        self.started, self.launched_at, self.device_us = started, launched_at, device_us
+        self.index = 1  # the next step to serve, counted from the launch's first
+
+    def feeds(self, batch) -> bool:
+        """Whether `batch` is the graph's next step: the same sequences, each one position on, fed the token
+        the step before computed."""
+        index, rows, base = self.index, batch.rows, self.rows
+        if batch.step != self.first + index or batch.phase != DECODE or len(rows) != len(base):
+            return False
+        for row, before, token in zip(rows, base, self.values[index - 1]):
+            if row.sequence is not before.sequence or row.start != before.start + index or row.tokens[0] != token:
                 return False
         return True
 
@@ -173,6 +207,10 @@ class _DecodeGraph:
     # one (request id, token, position) per row; a step that matches needs no host->device copy.
     holds: list[tuple[int, int, int]] | None = None
     turn: int = 0  # the instance / landing buffer of the next launch (alternates per launch)
+    steps: int = 1  # decode steps one launch runs; a block's landing buffers are [steps, B + MoE layers]
+    # The graph of `steps_per_graph` steps beside this one-step graph (same inputs, its own two instances and
+    # landing buffers; its `kernels` are per step), or None. Its launches take this graph's `turn` and `holds`.
+    block: "_DecodeGraph | None" = None
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
 
@@ -209,6 +247,7 @@ class BatchRunner:
         # lookup hashes two ints, not every flag (`_graph_key`).
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._refused: dict[tuple[int, int], str] = {}  # why a graph cannot serve this (size, flags); "" = it can
+        self.block_notes: dict[tuple[int, int], str] = {}  # why a graph of several steps was not captured
         self._flag_tokens: dict[tuple, int] = {}
         self._flags_key: tuple = (None, -1)  # (the last flags object seen, its token)
         # Two (start, end) event pairs, reused (`use_events`); None on a CPU.
@@ -232,6 +271,7 @@ class BatchRunner:
         self.run_ahead = self.graphs_enabled and run_ahead
         self.run_ahead_launches = 0  # replays launched ahead
         self.ahead: _Ahead | None = None  # the next step, launched already; None when not
+        self.served: _Served | None = None  # the later steps of a synced graph of several steps; None when none
         self.synced_at: float | None = None  # perf_counter right after the last replayed step's sync
 
     def use_events(self, make: Callable[[], object]) -> None:
@@ -258,13 +298,18 @@ class BatchRunner:
         self._events, self._records = pairs[0][0], pairs[0][1]
 
     def run(self, batch: Batch, dispatcher, kernels_before: dict[str, int] | None = None,
-            reserve_next: Callable[[Batch], bool] | None = None, clock: Callable[[], float] = time.perf_counter
+            reserve_next: Callable[..., bool] | None = None, clock: Callable[[], float] = time.perf_counter
             ) -> tuple[list[int], StepTiming]:
         """One step: every row's next token (one sync) and the step's clocks; with `kernels_before` (a
         `launches.snapshot()`), also the Triton launches since it. With `reserve_next`
-        (engine.scheduler.Scheduler.reserve_next), a replayed step whose next step it reserves launches
-        that step before its own sync (run-ahead; `ahead` then holds it, its start stamped on `clock`
-        before that launch); the caller's next `run` must be that step."""
+        (engine.scheduler.Scheduler.reserve_next), a replayed step may launch a graph of several steps
+        (the flag steps_per_graph) once the scheduler reserves the steps after it, and a step whose next
+        steps it reserves launches them before its own sync (run-ahead; `ahead` then holds that launch,
+        its start stamped on `clock` before it); the caller's next `run` must be that step. A step a synced
+        graph of several steps computed already (`served`) is returned from the host."""
+        served = self.served
+        if served is not None:
+            return self._run_served(batch, dispatcher, served, kernels_before)
         if not self.label_steps:
             ahead = self.ahead
             if ahead is not None:  # launched before the previous step's sync (as `_run`, one call fewer)
@@ -275,12 +320,16 @@ class BatchRunner:
             return self._run(batch, dispatcher, kernels_before, None, clock)  # no run-ahead: ranges per step
 
     def drop_ahead(self) -> None:
-        """Forget a step launched ahead that will not run (its run ended early, e.g. on an error): the
-        device still runs it (within the slots' capacity, `reserve_next`) and copies its outputs into its
-        landing buffer, which nothing reads; the graph's next replay copies its inputs in."""
+        """Forget a launch made for steps that will not run (their run ended early, e.g. on an error): a
+        step launched ahead, which the device still runs (within the slots' capacity, `reserve_next`) and
+        whose outputs land in a buffer nothing reads, and the later steps of a synced graph of several
+        steps; the graph's next replay copies its inputs in."""
         if self.ahead is not None:
             self.ahead.captured.holds = None
             self.ahead = None
+        if self.served is not None:
+            self.served.captured.holds = None
+            self.served = None
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -322,19 +371,28 @@ class BatchRunner:
     def _run_replay(self, batch: Batch, dispatcher, captured: _DecodeGraph, kernels_before, reserve_next=None,
                     clock=time.perf_counter) -> tuple[list[int], StepTiming]:
         """A replayed decode step launched the usual way (nothing in flight): the start event, the replay
-        (and its input copy, if any), the copy of its outputs and the end event first; then the rest
-        (`_finish_replay`)."""
+        (and its input copy, if any) and the end event first; then the rest (`_finish_replay`). The replay
+        is of the graph of several steps when there is one and the scheduler reserves the steps after this
+        one, else of the one-step graph."""
+        block = captured.block
+        graph = captured
+        if block is not None and reserve_next is not None and reserve_next(batch, block.steps - 1):
+            graph = block
         pair = self._pairs[0]
         records = pair[1]
         stream = self._current_stream()
+        started = clock() if graph is block else None
         records[0](stream)
         turn = captured.turn
-        self._replay(captured, batch.rows)  # the instance of this turn
+        if graph is captured:
+            self._replay(captured, batch.rows)  # the instance of this turn
+        else:
+            self._replay(captured, batch.rows, graph)
         captured.turn = turn ^ 1
         records[1](stream)
         launched_at = _perf_counter()
         return self._finish_replay(batch, dispatcher, captured, turn, pair, launched_at, None, kernels_before,
-                                   reserve_next, clock, stream)
+                                   reserve_next, clock, stream, graph.steps, started)
 
     def _run_ahead(self, batch: Batch, dispatcher, ahead: _Ahead, kernels_before, reserve_next, clock
                    ) -> tuple[list[int], StepTiming]:
@@ -349,54 +407,100 @@ class BatchRunner:
                                f"ahead (step {ahead.step}, rows {ahead.expected}): the scheduler broke its "
                                f"reservation")
         return self._finish_replay(batch, dispatcher, ahead.captured, ahead.turn, ahead.pair, ahead.launched_at,
-                                   self.synced_at, kernels_before, reserve_next, clock, None)
+                                   self.synced_at, kernels_before, reserve_next, clock, None, ahead.span,
+                                   ahead.started)
 
     def _finish_replay(self, batch, dispatcher, captured, turn, pair, launched_at, busy_from, kernels_before,
-                       reserve_next, clock, stream) -> tuple[list[int], StepTiming]:
-        """A launched replay: when the next step is reserved, that step's launch first (`_launch_ahead`,
-        with the other event pair); the step's bookkeeping while the device works; then its one sync (its
-        end event: the replay and the copy of its outputs done) and its outputs, read from its own landing
-        buffer. `busy_from`: where the step's host time starts when the runner measures it (a step
-        launched ahead: the previous step's sync), else None."""
+                       reserve_next, clock, stream, span=1, started=None) -> tuple[list[int], StepTiming]:
+        """A launched replay of `span` steps, this step its first: when the steps after it are reserved, the
+        next launch first (`_launch_ahead`, with the other event pair: the graph of several steps when
+        the scheduler reserves all its steps, else one step); the step's bookkeeping while the device
+        works; then its one sync (its end event: the replay and its outputs' writes done) and its outputs,
+        read from its own landing buffer (with `span` > 1, every step's: the later ones are `served`).
+        `busy_from`: where the step's host time starts when the runner measures it (a step launched ahead:
+        the previous step's sync), else None. `started`: the launch's start on the caller's clock."""
         rows = batch.rows
         step = batch.step
-        if reserve_next is not None and self.run_ahead and reserve_next(batch):
-            pairs = self._pairs
-            self._launch_ahead(captured, step + 1, dispatcher, clock,
-                               self._current_stream() if stream is None else stream,
-                               pairs[1] if pair is pairs[0] else pairs[0])
+        if reserve_next is not None and self.run_ahead:
+            block = captured.block
+            graph = None
+            if block is not None and reserve_next(batch, span - 1 + block.steps):
+                graph = block
+            elif reserve_next(batch, span):
+                graph = captured
+            if graph is not None:
+                pairs = self._pairs
+                self._launch_ahead(captured, step + span, dispatcher, clock,
+                                   self._current_stream() if stream is None else stream,
+                                   pairs[1] if pair is pairs[0] else pairs[0], graph)
         # begin_step(step, DECODE, n_tokens) and replay, in one call: counts the replay's launches; a graph
         # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
         kernels = captured.kernels
         dispatcher.replay(captured.template, kernels, step, len(rows))
+        dispatcher.counters.graph_launches += 1  # this step's launch (a later step of a graph of several: none)
         # launches.since(kernels_before): what the replay launched, counted by `Dispatcher.replay` (nothing else on
         # a replayed step's host path launches), without a pass over every kernel's count
         counted = None if kernels_before is None else dict(kernels)
         waited = _perf_counter()
         pair[2]()  # the step's sync: its end event
         self.synced_at = _perf_counter()
-        tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
+        device_us = pair[3]() * 1e3
+        if span == 1:
+            tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
+            last = tokens
+        else:  # every step's outputs: this one's now, the later ones served from the host
+            values = captured.block.landing[turn].tolist()
+            tokens = dispatcher.end_replay(values[0], len(rows))
+            device_us /= span
+            self.served = _Served(captured, dispatcher, step, rows, values, started, launched_at, device_us)
+            last = values[-1][:len(rows)]
         ahead = self.ahead
         if ahead is None:
-            captured.holds = [(row.sequence.request_id, token, row.start + 1) for row, token in zip(rows, tokens)]
+            captured.holds = [(row.sequence.request_id, token, row.start + span) for row, token in zip(rows, last)]
         else:  # the graph replays again already: what it was fed, checked by the next step (`_Ahead.feeds`)
-            ahead.fed, ahead.tokens = rows, tokens
+            ahead.fed, ahead.tokens, ahead.offset = rows, last, span
         host_us = None if busy_from is None else (waited - busy_from) * 1e6
-        return tokens, StepTiming(launched_at, pair[3]() * 1e3, "replay", "", counted, host_us)
+        return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us, span)
 
-    def _launch_ahead(self, captured: _DecodeGraph, step: int, dispatcher, clock, stream, pair) -> None:
-        """Launch the reserved next step's replay, before the sync of the step in flight (whose outputs
-        its copy already holds, in the other landing buffer), between the other pair's events. The graph
-        feeds itself, so nothing is copied in."""
+    def _run_served(self, batch: Batch, dispatcher, served: _Served, kernels_before) -> tuple[list[int], StepTiming]:
+        """A later step of a synced graph of several steps: checked to be the step the graph computed, then
+        recorded as a replayed step is, from the values already on the host. Nothing is launched or waited
+        for; its host time runs from the previous step's sync (or served step) to its return."""
+        if dispatcher is not served.dispatcher or not served.feeds(batch):
+            self.drop_ahead()
+            raise RuntimeError(f"step {batch.step} ({batch.phase}, {len(batch.rows)} rows) is not step "
+                               f"{served.first + served.index} of the graph of {len(served.values)} steps launched "
+                               f"at step {served.first}: the scheduler broke its reservation")
+        index, rows = served.index, batch.rows
+        captured = served.captured
+        kernels = captured.kernels
+        dispatcher.replay(captured.template, kernels, batch.step, len(rows))
+        tokens = dispatcher.end_replay(served.values[index], len(rows))
+        span = len(served.values)
+        served.index = index + 1
+        if index + 1 == span:
+            self.served = None
+        now = _perf_counter()
+        host_us = (now - self.synced_at) * 1e6
+        self.synced_at = now
+        return tokens, StepTiming(served.launched_at, served.device_us, "replay", "",
+                                  None if kernels_before is None else dict(kernels), host_us, span, index)
+
+    def _launch_ahead(self, captured: _DecodeGraph, step: int, dispatcher, clock, stream, pair,
+                      graph: _DecodeGraph | None = None) -> None:
+        """Launch the reserved next steps' replay (`graph`: the one-step graph `captured` or its graph of
+        several steps), before the sync of the launch in flight (whose outputs it writes into the other
+        landing buffer), between the other pair's events. The graph feeds itself, so nothing is copied in."""
+        graph = captured if graph is None else graph
         started = clock()
         captured.holds = None  # until that replay's outputs are known
         records = pair[1]
         records[0](stream)
         turn = captured.turn
-        captured.launches[turn]()
+        graph.launches[turn]()
         captured.turn = turn ^ 1
         records[1](stream)
-        self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn)
+        self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn, graph.steps)
         self.run_ahead_launches += 1
 
     def _current_stream(self) -> torch.cuda.Stream:
@@ -506,9 +610,9 @@ class BatchRunner:
                 return "the unfused attention reference syncs the host, which a CUDA graph cannot capture"
         return ""
 
-    def _replay(self, captured: _DecodeGraph, rows) -> None:
-        """Issue one replay of `captured` for these decode rows, copying the inputs in only when the
-        graph does not already hold them."""
+    def _replay(self, captured: _DecodeGraph, rows, graph: _DecodeGraph | None = None) -> None:
+        """Issue one replay of `captured` (or of `graph`, its graph of several steps, which shares its inputs)
+        for these decode rows, copying the inputs in only when the graph does not already hold them."""
         wanted = [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
         if captured.holds != wanted:  # a new cohort (or the first replay): copy the inputs in
             # nothing in flight reads `staging` (a launch the usual way: every earlier copy synced)
@@ -516,14 +620,12 @@ class BatchRunner:
             captured.feed()  # staging -> inputs, enqueued before the replay
             self.input_copies += 1
         captured.holds = None  # until this replay's outputs are known
-        captured.launches[captured.turn]()
+        (captured if graph is None else graph).launches[captured.turn]()
 
     def _capture(self, batch: Batch, dispatcher, key: tuple, values: list[list[int]]) -> torch.Tensor:
-        """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it."""
-        from engine.runtime import Dispatcher  # runtime imports this module
-        from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
-
-        config, weights, size = self.engine.config, self.engine.weights, len(batch.rows)
+        """Run this step eagerly from static buffers (the warm-up a capture needs), then capture it: the
+        one-step graph, and with the flag steps_per_graph > 1 the graph of that many steps beside it."""
+        config, size = self.engine.config, len(batch.rows)
         inputs = torch.tensor(values, dtype=torch.int64, device=self.device)  # [2, B] static
         layout = StepLayout(inputs[1], self.capacity)  # rows 0..B-1, the whole cache as keys
         tokens = inputs[0].view(size, 1)
@@ -541,17 +643,58 @@ class BatchRunner:
         # copied or written there after the forward. A launch then copies nothing (bench/probe_launch.py:
         # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
         landing = tuple(torch.empty(size + config.n_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
-        graphs, templates, counted = [], [], []
         try:
-            for observed in landing:
+            graphs, template, counted = self._capture_instances(batch, dispatcher, inputs, tokens, layout,
+                                                                [observed.view(1, -1) for observed in landing])
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
+            self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            return next_tokens
+        staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
+        captured = self._graphs[key] = _DecodeGraph(graphs, inputs, staging, landing, template, counted)
+        steps = dispatcher.flags["steps_per_graph"]
+        if steps > 1:
+            # The graph of several steps: the same step captured `steps` times in a row, each step's outputs in
+            # its own row of the instance's landing buffer, each step feeding the next its inputs on the device.
+            blocks = tuple(torch.empty((steps, size + config.n_layers), dtype=torch.int64, pin_memory=True)
+                           for _ in range(2))
+            try:
+                block_graphs, _, block_counted = self._capture_instances(batch, dispatcher, inputs, tokens, layout,
+                                                                         blocks)
+                if block_counted != {name: steps * count for name, count in counted.items()}:
+                    raise RuntimeError(f"{steps} steps launch {block_counted}, not {steps} x {counted}")
+            except Exception as error:  # noqa: BLE001 - the one-step graph serves; the steps say span 1
+                self.block_notes[key] = (f"graph of {steps} steps not captured: {type(error).__name__}: "
+                                         f"{str(error).splitlines()[0][:160]}")
+            else:
+                captured.block = _DecodeGraph(block_graphs, inputs, staging, blocks, template, counted, steps=steps)
+        return next_tokens
+
+    def _capture_instances(self, batch: Batch, dispatcher, inputs, tokens, layout, landings: list
+                           ) -> tuple[tuple, object, dict[str, int]]:
+        """One graph per landing buffer [steps, B + MoE layers], each the decode step captured `steps` times in
+        a row, step k writing its outputs into row k; the first step's template dispatcher (its decisions and
+        outputs, which a replay copies per step) and the launches one instance records."""
+        from engine.runtime import Dispatcher  # runtime imports this module
+        from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
+
+        config, weights, size = self.engine.config, self.engine.weights, inputs.shape[1]
+        graphs, templates, counted = [], [], []
+        for landing in landings:
+            steps = []  # made before the capture: nothing of a dispatcher's set-up belongs in the graph
+            for index, observed in enumerate(landing):
                 template = Dispatcher(self.engine, dispatcher.flags, timed=False)
-                template.begin_step(batch.step, DECODE, size)
-                template.outputs = outputs = StepOutputs(observed, inputs)
-                before = launches.snapshot()
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
+                template.begin_step(batch.step + index, DECODE, size)
+                steps.append((template, observed))
+            before = launches.snapshot()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    for template, observed in steps:
+                        template.outputs = outputs = StepOutputs(observed, inputs)
+                        try:
+                            logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
+                        finally:
+                            template.outputs = None
                         woken = template.pending_woken
                         if len(woken) != config.n_layers:
                             raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
@@ -559,23 +702,17 @@ class BatchRunner:
                                for layer, count in enumerate(woken)):
                             observed[size:].copy_(torch.stack([count.long() for count in woken]), non_blocking=True)
                         # The cohort's next step feeds these tokens one position on: the graph prepares its own
-                        # inputs, so a steady cohort needs no host->device copy (the host checks, see `holds`).
-                        # One kernel where the LM head did not: argmax into `observed`, the same tokens into
-                        # inputs[0], inputs[1] + 1.
+                        # inputs (for its own next step, or the next replay), so a steady cohort needs no
+                        # host->device copy (the host checks, see `holds`). One kernel where the LM head did not:
+                        # argmax into `observed`, the same tokens into inputs[0], inputs[1] + 1.
                         if not outputs.picked:
                             next_tokens_into(logits.float(), observed, inputs)
-                finally:
-                    template.outputs = None
-                    counted.append(launches.since(before))
-                    for name, count in counted[-1].items():  # captured, not launched: the replays count them
-                        launches.record(name, -count)
-                graphs.append(graph)
-                templates.append(template)
-            if counted[0] != counted[1]:
-                raise RuntimeError(f"the two instances launch {counted[0]} and {counted[1]}")
-        except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
-            self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            return next_tokens
-        staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
-        self._graphs[key] = _DecodeGraph(tuple(graphs), inputs, staging, landing, templates[0], counted[0])
-        return next_tokens
+            finally:
+                counted.append(launches.since(before))
+                for name, count in counted[-1].items():  # captured, not launched: the replays count them
+                    launches.record(name, -count)
+            graphs.append(graph)
+            templates.append(steps[0][0])
+        if counted[0] != counted[1]:
+            raise RuntimeError(f"the two instances launch {counted[0]} and {counted[1]}")
+        return tuple(graphs), templates[0], counted[0]

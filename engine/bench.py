@@ -105,6 +105,9 @@ class StepEvent:
     started: float
     ended: float
     emitted: tuple[int, ...]  # request ids that received a token in this step
+    # False for a later step of a graph of several steps (steps_per_graph): computed with the launch's first
+    # step, its tokens reach the host at that step's sync, before the step's own `ended`
+    opens_launch: bool = True
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,9 @@ def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_flo
     """The window in which every sequence is admitted and has >= depth_floor generated tokens and
     the whole cohort still decodes; None while any sequence is still admitting (then a row says
     `admitting`, never a number). It opens at the end of the step where the last sequence reached
-    the floor and closes at the last step in which every sequence received a token."""
+    the floor (or, that step inside a graph of several steps, of the graph's last step: the tokens of
+    a graph's steps all reach the host at its sync, so a window opening inside it would count some
+    with no time) and closes at the last step in which every sequence received a token."""
     wanted = set(request_ids)
     depth = dict.fromkeys(wanted, 0)
     opening = None
@@ -141,6 +146,8 @@ def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_flo
             break
     if opening is None:
         return None
+    while opening + 1 < len(events) and not events[opening + 1].opens_launch:
+        opening += 1
     last, tokens = None, 0
     for index in range(opening + 1, len(events)):
         if not wanted <= set(events[index].emitted):
@@ -192,6 +199,7 @@ class Repetition:
     host_us: float | None = None
     device_us: float | None = None  # per step, mean over the window
     graph_steps: int = 0  # window steps served by a graph replay
+    graph_launches: int = 0  # the launches that ran them (fewer with steps_per_graph > 1)
     trajectory: list[float] = field(default_factory=list)
     window_steps: list[int] = field(default_factory=list)  # step numbers inside the window
 
@@ -206,7 +214,8 @@ def _refuse(spec: RowSpec, label: str, reason: str) -> None:
 
 def events_of(steps: list[dict]) -> list[StepEvent]:
     return [StepEvent(step["started"], step["ended"],
-                      tuple(row["request_id"] for row in step["rows"] if row["emitted"] is not None))
+                      tuple(row["request_id"] for row in step["rows"] if row["emitted"] is not None),
+                      not step.get("span_index"))
             for step in steps]
 
 
@@ -260,7 +269,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
     return Repetition(
         wall_s=wall, device_s=device_s, tokens=tokens, ttft_s=ttft, steady=steady, steps=len(window),
         host_us=statistics.fmean(host_values), device_us=None if device_s is None else device_s * 1e6 / len(window),
-        graph_steps=sum(step["graph"] == "replay" for step in window), trajectory=bins,
+        graph_steps=sum(step["graph"] == "replay" for step in window),
+        graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window), trajectory=bins,
         window_steps=[step["step"] for step in window])
 
 
@@ -278,6 +288,7 @@ def _add_counts(total: dict, counters: dict) -> None:
         for name, count in counters.get(family, {}).items():
             total[family][name] = total[family].get(name, 0) + count
     total["graph_replays"] += counters.get("graph_replays", 0)
+    total["graph_launches"] += counters.get("graph_launches", 0)
 
 
 @dataclass
@@ -319,7 +330,8 @@ class Row:
                 window_steps=statistics.fmean(rep.steps for rep in reps),
                 host_us_per_step=statistics.fmean(rep.host_us for rep in reps),
                 device_us_per_step=None if device is None else statistics.fmean(rep.device_us for rep in reps),
-                graph_steps=sum(rep.graph_steps for rep in reps))
+                graph_steps=sum(rep.graph_steps for rep in reps),
+                graph_launches=sum(rep.graph_launches for rep in reps))
             if payload["device_us_per_step"]:
                 payload["host_share"] = payload["host_us_per_step"] / payload["device_us_per_step"]
         if self.profile is not None:
@@ -510,7 +522,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     for spec in specs:
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
-        repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0}
+        repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
         run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
         for repetition in range(reps + 1):
             result = run_once(repetition)
@@ -600,6 +612,7 @@ def _targets(engine, rows: list[Row]) -> dict:
                  "target_ratio": 1.3, "host_us_per_step": data["host_us_per_step"],
                  "device_us_per_step": data["device_us_per_step"], "host_share": data.get("host_share"),
                  "target_host_share": 0.20, "graph_steps": data["graph_steps"],
+                 "graph_launches": data["graph_launches"],
                  "window_steps": data["window_steps"] * len(row.repetitions),
                  # what the host costs the critical path: the wall step beyond the device step (the device
                  # idle, waiting on the host), beside the host's busy time, which may run under the device
@@ -701,7 +714,14 @@ def _row_cells(data: dict) -> list[str]:
     arms = data["counters"]["arms"]
     return ([data["test"], wall, device, clocks, f"{data['ttft_ms']['mean']:.1f}", ms_token, ms_step, host]
             + [str(arms.get(name, 0)) for name, _ in ARM_COLUMNS]
-            + [str(data["counters"]["graph_replays"]), str(sum(data["counters"]["kernels"].values()))])
+            + [replays_cell(data["counters"]), str(sum(data["counters"]["kernels"].values()))])
+
+
+def replays_cell(counters: dict) -> str:
+    """Replayed steps, and the graph launches that ran them where fewer (graphs of several steps)."""
+    replays, launched = counters["graph_replays"], counters.get("graph_launches", counters["graph_replays"])
+    return str(replays) if launched == replays else f"{replays} in {launched} launches"
+
 
 
 HEADER = (["test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "ms/step", "host µs/step"]
@@ -743,14 +763,17 @@ def format_markdown(report: Report) -> str:
             else:
                 graph_state = "graphs OFF"
                 if entry["graph_steps"]:
+                    launched = entry.get("graph_launches", entry["graph_steps"])
                     graph_state = (f"graphs on ({entry['graph_steps']} of {entry['window_steps']:.0f} window steps "
-                                   "replayed)")
+                                   "replayed" + (f", by {launched} launches" if launched != entry["graph_steps"]
+                                                 else "") + ")")
                 lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs of "
                              f"{entry['device_us_per_step']:.1f} µs device = {100 * entry['host_share']:.1f} % "
                              f"(target < {100 * entry['target_host_share']:.0f} %); host time = a step launched "
                              "ahead (two in flight): the host's busy time per step, from the previous step's sync "
-                             "to this step's wait for its own (all but waiting on the device); else from the "
-                             "step's start to its launch")
+                             "to this step's wait for its own (all but waiting on the device); a later step of a "
+                             "graph of several steps (steps_per_graph), from the step before's to its own return "
+                             "(nothing to launch or wait for); else from the step's start to its launch")
                 lines.append("- the device's wait for the host per decode step @ b1: wall "
                              f"{entry['wall_us_per_step']:.1f} µs - device {entry['device_us_per_step']:.1f} µs = "
                              f"{entry['device_waits_us_per_step']:.1f} µs = {100 * entry['device_waits_share']:.1f} % "
@@ -789,7 +812,7 @@ def format_csv(report: Report) -> str:
     columns = ["test", "kind", "tokens", "batch", "state", "tps_wall_mean", "tps_wall_std", "tps_device_mean",
                "tps_device_std", "clock_disagreement", "clock_flag", "ttft_ms", "ms_per_token", "ms_per_step",
                "host_us_per_step", "device_us_per_step"] + [name for name, _ in ARM_COLUMNS] + [
-               "graph_replays", "kernel_launches", "commit", "device"]
+               "graph_replays", "graph_launches", "kernel_launches", "commit", "device"]
     writer.writerow(columns)
     payload = report.to_json()
     for data in payload["rows"]:
@@ -799,7 +822,8 @@ def format_csv(report: Report) -> str:
                          data["clock_flag"], data["ttft_ms"]["mean"], data["ms_per_token"], data["ms_per_step"],
                          data.get("host_us_per_step"), data.get("device_us_per_step")]
                         + [data["counters"]["arms"].get(name, 0) for name, _ in ARM_COLUMNS]
-                        + [data["counters"]["graph_replays"], sum(data["counters"]["kernels"].values()),
+                        + [data["counters"]["graph_replays"], data["counters"].get("graph_launches"),
+                           sum(data["counters"]["kernels"].values()),
                            payload["footer"]["commit"], payload["footer"]["device"]])
     return buffer.getvalue()
 

@@ -37,7 +37,12 @@ class FlagSpec:
     help: str = ""
 
 
-def _parse_int(minimum: int) -> Callable[[Any], int]:
+# A graph of that many decode steps is captured beside the one-step graph (engine.batch_runner): capture time
+# and the graph's size grow with it, and the host's per-launch work stops mattering well before.
+MAX_STEPS_PER_GRAPH = 64
+
+
+def _parse_int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool):
             raise ValueError
@@ -45,7 +50,7 @@ def _parse_int(minimum: int) -> Callable[[Any], int]:
             if not re.fullmatch(r"\s*[+]?\d+\s*", value):
                 raise ValueError
             value = int(value)
-        if not isinstance(value, int) or value < minimum:
+        if not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
             raise ValueError
         return value
     return parse
@@ -108,6 +113,8 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
+    FlagSpec("steps_per_graph", 1, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
+             "int", help="decode steps one CUDA-graph launch runs when the scheduler can reserve them (batched runs)"),
 )}
 
 

@@ -477,8 +477,8 @@ class Engine:
             with cyclic_gc_paused():  # no collector pauses inside the steps: a run makes no reference cycles
                 while has_work():
                     append(batch_step(scheduler, runner, dispatcher, clock))
-        finally:  # a run that ended early must not leave a launched-ahead step for the runner's next run
-            if runner.ahead is not None:
+        finally:  # a run that ended early must not leave a launched-ahead step (or served steps) for the next run
+            if runner.ahead is not None or getattr(runner, "served", None) is not None:
                 runner.drop_ahead()
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
@@ -494,7 +494,8 @@ class Engine:
         step, from the previous step's sync to this step's wait for its own (everything but waiting
         for the device, which, two steps in flight, waits for the host only when this exceeds a step)."""
         kernels_before = launches.snapshot()
-        ahead = runner.ahead
+        served = runner.served  # a later step of a synced graph of several steps: started with its launch
+        ahead = runner.ahead if served is None else served
         if ahead is None:
             started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
             # host_us is measured on perf_counter, the clock the runner stamps launched_at with
@@ -515,6 +516,7 @@ class Engine:
                 "moe": dispatcher.moe_records, "attention": dispatcher.attention_records,
                 "started": started, "ended": ended, "host_us": host_us, "device_us": timing.device_us,
                 "graph": timing.graph, "eager_reason": timing.eager_reason, "kernel_launches": timing.kernel_launches,
+                "span": timing.span, "span_index": timing.span_index,
                 "rows": [{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
                           "tokens": len(row.tokens), "emitted": token if row.emits else None}
                          for row, token in zip(batch.rows, next_tokens)]}

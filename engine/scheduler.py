@@ -19,11 +19,13 @@ once a decode step finds nothing to prefill or admit, the next steps reuse its c
 sequence is added or finishes. `schedule` runs before every step's launch, so its cost is host
 time per decode step (issue 7).
 
-Run-ahead (engine.batch_runner): a caller may launch a steady cohort's next decode step before this
-step's `postprocess`, but only once `reserve_next` said that next step is certain (no row finishes
-at this step, none waits, the same cohort). A reservation is binding: the next `schedule` returns
-that cohort's decode step even if a sequence was added meanwhile (it is admitted a step later),
-and a sequence finishing while a reservation stands is an error, never a silent wrong step.
+Run-ahead and graphs of several steps (engine.batch_runner): a caller may launch a steady cohort's
+next decode steps before this step's `postprocess`, but only once `reserve_next` said those steps are
+certain (no row finishes before the last of them, none waits, the same cohort). A reservation is
+binding: the next `schedule` calls return that cohort's decode steps even if a sequence was added
+meanwhile (it is admitted after them), and a sequence finishing while a reservation stands is an
+error, never a silent wrong step. A reservation may be extended while it stands (a graph of several
+steps in flight, the next one launched ahead).
 """
 
 from __future__ import annotations
@@ -122,9 +124,10 @@ class Scheduler:
         # their positions and tokens: none prefilling, none admissible, every one stamped. Cleared
         # when a sequence is added or finishes; None: decide the next step from scratch.
         self._cohort: tuple[Sequence, ...] | None = None
-        # The cohort whose next decode step was launched ahead (`reserve_next`): the next `schedule`
-        # returns its step, whatever happened since. None when nothing is reserved.
+        # The cohort whose next decode steps were launched ahead (`reserve_next`), through step
+        # `_reserved_through`: `schedule` returns its steps, whatever happened since. None when nothing is reserved.
         self._reserved: tuple[Sequence, ...] | None = None
+        self._reserved_through = -1
 
     def add(self, sequence: Sequence, now: float | None = None) -> None:
         if sequence.positions_needed > self.capacity:
@@ -145,7 +148,8 @@ class Scheduler:
         cohort = self._cohort
         reserved = self._reserved
         if reserved is not None:  # launched ahead already: exactly that step, whatever was added since
-            self._reserved = None
+            if self.steps >= self._reserved_through:  # the last step reserved
+                self._reserved = None
             cohort = reserved
         if cohort is not None:  # a steady decode cohort: the same rows, one position on
             batch = _decode_batch(self.steps, cohort)
@@ -169,26 +173,31 @@ class Scheduler:
         self.steps += 1
         return batch
 
-    def reserve_next(self, batch: Batch) -> bool:
-        """Whether the step after `batch` (the step just scheduled, before its `postprocess`) is certain
-        to decode the same cohort, one position on; if so it is reserved (`schedule` returns it next),
-        so its launch may go ahead before `batch` is postprocessed. Certain only when `batch` is the
-        steady cohort's decode step, nothing waits for admission, and every row still needs a token
-        after this step's (no sequence finishes at this step: tokens are generated up to `max_tokens`
-        exactly, with no other stop condition). A wrong guess would write past a slot's capacity
-        (prompt + max_tokens - 1 positions), so any doubt says no."""
+    def reserve_next(self, batch: Batch, steps: int = 1) -> bool:
+        """Whether the `steps` steps after `batch` (the step just scheduled, before its `postprocess`) are
+        certain to decode the same cohort, each one position on; if so they are reserved (`schedule`
+        returns them next), so their launch may go ahead before `batch` is postprocessed. Certain only
+        when `batch` is the steady cohort's decode step, nothing waits for admission, and every row still
+        needs a token after the last of them (no sequence finishes before: tokens are generated up to
+        `max_tokens` exactly, with no other stop condition). A standing reservation is extended (never
+        shortened). A wrong guess would write past a slot's capacity (prompt + max_tokens - 1
+        positions), so any doubt says no."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         cohort = self._cohort
         rows = batch.rows
-        if (cohort is None or self._reserved is not None or self.waiting or batch.phase != DECODE
-                or batch.step != self.steps - 1 or len(rows) != len(cohort)):
+        if (cohort is None or self.waiting or batch.phase != DECODE or batch.step != self.steps - 1
+                or len(rows) != len(cohort) or (self._reserved is not None and self._reserved is not cohort)):
             return False
-        last = self.capacity - 1  # `cached + 1 >= capacity` below, as `cached >= last`
+        last = self.capacity - steps  # the last step writes position `cached + steps`: `cached + steps >= capacity`
+        needed = steps + 1  # this step's token and one per step reserved
         for row, sequence in zip(rows, cohort):
             cached = sequence.cached
             if (row.sequence is not sequence or not row.emits or sequence.status != RUNNING
-                    or len(sequence.generated) + 2 > sequence.max_tokens or row.start != cached or cached >= last):
+                    or len(sequence.generated) + needed > sequence.max_tokens or row.start != cached or cached >= last):
                 return False
         self._reserved = cohort
+        self._reserved_through = max(self._reserved_through, batch.step + steps)
         return True
 
     def _prefill_rows(self) -> list[Row]:

@@ -584,8 +584,8 @@ def diff_bench(label: str, recorded: dict, now: dict) -> list[str]:
             before, after = old_counters.get(family, {}), new_counters.get(family, {})
             changed += [f"{name} launches recorded {before.get(name, 0)}, now {after.get(name, 0)}"
                         for name in sorted(set(before) | set(after)) if before.get(name, 0) != after.get(name, 0)]
-        for key in ("graph_replays", "steps"):
-            if old_counters.get(key) != new_counters.get(key):
+        for key in ("graph_replays", "graph_launches", "steps"):  # graph_launches: not in older recordings
+            if (key != "graph_launches" or key in old_counters) and old_counters.get(key) != new_counters.get(key):
                 changed.append(f"{key} recorded {old_counters.get(key)}, now {new_counters.get(key)}")
         if changed:
             differences.append(f"{label}, row {test}: {'; '.join(changed)}")

@@ -10,7 +10,7 @@ def test_defaults_match_the_design():
     resolved = flags.resolve(environ={})
     assert resolved.values == {"moe_gate": "measured", "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2,
                                "tile_m": 16, "flash_512": True, "fused_mask": "honor",
-                               "prefill_chunk": 512}
+                               "prefill_chunk": 512, "steps_per_graph": 1}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 
 
@@ -37,6 +37,9 @@ def test_bad_environment_value_warns_and_keeps_the_default():
     ("flash_512=maybe", "on or off"),
     ("fused_mask=ignore", "honor, decline or drop"),
     ("prefill_chunk=8", ">= 16"),
+    ("steps_per_graph=0", "from 1 to 64"),
+    ("steps_per_graph=65", "from 1 to 64"),
+    ("steps_per_graph=two", "from 1 to 64"),
     ("no_such_flag=1", "unknown flag"),
     ("tile_m", "FLAG=VALUE"),
 ])

@@ -30,9 +30,9 @@ def _stubbed_run(engine, prompt, tokens, run_ahead=True):
     copies = []
     original = runner._replay
 
-    def replay(captured, rows):  # count the host->device input copies a replay makes
+    def replay(captured, rows, *graph):  # count the host->device input copies a replay makes
         holds = captured.holds
-        original(captured, rows)
+        original(captured, rows, *graph)
         copies.append(holds != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows])
 
     runner._replay = replay

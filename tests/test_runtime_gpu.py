@@ -94,6 +94,35 @@ def test_two_replays_in_flight_give_the_eager_tokens(demo, lengths):
             for step in eager.steps if step["phase"] == "decode"]
 
 
+@pytest.mark.parametrize("run_ahead", [True, False])
+@pytest.mark.parametrize("lengths,steps", [([40], 4), ([40, 17, 130, 64], 3)])
+def test_graphs_of_several_steps_give_the_eager_tokens_and_counts(demo, lengths, steps, run_ahead):
+    """steps_per_graph: one launch replays several decode steps, each fed by the one before on the device
+    (its LM head's argmax) and writing its tokens and woken counts into its own row of the landing buffer.
+    Tokens, every step's observed counts and the arm and kernel totals must be the eager run's, in a first
+    run (capture) and a second one on the same runner."""
+    batch = prompts(lengths, seed=7 + len(lengths))
+    eager = demo.generate_batch(batch, 24, resolved(), graphs=False)
+    eager_woken = [[record["woken_observed"] for record in step["moe"]]
+                   for step in eager.steps if step["phase"] == "decode"]
+    runner = BatchRunner(demo, len(batch), max(lengths) + 24 - 1, graphs=True, run_ahead=run_ahead)
+    for run in range(2):
+        graphed = demo.generate_batch(batch, 24, resolved(f"steps_per_graph={steps}"), runner=runner)
+        assert graphed.tokens == eager.tokens, run
+        assert graphed.counters["arms"] == eager.counters["arms"]
+        assert graphed.counters["kernels"] == eager.counters["kernels"]
+        decode = [step for step in graphed.steps if step["phase"] == "decode"]
+        assert [[record["woken_observed"] for record in step["moe"]] for step in decode] == eager_woken
+        spans = [step["span"] for step in decode if step["span_index"] == 0]
+        assert spans.count(steps) >= 5, spans  # 23 decode steps: blocks, then single steps at the tail
+        launched = graphed.counters["graph_launches"]
+        assert launched == graphed.counters["graph_replays"] - (steps - 1) * spans.count(steps)
+        assert runner.served is None and runner.ahead is None
+        for step in decode[1:]:
+            assert step["device_us"] > 0 and step["host_us"] > 0
+    assert not runner.block_notes
+
+
 def _device_kernels_per_decode_step(engine, batch_size, gate):
     from torch.profiler import ProfilerActivity, profile
 

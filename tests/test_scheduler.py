@@ -253,7 +253,8 @@ def test_reserve_next_only_when_the_next_step_is_certain():
     sequences = [Sequence(range(4), 4), Sequence(range(4), 6)]
     batch = _steady(scheduler, sequences)  # generated 1 each: this step makes 2
     assert batch.phase == DECODE and scheduler.reserve_next(batch)
-    assert not scheduler.reserve_next(batch)  # once
+    assert scheduler.reserve_next(batch)  # again: the same reservation, not a second step
+    assert not scheduler.reserve_next(batch, 3)  # sequence 0 finishes before the third step after this one
     scheduler.postprocess(batch, [7, 7], now=1.0)
     reserved = scheduler.schedule(now=2.0)  # generated 2: this step makes 3, the next the 4th (the last)
     assert [row.sequence for row in reserved.rows] == sequences and reserved.step == batch.step + 1
@@ -290,6 +291,48 @@ def test_reserve_next_refuses_a_step_past_the_slot_capacity():
         scheduler.postprocess(batch, [7], now=0.0)
         batch = scheduler.schedule(now=0.0)
     assert batch.rows[0].start == scheduler.capacity - 1 and not scheduler.reserve_next(batch)
+
+
+def test_reserve_several_steps_returns_them_in_order_and_extends_while_standing():
+    scheduler = Scheduler(max_slots=3, capacity=64, token_budget=32, prefill_chunk=16)
+    sequences = [Sequence(range(4), 9), Sequence(range(4), 12)]
+    batch = _steady(scheduler, sequences)  # generated 1 each: this step makes 2
+    assert not scheduler.reserve_next(batch, 8)  # sequence 0's 9th token is its last: 2 + 8 > 9
+    assert scheduler.reserve_next(batch, 3)  # steps +1..+3: the 3rd, 4th and 5th tokens
+    late = Sequence(range(4), 3)
+    scheduler.add(late, now=0.5)  # waits until the reservation is spent
+    scheduler.postprocess(batch, [7, 7], now=1.0)
+    first = scheduler.schedule(now=1.0)
+    assert first.phase == DECODE and first.step == batch.step + 1 and [r.start for r in first.rows] == [5, 5]
+    assert not scheduler.reserve_next(first, 4)  # someone waits: no extension
+    for step in (2, 3):
+        scheduler.postprocess(first, [7, 7], now=1.0)
+        first = scheduler.schedule(now=1.0)
+        assert first.phase == DECODE and first.step == batch.step + step
+    scheduler.postprocess(first, [7, 7], now=1.0)
+    assert scheduler.schedule(now=2.0).phase == PREFILL  # the reservation spent: the waiting one is admitted
+
+
+def test_a_standing_reservation_is_extended_never_shortened():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [Sequence(range(4), 20)])
+    assert scheduler.reserve_next(batch, 3)
+    scheduler.postprocess(batch, [7], now=0.0)
+    batch = scheduler.schedule(now=0.0)  # the first of the three
+    assert scheduler.reserve_next(batch, 1)  # inside the standing reservation: through stays 3 steps on
+    assert scheduler._reserved_through == batch.step + 2
+    assert scheduler.reserve_next(batch, 5)  # a graph of several steps launched ahead: extended
+    assert scheduler._reserved_through == batch.step + 5
+    with pytest.raises(ValueError, match="steps"):
+        scheduler.reserve_next(batch, 0)
+
+
+def test_reserve_several_steps_refuses_past_the_slot_capacity():
+    scheduler = Scheduler(max_slots=1, capacity=8, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [Sequence(range(4), 5)])  # capacity 8 = 4 + 5 - 1; this step writes position 4
+    batch.rows[0].sequence.max_tokens = 99  # broken from outside: only the capacity check stands
+    assert not scheduler.reserve_next(batch, 4)  # would write position 8
+    assert scheduler.reserve_next(batch, 3)  # the last writes position 7
 
 
 def test_a_sequence_finishing_under_a_reservation_is_an_error():

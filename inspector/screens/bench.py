@@ -124,7 +124,7 @@ def row_cells(row: dict) -> list[str]:
     counters = row["counters"]
     launches = ", ".join(f"{name} {count}" for name, count in counters["arms"].items() if count)
     return [row["test"], wall, device, clocks, f"{row['ttft_ms']['mean']:.1f}", ms_token, host, launches,
-            str(counters["graph_replays"]), str(sum(counters["kernels"].values()))]
+            bench.replays_cell(counters), str(sum(counters["kernels"].values()))]
 
 
 ROW_COLUMNS = ("test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "host µs/step", "launches",

@@ -1,0 +1,223 @@
+"""Graphs of several decode steps (the flag steps_per_graph), on a CPU with the stub graphs of
+bench/host_step.py: a replay of K steps computes what K one-step replays compute (each step fed by
+the one before, on the "device"), is launched only when the scheduler reserves all K steps, and its
+later steps are served from the host with their own records, counters and clocks."""
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import bench, flags
+from engine.batch_runner import BatchRunner
+from engine.runtime import Dispatcher, Engine
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+_SPEC = importlib.util.spec_from_file_location("host_step",
+                                               Path(__file__).resolve().parents[1] / "bench" / "host_step.py")
+host_step = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(host_step)
+
+_CLOCKS = ("started", "ended", "host_us", "device_us", "span", "span_index")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Engine.load("tiny", "cpu", seed=0, weights="random")
+
+
+def _runner(engine, slots, capacity, run_ahead=True, race=False):
+    runner = BatchRunner(engine, slots, capacity, graphs=True)
+    host_step.stub_graphs(runner, run_ahead, race)
+    return runner
+
+
+def _drive(engine, runner, prompts, max_tokens, steps_per_graph, add_later=()):
+    """Run as Engine.generate_batch does; `add_later`: (after step index, prompt, max_tokens)."""
+    resolved = flags.resolve([f"steps_per_graph={steps_per_graph}"], environ={})
+    chunk = resolved["prefill_chunk"]
+    scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
+    dispatcher = Dispatcher(engine, resolved, timed=False)
+    counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts)]
+    for sequence in sequences:
+        scheduler.add(sequence, 0.0)
+    steps = []
+    while scheduler.has_work():
+        steps.append(Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter))
+        for index, prompt, count in add_later:
+            if index == len(steps) - 1:
+                sequence = Sequence(prompt, count)
+                sequences.append(sequence)
+                scheduler.add(sequence, 0.0)
+    return sequences, steps, dispatcher.counters.to_json()
+
+
+def _without_clocks(steps):
+    order: dict[int, int] = {}
+    out = []
+    for step in steps:
+        record = {key: value for key, value in step.items() if key not in _CLOCKS}
+        record["rows"] = [{**row, "request_id": order.setdefault(row["request_id"], len(order))}
+                          for row in step["rows"]]
+        out.append(record)
+    return out
+
+
+def _launches(steps):
+    """Each launch's steps: lists of consecutive step records, split where span_index is 0."""
+    groups = []
+    for step in steps:
+        if step["span_index"] == 0:
+            groups.append([])
+        groups[-1].append(step)
+    return groups
+
+
+CASES = [
+    ([list(b"hello!")], 20, 1, []),  # one steady cohort: blocks, then single steps at the tail
+    ([list(b"abcd"), list(b"wxyz!")], [7, 15], 2, []),  # one row ends early: then eager (slot 1)
+    ([list(b"abcd"), list(b"efgh"), list(b"ijkl")], [6, 9, 17], 2, []),  # one waits for a slot
+]
+
+
+@pytest.mark.parametrize("race", [False, True])
+@pytest.mark.parametrize("run_ahead", [True, False])
+@pytest.mark.parametrize("prompts,max_tokens,slots,later", CASES)
+@pytest.mark.parametrize("steps_per_graph", [2, 4])
+def test_several_steps_per_graph_record_what_one_step_graphs_record(tiny, prompts, max_tokens, slots, later,
+                                                                    steps_per_graph, run_ahead, race):
+    capacity = max(len(prompt) for prompt in prompts) + max(
+        max_tokens if isinstance(max_tokens, list) else [max_tokens]) - 1
+    results = {}
+    for steps in (1, steps_per_graph):
+        runner = _runner(tiny, slots, capacity, run_ahead, race)
+        sequences, records, counters = _drive(tiny, runner, prompts, max_tokens, steps, later)
+        results[steps] = sequences, records, counters, runner
+    one, several = results[1], results[steps_per_graph]
+    assert [s.generated for s in several[0]] == [s.generated for s in one[0]]
+    assert _without_clocks(several[1]) == _without_clocks(one[1])  # records and launch counts alike
+    assert several[2]["kernels"] == one[2]["kernels"] and several[2]["arms"] == one[2]["arms"]
+    assert several[2]["graph_replays"] == one[2]["graph_replays"] == one[2]["graph_launches"]
+    records = several[1]
+    groups = _launches(records)
+    blocks = [group for group in groups if group[0]["span"] == steps_per_graph]
+    assert blocks, "no graph of several steps ran"
+    assert several[2]["graph_launches"] == one[2]["graph_launches"] - (steps_per_graph - 1) * len(blocks)
+    for group in groups:
+        assert len(group) == group[0]["span"] and [step["span_index"] for step in group] == list(range(len(group)))
+        if len(group) > 1:
+            ids = [row["request_id"] for row in group[0]["rows"]]
+            numbers = [step["step"] for step in group]
+            assert numbers == list(range(numbers[0], numbers[0] + len(group)))
+            for step in group:  # the same cohort throughout, every row emitting: no row finishes inside
+                assert step["graph"] == "replay" and [row["request_id"] for row in step["rows"]] == ids
+                assert all(row["emitted"] is not None for row in step["rows"])
+                assert step["device_us"] == pytest.approx(250.0 / len(group))  # the stub launch's 0.25 ms
+                # stamped at the launch: the first step's start (launched ahead) or just after it
+                assert group[0]["started"] <= step["started"] <= group[0]["ended"] and step["host_us"] > 0
+    assert several[3].served is None and several[3].ahead is None
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_a_sequence_added_while_a_block_runs_is_admitted_after_the_reserved_steps(tiny, run_ahead):
+    runner = _runner(tiny, 2, 4 + 18 - 1, run_ahead)
+    sequences, steps, _ = _drive(tiny, runner, [list(b"abcd")], 18, 4, add_later=[(5, list(b"late"), 6)])
+    assert [len(sequence.generated) for sequence in sequences] == [18, 6]
+    admitted = next(index for index, step in enumerate(steps) if index > 5 and step["phase"] == "prefill")
+    assert steps[admitted - 1]["span_index"] == steps[admitted - 1]["span"] - 1  # the block it waited for ended
+    assert all(step["phase"] == "decode" and len(step["rows"]) == 1 for step in steps[6:admitted])
+    # while it waited, nothing new was reserved: at most the block in flight and the one launched ahead
+    assert admitted - 6 <= 2 * 4
+
+
+def test_a_block_never_runs_past_a_sequences_last_token_or_the_slot(tiny):
+    runner = _runner(tiny, 3, 4 + 13 - 1)
+    sequences, steps, _ = _drive(tiny, runner, [list(b"abcd")] * 3, [5, 9, 13], 4)
+    last = {}
+    for step in steps:
+        for row in step["rows"]:
+            last[row["request_id"]] = step["step"]
+    for group in _launches(steps):
+        if len(group) > 1:
+            numbers = {step["step"] for step in group}
+            for row in group[0]["rows"]:  # a row's last step may end a block, never sit before its end
+                assert last[row["request_id"]] >= group[-1]["step"]
+            assert all(row["start"] < runner.capacity for step in group for row in step["rows"])
+            assert numbers
+    assert [len(sequence.generated) for sequence in sequences] == [5, 9, 13]
+
+
+def test_each_step_of_a_block_returns_its_own_tokens(tiny):
+    prompts = [list(range(3, 9)), list(range(4, 11))]
+    runner = _runner(tiny, 2, 7 + 16 - 1, True, race=True)
+    sequences, steps, _ = _drive(tiny, runner, prompts, 16, 4)
+    replayed = {step["step"] for step in steps if step["graph"] == "replay"}
+    checked = 0
+    for prompt, sequence in zip(prompts, sequences):
+        emitted = [(step["step"], row) for step in steps for row in step["rows"]
+                   if row["request_id"] == sequence.request_id and row["emitted"] is not None]
+        for index in range(1, len(emitted)):
+            number, row = emitted[index]
+            if number in replayed:
+                fed = sequence.generated[index - 1]
+                assert row["emitted"] == host_step.stand_in_token(fed, row["start"], tiny.config.vocab_size)
+                checked += 1
+    assert checked == 14 * 2
+
+
+def test_a_step_that_is_not_the_blocks_next_is_refused_and_the_runner_recovers(tiny):
+    runner = _runner(tiny, 2, 4 + 12 - 1)
+    resolved = flags.resolve(["steps_per_graph=4"], environ={})
+    scheduler = Scheduler(2, runner.capacity, 2048, resolved["prefill_chunk"])
+    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    scheduler.add(Sequence(list(b"abcd"), 12), 0.0)
+    while runner.served is None:
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    served = runner.served
+    served.values[served.index - 1][0] += 1  # the graph computed another token than the one fed next
+    with pytest.raises(RuntimeError, match="broke its reservation"):
+        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    assert runner.served is None and runner.ahead is None and served.captured.holds is None
+    again = tiny.generate_batch([list(b"abcd")], 12, resolved, runner=runner)
+    fresh = _runner(tiny, 2, 4 + 12 - 1)
+    tiny.generate_batch([list(b"abcd")], 12, resolved, runner=fresh)  # captures, as `runner` did
+    assert again.tokens == tiny.generate_batch([list(b"abcd")], 12, resolved, runner=fresh).tokens
+
+
+def test_a_run_that_ends_inside_a_block_drops_its_later_steps(tiny, monkeypatch):
+    runner = _runner(tiny, 1, 4 + 16 - 1)
+    resolved = flags.resolve(["steps_per_graph=4"], environ={})
+    original, calls = Scheduler.postprocess, []
+
+    def failing(self, batch, tokens, now=None):
+        calls.append(batch.step)
+        if len(calls) == 5:  # the second step of the first block
+            raise KeyboardInterrupt
+        return original(self, batch, tokens, now)
+
+    monkeypatch.setattr(Scheduler, "postprocess", failing)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate_batch([list(b"abcd")], 16, resolved, runner=runner)
+    assert runner.served is None and runner.ahead is None
+    monkeypatch.setattr(Scheduler, "postprocess", original)
+    again = tiny.generate_batch([list(b"abcd")], 16, resolved, runner=runner)
+    one = _runner(tiny, 1, 4 + 16 - 1)
+    single = flags.resolve(environ={})
+    tiny.generate_batch([list(b"abcd")], 16, single, runner=one)
+    assert again.tokens == tiny.generate_batch([list(b"abcd")], 16, single, runner=one).tokens
+
+
+def test_the_steady_window_opens_only_where_a_launch_begins():
+    def event(index, ended, span_index):
+        return bench.StepEvent(float(index), ended, (7,), span_index == 0)
+
+    # depth floor 3 is reached at event 2, the second step of a block of 4 (events 1..4)
+    events = [event(0, 0.0, 0)] + [event(1 + k, 1.0 + 0.01 * k, k) for k in range(4)] + \
+             [event(5 + k, 2.0 + 0.01 * k, k) for k in range(4)]
+    window = bench.steady_window(events, [7], 3)
+    assert window.first == 5 and window.started == events[4].ended and window.tokens == 4
+    plain = [bench.StepEvent(float(index), float(index), (7,)) for index in range(6)]
+    assert bench.steady_window(plain, [7], 3).first == 3  # one step per launch: as before
