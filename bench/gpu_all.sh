@@ -8,7 +8,8 @@
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
 #   bash bench/gpu_all.sh step       the decode step's and attention's GPU tests, attention bench, GEMV bench, v4 table
-#   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead and without PDL, host step, demo
+#   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead, without PDL
+#                                    and at one step per graph, v4 at batch 8 and 32, host step, demo
 #   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off at batch 1, 8 and 32 (PRELOAD_AB=1: the PDL
 #                                    preload on and off at batch 1, twice, with its GPU tests)
 #   bash bench/gpu_all.sh steps      graphs of several decode steps (steps_per_graph): the runtime's, the decode
@@ -114,6 +115,10 @@ elif [ "$mode" = decode ]; then  # issue 7's decode step: GPU tests, the v4 tabl
         --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_run_ahead.json"
     TAIL=12 MOEI_PDL=0 stage 100 bench_v4_no_pdl python3 -m inspector bench --model v4-shape --pp 512 \
         --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_no_pdl.json"
+    TAIL=12 stage 100 bench_v4_one_step python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 \
+        --reps 3 --gpu-weights --set steps_per_graph=1 --format md --json-out "$WORK/bench_v4_one_step.json"
+    TAIL=12 stage 100 bench_v4_b8_b32 python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 8,32 \
+        --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_b8_b32.json"
     TAIL=30 stage 50 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --breakdown
     TAIL=30 stage 120 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"

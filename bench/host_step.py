@@ -450,7 +450,12 @@ def main(argv=None) -> int:
     config = engine.config
     print(f"{config.name}, {config.n_layers} layer(s), batch {args.batch}, {args.device}"
           f"{' (stub graph)' if args.device == 'cpu' else ''}; torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}; replayed decode steps per run: {len(replays)}")
+          f"python {sys.version.split()[0]}; replayed decode steps per run: {len(replays)}; "
+          f"steps_per_graph={flags.values.get('steps_per_graph', 1)}")
+    if flags.values.get("steps_per_graph", 1) > 1:
+        print("  (a graph of several steps serves its later steps from the host: they start with its launch and "
+              "launch nothing, so the loop rows below mix launches with served steps, and the breakdown times "
+              "only the launching steps; --set steps_per_graph=1 for one launch per step)")
     on = "" if modes == [None] else " (run-ahead on)"
     print(f"host_us per replayed step (bench's host µs/step){on}:  {summary(host)}")
     for mode, (mode_loop, launch_loop, gap, ahead) in loops.items():

@@ -131,9 +131,12 @@ def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_flo
     """The window in which every sequence is admitted and has >= depth_floor generated tokens and
     the whole cohort still decodes; None while any sequence is still admitting (then a row says
     `admitting`, never a number). It opens at the end of the step where the last sequence reached
-    the floor (or, that step inside a graph of several steps, of the graph's last step: the tokens of
-    a graph's steps all reach the host at its sync, so a window opening inside it would count some
-    with no time) and closes at the last step in which every sequence received a token."""
+    the floor and closes at the last step in which every sequence received a token. Where that step is
+    inside a graph of several steps (steps_per_graph), the window's steps begin after the graph's last
+    step and its time at the end of the graph's first: the tokens of all a graph's steps reach the host
+    at that step's sync, after which the next launch, already in flight, runs; a window opening inside
+    the graph would count tokens with no time, one opening at its last step's end would miss the time
+    the next launch ran while the host served the graph's later steps."""
     wanted = set(request_ids)
     depth = dict.fromkeys(wanted, 0)
     opening = None
@@ -148,6 +151,9 @@ def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_flo
         return None
     while opening + 1 < len(events) and not events[opening + 1].opens_launch:
         opening += 1
+    synced = opening  # the step whose sync brought the opening step's tokens: its launch's first
+    while synced > 0 and not events[synced].opens_launch:
+        synced -= 1
     last, tokens = None, 0
     for index in range(opening + 1, len(events)):
         if not wanted <= set(events[index].emitted):
@@ -155,7 +161,7 @@ def steady_window(events: list[StepEvent], request_ids: Iterable[int], depth_flo
         last, tokens = index, tokens + sum(1 for request_id in events[index].emitted if request_id in wanted)
     if last is None:
         return None
-    return SteadyWindow(opening + 1, last, events[opening].ended, events[last].ended, tokens)
+    return SteadyWindow(opening + 1, last, events[synced].ended, events[last].ended, tokens)
 
 
 def trajectory(events: list[StepEvent], origin: float, bin_s: float = TRAJECTORY_BIN_S) -> list[float]:
@@ -270,8 +276,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         wall_s=wall, device_s=device_s, tokens=tokens, ttft_s=ttft, steady=steady, steps=len(window),
         host_us=statistics.fmean(host_values), device_us=None if device_s is None else device_s * 1e6 / len(window),
         graph_steps=sum(step["graph"] == "replay" for step in window),
-        graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window), trajectory=bins,
-        window_steps=[step["step"] for step in window])
+        graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window),
+        trajectory=bins, window_steps=[step["step"] for step in window])
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
-    FlagSpec("steps_per_graph", 1, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
+    FlagSpec("steps_per_graph", 8, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
              "int", help="decode steps one CUDA-graph launch runs when the scheduler can reserve them (batched runs)"),
 )}
 

@@ -1,7 +1,9 @@
 """The host side of a CUDA-graph decode step, on a CPU: the batch runner takes its graph path with
 the stub graph of bench/host_step.py (a replay does nothing; the template holds the records an
 eager forward through it made). What a replayed step records must be the capture's decisions,
-renumbered, with every field a consumer reads; replays are counted; a steady cohort copies no inputs."""
+renumbered, with every field a consumer reads; replays are counted; a steady cohort copies no inputs.
+One step per graph launch (steps_per_graph=1) throughout; graphs of several steps, whose later steps
+are served from the host: tests/test_graph_steps_host.py."""
 
 import importlib.util
 import time
@@ -13,6 +15,7 @@ from engine import batch_runner, flags
 from engine.batch_runner import BatchRunner, _DecodeGraph
 from engine.runtime import Engine
 
+ONE_STEP = "steps_per_graph=1"  # one replayed step per launch: the single-step run-ahead these tests pin
 _SPEC = importlib.util.spec_from_file_location("host_step",
                                                Path(__file__).resolve().parents[1] / "bench" / "host_step.py")
 host_step = importlib.util.module_from_spec(_SPEC)
@@ -36,7 +39,7 @@ def _stubbed_run(engine, prompt, tokens, run_ahead=True):
         copies.append(holds != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows])
 
     runner._replay = replay
-    return engine.generate_batch([prompt], tokens, flags.resolve(environ={}), runner=runner), copies, runner
+    return engine.generate_batch([prompt], tokens, flags.resolve([ONE_STEP], environ={}), runner=runner), copies, runner
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
@@ -75,7 +78,7 @@ def test_replayed_steps_carry_the_capture_records_renumbered(tiny, run_ahead):
 def test_a_new_cohort_reuses_the_graph_and_copies_its_inputs_once(tiny):
     runner = BatchRunner(tiny, 1, 16, graphs=True)
     host_step.stub_graphs(runner)
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     first = tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
     second = tiny.generate_batch([list(b"wxyz")], 8, resolved, runner=runner)
     assert runner.captured_sizes == [1]
@@ -90,7 +93,7 @@ def test_a_new_cohort_reuses_the_graph_and_copies_its_inputs_once(tiny):
 def test_input_copies_are_counted_once_per_new_cohort(tiny):
     runner = BatchRunner(tiny, 1, 16, graphs=True)
     host_step.stub_graphs(runner)
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     for _ in range(3):
         tiny.generate_batch([list(b"abcd")], 8, resolved, runner=runner)
     assert runner.input_copies == 3  # each run's first replay; its steady cohort feeds itself
@@ -159,7 +162,7 @@ def _drive(engine, runner, prompts, max_tokens, add_later=()):
     """Run as Engine.generate_batch does, watching each step: after it, what was launched ahead (the
     step's rows' state then, and the positions the launched replay writes). `add_later`: (after step
     index, prompt, max_tokens) sequences added between steps."""
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     chunk = resolved["prefill_chunk"]
     scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
     from engine.runtime import Dispatcher
@@ -266,7 +269,7 @@ def _until_launched_ahead(engine, slots, race=False):
     from engine.runtime import Dispatcher
 
     runner = _stub_runner(engine, slots, 4 + 8 - 1, True, race)
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     scheduler = Scheduler(slots, runner.capacity, 2048, resolved["prefill_chunk"])
     dispatcher = Dispatcher(engine, resolved, timed=False)
     scheduler.add(Sequence(list(b"abcd"), 8), 0.0)
@@ -284,7 +287,7 @@ def test_a_step_that_is_not_the_launched_one_is_refused(tiny):
 
 def test_a_run_that_ends_early_drops_its_launched_step(tiny, monkeypatch):
     runner = _stub_runner(tiny, 1, 4 + 8 - 1, True)
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     original, calls = Scheduler.postprocess, []
 
     def failing(self, batch, tokens, now=None):
@@ -453,7 +456,7 @@ def _gc_states(engine, prompt, tokens, **kwargs):
         seen.append(gc.isenabled())
         return time.perf_counter()
 
-    result = engine.generate_batch([prompt], tokens, flags.resolve(environ={}), clock=clock, **kwargs)
+    result = engine.generate_batch([prompt], tokens, flags.resolve([ONE_STEP], environ={}), clock=clock, **kwargs)
     return result, seen
 
 
@@ -466,7 +469,7 @@ def test_a_batch_run_steps_with_the_cyclic_collector_off_and_turns_it_back_on(ti
     # an error inside a step: turned back on all the same
     monkeypatch.setattr(Scheduler, "postprocess", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
-        tiny.generate_batch([list(b"abcd")], 8, flags.resolve(environ={}), runner=runner)
+        tiny.generate_batch([list(b"abcd")], 8, flags.resolve([ONE_STEP], environ={}), runner=runner)
     assert gc.isenabled() and runner.ahead is None
     monkeypatch.undo()
     gc.disable()  # off before the run: left off
@@ -495,7 +498,7 @@ def test_5000_replayed_steps_leave_no_cyclic_garbage_and_no_objects_behind(tiny)
     the collector off throughout: a collection afterwards finds nothing, and once the runs' results are
     dropped the process holds as many tracked objects as before them."""
     runner = _stub_runner(tiny, 1, 6 + 500 - 1, True)
-    resolved = flags.resolve(environ={})
+    resolved = flags.resolve([ONE_STEP], environ={})
     tiny.generate_batch([list(b"hello!")], 500, resolved, runner=runner)  # the capture; caches warmed
     gc.collect()
     gc.disable()  # nothing is collected between the runs either: the collection below sees every cycle

@@ -218,6 +218,36 @@ def test_the_steady_window_opens_only_where_a_launch_begins():
     events = [event(0, 0.0, 0)] + [event(1 + k, 1.0 + 0.01 * k, k) for k in range(4)] + \
              [event(5 + k, 2.0 + 0.01 * k, k) for k in range(4)]
     window = bench.steady_window(events, [7], 3)
-    assert window.first == 5 and window.started == events[4].ended and window.tokens == 4
+    # the window's steps are the next launch's; its time starts at the first step of the graph (its sync)
+    assert window.first == 5 and window.started == events[1].ended and window.tokens == 4
     plain = [bench.StepEvent(float(index), float(index), (7,)) for index in range(6)]
     assert bench.steady_window(plain, [7], 3).first == 3  # one step per launch: as before
+
+
+def test_5000_steps_in_graphs_of_eight_leave_no_cyclic_garbage_and_no_objects_behind(tiny):
+    """As tests/test_graph_replay_host.py's one-step version, at the default steps_per_graph (8): the served
+    steps' values and the launches ahead make no reference cycles either."""
+    import gc
+
+    runner = _runner(tiny, 1, 6 + 500 - 1)
+    resolved = flags.resolve(environ={})
+    assert resolved["steps_per_graph"] == 8
+    tiny.generate_batch([list(b"hello!")], 500, resolved, runner=runner)  # the capture; caches warmed
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        replayed = launched = 0
+        for _ in range(10):
+            result = tiny.generate_batch([list(b"hello!")], 500, resolved, runner=runner)
+            replayed += result.counters["graph_replays"]
+            launched += result.counters["graph_launches"]
+            del result
+        after = len(gc.get_objects())
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    # 499 replayed steps a run: 62 graphs of 8 (496 steps), then 3 single steps at the tail
+    assert replayed == 10 * 499 and launched == 10 * (62 + 3)
+    assert unreachable == 0
+    assert after - before < 50, after - before

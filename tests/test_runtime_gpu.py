@@ -78,7 +78,8 @@ def test_two_replays_in_flight_give_the_eager_tokens(demo, lengths):
     runner = BatchRunner(demo, len(batch), max(lengths) + 16 - 1, graphs=True, run_ahead=True)
     for run in range(2):
         launches = runner.run_ahead_launches
-        graphed = demo.generate_batch(batch, 16, resolved(), runner=runner)
+        # one step per launch: every step's own replay launched ahead (several steps: the test above)
+        graphed = demo.generate_batch(batch, 16, resolved("steps_per_graph=1"), runner=runner)
         assert graphed.tokens == eager.tokens, run
         decode = [step for step in graphed.steps if step["phase"] == "decode"]
         assert [step["graph"] for step in decode] == ["capture" if run == 0 else "replay"] + ["replay"] * 14
