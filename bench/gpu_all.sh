@@ -11,7 +11,8 @@
 #   bash bench/gpu_all.sh decode     the decode step's GPU tests, the v4 table twice, without run-ahead, without PDL
 #                                    and at one step per graph, v4 at batch 8 and 32, host step, demo
 #   bash bench/gpu_all.sh ab         v4 tg128 with PDL on and off at batch 1, 8 and 32 (PRELOAD_AB=1: the PDL
-#                                    preload on and off at batch 1, twice, with its GPU tests)
+#                                    preload on and off at batch 1, twice, with its GPU tests; PRELOAD_AB=fused:
+#                                    the fused GEMVs' preload on and off, three times, with their GPU tests)
 #   bash bench/gpu_all.sh steps      graphs of several decode steps (steps_per_graph): the runtime's, the decode
 #                                    step's and attention decode's GPU tests, v4 tg128 at 1, 2, 4 and 8 steps per
 #                                    graph (b1, twice each; b8 and b32 at 1 and 4), host step, the demo table
@@ -128,7 +129,14 @@ elif [ "$mode" = ab ]; then  # A/B of MOEI_PDL on v4 tg128 at batch 1, 8 and 32
         TAIL=8 stage 100 "$name" env "$@" python3 -m inspector bench --model v4-shape --tg 128 --pp 128 \
             --batch "$batch" --reps 3 --gpu-weights --format md --json-out "$WORK/$name.json"
     }
-    if [ -n "${PRELOAD_AB:-}" ]; then  # the first weight tile before the wait (kernels.pdl.preload), with its tests
+    if [ "${PRELOAD_AB:-}" = fused ]; then  # the fused GEMVs' preload (router, LM head) on and off, with their tests
+        TAIL=8 stage 200 pytest_preload python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+            tests/test_decode_fused.py tests/test_runtime_gpu.py
+        for round in 1 2 3; do
+            v4 v4_b1_fused_preload_off_$round 1 MOEI_PDL_PRELOAD=gemv,down
+            v4 v4_b1_fused_preload_on_$round 1 MOEI_PDL_PRELOAD=1
+        done
+    elif [ -n "${PRELOAD_AB:-}" ]; then  # the first weight tile before the wait (kernels.pdl.preload), with its tests
         TAIL=8 MOEI_PDL_PRELOAD=1 stage 150 pytest_preload python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
             tests/test_decode_fused.py tests/test_moe_kernels.py -k "v4 or widths or matches_torch"
         for round in 1 2; do

@@ -644,8 +644,17 @@ def graphs_note(engine, graphs: bool | None) -> str:
                                       else "; run-ahead off")
             + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)" if pdl.enabled(engine.device)
                else "")
-            + ("; the dense GEMV and MoE down load their first weight tile before that wait (MOEI_PDL_PRELOAD=0 "
+            + (f"; {_preloading(engine.device)} load their first weight tile before that wait (MOEI_PDL_PRELOAD=0 "
                "turns it off)" if pdl.preload(engine.device) else ""))
+
+
+def _preloading(device) -> str:
+    """Which kernels preload under PDL (kernels.pdl.preload), in words."""
+    from kernels import pdl
+
+    names = {"gemv": "the dense GEMVs", "down": "MoE down", "fused": "the router's and the LM head's fused GEMVs"}
+    chosen = [names[kernel] for kernel in pdl.PRELOADERS if pdl.preload(device, kernel)]
+    return ", ".join(chosen[:-1]) + (" and " if len(chosen) > 1 else "") + chosen[-1]
 
 
 def footer(engine, flags, graphs: str, weights_note: str) -> dict:

@@ -126,8 +126,9 @@ def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device,
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-         block: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in `out_dtype` (default x's), fp32 accumulation, one launch."""
+         block: tuple[int, int] | None = None, preload: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in `out_dtype` (default x's), fp32 accumulation, one launch. `preload`:
+    load the first weight tile before the PDL wait (None: as kernels.pdl.preload says; the same result)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x must be [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -150,7 +151,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         x, w, out, rows, n_out, k_in, x.stride(0), w.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
-        PRELOAD=pdl.preload(x.device),
+        PRELOAD=pdl.preload(x.device, "gemv") if preload is None else preload,
     )
     launches.record("gemv")
     return out

@@ -159,6 +159,33 @@ def _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes,
 
 
 @triton.jit
+def _fused_step(accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr, index_ptr,
+                norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD: tl.constexpr, NORM: tl.constexpr,
+                EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The accumulator (and, for the norm without EXACT, the sums of squares) plus one loaded [BLOCK_N,
+    BLOCK_K] weight tile, as fp32, times every row's activation at k0 (normed by `scale` with EXACT)."""
+    cols = k0 + offs_k
+    k_mask = cols < k_in
+    if NORM:
+        g = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    for m in tl.static_range(M_PAD):
+        lanes = k_mask & (tl.full(offs_k.shape, m, dtype=tl.int32) < rows)
+        x = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm,
+                        stride_t, GATHER, RESIDUAL)
+        a = x.to(tl.float32)
+        if NORM:
+            if EXACT:  # h as kernels.rms_norm rounds it
+                r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
+                a = ((a * r).to(x.dtype).to(tl.float32) * g).to(x.dtype).to(tl.float32)
+            else:
+                squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
+                a = a * g
+        partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
+        accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+    return accumulator, squares
+
+
+@triton.jit
 def _gemv_fused_kernel(
     x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr,  # the norm's input and weight
     x_out_ptr, h_ptr,  # [M, K] slices written (WRITE_X / WRITE_H)
@@ -178,9 +205,8 @@ def _gemv_fused_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
@@ -188,8 +214,14 @@ def _gemv_fused_kernel(
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < rows
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if PRELOAD:  # the weight does not depend on the grid before: its first tile (at one row of the router
+        # and the LM head, all of the program's weight) while that grid ends
+        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([M_PAD], dtype=tl.float32)  # sum of x^2 per row (NORM)
+    scale = tl.full([M_PAD], 1.0, dtype=tl.float32)  # the rows' norm scale (NORM; EXACT: before the product)
     if NORM and EXACT:  # a first pass for the scale, so h can be rounded before the product
         for k0 in range(0, k_in, BLOCK_K):
             cols = k0 + offs_k
@@ -199,26 +231,19 @@ def _gemv_fused_kernel(
                                 stride_rm, stride_t, GATHER, RESIDUAL).to(tl.float32)
                 squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
         scale = tl.math.rsqrt(squares / k_in + eps)  # [M_PAD], the same in every program
-    for k0 in range(0, k_in, BLOCK_K):
-        cols = k0 + offs_k
-        k_mask = cols < k_in
+    k_start = 0
+    if PRELOAD:  # the loop's first step, on the preloaded tile
+        accumulator, squares = _fused_step(
+            accumulator, squares, scale, w_first.to(tl.float32), 0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr,
+            index_ptr, norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL)
+        w_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, k_in, BLOCK_K):
+        k_mask = offs_k < k_in - k0
         w32 = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(norm_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        for m in tl.static_range(M_PAD):
-            lanes = k_mask & (tl.full([BLOCK_K], m, dtype=tl.int32) < rows)
-            x = _activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, lanes, stride_xm, stride_rm,
-                            stride_t, GATHER, RESIDUAL)
-            a = x.to(tl.float32)
-            if NORM:
-                if EXACT:  # h as kernels.rms_norm rounds it
-                    r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
-                    a = ((a * r).to(x.dtype).to(tl.float32) * g).to(x.dtype).to(tl.float32)
-                else:
-                    squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
-                    a = a * g
-            partial = tl.sum(w32 * a[None, :], axis=1)  # [BLOCK_N]
-            accumulator += tl.where(offs_m[:, None] == m, partial[None, :], 0.0)
+        accumulator, squares = _fused_step(
+            accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr, index_ptr,
+            norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL)
         w_ptrs += BLOCK_K
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -314,10 +339,11 @@ def _gemv_fused_kernel(
 
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
                norm: Norm | None = None, route: Route | None = None, rope: Rope | None = None,
-               pick: Pick | None = None, block: tuple[int, int] | None = None) -> Fused:
+               pick: Pick | None = None, block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
     """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one
     launch; with `route` the top-k routing of the logits, with `rope` q rotated and k, v in the cache,
-    with `pick` each row's argmax (and the next replay's inputs)."""
+    with `pick` each row's argmax (and the next replay's inputs). `preload`: load the first weight tile before
+    the PDL wait (None: as kernels.pdl.preload says for the device; the same result either way)."""
     if (route is not None) + (rope is not None) + (pick is not None) > 1:
         raise ValueError("gemv_fused: one epilogue per launch (route, rope or pick)")
     gather = norm is not None and norm.table is not None
@@ -443,7 +469,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
         ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
         PICK=pick is not None, FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(n_out)),
-        num_warps=4, **pdl.launch_options(device),
+        num_warps=4, **pdl.launch_options(device), PRELOAD=pdl.preload(device, "fused") if preload is None else preload,
     )
     launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_pick"
                     if pick is not None else "gemv_norm" if norm is not None else "gemv")

@@ -234,7 +234,7 @@ def moe_gemv(
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device),
+        **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
     )
     launches.record("moe_gemv.down")
     return out

@@ -49,11 +49,18 @@ def enabled(device: torch.device) -> bool:
     return _ENABLED[device]
 
 
-def preload(device: torch.device) -> bool:
+PRELOADERS = ("gemv", "down", "fused")  # kernels.gemv, kernels.moe_gemv's down, kernels.gemv_fused
+
+
+def preload(device: torch.device, kernel: str = "") -> bool:
     """Whether a kernel with PDL loads its first weight tile before its wait (weights do not depend on the
-    grid before; kernels.gemv, kernels.moe_gemv's down): with PDL, unless MOEI_PDL_PRELOAD=0 (the A/B).
-    Run 32: the v4 step 125.4 and 125.2 us against 126.7 and 126.7 without."""
-    return os.environ.get("MOEI_PDL_PRELOAD", "1") != "0" and enabled(device)
+    grid before; kernels.gemv, kernels.moe_gemv's down, kernels.gemv_fused): with PDL, unless
+    MOEI_PDL_PRELOAD=0, or MOEI_PDL_PRELOAD lists the kernels that do (e.g. `gemv,down`: the A/B of one of
+    them). Run 32: the v4 step 125.4 and 125.2 us against 126.7 and 126.7 without (gemv and down)."""
+    setting = os.environ.get("MOEI_PDL_PRELOAD", "1")
+    if setting == "0" or not enabled(device):
+        return False
+    return setting == "1" or not kernel or kernel in setting.split(",")
 
 
 def launch_options(device: torch.device) -> dict:

@@ -535,6 +535,51 @@ def test_gemv_fused_rope_writes_what_rope_cache_writes(dtype, rows, slots, mode,
     assert int(arrivals.counters(w.device, heads + kv_heads).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("rows, n_out, k_in, block", [(1, 37, 70, None), (3, 45, 100, (4, 16)), (2, 9, 33, (2, 16))])
+def test_gemv_preloaded_first_tile_gives_the_same_bits(rows, n_out, k_in, block):
+    """kernels.pdl.preload (on by default on Hopper with PDL) loads the first weight tile before the PDL wait and
+    runs the loop's first step on it: the same sums in the same order. The interpreter takes the peel with the
+    wait itself left out (no PDL on a CPU)."""
+    x, w = _draw(rows, k_in, dtype=torch.float16, seed=95), _draw(n_out, k_in, dtype=torch.float16, seed=96)
+    assert torch.equal(gemv(x, w, block=block, preload=True), gemv(x, w, block=block, preload=False))
+
+
+@pytest.mark.parametrize("mode, exact, epilogue", [
+    ("plain", False, None), ("residual", True, "route"), ("gather", True, "pick"), ("residual", False, None),
+    ("gather", False, "rope")])
+@pytest.mark.parametrize("rows, block", [(1, None), (3, (4, 16))])
+def test_gemv_fused_preloaded_first_tile_gives_the_same_bits(mode, exact, epilogue, rows, block):
+    from kernels.gemv_fused import Pick, Rope, Route, gemv_fused
+
+    k_in, dtype = 70, torch.float16
+    x, norm, _ = _norm_inputs(mode, rows, k_in, dtype, seed=97 + rows)
+    norm = replace(norm, exact=exact)
+    heads, kv_heads, head_dim = 2, 1, 16
+    n_out = {"route": 40, "pick": 37, "rope": (heads + 2 * kv_heads) * head_dim, None: 45}[epilogue]
+    w = _draw(n_out, k_in, dtype=dtype, seed=98)
+    results = []
+    for preload in (False, True):
+        extra, caches = {}, None
+        if epilogue == "route":
+            extra = {"route": Route(3, torch.float32)}
+        elif epilogue == "pick":
+            extra = {"pick": Pick(torch.full((rows,), -1, dtype=torch.int64), None)}
+        elif epilogue == "rope":
+            caches = [_draw(rows, 8, kv_heads, head_dim, dtype=dtype, seed=99 + index) for index in range(2)]
+            inv_freq = 10000.0 ** (-torch.arange(head_dim // 2, dtype=torch.float32) / (head_dim // 2))
+            extra = {"rope": Rope(inv_freq, torch.arange(rows) + 2, None, caches[0], caches[1], heads)}
+        out_dtype = torch.float32 if epilogue in ("route", "pick") else None
+        with scratch.poison_new_buffers():
+            result = gemv_fused(x, w, out_dtype, norm=norm, block=block, preload=preload, **extra)
+        outputs = [result.out.clone()] + [value.clone() for value in (result.h, result.x, result.ids, result.weights,
+                                                                        result.q) if value is not None]
+        if epilogue == "pick":
+            outputs.append(extra["pick"].tokens)
+        results.append(outputs + (caches or []))
+    for off, on in zip(*results):
+        assert torch.equal(off, on)
+
+
 def test_gemv_fused_rejects_bad_inputs():
     from kernels.gemv_fused import Norm, Pick, Route, Rope, gemv_fused
 

@@ -31,6 +31,15 @@ def test_switches_turn_them_off(monkeypatch):
     assert pdl.launch_options(device) == {"USE_GDC": False}
 
 
+def test_the_preload_can_be_kept_to_some_kernels(monkeypatch):
+    device = _hopper(monkeypatch)
+    monkeypatch.setenv("MOEI_PDL_PRELOAD", "gemv,down")
+    assert pdl.preload(device, "gemv") and pdl.preload(device, "down") and not pdl.preload(device, "fused")
+    assert pdl.preload(device)  # some kernel preloads (the bench footer says so)
+    monkeypatch.setenv("MOEI_PDL_PRELOAD", "1")
+    assert all(pdl.preload(device, kernel) for kernel in pdl.PRELOADERS)
+
+
 def test_never_on_a_cpu_or_before_hopper(monkeypatch):
     monkeypatch.delenv("MOEI_PDL", raising=False)
     assert not pdl.enabled(torch.device("cpu")) and not pdl.preload(torch.device("cpu"))
