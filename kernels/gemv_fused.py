@@ -239,7 +239,7 @@ def _gemv_fused_kernel(
         w_ptrs += BLOCK_K
         k_start = BLOCK_K
     for k0 in range(k_start, k_in, BLOCK_K):
-        k_mask = offs_k < k_in - k0
+        k_mask = k0 + offs_k < k_in  # as _fused_step's lanes: one mask for both (ptxas keeps the old schedule)
         w32 = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         accumulator, squares = _fused_step(
             accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr, index_ptr,
