@@ -15,7 +15,9 @@ on, device time per step, PDL on against off):
 - run 29, the kernels as they are now: 126.5 and 126.7 us against 133.0 and 132.9 us (two bench processes
   each), so it is on; run 31: +5 % tokens/s at batch 1, nothing beyond the spread at batch 8 and 32;
 - run 32: the dense GEMV and MoE down loading their first weight tile before the wait (`preload`, the
-  loops otherwise unchanged): 125.4 and 125.2 us against 126.7 and 126.7;
+  loops otherwise unchanged): 125.4 and 125.2 us against 126.7 and 126.7; runs 36-37 (8 steps per graph
+  launch): the router's and the LM head's fused GEMVs too (at one row, a program's whole weight):
+  122.0-122.1 against 122.5-122.8 us, and 122.8-122.9 against 123.3-123.4 on another lease;
 - before, with other loops, it lost: run 8 146.2 against 144.7 us; run 21 (each kernel loading its
   first weight chunk before its wait and each next chunk one step ahead) 141.3 against 146.8 us, but
   those loops were slower than these; run 23 (each program asking for its weight rows in L2 with a bulk
