@@ -61,6 +61,19 @@ one forward for all its rows, and returns each row's next token, with the step's
   of a cohort, eager and capture steps, run-ahead off) reports the host time from its start to its
   launch, which the device idles through (`StepTiming.host_us` None: the caller measures it).
 
+- Graphs of several steps (the flag steps_per_graph, K > 1): beside a size's one-step graph, the same step
+  captured K times in a row into one graph (`_DecodeGraph.block`: two instances, sharing the one-step graph's
+  inputs, `turn` and `holds`), step k writing its outputs into row k of its instance's [K, B + layers] landing
+  buffer and feeding step k + 1 on the device. A replayed step launches it when the scheduler reserves the K - 1
+  steps after it (`reserve_next(batch, K - 1)`), and launches ahead the next such graph when it reserves
+  K - 1 + K (else one step, else nothing). At the launch's sync the host reads all K steps' outputs; the later
+  K - 1 steps are then `served`: each `run` checks its batch is the step the graph computed (`_Served.feeds`;
+  else raises, as `_Ahead.feeds`), records it as a replay (the capture's records and launch counts, per
+  step), and returns its tokens without a launch or a wait. Device time: the launch's over K, on each of its
+  steps; host time of a served step: from the previous step's sync or return to its own return. A step's
+  timing carries `span` (K, or 1) and `span_index`, so a consumer knows which launch computed it (the bench's
+  steady window opens only where a launch begins).
+
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
 
