@@ -542,6 +542,8 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         row = Row(spec, repetitions, counts, floor)
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
+        if runner.block_notes:  # steps_per_graph asked for a graph this runner could not capture: say so
+            row.counters["graph_notes"] = sorted(set(runner.block_notes.values()))
         if profile:
             profiled.append((row, runner, run_once, floor))
         rows.append(row)
@@ -755,6 +757,9 @@ def format_markdown(report: Report) -> str:
                  "time per step in the window. Δclock: worst |wall - device| / wall over the repetitions, ⚠ over "
                  f"{100 * CLOCK_TOLERANCE:.0f} %. Arm columns: launches of each arm over the timed repetitions "
                  "(CUDA-graph replays counted); kernels: Triton launches.")
+    for data in payload["rows"]:
+        for note in data["counters"].get("graph_notes", []):
+            lines.append(f"{data['test']}: {note}; its steps replayed one per launch")
     trajectories = [(data["test"], data["trajectory"]["tokens_per_s"])
                     for data in payload["rows"] if data["kind"] == "tg"]
     if trajectories:

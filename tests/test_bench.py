@@ -134,6 +134,14 @@ def test_a_decode_row_without_a_steady_window_says_admitting():
                                                  "dtype": "float32", "flags": "", "graphs": "off", "weights": "",
                                                  "clocks": ""}, {})
     assert "| tg4 @ b2 | admitting | admitting |" in bench.format_markdown(report)
+    # a graph of several steps that could not be captured: the row says so, and the replays column counts launches
+    row.counters.update(graph_replays=12, graph_launches=12,
+                        graph_notes=["graph of 8 steps not captured: RuntimeError: out of memory"])
+    markdown = bench.format_markdown(report)
+    assert "tg4 @ b2: graph of 8 steps not captured: RuntimeError: out of memory; its steps replayed one per launch" \
+        in markdown
+    assert bench.replays_cell(row.counters) == "12"
+    assert bench.replays_cell({"graph_replays": 381, "graph_launches": 66}) == "381 in 66 launches"
 
 
 # --------------------------------------------------------------------------------------------
