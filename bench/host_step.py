@@ -422,6 +422,7 @@ def main(argv=None) -> int:
             if mode is not None:
                 runner.run_ahead = mode
             host, loop, device, launch_loop, gap = [], [], [], [], []
+            by_kind = {"launching": [], "served": []}  # host_us of a graph's first step and of its later ones
             copies_before, replays_before = getattr(runner, "input_copies", None), 0
             ahead_before = getattr(runner, "run_ahead_launches", 0)
             profiler = cProfile.Profile() if args.profile and mode is not False else None
@@ -436,6 +437,8 @@ def main(argv=None) -> int:
                 if not replays:
                     raise SystemExit(f"no replayed steps: {[step['eager_reason'] for step in steps]}")
                 host += [steps[index]["host_us"] for index in replays]
+                for index in replays:
+                    by_kind["served" if steps[index].get("span_index") else "launching"].append(steps[index]["host_us"])
                 replays_before += len(replays)
                 device += [steps[index]["device_us"] for index in replays if steps[index]["device_us"] is not None]
                 loop += [(steps[index + 1]["started"] - steps[index]["started"]) * 1e6
@@ -458,6 +461,9 @@ def main(argv=None) -> int:
               "only the launching steps; --set steps_per_graph=1 for one launch per step)")
     on = "" if modes == [None] else " (run-ahead on)"
     print(f"host_us per replayed step (bench's host µs/step){on}:  {summary(host)}")
+    if by_kind["served"]:  # graphs of several steps: the steps that launch (and sync) and those served
+        print(f"  of which steps that launch a graph:                  {summary(by_kind['launching'])}")
+        print(f"  of which later steps of a graph, served from the host: {summary(by_kind['served'])}")
     for mode, (mode_loop, launch_loop, gap, ahead) in loops.items():
         label = {None: "", False: "run-ahead off: ", True: f"run-ahead on ({ahead} launched ahead): "}[mode]
         print(f"{label}host loop per replayed step (start to next start):   {summary(mode_loop)}")
