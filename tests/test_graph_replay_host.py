@@ -5,21 +5,16 @@ renumbered, with every field a consumer reads; replays are counted; a steady coh
 One step per graph launch (steps_per_graph=1) throughout; graphs of several steps, whose later steps
 are served from the host: tests/test_graph_steps_host.py."""
 
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
 from engine import batch_runner, flags
 from engine.batch_runner import BatchRunner, _DecodeGraph
 from engine.runtime import Engine
+from graph_stubs import drive, host_step, stub_runner, without_clocks
 
 ONE_STEP = "steps_per_graph=1"  # one replayed step per launch: the single-step run-ahead these tests pin
-_SPEC = importlib.util.spec_from_file_location("host_step",
-                                               Path(__file__).resolve().parents[1] / "bench" / "host_step.py")
-host_step = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(host_step)
 
 
 @pytest.fixture(scope="module")
@@ -152,53 +147,11 @@ from engine.sequence import Sequence  # noqa: E402
 _CLOCKS = ("started", "ended", "host_us")  # wall-clock fields: the only ones run-ahead may change
 
 
-def _stub_runner(engine, slots, capacity, run_ahead, race=False):
-    runner = BatchRunner(engine, slots, capacity, graphs=True)
-    host_step.stub_graphs(runner, run_ahead, race)
-    return runner
-
-
-def _drive(engine, runner, prompts, max_tokens, add_later=()):
-    """Run as Engine.generate_batch does, watching each step: after it, what was launched ahead (the
-    step's rows' state then, and the positions the launched replay writes). `add_later`: (after step
-    index, prompt, max_tokens) sequences added between steps."""
-    resolved = flags.resolve([ONE_STEP], environ={})
-    chunk = resolved["prefill_chunk"]
-    scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
-    from engine.runtime import Dispatcher
-
-    dispatcher = Dispatcher(engine, resolved, timed=False)
-    counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
-    sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts)]
-    for sequence in sequences:
-        scheduler.add(sequence, 0.0)
-    steps, launched = [], []
-    while scheduler.has_work():
-        steps.append(Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter))
-        ahead = runner.ahead
-        if ahead is not None:
-            launched.append({"after": steps[-1]["step"], "waiting": len(scheduler.waiting),
-                             "left": [s.max_tokens - len(s.generated) for s in scheduler.running],
-                             "positions": [position for _, _, position in ahead.expected]})
-        for index, prompt, count in add_later:
-            if index == len(steps) - 1:
-                sequence = Sequence(prompt, count)
-                sequences.append(sequence)
-                scheduler.add(sequence, 0.0)
-    return sequences, steps, launched, dispatcher.counters.to_json()
+_stub_runner, _drive = stub_runner, drive
 
 
 def _without_clocks(steps):
-    """The records without their clocks, request ids as their order of first appearance (each run's
-    sequences get fresh ids)."""
-    order: dict[int, int] = {}
-    out = []
-    for step in steps:
-        record = {key: value for key, value in step.items() if key not in _CLOCKS}
-        record["rows"] = [{**row, "request_id": order.setdefault(row["request_id"], len(order))}
-                          for row in step["rows"]]
-        out.append(record)
-    return out
+    return without_clocks(steps, _CLOCKS)
 
 
 @pytest.mark.parametrize("prompts,max_tokens,slots", [

@@ -3,22 +3,15 @@ bench/host_step.py: a replay of K steps computes what K one-step replays compute
 the one before, on the "device"), is launched only when the scheduler reserves all K steps, and its
 later steps are served from the host with their own records, counters and clocks."""
 
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 
 from engine import bench, flags
-from engine.batch_runner import BatchRunner
 from engine.runtime import Dispatcher, Engine
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-
-_SPEC = importlib.util.spec_from_file_location("host_step",
-                                               Path(__file__).resolve().parents[1] / "bench" / "host_step.py")
-host_step = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(host_step)
+from graph_stubs import drive, host_step, stub_runner, without_clocks
 
 _CLOCKS = ("started", "ended", "host_us", "device_us", "span", "span_index")
 
@@ -28,42 +21,9 @@ def tiny():
     return Engine.load("tiny", "cpu", seed=0, weights="random")
 
 
-def _runner(engine, slots, capacity, run_ahead=True, race=False):
-    runner = BatchRunner(engine, slots, capacity, graphs=True)
-    host_step.stub_graphs(runner, run_ahead, race)
-    return runner
-
-
 def _drive(engine, runner, prompts, max_tokens, steps_per_graph, add_later=()):
-    """Run as Engine.generate_batch does; `add_later`: (after step index, prompt, max_tokens)."""
-    resolved = flags.resolve([f"steps_per_graph={steps_per_graph}"], environ={})
-    chunk = resolved["prefill_chunk"]
-    scheduler = Scheduler(runner.max_slots, runner.capacity, max(chunk, 2048), chunk)
-    dispatcher = Dispatcher(engine, resolved, timed=False)
-    counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
-    sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts)]
-    for sequence in sequences:
-        scheduler.add(sequence, 0.0)
-    steps = []
-    while scheduler.has_work():
-        steps.append(Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter))
-        for index, prompt, count in add_later:
-            if index == len(steps) - 1:
-                sequence = Sequence(prompt, count)
-                sequences.append(sequence)
-                scheduler.add(sequence, 0.0)
-    return sequences, steps, dispatcher.counters.to_json()
-
-
-def _without_clocks(steps):
-    order: dict[int, int] = {}
-    out = []
-    for step in steps:
-        record = {key: value for key, value in step.items() if key not in _CLOCKS}
-        record["rows"] = [{**row, "request_id": order.setdefault(row["request_id"], len(order))}
-                          for row in step["rows"]]
-        out.append(record)
-    return out
+    sequences, steps, _, counters = drive(engine, runner, prompts, max_tokens, add_later, steps_per_graph)
+    return sequences, steps, counters
 
 
 def _launches(steps):
@@ -93,12 +53,12 @@ def test_several_steps_per_graph_record_what_one_step_graphs_record(tiny, prompt
         max_tokens if isinstance(max_tokens, list) else [max_tokens]) - 1
     results = {}
     for steps in (1, steps_per_graph):
-        runner = _runner(tiny, slots, capacity, run_ahead, race)
+        runner = stub_runner(tiny, slots, capacity, run_ahead, race)
         sequences, records, counters = _drive(tiny, runner, prompts, max_tokens, steps, later)
         results[steps] = sequences, records, counters, runner
     one, several = results[1], results[steps_per_graph]
     assert [s.generated for s in several[0]] == [s.generated for s in one[0]]
-    assert _without_clocks(several[1]) == _without_clocks(one[1])  # records and launch counts alike
+    assert without_clocks(several[1], _CLOCKS) == without_clocks(one[1], _CLOCKS)  # records and launch counts alike
     assert several[2]["kernels"] == one[2]["kernels"] and several[2]["arms"] == one[2]["arms"]
     assert several[2]["graph_replays"] == one[2]["graph_replays"] == one[2]["graph_launches"]
     records = several[1]
@@ -123,7 +83,7 @@ def test_several_steps_per_graph_record_what_one_step_graphs_record(tiny, prompt
 
 @pytest.mark.parametrize("run_ahead", [True, False])
 def test_a_sequence_added_while_a_block_runs_is_admitted_after_the_reserved_steps(tiny, run_ahead):
-    runner = _runner(tiny, 2, 4 + 18 - 1, run_ahead)
+    runner = stub_runner(tiny, 2, 4 + 18 - 1, run_ahead)
     sequences, steps, _ = _drive(tiny, runner, [list(b"abcd")], 18, 4, add_later=[(5, list(b"late"), 6)])
     assert [len(sequence.generated) for sequence in sequences] == [18, 6]
     admitted = next(index for index, step in enumerate(steps) if index > 5 and step["phase"] == "prefill")
@@ -134,25 +94,26 @@ def test_a_sequence_added_while_a_block_runs_is_admitted_after_the_reserved_step
 
 
 def test_a_block_never_runs_past_a_sequences_last_token_or_the_slot(tiny):
-    runner = _runner(tiny, 3, 4 + 13 - 1)
-    sequences, steps, _ = _drive(tiny, runner, [list(b"abcd")] * 3, [5, 9, 13], 4)
+    runner = stub_runner(tiny, 3, 4 + 20 - 1)
+    sequences, steps, _ = _drive(tiny, runner, [list(b"abcd")] * 3, [20, 14, 5], 4)  # slots 0, 1 outlast slot 2
     last = {}
     for step in steps:
         for row in step["rows"]:
             last[row["request_id"]] = step["step"]
-    for group in _launches(steps):
-        if len(group) > 1:
-            numbers = {step["step"] for step in group}
-            for row in group[0]["rows"]:  # a row's last step may end a block, never sit before its end
-                assert last[row["request_id"]] >= group[-1]["step"]
-            assert all(row["start"] < runner.capacity for step in group for row in step["rows"])
-            assert numbers
-    assert [len(sequence.generated) for sequence in sequences] == [5, 9, 13]
+    blocks = [group for group in _launches(steps) if len(group) > 1]
+    assert blocks, "no graph of several steps ran"
+    for group in blocks:
+        for row in group[0]["rows"]:  # a row's last step may end a block, never sit before its end
+            assert last[row["request_id"]] >= group[-1]["step"]
+        assert all(row["start"] < runner.capacity for step in group for row in step["rows"])
+    # the edge: a graph whose last step is a sequence's last (the second sequence's 14th token)
+    assert any(last[row["request_id"]] == group[-1]["step"] for group in blocks for row in group[0]["rows"])
+    assert [len(sequence.generated) for sequence in sequences] == [20, 14, 5]
 
 
 def test_each_step_of_a_block_returns_its_own_tokens(tiny):
     prompts = [list(range(3, 9)), list(range(4, 11))]
-    runner = _runner(tiny, 2, 7 + 16 - 1, True, race=True)
+    runner = stub_runner(tiny, 2, 7 + 16 - 1, True, race=True)
     sequences, steps, _ = _drive(tiny, runner, prompts, 16, 4)
     replayed = {step["step"] for step in steps if step["graph"] == "replay"}
     checked = 0
@@ -169,7 +130,7 @@ def test_each_step_of_a_block_returns_its_own_tokens(tiny):
 
 
 def test_a_step_that_is_not_the_blocks_next_is_refused_and_the_runner_recovers(tiny):
-    runner = _runner(tiny, 2, 4 + 12 - 1)
+    runner = stub_runner(tiny, 2, 4 + 12 - 1)
     resolved = flags.resolve(["steps_per_graph=4"], environ={})
     scheduler = Scheduler(2, runner.capacity, 2048, resolved["prefill_chunk"])
     dispatcher = Dispatcher(tiny, resolved, timed=False)
@@ -182,13 +143,13 @@ def test_a_step_that_is_not_the_blocks_next_is_refused_and_the_runner_recovers(t
         Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
     assert runner.served is None and runner.ahead is None and served.captured.holds is None
     again = tiny.generate_batch([list(b"abcd")], 12, resolved, runner=runner)
-    fresh = _runner(tiny, 2, 4 + 12 - 1)
+    fresh = stub_runner(tiny, 2, 4 + 12 - 1)
     tiny.generate_batch([list(b"abcd")], 12, resolved, runner=fresh)  # captures, as `runner` did
     assert again.tokens == tiny.generate_batch([list(b"abcd")], 12, resolved, runner=fresh).tokens
 
 
 def test_a_run_that_ends_inside_a_block_drops_its_later_steps(tiny, monkeypatch):
-    runner = _runner(tiny, 1, 4 + 16 - 1)
+    runner = stub_runner(tiny, 1, 4 + 16 - 1)
     resolved = flags.resolve(["steps_per_graph=4"], environ={})
     original, calls = Scheduler.postprocess, []
 
@@ -204,7 +165,7 @@ def test_a_run_that_ends_inside_a_block_drops_its_later_steps(tiny, monkeypatch)
     assert runner.served is None and runner.ahead is None
     monkeypatch.setattr(Scheduler, "postprocess", original)
     again = tiny.generate_batch([list(b"abcd")], 16, resolved, runner=runner)
-    one = _runner(tiny, 1, 4 + 16 - 1)
+    one = stub_runner(tiny, 1, 4 + 16 - 1)
     single = flags.resolve(environ={})
     tiny.generate_batch([list(b"abcd")], 16, single, runner=one)
     assert again.tokens == tiny.generate_batch([list(b"abcd")], 16, single, runner=one).tokens
@@ -229,7 +190,7 @@ def test_5000_steps_in_graphs_of_eight_leave_no_cyclic_garbage_and_no_objects_be
     steps' values and the launches ahead make no reference cycles either."""
     import gc
 
-    runner = _runner(tiny, 1, 6 + 500 - 1)
+    runner = stub_runner(tiny, 1, 6 + 500 - 1)
     resolved = flags.resolve(environ={})
     assert resolved["steps_per_graph"] == 8
     tiny.generate_batch([list(b"hello!")], 500, resolved, runner=runner)  # the capture; caches warmed
