@@ -159,14 +159,7 @@ class _Ahead:
         row.start) for row in rows]`, compared row by row without making either list (host time per step)."""
         if self._expected is not None:
             return self._expected == [(row.sequence.request_id, row.tokens[0], row.start) for row in rows]
-        fed, tokens, offset = self.fed, self.tokens, self.offset
-        if tokens is None or len(rows) != len(fed):
-            return False
-        for row, before, token in zip(rows, fed, tokens):
-            if (row.tokens[0] != token or row.start != before.start + offset
-                    or row.sequence.request_id != before.sequence.request_id):
-                return False
-        return True
+        return self.tokens is not None and _continue(rows, self.fed, self.tokens, self.offset)
 
 
 class _Served:
@@ -186,13 +179,21 @@ class _Served:
     def feeds(self, batch) -> bool:
         """Whether `batch` is the graph's next step: the same sequences, each one position on, fed the token
         the step before computed."""
-        index, rows, base = self.index, batch.rows, self.rows
-        if batch.step != self.first + index or batch.phase != DECODE or len(rows) != len(base):
+        index = self.index
+        return (batch.step == self.first + index and batch.phase == DECODE
+                and _continue(batch.rows, self.rows, self.values[index - 1], index))
+
+
+def _continue(rows, fed, tokens, offset: int) -> bool:
+    """Whether `rows` are the rows `fed`, each `offset` positions on and fed its token in `tokens` (which may
+    run on past the rows): compared row by row without making a list (host time per step)."""
+    if len(rows) != len(fed):
+        return False
+    for row, before, token in zip(rows, fed, tokens):
+        if (row.tokens[0] != token or row.start != before.start + offset
+                or row.sequence.request_id != before.sequence.request_id):
             return False
-        for row, before, token in zip(rows, base, self.values[index - 1]):
-            if row.sequence is not before.sequence or row.start != before.start + index or row.tokens[0] != token:
-                return False
-        return True
+    return True
 
 
 def _launcher(graph) -> Callable[[], None]:

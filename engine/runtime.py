@@ -478,7 +478,7 @@ class Engine:
                 while has_work():
                     append(batch_step(scheduler, runner, dispatcher, clock))
         finally:  # a run that ended early must not leave a launched-ahead step (or served steps) for the next run
-            if runner.ahead is not None or getattr(runner, "served", None) is not None:
+            if runner.ahead is not None or runner.served is not None:
                 runner.drop_ahead()
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
