@@ -4,6 +4,8 @@
 #   bash bench/gpu_all.sh tests      GPU tests of every module, check-attention, attention bench, short sweep
 #   bash bench/gpu_all.sh train      train the demo checkpoint (engine/weights/demo/), sample it, drop vs honor
 #   bash bench/gpu_all.sh final      kernel and engine GPU tests, check-attention, attention bench, full sweep
+#   bash bench/gpu_all.sh tune       the GPU tests of the step under TUNE_TESTS's settings, then v4 tg128 @ b1 under
+#                                    each named setting of TUNE (environment switches), ROUNDS times interleaved
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
@@ -178,6 +180,26 @@ elif [ "$mode" = steps ]; then  # steps_per_graph: tests, then v4 tg128 at each 
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time|^- the device" "$f" \
         | cut -c1-200; done > "$WORK/steps_summary.txt"
     cat "$WORK/steps_summary.txt"
+elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ b1, interleaved ROUNDS times
+    # TUNE: "name:VAR=value,VAR=value name:..." ("base:" runs the defaults); TUNE_TESTS: the settings the GPU tests
+    # of the decode step, the runtime and attention decode run under first (every switch of the settings on).
+    TUNE=${TUNE:-"base: early:MOEI_PDL_EARLY=1 rope:MOEI_FOLD_QKV=rope early_rope:MOEI_PDL_EARLY=1,MOEI_FOLD_QKV=rope"}
+    read -r -a tests_env <<< "${TUNE_TESTS:-}"
+    TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        --durations=5 tests/test_decode_fused.py tests/test_runtime_gpu.py
+    TAIL=12 stage 150 pytest_attention env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_attention_kernels.py -k "decode or graph"
+    for round in $(seq "${ROUNDS:-2}"); do
+        for setting in $TUNE; do
+            name=${setting%%:*}; settings=${setting#*:}
+            IFS=, read -r -a setting_env <<< "$settings"
+            TAIL=6 stage 100 "v4_${name}_$round" env "${setting_env[@]}" python3 -m inspector bench --model v4-shape \
+                --tg 128 --pp 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/v4_${name}_$round.json"
+        done
+    done
+    for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time|^- the device" "$f" \
+        | cut -c1-200; done > "$WORK/tune_summary.txt"
+    cat "$WORK/tune_summary.txt"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh

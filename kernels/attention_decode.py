@@ -269,10 +269,13 @@ def _flash_decode_split_kernel(
     OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before the wait, not after the walk (pdl.early)
 ):
     """One program: split pid_split of the key walk of one (sequence, kv head), all its
     kv_group x Tq query rows. Grid: (S, B * Hkv)."""
     if USE_GDC:  # q and the newest key are the previous kernel's output
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_split = tl.program_id(0)
     pid_bk = tl.program_id(1)
@@ -318,7 +321,7 @@ def _flash_decode_split_kernel(
             accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
             dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
         )
-    if USE_GDC:
+    if USE_GDC and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
     if OUTPUT == "direct":
@@ -386,11 +389,14 @@ def _flash_decode_combine_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before the wait, not at the exit (pdl.early)
 ):
     """combine="kernel": the same merge as the single launch's last program (`_merge_rows`, same
     tile), one column chunk of MERGE_ROWS rows of one group per program.
     Grid: (B * Hkv, cdiv(kv_group * Tq, MERGE_ROWS), HEAD_DIM // BLOCK_D)."""
     if USE_GDC:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_bk = tl.program_id(0)
     column = tl.program_id(2) * BLOCK_D
@@ -590,6 +596,7 @@ def flash_decode(
         num_warps=num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(q.device),
+        EARLY=pdl.early(q.device, "split"),
     )
     launches.record("flash_decode_split")
     remember_compiled(
@@ -612,6 +619,7 @@ def flash_decode(
         HAS_SINKS=inputs.has_sinks,
         num_warps=4,
         **pdl.launch_options(q.device),
+        EARLY=pdl.early(q.device, "combine"),
     )
     launches.record("flash_decode_combine")
     remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)
