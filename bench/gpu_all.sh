@@ -187,8 +187,10 @@ elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ 
     read -r -a tests_env <<< "${TUNE_TESTS:-}"
     TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --durations=5 tests/test_decode_fused.py tests/test_runtime_gpu.py
-    TAIL=12 stage 150 pytest_attention env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-        tests/test_attention_kernels.py -k "decode or graph"
+    TAIL=12 stage 150 pytest_moe_gemv env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        tests/test_moe_kernels.py -k "gemv and not arms_match"
+    [ -n "${TUNE_ATTENTION:-}" ] && TAIL=12 stage 150 pytest_attention env "${tests_env[@]}" python3 -m pytest -m gpu \
+        -q -p no:cacheprovider -rf tests/test_attention_kernels.py -k "decode or graph"
     for round in $(seq "${ROUNDS:-2}"); do
         for setting in $TUNE; do
             name=${setting%%:*}; settings=${setting#*:}

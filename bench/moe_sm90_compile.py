@@ -70,7 +70,8 @@ def describe(label: str, kernel) -> str:
             f"shared={kernel.metadata.shared / 1024:5.0f}KB warps={kernel.metadata.num_warps} "
             f"stages={kernel.metadata.num_stages} wgmma={len(re.findall(r'wgmma.mma_async', ptx))} "
             f"mma.sync={len(re.findall(r'mma.sync', ptx))} cp.async={ttgir.count('async_copy_global_to_local')} "
-            f"v4-loads={len(re.findall(r'ld.global[.a-z0-9]*v4', ptx))} bar.sync={len(re.findall(r'bar.sync', ptx))}")
+            f"v4-loads={len(re.findall(r'ld.global[.a-zA-Z0-9:_]*v4', ptx))} "
+            f"bar.sync={len(re.findall(r'bar.sync', ptx))}")
 
 
 def main() -> int:
@@ -88,9 +89,11 @@ def main() -> int:
         print(describe(f"grouped down v{variant}", kernel))
     print(describe("grouped reduce", compile_sm90(moe_grouped._reduce_kernel, dict(TOP_K=6, BLOCK_D=moe_grouped.REDUCE_BLOCK_D), 4, 3)))
     print(describe("gemv gate_up", compile_sm90(moe_gemv._gate_up_kernel, dict(
-        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, USE_GDC=True), moe_gemv.NUM_WARPS, 3)))
+        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, USE_GDC=True,
+        WEIGHT_EVICTION="evict_first"), moe_gemv.NUM_WARPS, 3)))
     print(describe("gemv down", compile_sm90(moe_gemv._down_kernel, dict(
-        TOP_K=6, BLOCK_D=moe_gemv.DOWN_BLOCK_D, BLOCK_F=moe_gemv.DOWN_BLOCK_F, USE_GDC=True), moe_gemv.NUM_WARPS, 3)))
+        TOP_K=6, BLOCK_D=moe_gemv.DOWN_BLOCK_D, BLOCK_F=moe_gemv.DOWN_BLOCK_F, USE_GDC=True, PRELOAD=True,
+        WEIGHT_EVICTION="evict_first"), moe_gemv.NUM_WARPS, 3)))
     warps = moe_align.NUM_WARPS
     print(describe("align count", compile_sm90(moe_align._count_kernel, dict(CHUNK=moe_align.CHUNK_PAIRS, E_PAD=256), warps, 3)))
     print(describe("align scan", compile_sm90(moe_align._scan_kernel, dict(SCAN_BLOCK=moe_align.SCAN_CHUNKS, E_PAD=256), warps, 3)))

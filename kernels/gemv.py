@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, pdl, scratch
+from kernels import launches, pdl, scratch, streaming
 
 MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
 TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
@@ -75,6 +75,7 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: no TF32 rounding
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # with USE_GDC: the first weight tile loaded before the wait (kernels.pdl.preload)
+    WEIGHT_EVICTION: tl.constexpr,  # the weight loads' L2 policy (kernels.streaming)
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,7 +86,8 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [M_PAD, BLOCK_K]
     if PRELOAD:  # the weight does not depend on the grid before: its first tile while that grid ends
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0)
+        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_in)[None, :], other=0.0,
+                          eviction_policy=WEIGHT_EVICTION)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     accumulator = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
@@ -98,7 +100,7 @@ def _gemv_kernel(
         k_start = BLOCK_K
     for k0 in range(k_start, k_in, BLOCK_K):
         k_mask = offs_k < k_in - k0
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
         accumulator = _gemv_step(accumulator, w, x_ptr, x_ptrs, k0, k_mask, offs_k, offs_m, rows, stride_xm, M_PAD,
                                  BLOCK_K, DOT_PRECISION)
         w_ptrs += BLOCK_K
@@ -161,6 +163,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
         PRELOAD=pdl.preload(x.device, "gemv") if preload is None else preload,
+        WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("gemv")
     return out

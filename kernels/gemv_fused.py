@@ -63,6 +63,7 @@ products). Not measured yet.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -337,6 +338,16 @@ def _gemv_fused_kernel(
                 tl.atomic_xchg(arrivals_ptr + head, 0)
 
 
+def _row_block(rows: int, k_in: int, plain: bool) -> tuple[int, int] | None:
+    """MOEI_FUSED_ROW_BLOCK (2 or 4): at one row, that many outputs per program and the whole K in one tile
+    (fewer programs, each reading the activation and norm weight once for more outputs; the preload is then a
+    program's whole weight), for the router's and the LM head's folds (not RoPE's). The benchmark's A/B."""
+    setting = os.environ.get("MOEI_FUSED_ROW_BLOCK", "")
+    if rows != 1 or not plain or setting not in ("2", "4"):
+        return None
+    return int(setting), triton.next_power_of_2(k_in)
+
+
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
                norm: Norm | None = None, route: Route | None = None, rope: Rope | None = None,
                pick: Pick | None = None, block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
@@ -389,7 +400,8 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         raise ValueError("gemv_fused: route.into must be one int64 element")
     out = scratch.empty((rows, n_out), out_dtype or dtype, device)
     result = Fused(out)
-    block_n, block_k = block or block_sizes(n_out, k_in, w.element_size(), device, rows)
+    block_n, block_k = block or _row_block(rows, k_in, rope is None) or block_sizes(n_out, k_in, w.element_size(),
+                                                                                   device, rows)
     dummy = out
     write_x = norm is not None and norm.write_x
     write_h = norm is not None and norm.write_h

@@ -53,11 +53,13 @@ the sweep still times this arm), counters T x D/8 int32 (kept in the shared arri
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels import arrivals, launches, pdl, scratch
+from kernels import arrivals, launches, pdl, scratch, streaming
 from kernels.moe_checks import check_moe_inputs, check_triton_device
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
@@ -84,6 +86,7 @@ def _gate_up_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -108,8 +111,8 @@ def _gate_up_kernel(
             d_mask = offs_d < hidden_size - d0
             w_mask = f_mask[:, None] & d_mask[None, :]
             x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
             gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
             up_sum += tl.sum(up * x_chunk[None, :], axis=1)
             gate_ptrs += BLOCK_D
@@ -143,6 +146,7 @@ def _down_kernel(
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # with USE_GDC: the first w2 tile loaded before the wait (kernels.pdl.preload)
+    WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
 ):
     pair = tl.program_id(0)
     d_block = tl.program_id(1)
@@ -155,7 +159,7 @@ def _down_kernel(
         known = (expert >= 0) & (expert < num_experts)
         w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
                           + offs_f[None, :], mask=(d_mask & known)[:, None] & (offs_f < intermediate_size)[None, :],
-                          other=0.0)
+                          other=0.0, eviction_policy=WEIGHT_EVICTION)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     if not PRELOAD:
@@ -176,7 +180,8 @@ def _down_kernel(
         for f0 in range(f_start, intermediate_size, BLOCK_F):
             f_mask = offs_f < intermediate_size - f0
             h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0,
+                        eviction_policy=WEIGHT_EVICTION).to(tl.float32)
             partial += tl.sum(w * h[None, :], axis=1)
             w_ptrs += BLOCK_F
             h_ptrs += BLOCK_F
@@ -195,6 +200,16 @@ def _down_kernel(
             total += tl.load(first_ptrs + j * stride_pp, mask=d_mask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
         tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
+
+
+def _down_block() -> tuple[int, int]:
+    """(DOWN_BLOCK_D, DOWN_BLOCK_F), or MOEI_DOWN_BLOCK as `DxF` (e.g. 4x2048: one step per program, so the preload
+    is a program's whole weight): the benchmark's A/B."""
+    setting = os.environ.get("MOEI_DOWN_BLOCK", "")
+    if setting in ("4x2048", "2x2048", "8x2048", "16x512"):
+        rows, columns = setting.split("x")
+        return int(rows), int(columns)
+    return DOWN_BLOCK_D, DOWN_BLOCK_F
 
 
 def moe_gemv(
@@ -216,25 +231,27 @@ def moe_gemv(
     hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
-    down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
+    down_block_d, down_block_f = _down_block()
+    down_block_f = min(down_block_f, triton.next_power_of_2(intermediate))
     _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
     # one program per (pair, output block); the k pairs of a token add up in the kernel
-    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    down_blocks = triton.cdiv(hidden_size, down_block_d)
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
     _down_kernel[(num_pairs, down_blocks)](
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
+        WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.down")
     return out
