@@ -190,7 +190,7 @@ elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ 
     TAIL=12 stage 150 pytest_moe_gemv env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         tests/test_moe_kernels.py -k "gemv and not arms_match"
     [ -n "${TUNE_ATTENTION:-}" ] && TAIL=12 stage 150 pytest_attention env "${tests_env[@]}" python3 -m pytest -m gpu \
-        -q -p no:cacheprovider -rf tests/test_attention_kernels.py -k "decode or graph"
+        -q -p no:cacheprovider -rf tests/test_attention_kernels.py -k "$TUNE_ATTENTION"  # e.g. "decode or graph"
     for round in $(seq "${ROUNDS:-2}"); do
         for setting in $TUNE; do
             name=${setting%%:*}; settings=${setting#*:}

@@ -70,6 +70,7 @@ them no shared-memory buffers beside the walk's.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -408,6 +409,14 @@ def _flash_decode_combine_kernel(
     )
 
 
+def _config(head_dim: int) -> DecodeConfig:
+    """CONFIGS[head_dim], or MOEI_DECODE_BLOCK as `BLOCK_NxSTAGES` (e.g. 16x3): the benchmark's A/B."""
+    block_n, _, stages = os.environ.get("MOEI_DECODE_BLOCK", "").partition("x")
+    if block_n.isdigit() and stages.isdigit() and is_power_of_two(int(block_n)) and int(block_n) >= 16:
+        return DecodeConfig(block_n=int(block_n), num_stages=int(stages))
+    return CONFIGS[head_dim]
+
+
 def _walk_upper_bound(spec: MaskSpec, key_len: int, query_len: int) -> int:
     """The longest key walk any sequence can have (host-side, no device read: graph-safe)."""
     if spec.kind in ("window", "composite"):
@@ -473,7 +482,7 @@ def default_num_splits(
     """The split count `flash_decode` launches with num_splits=None (host-side, no device read)."""
     batch, query_len, query_heads, head_dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
-    config = config or CONFIGS[head_dim]
+    config = config or _config(head_dim)
     walk_tiles = _walk_tiles(spec, key_len, query_len, config.block_n)
     rows = (query_heads // kv_heads) * query_len
     sms = _device_sms(q.device) if sms is None else sms
@@ -525,7 +534,7 @@ def flash_decode(
             f"'kernel' (a second combine launch); got {combine!r}"
         )
     inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
-    config = config or CONFIGS[inputs.head_dim]
+    config = config or _config(inputs.head_dim)
     group = inputs.query_heads // inputs.kv_heads
     rows = group * inputs.query_len
     if rows > MAX_ROWS:
