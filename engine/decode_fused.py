@@ -60,7 +60,6 @@ the Hugging Face families keep the torch forward. Knows nothing of flags or sche
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -86,14 +85,7 @@ FOLD_RESIDUAL_MAX_N = 1024
 # for rms_norm + gemv + rope_cache (single call 16.4 vs 13.8; in the v4 step 18.4 us): its 2560
 # programs each read the embedding row and the norm weight and arrive on one counter per head. The
 # router's fold (7.0 vs 8.1 us) and the LM head's (4.0 vs 4.9 us) pay and stay.
-FOLD_QKV = "off"
-FOLD_QKV_MODES = ("off", "rope", "all")  # "rope": only RoPE + the cache write into the GEMV, the norm its own launch
-
-
-def _fold_qkv() -> str:
-    """FOLD_QKV, or MOEI_FOLD_QKV where it names a mode (the benchmark's A/B)."""
-    setting = os.environ.get("MOEI_FOLD_QKV", "")
-    return setting if setting in FOLD_QKV_MODES else FOLD_QKV
+FOLD_QKV = False
 
 
 @dataclass
@@ -226,13 +218,12 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
     x = None  # [B, D] the residual stream, once written
     norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
-    fold_qkv = _fold_qkv()
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
-        if packed is not None and fold_qkv != "off" and _fused_rows(batch):  # qkv, RoPE and the cache write in one
+        if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
-            if fold_qkv == "all" and _folds(norm, packed, batch):
+            if _folds(norm, packed, batch):
                 folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),
                                     rope=rope)
                 x = folded.x

@@ -70,7 +70,6 @@ them no shared-memory buffers beside the walk's.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -270,13 +269,10 @@ def _flash_decode_split_kernel(
     OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before the wait, not after the walk (pdl.early)
 ):
     """One program: split pid_split of the key walk of one (sequence, kv head), all its
     kv_group x Tq query rows. Grid: (S, B * Hkv)."""
     if USE_GDC:  # q and the newest key are the previous kernel's output
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_split = tl.program_id(0)
     pid_bk = tl.program_id(1)
@@ -322,7 +318,7 @@ def _flash_decode_split_kernel(
             accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
             dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
         )
-    if USE_GDC and not EARLY:
+    if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
     if OUTPUT == "direct":
@@ -390,14 +386,11 @@ def _flash_decode_combine_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before the wait, not at the exit (pdl.early)
 ):
     """combine="kernel": the same merge as the single launch's last program (`_merge_rows`, same
     tile), one column chunk of MERGE_ROWS rows of one group per program.
     Grid: (B * Hkv, cdiv(kv_group * Tq, MERGE_ROWS), HEAD_DIM // BLOCK_D)."""
     if USE_GDC:
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_bk = tl.program_id(0)
     column = tl.program_id(2) * BLOCK_D
@@ -409,11 +402,20 @@ def _flash_decode_combine_kernel(
     )
 
 
-def _config(head_dim: int) -> DecodeConfig:
-    """CONFIGS[head_dim], or MOEI_DECODE_BLOCK as `BLOCK_NxSTAGES` (e.g. 16x3): the benchmark's A/B."""
-    block_n, _, stages = os.environ.get("MOEI_DECODE_BLOCK", "").partition("x")
-    if block_n.isdigit() and stages.isdigit() and is_power_of_two(int(block_n)) and int(block_n) >= 16:
-        return DecodeConfig(block_n=int(block_n), num_stages=int(stages))
+# A GQA group's short walk at head dim 512 (a decode step early in its sequence: the bench's tg rows) takes 16-key
+# tiles at 2 stages: twice the one-tile splits of 32-key tiles, each half the KV bytes and latency (shared memory
+# 16 + 2 x 32 KB). On the H200 (run 41, v4 tg128 @ b1, a 160-key cache: 11 splits instead of 6) the step took
+# 117.3 / 117.4 / 117.3 us against 118.7 / 119.0 / 118.8 (16 keys at 3 stages: 117.5 / 117.5 / 117.4). Longer walks
+# and one row per group keep CONFIGS (runs 9-15, not measured against this).
+SHORT_WALK_CONFIG = DecodeConfig(block_n=16, num_stages=2)
+SHORT_WALK_KEYS = 256
+
+
+def _config(head_dim: int, spec: MaskSpec, key_len: int, query_len: int, rows: int) -> DecodeConfig:
+    """The config of a launch that names none: SHORT_WALK_CONFIG for a GQA group's (rows > 1) walk of at most
+    SHORT_WALK_KEYS keys at head dim 512, else CONFIGS[head_dim]."""
+    if head_dim == 512 and rows > 1 and _walk_upper_bound(spec, key_len, query_len) <= SHORT_WALK_KEYS:
+        return SHORT_WALK_CONFIG
     return CONFIGS[head_dim]
 
 
@@ -482,9 +484,9 @@ def default_num_splits(
     """The split count `flash_decode` launches with num_splits=None (host-side, no device read)."""
     batch, query_len, query_heads, head_dim = q.shape
     key_len, kv_heads = k.shape[1], k.shape[2]
-    config = config or _config(head_dim)
-    walk_tiles = _walk_tiles(spec, key_len, query_len, config.block_n)
     rows = (query_heads // kv_heads) * query_len
+    config = config or _config(head_dim, spec, key_len, query_len, rows)
+    walk_tiles = _walk_tiles(spec, key_len, query_len, config.block_n)
     sms = _device_sms(q.device) if sms is None else sms
     return min(_default_splits(sms, walk_tiles, batch * kv_heads, rows, config, q.element_size()), walk_tiles)
 
@@ -534,9 +536,9 @@ def flash_decode(
             f"'kernel' (a second combine launch); got {combine!r}"
         )
     inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
-    config = config or _config(inputs.head_dim)
     group = inputs.query_heads // inputs.kv_heads
     rows = group * inputs.query_len
+    config = config or _config(inputs.head_dim, spec, inputs.key_len, inputs.query_len, rows)
     if rows > MAX_ROWS:
         raise ValueError(
             f"flash_decode takes (Hq / Hkv) * Tq <= {MAX_ROWS} rows per program, got {group} x "
@@ -605,7 +607,6 @@ def flash_decode(
         num_warps=num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(q.device),
-        EARLY=pdl.early(q.device, "split"),
     )
     launches.record("flash_decode_split")
     remember_compiled(
@@ -628,7 +629,6 @@ def flash_decode(
         HAS_SINKS=inputs.has_sinks,
         num_warps=4,
         **pdl.launch_options(q.device),
-        EARLY=pdl.early(q.device, "combine"),
     )
     launches.record("flash_decode_combine")
     remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)

@@ -27,8 +27,6 @@ Rows M > MAX_ROWS belong to a GEMM (prefill); the caller uses torch there.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -111,13 +109,6 @@ def _gemv_kernel(
     tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _one_row_block_n() -> int:
-    """Output features per program at one row: 2, or MOEI_GEMV_ROW_BLOCK (1, 2 or 4; the A/B of 1 x 4096, where
-    a program's one tile is its whole weight at K = 4096, so kernels.pdl's preload loads all of it)."""
-    setting = os.environ.get("MOEI_GEMV_ROW_BLOCK", "2")
-    return int(setting) if setting in ("1", "2", "4") else 2
-
-
 def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device, rows: int = 1) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 8 output features per program where N gives at least ~4 programs per SM,
     fewer for narrow outputs (16 for a tensor-core tile at >= 16 rows); BLOCK_K fills BYTES_PER_STEP
@@ -129,7 +120,7 @@ def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device,
     # One row: 2 x 2048 (or 1 x 4096) per program measured fastest on the H200 at K = 4096
     # (bench/gemv_bench.py, run 7: 12.5 vs 13.3 us for [5120, 4096] at 8 x 512); a few rows reuse a
     # wider tile across them.
-    block_n = 16 if dot else _one_row_block_n() if rows == 1 else 8
+    block_n = 16 if dot else 2 if rows == 1 else 8
     while block_n > (16 if dot else 1) and triton.cdiv(n_out, block_n) < 4 * sms:
         block_n //= 2
     block_k = min(triton.next_power_of_2(k_in), max(16, BYTES_PER_STEP // (block_n * element_bytes)))

@@ -63,7 +63,6 @@ products). Not measured yet.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -338,14 +337,22 @@ def _gemv_fused_kernel(
                 tl.atomic_xchg(arrivals_ptr + head, 0)
 
 
-def _row_block(rows: int, k_in: int, plain: bool) -> tuple[int, int] | None:
-    """MOEI_FUSED_ROW_BLOCK (2 or 4): at one row, that many outputs per program and the whole K in one tile
-    (fewer programs, each reading the activation and norm weight once for more outputs; the preload is then a
-    program's whole weight), for the router's and the LM head's folds (not RoPE's). The benchmark's A/B."""
-    setting = os.environ.get("MOEI_FUSED_ROW_BLOCK", "")
-    if rows != 1 or not plain or setting not in ("2", "4"):
+# Elements of a program's one weight tile at one row: 2 outputs x the whole K (4096 at v4-shape: 32 registers a
+# thread at 4 warps), so the preload is a program's whole weight and the router's and the LM head's folds (N = 256)
+# run 128 programs, each reading the activation, residual and norm weight once for two outputs. On the H200
+# (runs 40, 41: v4 tg128 @ b1, three processes each) the step took 119.3 / 119.3 and 118.5 / 118.6 / 118.4 us
+# against 119.6 / 119.5 and 118.7 / 119.0 / 118.8 with one output per program; four per program (64 programs,
+# 64 registers of weights) 119.9 / 119.5.
+ROW_TILE_ELEMENTS = 8192
+
+
+def _row_block(rows: int, k_in: int, device: torch.device, plain: bool) -> tuple[int, int] | None:
+    """(2, K) for a one-row fold on a GPU whose K fits ROW_TILE_ELEMENTS / 2 (not RoPE's: a program lies in one
+    head there), else None (kernels.gemv's block sizes)."""
+    k_pad = triton.next_power_of_2(k_in)
+    if rows != 1 or not plain or device.type != "cuda" or 2 * k_pad > ROW_TILE_ELEMENTS:
         return None
-    return int(setting), triton.next_power_of_2(k_in)
+    return 2, k_pad
 
 
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
@@ -400,8 +407,8 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         raise ValueError("gemv_fused: route.into must be one int64 element")
     out = scratch.empty((rows, n_out), out_dtype or dtype, device)
     result = Fused(out)
-    block_n, block_k = block or _row_block(rows, k_in, rope is None) or block_sizes(n_out, k_in, w.element_size(),
-                                                                                   device, rows)
+    block_n, block_k = (block or _row_block(rows, k_in, device, rope is None)
+                        or block_sizes(n_out, k_in, w.element_size(), device, rows))
     dummy = out
     write_x = norm is not None and norm.write_x
     write_h = norm is not None and norm.write_h

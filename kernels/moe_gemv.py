@@ -53,8 +53,6 @@ the sweep still times this arm), counters T x D/8 int32 (kept in the shared arri
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -202,17 +200,6 @@ def _down_kernel(
         tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
 
 
-def _block(variable: str, table: tuple[int, int]) -> tuple[int, int]:
-    """`table`, or the environment's `RxC` (powers of two, e.g. MOEI_DOWN_BLOCK=4x2048: one step per program, so
-    the preload is a program's whole weight; MOEI_GATE_UP_BLOCK=4x512): the benchmark's A/B of block sizes."""
-    setting = os.environ.get(variable, "")
-    rows, _, columns = setting.partition("x")
-    if rows.isdigit() and columns.isdigit() and all(triton.next_power_of_2(int(v)) == int(v) > 0
-                                                    for v in (rows, columns)):
-        return int(rows), int(columns)
-    return table
-
-
 def moe_gemv(
     x: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2F, D]
@@ -231,27 +218,25 @@ def moe_gemv(
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
     hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
-    gate_up_block_f, gate_up_block_d = _block("MOEI_GATE_UP_BLOCK", (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D))
-    gate_up_block_d = min(gate_up_block_d, triton.next_power_of_2(hidden_size))
-    down_block_d, down_block_f = _block("MOEI_DOWN_BLOCK", (DOWN_BLOCK_D, DOWN_BLOCK_F))
-    down_block_f = min(down_block_f, triton.next_power_of_2(intermediate))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, gate_up_block_f))](
+    gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
+    down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=gate_up_block_f, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
     # one program per (pair, output block); the k pairs of a token add up in the kernel
-    down_blocks = triton.cdiv(hidden_size, down_block_d)
+    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
     _down_kernel[(num_pairs, down_blocks)](
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )

@@ -65,23 +65,6 @@ def preload(device: torch.device, kernel: str = "") -> bool:
     return setting == "1" or not kernel or kernel in setting.split(",")
 
 
-EARLY_TRIGGERS = ("rms_norm", "rope_cache", "split", "combine")  # short grids that can signal before their wait
-
-
-def early(device: torch.device, kernel: str) -> bool:
-    """Whether a short latency-bound kernel (EARLY_TRIGGERS) lets the next grid launch before its own wait
-    rather than after it (or, for attention's combine, rather than at its exit). The next grid's programs then
-    become resident while this one and the one before it still run, and a weight-streaming grid loads its
-    first weight tiles (`preload`) for longer. Safe by the rule above: every program still waits before it
-    reads or writes anything a grid before it touches, and a grid completes only after its wait, so
-    completion stays transitive however early its dependents launched. MOEI_PDL_EARLY: 1 (all of them),
-    0 (none) or a list (e.g. `split,combine`)."""
-    setting = os.environ.get("MOEI_PDL_EARLY", "0")
-    if setting == "0" or not enabled(device):
-        return False
-    return setting == "1" or kernel in setting.split(",")
-
-
 def launch_options(device: torch.device) -> dict:
     """What to add to a launch: {"USE_GDC": bool} and, when on, {"launch_pdl": True}."""
     if enabled(device):

@@ -41,14 +41,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before this one's wait (kernels.pdl.early)
 ):
-    if USE_GDC:  # one short program per row: let the next grid queue up
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        if not EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()  # one short program per row: let the next grid queue up
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < hidden
@@ -103,7 +99,6 @@ def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residu
         table.stride(0) if gather else 0, x_out.stride(0), h.stride(0),
         BLOCK_D=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, GATHER=gather,
         num_warps=4 if hidden <= 4096 else 8, **pdl.launch_options(weight.device),
-        EARLY=pdl.early(weight.device, "rms_norm"),
     )
     launches.record("rms_norm")
     return x_out, h

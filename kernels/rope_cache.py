@@ -50,14 +50,10 @@ def _rope_cache_kernel(
     HALF: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    EARLY: tl.constexpr,  # with USE_GDC: let the next grid launch before this one's wait (kernels.pdl.early)
 ):
     if USE_GDC:
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, HALF)
@@ -115,7 +111,7 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
-        **pdl.launch_options(qkv.device), EARLY=pdl.early(qkv.device, "rope_cache"),
+        **pdl.launch_options(qkv.device),
     )
     launches.record("rope_cache")
     return q_out, position32

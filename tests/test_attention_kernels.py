@@ -379,8 +379,9 @@ def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat1
         (1, 8, 8, 8192, MaskSpec("causal"), 16),
         # A batch of 32 sequences: 132 // 32 = 4 programs per sequence fit one wave.
         (32, 8, 1, 640, V4_COMPOSITE, 4),
-        # bench tg128's 160-key cache at v4: 5 tiles (160 + 3 block starts), one split each.
-        (1, 8, 1, 160, V4_COMPOSITE, 6),
+        # bench tg128's 160-key cache at v4: a short walk (SHORT_WALK_CONFIG's 16-key tiles): 11 tiles (160 + 3
+        # block starts), one split each.
+        (1, 8, 1, 160, V4_COMPOSITE, 11),
         # One row per group (issue 4's shape) under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written
         # directly (no merge); a single tile is one split for a GQA group too.
         (1, 8, 8, 200, V4_COMPOSITE, 1),

@@ -157,16 +157,15 @@ def _decode_logits(engine, fused: bool, tokens, start, slots=None):
     return forward(config, engine.weights, tokens, layout, cache, dispatcher), cache
 
 
-@pytest.mark.parametrize("rows, slots, fold_wide, packed, fold_qkv", [
-    (3, None, False, True, "all"), (3, torch.tensor([2, 0, 1]), False, True, "all"), (1, None, False, True, "all"),
-    (1, torch.tensor([2]), True, True, "all"), (1, torch.tensor([1]), False, False, "all"),
-    (1, torch.tensor([2]), False, True, "rope"), (1, None, False, True, "off")])
-def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, packed, fold_qkv, monkeypatch):
+@pytest.mark.parametrize("rows, slots, fold_wide, packed", [
+    (3, None, False, True), (3, torch.tensor([2, 0, 1]), False, True), (1, None, False, True),
+    (1, torch.tensor([2]), True, True), (1, torch.tensor([1]), False, False)])
+def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, packed, monkeypatch):
     """Three rows: cuBLAS-style torch products and rms_norm launches; one row: kernels.gemv and the glue
     folded into the GEMVs (kernels.gemv_fused), the norms between layers too with fold_wide; unpacked
     q/k/v: three GEMVs between rms_norm and rope_cache. Same tolerance: the fold's difference (two
-    roundings of h per term) is fp32 rounding, far inside 2e-5. fold_qkv: the qkv fold's mode (FOLD_QKV)."""
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", fold_qkv)
+    roundings of h per term) is fp32 rounding, far inside 2e-5."""
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
@@ -200,7 +199,7 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     layers, where qkv is wider than FOLD_RESIDUAL_MAX_N."""
     from kernels import launches
 
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", "all")  # the qkv fold, off by default (run 17), still served
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine, config, cache, dispatcher = _one_row_after_prefill()
@@ -209,16 +208,11 @@ def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
                                 dispatcher)
     expected = {"gemv_rope": 2, "gemv": 2, "gemv_route": 2, "gemv_norm": 1, "rms_norm": 0 if fold_wide else 1}
     assert launches.since(before) == {name: count for name, count in expected.items() if count}
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", "off")  # the default: qkv as rms_norm, gemv, rope_cache
+    monkeypatch.setattr(decode_fused, "FOLD_QKV", False)  # the default: qkv as rms_norm, gemv, rope_cache
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([6]), 24, None, cache,
                                 dispatcher)
     assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 1}
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", "rope")  # RoPE and the cache write into q/k/v, the norm apart
-    before = launches.snapshot()
-    decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([7]), 24, None, cache,
-                                dispatcher)
-    assert launches.since(before) == {"rms_norm": 2, "gemv": 2, "gemv_rope": 2, "gemv_route": 2, "gemv_norm": 1}
 
 
 def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():

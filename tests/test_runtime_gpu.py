@@ -165,13 +165,12 @@ def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
     single_launches, wide_launches = dict(single[-1]["kernel_launches"]), dict(wide[-1]["kernel_launches"])
     products = {name: single_launches.pop(name, 0)
                 for name in ("gemv", "gemv_rope", "gemv_route", "gemv_norm", "gemv_pick")}
-    fold_qkv = decode_fused._fold_qkv() != "off"  # "rope" or "all" (MOEI_FOLD_QKV may set it for an A/B)
+    fold_qkv = decode_fused.FOLD_QKV
     assert products == {"gemv": layers if fold_qkv else 2 * layers, "gemv_rope": layers if fold_qkv else 0,
                         "gemv_route": layers, "gemv_norm": 0, "gemv_pick": 1}
     assert not wide_launches.keys() & products.keys()
     qkv_width = decode_fused.packed_qkv(demo.weights, "layers.0.").shape[0]
-    narrow = qkv_width <= decode_fused.FOLD_RESIDUAL_MAX_N
-    unfolded_norms = layers if decode_fused._fold_qkv() != "all" else 0 if narrow else layers - 1
+    unfolded_norms = layers if not fold_qkv else 0 if qkv_width <= decode_fused.FOLD_RESIDUAL_MAX_N else layers - 1
     folded = {"rms_norm": 2 * layers + 1 - unfolded_norms, "rope_cache": layers if fold_qkv else 0,
               "topk_softmax": layers, "next_tokens": 1}
     for name, count in folded.items():
