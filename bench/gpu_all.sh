@@ -185,9 +185,9 @@ elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ 
     # of the decode step, the runtime and attention decode run under first (every switch of the settings on).
     TUNE=${TUNE:-"base: early:MOEI_PDL_EARLY=1 rope:MOEI_FOLD_QKV=rope early_rope:MOEI_PDL_EARLY=1,MOEI_FOLD_QKV=rope"}
     read -r -a tests_env <<< "${TUNE_TESTS:-}"
-    TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    [ -z "${TUNE_SKIP_TESTS:-}" ] && TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --durations=5 tests/test_decode_fused.py tests/test_runtime_gpu.py
-    TAIL=12 stage 150 pytest_moe_gemv env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    [ -z "${TUNE_SKIP_TESTS:-}" ] && TAIL=12 stage 150 pytest_moe_gemv env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         tests/test_moe_kernels.py -k "gemv and not arms_match"
     [ -n "${TUNE_ATTENTION:-}" ] && TAIL=12 stage 150 pytest_attention env "${tests_env[@]}" python3 -m pytest -m gpu \
         -q -p no:cacheprovider -rf tests/test_attention_kernels.py -k "$TUNE_ATTENTION"  # e.g. "decode or graph"

@@ -73,6 +73,11 @@ one forward for all its rows, and returns each row's next token, with the step's
   steps; host time of a served step: from the previous step's sync or return to its own return. A step's
   timing carries `span` (K, or 1) and `span_index`, so a consumer knows which launch computed it (the bench's
   steady window opens only where a launch begins).
+  Inside such a graph each one-row step but the last carries the next step's first norm
+  (engine.decode_fused.StepOutputs.carry; unless MOEI_CARRY_NORM=0): its LM head's pick also writes the picked
+  token's embedding row and its norm, so the next step launches no rms_norm (kernels.gemv_fused.NextNorm, the
+  same bits). The capture checks each step's launches against the one-step graph's with that difference
+  (engine.decode_fused.carried_launches) and the steps' records count them per step (`step_kernels`).
 
 Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 """
@@ -90,7 +95,7 @@ import torch
 from engine import dispatch
 from engine.arms import ARMS
 from engine.attention_dispatch import UNFUSED, decide_attention
-from engine.decode_fused import StepOutputs
+from engine.decode_fused import StepOutputs, carried_launches, carry_default
 from engine.model import KVCache, StepLayout, forward
 from engine.scheduler import DECODE, Batch
 from kernels import launches
@@ -225,6 +230,10 @@ class _DecodeGraph:
     # The graph of `steps_per_graph` steps beside this one-step graph (same inputs, its own two instances and
     # landing buffers; its `kernels` are per step), or None. Its launches take this graph's `turn` and `holds`.
     block: "_DecodeGraph | None" = None
+    # A block's launches per step when they differ from `kernels` (a step whose first norm the step before carried:
+    # engine.decode_fused.StepOutputs.carry), else None; and the buffers its graphs write and read besides.
+    step_kernels: tuple[dict[str, int], ...] | None = None
+    buffers: tuple = ()
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
 
@@ -450,6 +459,8 @@ class BatchRunner:
         # begin_step(step, DECODE, n_tokens) and replay, in one call: counts the replay's launches; a graph
         # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
         kernels = captured.kernels
+        if span > 1 and captured.block.step_kernels is not None:
+            kernels = captured.block.step_kernels[0]
         dispatcher.replay(captured.template, kernels, step, len(rows))
         dispatcher.counters.graph_launches += 1  # this step's launch (a later step of a graph of several: none)
         # launches.since(kernels_before): what the replay launched, counted by `Dispatcher.replay` (nothing else on
@@ -487,7 +498,8 @@ class BatchRunner:
                                f"at step {served.first}: the scheduler broke its reservation")
         index, rows = served.index, batch.rows
         captured = served.captured
-        kernels = captured.kernels
+        step_kernels = captured.block.step_kernels
+        kernels = captured.kernels if step_kernels is None else step_kernels[index]
         dispatcher.replay(captured.template, kernels, batch.step, len(rows))
         tokens = dispatcher.end_replay(served.values[index], len(rows))
         span = len(served.values)
@@ -658,8 +670,9 @@ class BatchRunner:
         # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
         landing = tuple(torch.empty(size + config.n_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
         try:
-            graphs, template, counted = self._capture_instances(batch, dispatcher, inputs, tokens, layout,
-                                                                [observed.view(1, -1) for observed in landing])
+            graphs, template, per_step = self._capture_instances(batch, dispatcher, inputs, tokens, layout,
+                                                                 [observed.view(1, -1) for observed in landing])
+            counted = per_step[0][0]
         except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
             self._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             return next_tokens
@@ -671,40 +684,54 @@ class BatchRunner:
             # its own row of the instance's landing buffer, each step feeding the next its inputs on the device.
             blocks = tuple(torch.empty((steps, size + config.n_layers), dtype=torch.int64, pin_memory=True)
                            for _ in range(2))
+            # Each step but the last may carry the next one's first norm (the LM head's pick writes it into these
+            # buffers, one pair per instance); the launches of each step are checked against the one-step graph's.
+            carry = tuple((torch.empty((size, config.hidden), dtype=self.engine.dtype, device=self.device),
+                           torch.empty((size, config.hidden), dtype=self.engine.dtype, device=self.device))
+                          for _ in range(2)) if carry_default() else (None, None)
             try:
-                block_graphs, _, block_counted = self._capture_instances(batch, dispatcher, inputs, tokens, layout,
-                                                                         blocks)
-                if block_counted != {name: steps * count for name, count in counted.items()}:
-                    raise RuntimeError(f"{steps} steps launch {block_counted}, not {steps} x {counted}")
+                block_graphs, _, per_step = self._capture_instances(batch, dispatcher, inputs, tokens, layout, blocks,
+                                                                    carry)
+                expected = [carried_launches(counted, index > 0 and per_step[index - 1][1], carried_out)
+                            for index, (_, carried_out) in enumerate(per_step)]
+                if [launched for launched, _ in per_step] != expected:
+                    raise RuntimeError(f"{steps} steps launch {[launched for launched, _ in per_step]}, not {expected}")
             except Exception as error:  # noqa: BLE001 - the one-step graph serves; the steps say span 1
                 self.block_notes[key] = (f"graph of {steps} steps not captured: {type(error).__name__}: "
                                          f"{str(error).splitlines()[0][:160]}")
             else:
-                captured.block = _DecodeGraph(block_graphs, inputs, staging, blocks, template, counted, steps=steps)
+                chained = any(carried_out for _, carried_out in per_step)
+                captured.block = _DecodeGraph(block_graphs, inputs, staging, blocks, template, counted, steps=steps,
+                                              step_kernels=tuple(expected) if chained else None, buffers=carry)
         return next_tokens
 
-    def _capture_instances(self, batch: Batch, dispatcher, inputs, tokens, layout, landings: list
-                           ) -> tuple[tuple, object, dict[str, int]]:
+    def _capture_instances(self, batch: Batch, dispatcher, inputs, tokens, layout, landings: list,
+                           carry: tuple = (None, None)) -> tuple[tuple, object, list[tuple[dict[str, int], bool]]]:
         """One graph per landing buffer [steps, B + MoE layers], each the decode step captured `steps` times in
         a row, step k writing its outputs into row k; the first step's template dispatcher (its decisions and
-        outputs, which a replay copies per step) and the launches one instance records."""
+        outputs, which a replay copies per step) and, per step of an instance, its launches and whether its LM
+        head carried the next step's first norm into that instance's `carry` buffers (x, h; None: no carry)."""
         from engine.runtime import Dispatcher  # runtime imports this module
         from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
 
         config, weights, size = self.engine.config, self.engine.weights, inputs.shape[1]
         graphs, templates, counted = [], [], []
-        for landing in landings:
+        for landing, buffers in zip(landings, carry):
             steps = []  # made before the capture: nothing of a dispatcher's set-up belongs in the graph
             for index, observed in enumerate(landing):
                 template = Dispatcher(self.engine, dispatcher.flags, timed=False)
                 template.begin_step(batch.step + index, DECODE, size)
                 steps.append((template, observed))
-            before = launches.snapshot()
+            per_step = []
+            captured_from = launches.snapshot()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    for template, observed in steps:
-                        template.outputs = outputs = StepOutputs(observed, inputs)
+                    carried = None
+                    for index, (template, observed) in enumerate(steps):
+                        before = launches.snapshot()
+                        template.outputs = outputs = StepOutputs(
+                            observed, inputs, carry=buffers if index + 1 < len(steps) else None, carried=carried)
                         try:
                             logits = forward(config, weights, tokens, layout, self.cache, template)  # [B, V]
                         finally:
@@ -721,10 +748,12 @@ class BatchRunner:
                         # argmax into `observed`, the same tokens into inputs[0], inputs[1] + 1.
                         if not outputs.picked:
                             next_tokens_into(logits.float(), observed, inputs)
+                        per_step.append((launches.since(before), outputs.carried_out))
+                        carried = buffers if outputs.carried_out else None
             finally:
-                counted.append(launches.since(before))
-                for name, count in counted[-1].items():  # captured, not launched: the replays count them
+                for name, count in launches.since(captured_from).items():  # captured, not launched: replays count them
                     launches.record(name, -count)
+            counted.append(per_step)
             graphs.append(graph)
             templates.append(steps[0][0])
         if counted[0] != counted[1]:

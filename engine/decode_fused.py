@@ -38,7 +38,8 @@ each row's next token into it (and feeds the next replay's inputs), so a graphed
 next_tokens launch and no copy gathering the counts.
 
 v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2): 10 Triton launches per graphed step (8
-with FOLD_QKV) and no copy; 14 launches and 2 copies before the folds (the norms in front of the router
+with FOLD_QKV) and no copy; 9 in a later step of a graph of several steps, whose first norm the step before's
+LM head wrote (StepOutputs.carry); 14 launches and 2 copies before the folds (the norms in front of the router
 and the LM head, topk_softmax and the graph's next_tokens had launches of their own; the woken count was
 copied into the output buffer, and that buffer to the host).
 Without a packed qkv weight the three projections are separate products between an rms_norm and a
@@ -60,6 +61,7 @@ the Hugging Face families keep the torch forward. Knows nothing of flags or sche
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +101,31 @@ class StepOutputs:
     observed: torch.Tensor
     inputs: torch.Tensor | None = None
     picked: bool = False
+    # A graph of several decode steps chains them (engine.batch_runner): `carry`, [B, D] x and h buffers the LM
+    # head's pick writes the next step's first norm into (kernels.gemv_fused.NextNorm: the picked tokens'
+    # embedding rows, normed), where the step can (`carried_out` is then set); `carried`, this step's x and h so
+    # written by the step before: its first norm is not launched.
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None
+    carried_out: bool = False
+
+
+def carry_default() -> bool:
+    """Whether a graph of several steps carries each step's first norm from the step before (StepOutputs.carry):
+    unless MOEI_CARRY_NORM=0 (the benchmark's A/B)."""
+    return os.environ.get("MOEI_CARRY_NORM", "1") != "0"
+
+
+def carried_launches(launched: dict[str, int], carried_in: bool, carried_out: bool) -> dict[str, int]:
+    """A step's launches (`launched`: one not chained) when it was `carried_in` (no first rms_norm) and
+    `carried_out` (its LM head's pick norms the next step's rows: gemv_pick_norm for gemv_pick)."""
+    counts = dict(launched)
+    if carried_in:
+        counts["rms_norm"] = counts.get("rms_norm", 0) - 1
+    if carried_out:
+        counts["gemv_pick"] = counts.get("gemv_pick", 0) - 1
+        counts["gemv_pick_norm"] = counts.get("gemv_pick_norm", 0) + 1
+    return {name: count for name, count in counts.items() if count}
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -207,7 +234,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import Norm, Pick, Rope, Route, gemv_fused
+    from kernels.gemv_fused import NextNorm, Norm, Pick, Rope, Route, gemv_fused
+    from kernels.rms_norm import num_warps as norm_warps
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
@@ -218,12 +246,18 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
     x = None  # [B, D] the residual stream, once written
     norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
+    carried = None if outputs is None else outputs.carried  # x and h of this step's first norm, computed already
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         packed = packed_qkv(weights, p)
+        normed = layer == 0 and carried is not None
+        if normed:
+            x, h = carried
         if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
-            if _folds(norm, packed, batch):
+            if normed:
+                folded = gemv_fused(h, packed, rope=rope)
+            elif _folds(norm, packed, batch):
                 folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),
                                     rope=rope)
                 x = folded.x
@@ -232,7 +266,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                 folded = gemv_fused(h, packed, rope=rope)
             q, start32 = folded.q, folded.position32
         else:
-            x, h = _rms_norm(x, norm)
+            if not normed:
+                x, h = _rms_norm(x, norm)
             q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
                                     c.n_heads)
         # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
@@ -256,10 +291,18 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]
     if _folds(norm, head, batch):
-        pick = None if outputs is None else Pick(outputs.observed[:batch], outputs.inputs)
+        pick = None
+        if outputs is not None:
+            following = None
+            # the next step's first norm, as its own rms_norm launch would compute it (not under FOLD_QKV, whose
+            # first norm is no launch of its own)
+            if outputs.carry is not None and not FOLD_QKV and norm_warps(c.hidden) == 4:
+                following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
+            pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]
         if pick is not None:
             outputs.picked = True
+            outputs.carried_out = pick.next_norm is not None
         return logits
     x, h = _rms_norm(x, norm)
     return _dense(h, head, torch.float32)  # [B, V]

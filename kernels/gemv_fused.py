@@ -39,7 +39,9 @@ Epilogues (one per launch):
     pick        out = float32 logits; the last program to arrive takes each row's argmax (the lowest id
                 on ties, as torch.argmax: kernels.next_tokens's jit function) into tokens[m], and with
                 `inputs` feeds the next replay: inputs[0, m] = that token, inputs[1, m] += 1 (what
-                kernels.next_tokens does in a launch of its own)
+                kernels.next_tokens does in a launch of its own); with `next_norm` it also gathers that
+                token's embedding row and norms it (kernels.rms_norm's jit function, at its warps: the
+                same bits) into the next step's x[m] and h[m], the rms_norm launch a chained step skips
     rope        out = q|k|v rounded to the dtype ([M, (Hq + 2 Hkv) * hd], the packed projection);
                 BLOCK_N divides hd, so a program lies in one head. Value heads go straight into
                 v_cache[slot, position]; for a query or key head the last of its hd / BLOCK_N programs
@@ -73,6 +75,8 @@ from kernels import arrivals, launches, pdl, scratch
 from kernels.gemv import TENSOR_CORE_ROWS, block_sizes
 from kernels.next_tokens import BLOCK as PICK_BLOCK
 from kernels.next_tokens import _argmax_row, _feed
+from kernels.rms_norm import _normed
+from kernels.rms_norm import num_warps as norm_warps
 from kernels.rope_cache import _rotate
 from kernels.router import MAX_EXPERTS, _count_ids, _topk_softmax_row
 
@@ -107,12 +111,27 @@ class Route:
 
 
 @dataclass(frozen=True)
+class NextNorm:
+    """The next decode step's first RMSNorm, on the rows' picked tokens: x[m] = table[token m] and
+    h[m] = RMSNorm(x[m]) * weight, as kernels.rms_norm's gather computes them (the same jit function, launched
+    with its warps: the same bits), written by the program that picks."""
+
+    table: torch.Tensor  # [V, K] the embedding
+    weight: torch.Tensor  # [K]
+    eps: float
+    x: torch.Tensor  # [M, K] written
+    h: torch.Tensor  # [M, K] written
+
+
+@dataclass(frozen=True)
 class Pick:
     """Each row's argmax of the float32 logits into `tokens` (int64, >= M elements); with `inputs`
-    ([2, M] int64) also the next replay's token and position, as kernels.next_tokens."""
+    ([2, M] int64) also the next replay's token and position, as kernels.next_tokens; with `next_norm` also
+    the next step's first norm on those tokens."""
 
     tokens: torch.Tensor
     inputs: torch.Tensor | None = None
+    next_norm: NextNorm | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +212,7 @@ def _gemv_fused_kernel(
     ids_ptr, weights_ptr, woken_ptr,  # ROUTE
     inv_freq_ptr, position_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,  # ROPE
     tokens_ptr, feed_ptr, stride_feed,  # PICK
+    next_table_ptr, next_norm_ptr, next_x_ptr, next_h_ptr, next_eps, stride_next_t, stride_next_x, stride_next_h,
     arrivals_ptr,  # ROUTE, PICK: 1 counter; ROPE: one per query and key head
     rows, n_out, k_in, eps, slice_cols, query_heads, kv_heads,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om, stride_ids, stride_weights,
@@ -204,6 +224,7 @@ def _gemv_fused_kernel(
     COUNT_BLOCK: tl.constexpr,
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
+    NEXT_NORM: tl.constexpr, NEXT_BLOCK: tl.constexpr,  # PICK: the next step's norm on the tokens picked
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
@@ -296,6 +317,13 @@ def _gemv_fused_kernel(
                 tl.store(tokens_ptr + row, token)
                 if FEED:
                     _feed(feed_ptr, stride_feed, row, token)
+                if NEXT_NORM:  # as kernels.rms_norm's gather of this token's embedding row
+                    cols = tl.arange(0, NEXT_BLOCK)
+                    lanes = cols < k_in
+                    x = tl.load(next_table_ptr + token.to(tl.int64) * stride_next_t + cols, mask=lanes, other=0.0)
+                    tl.store(next_x_ptr + tl.cast(row, tl.int64) * stride_next_x + cols, x, mask=lanes)
+                    tl.store(next_h_ptr + tl.cast(row, tl.int64) * stride_next_h + cols,
+                             _normed(x, next_norm_ptr, cols, lanes, k_in, next_eps), mask=lanes)
             tl.atomic_xchg(arrivals_ptr, 0)
     if ROPE:
         if pid == 0:
@@ -403,6 +431,16 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
                                         or pick.inputs.stride(1) != 1):
             raise ValueError(f"gemv_fused: pick.inputs must be int64 [2, {rows}], got {pick.inputs.dtype} "
                              f"{tuple(pick.inputs.shape)}")
+        following = pick.next_norm
+        if following is not None:
+            if (following.table.dim() != 2 or following.table.shape[1] != k_in or following.table.stride(1) != 1
+                    or following.table.dtype != dtype or following.weight.shape != (k_in,)):
+                raise ValueError(f"gemv_fused: next_norm needs table [V, {k_in}] in {dtype} and weight [{k_in}]")
+            if any(t.shape != (rows, k_in) or t.stride(1) != 1 or t.dtype != dtype for t in (following.x, following.h)):
+                raise ValueError(f"gemv_fused: next_norm.x and .h must be [{rows}, {k_in}] in {dtype}")
+            if norm_warps(k_in) != 4:
+                raise ValueError(f"gemv_fused: next_norm at K = {k_in} would reduce in another order than "
+                                 f"kernels.rms_norm ({norm_warps(k_in)} warps)")
     if route is not None and route.into is not None and (route.into.dtype != torch.int64 or route.into.numel() != 1):
         raise ValueError("gemv_fused: route.into must be one int64 element")
     out = scratch.empty((rows, n_out), out_dtype or dtype, device)
@@ -465,6 +503,10 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
     if pick is not None:
         counters = arrivals.counters(device, 1)
     feed = pick.inputs if pick is not None and pick.inputs is not None else dummy
+    following = pick.next_norm if pick is not None else None
+    next_args = (dummy,) * 4 + (0.0, 0, 0, 0) if following is None else (
+        following.table, following.weight, following.x, following.h, following.eps, following.table.stride(0),
+        following.x.stride(0), following.h.stride(0))
     q_strides = (result.q.stride(0), result.q.stride(1)) if rope is not None else (0, 0)
     _gemv_fused_kernel[(programs,)](
         x if x is not None else dummy, residual if residual is not None else dummy,
@@ -474,7 +516,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         w, out, routing["ids"], routing["weights"], routing["woken"],
         cache["inv_freq"], cache["position"], cache["slot"], cache["q"], cache["k"], cache["v"], cache["position32"],
         pick.tokens if pick is not None else dummy, feed, feed.stride(0) if feed is not dummy else 0,
-        counters,
+        *next_args, counters,
         rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols, query_heads, kv_heads,
         x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
         norm.table.stride(0) if gather else 0, result.x.stride(0) if write_x else 0,
@@ -488,8 +530,10 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
         ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
         PICK=pick is not None, FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(n_out)),
+        NEXT_NORM=following is not None, NEXT_BLOCK=triton.next_power_of_2(k_in),
         num_warps=4, **pdl.launch_options(device), PRELOAD=pdl.preload(device, "fused") if preload is None else preload,
     )
-    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None else "gemv_pick"
-                    if pick is not None else "gemv_norm" if norm is not None else "gemv")
+    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None
+                    else ("gemv_pick_norm" if following is not None else "gemv_pick") if pick is not None
+                    else "gemv_norm" if norm is not None else "gemv")
     return result

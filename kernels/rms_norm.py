@@ -58,12 +58,23 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_out_ptr.dtype.element_ty)
     if HAS_RESIDUAL or GATHER:
         tl.store(x_out_ptr + row.to(tl.int64) * stride_xo + offs, x, mask=mask)
+    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, _normed(x, weight_ptr, offs, mask, hidden, eps), mask=mask)
+
+
+@triton.jit
+def _normed(x, weight_ptr, offs, mask, hidden, eps):
+    """h = RMSNorm(x) * weight of one whole row x [BLOCK_D] (x's dtype), rounded where torch rounds. Shared with
+    kernels.gemv_fused's pick (the next step's norm), which launches with this kernel's warps: the same bits."""
     x32 = x.to(tl.float32)
     mean_square = tl.sum(x32 * x32, axis=0) / hidden
-    normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(h_ptr.dtype.element_ty)
+    normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    h = (normed.to(tl.float32) * weight.to(tl.float32)).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, h, mask=mask)
+    return (normed.to(tl.float32) * weight.to(tl.float32)).to(x.dtype)
+
+
+def num_warps(hidden: int) -> int:
+    """The warps a row of `hidden` elements is normed with (a reduction's order follows its layout)."""
+    return 4 if hidden <= 4096 else 8
 
 
 def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
@@ -98,7 +109,7 @@ def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residu
         0 if gather else x.stride(0), residual.stride(0) if residual is not None else 0,
         table.stride(0) if gather else 0, x_out.stride(0), h.stride(0),
         BLOCK_D=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, GATHER=gather,
-        num_warps=4 if hidden <= 4096 else 8, **pdl.launch_options(weight.device),
+        num_warps=num_warps(hidden), **pdl.launch_options(weight.device),
     )
     launches.record("rms_norm")
     return x_out, h

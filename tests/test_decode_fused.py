@@ -241,6 +241,48 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
     assert all(1 <= observed[1 + layer] <= config.top_k for layer in range(config.n_layers))
 
 
+def test_a_step_carries_the_next_steps_first_norm_and_the_next_step_uses_it():
+    """StepOutputs.carry: the one-row step's LM head (gemv_pick_norm) also writes the next step's x and h (its
+    picked token's embedding row, normed); the next step given them as `carried` launches no rms_norm and
+    computes the logits (and cache) of a step that norms on its own, to the bit."""
+    from kernels import launches
+
+    engine, config, cache, dispatcher = _one_row_after_prefill()
+    observed = torch.full((1 + config.n_layers,), -1, dtype=torch.int64)
+
+    def step(position, inputs, **chain):
+        dispatcher.begin_step(position, "decode", 1)
+        dispatcher.outputs = outputs = decode_fused.StepOutputs(observed, inputs, **chain)
+        before = launches.snapshot()
+        try:
+            logits = decode_fused.forward_decode(config, engine.weights, inputs[0].view(1, 1).clone(),
+                                                 inputs[1].clone(), 24, None, cache, dispatcher)
+        finally:
+            dispatcher.outputs = None
+        return logits, launches.since(before), outputs
+
+    buffers = (torch.full((1, config.hidden), float("nan")), torch.full((1, config.hidden), float("nan")))
+    inputs = torch.tensor([[3], [5]])
+    _, counted, first = step(5, inputs, carry=buffers)
+    assert first.carried_out and counted["gemv_pick_norm"] == 1 and "gemv_pick" not in counted
+    token = int(observed[0])
+    assert inputs.tolist() == [[token], [6]]
+    x_expected, h_expected = fused_rms_norm(None, engine.weights["layers.0.attn_norm"], config.norm_eps,
+                                            table=engine.weights["embed"], index=torch.tensor([token]))
+    assert torch.equal(buffers[0], x_expected) and torch.equal(buffers[1], h_expected)
+    cache_before = (cache.k[0].clone(), cache.v[0].clone())
+    plain, plain_counted, _ = step(6, inputs.clone())  # the next step, norming on its own
+    assert plain_counted["rms_norm"] == config.n_layers and plain_counted["gemv_pick"] == 1
+    plain_cache = (cache.k[0].clone(), cache.v[0].clone())
+    cache.k[0].copy_(cache_before[0])
+    cache.v[0].copy_(cache_before[1])
+    carried, counted, second = step(6, inputs.clone(), carried=buffers)
+    assert not second.carried_out
+    assert counted == decode_fused.carried_launches(plain_counted, True, False)  # one rms_norm fewer
+    assert torch.equal(carried, plain)
+    assert torch.equal(cache.k[0], plain_cache[0]) and torch.equal(cache.v[0], plain_cache[1])
+
+
 def test_eligibility():
     tiny = PRESETS["tiny"]
     one = torch.zeros(2, 1, dtype=torch.long)
@@ -439,6 +481,47 @@ def test_gemv_fused_route_is_topk_softmax_of_its_logits(dtype, rows, experts, bl
     assert int(arrivals.counters(w.device, 1)[0]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, k_in, block", [(1, 50, None), (3, 37, (4, 16))])
+def test_gemv_fused_pick_norms_the_next_steps_embedding_rows_as_rms_norm_does(dtype, rows, k_in, block):
+    """Pick.next_norm: the program that takes the argmax also gathers each picked token's embedding row and
+    norms it, writing what kernels.rms_norm's gather writes for those tokens, to the bit; the launch is named
+    gemv_pick_norm."""
+    from kernels import launches
+    from kernels.gemv_fused import NextNorm, Pick, gemv_fused
+
+    vocab = 29
+    x, norm, _ = _norm_inputs("residual", rows, k_in, dtype, seed=130 + rows)
+    w = _draw(vocab, k_in, dtype=dtype, seed=131)
+    table = _draw(vocab, k_in, dtype=dtype, seed=132)  # the embedding: never zeros
+    weight = (1 + _draw(k_in, dtype=dtype, seed=133)).to(dtype)
+    tokens = torch.full((rows,), -1, dtype=torch.int64)
+    following = NextNorm(table, weight, 1e-5, torch.full((rows, k_in), float("nan"), dtype=dtype),
+                         torch.full((rows, k_in), float("nan"), dtype=dtype))
+    before = launches.snapshot()
+    result = gemv_fused(x, w, torch.float32, norm=replace(norm, exact=True), pick=Pick(tokens, None, following),
+                        block=block)
+    assert launches.since(before) == {"gemv_pick_norm": 1}
+    assert torch.equal(tokens, torch.argmax(result.out, dim=-1))
+    x_expected, h_expected = fused_rms_norm(None, weight, 1e-5, table=table, index=tokens)
+    assert torch.equal(following.x, x_expected) and torch.equal(following.h, h_expected)
+    assert torch.equal(following.x, table[tokens])
+
+
+def test_gemv_fused_pick_refuses_a_next_norm_that_does_not_fit():
+    from kernels.gemv_fused import NextNorm, Pick, gemv_fused
+
+    x, w = _draw(1, 40, seed=134), _draw(9, 40, seed=135)
+    tokens = torch.zeros(1, dtype=torch.int64)
+    table, weight = _draw(9, 40, seed=136), _draw(40, seed=137)
+    good = torch.empty(1, 40)
+    for bad in (NextNorm(table[:, :20], weight, 1e-5, good, good),
+                NextNorm(table, weight, 1e-5, torch.empty(2, 40), good),
+                NextNorm(table, weight[:20], 1e-5, good, good)):
+        with pytest.raises(ValueError, match="next_norm"):
+            gemv_fused(x, w, torch.float32, pick=Pick(tokens, None, bad))
+
+
 def test_gemv_fused_route_breaks_ties_like_topk_softmax():
     from kernels.gemv_fused import Route, gemv_fused
 
@@ -605,6 +688,30 @@ def test_gemv_fused_rejects_bad_inputs():
                    pick=Pick(torch.zeros(1, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)))
     with pytest.raises(ValueError, match="route.into"):
         gemv_fused(x, w, route=Route(2, torch.float32, into=torch.zeros(2, dtype=torch.int64)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [4096, 2880, 256])
+def test_gpu_pick_norms_the_next_step_to_the_bit_of_rms_norm(hidden):
+    """The LM head's pick with the next step's norm (one row, the block a step launches it with) writes the
+    picked token's embedding row and its norm to the bit of kernels.rms_norm's gather launch: a graph of several
+    steps whose later steps skip that launch computes the same tokens."""
+    from kernels.gemv_fused import NextNorm, Norm, Pick, gemv_fused
+
+    dtype, device = torch.bfloat16, "cuda"
+    table = _draw(256, hidden, dtype=dtype, device=device, seed=140)
+    weight = (1 + 0.1 * _draw(hidden, device=device, seed=141)).to(dtype)
+    head = (_draw(256, hidden, dtype=dtype, device=device, seed=142) / 64).to(dtype)
+    for seed in range(5):
+        x, residual = (_draw(1, hidden, dtype=dtype, device=device, seed=143 + 2 * seed + i) for i in range(2))
+        tokens = torch.full((1,), -1, dtype=torch.int64, device=device)
+        following = NextNorm(table, weight, 1e-5, torch.empty(1, hidden, dtype=dtype, device=device),
+                             torch.empty(1, hidden, dtype=dtype, device=device))
+        logits = gemv_fused(x, head, torch.float32, norm=Norm(weight, 1e-5, residual=residual, exact=True),
+                            pick=Pick(tokens, None, following)).out
+        assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+        x_expected, h_expected = fused_rms_norm(None, weight, 1e-5, table=table, index=tokens)
+        assert torch.equal(following.x, x_expected) and torch.equal(following.h, h_expected), seed
 
 
 @pytest.mark.gpu

@@ -100,19 +100,37 @@ def test_two_replays_in_flight_give_the_eager_tokens(demo, lengths):
 def test_graphs_of_several_steps_give_the_eager_tokens_and_counts(demo, lengths, steps, run_ahead):
     """steps_per_graph: one launch replays several decode steps, each fed by the one before on the device
     (its LM head's argmax) and writing its tokens and woken counts into its own row of the landing buffer.
-    Tokens, every step's observed counts and the arm and kernel totals must be the eager run's, in a first
-    run (capture) and a second one on the same runner."""
+    Tokens, every step's observed counts and the arm totals must be the eager run's, in a first run (capture)
+    and a second one on the same runner; each step's kernel launches the eager step's, but where a one-row step
+    of a graph of several carries the next one's first norm (engine.decode_fused.StepOutputs.carry): its LM head
+    is gemv_pick_norm, and the step after launches no rms_norm."""
+    from engine.decode_fused import carried_launches
+
     batch = prompts(lengths, seed=7 + len(lengths))
     eager = demo.generate_batch(batch, 24, resolved(), graphs=False)
-    eager_woken = [[record["woken_observed"] for record in step["moe"]]
-                   for step in eager.steps if step["phase"] == "decode"]
+    eager_decode = [step for step in eager.steps if step["phase"] == "decode"]
+    eager_woken = [[record["woken_observed"] for record in step["moe"]] for step in eager_decode]
     runner = BatchRunner(demo, len(batch), max(lengths) + 24 - 1, graphs=True, run_ahead=run_ahead)
     for run in range(2):
         graphed = demo.generate_batch(batch, 24, resolved(f"steps_per_graph={steps}"), runner=runner)
         assert graphed.tokens == eager.tokens, run
         assert graphed.counters["arms"] == eager.counters["arms"]
-        assert graphed.counters["kernels"] == eager.counters["kernels"]
         decode = [step for step in graphed.steps if step["phase"] == "decode"]
+        carried = 0
+        for step, eager_step in zip(decode, eager_decode):
+            one_row = len(step["rows"]) == 1
+            carried_in = one_row and step["span_index"] > 0
+            carried += carried_in
+            expected = carried_launches(eager_step["kernel_launches"], carried_in,
+                                        one_row and step["span_index"] + 1 < step["span"])
+            assert step["kernel_launches"] == expected, (step["step"], step["span"], step["span_index"])
+        if lengths == [40]:  # one row throughout: every later step of a graph of several is carried in
+            assert carried > 0
+        totals = dict(eager.counters["kernels"])
+        totals["rms_norm"] -= carried
+        totals["gemv_pick"] -= carried
+        totals["gemv_pick_norm"] = carried
+        assert graphed.counters["kernels"] == {name: count for name, count in totals.items() if count}
         assert [[record["woken_observed"] for record in step["moe"]] for step in decode] == eager_woken
         spans = [step["span"] for step in decode if step["span_index"] == 0]
         assert spans.count(steps) >= 5, spans  # 23 decode steps: blocks, then single steps at the tail
