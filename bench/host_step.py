@@ -197,11 +197,17 @@ def stub_graphs(runner: BatchRunner, run_ahead: bool | None = True, race: bool =
             captured = runner._graphs[key] = _DecodeGraph(graphs, inputs, staging, outputs, template, kernels)
             captured.feed = lambda: stream.enqueue(lambda: inputs.copy_(staging))
             steps = dispatcher.flags.values.get("steps_per_graph", 1)
-            if steps > 1 and "block" in fields:  # the graph of several steps beside it, sharing its inputs
+            made = []  # the graph of several steps beside it, sharing its inputs, and its tails (halving to 2)
+            while steps > 1 and "block" in fields and (not made or "tails" in fields):
                 blocks = tuple(outputs[0].repeat(steps, 1) for _ in range(2))
                 graphs = tuple(_StubGraph(stream, _BlockReplay(inputs, block, engine.config.vocab_size))
                                for block in blocks)
-                captured.block = _DecodeGraph(graphs, inputs, staging, blocks, template, kernels, steps=steps)
+                made.append(_DecodeGraph(graphs, inputs, staging, blocks, template, kernels, steps=steps))
+                steps //= 2
+            if made:
+                captured.block = made[0]
+                if "tails" in fields:
+                    captured.tails = tuple(made[1:])
             return next_tokens
         if "observed" in fields:  # the graph's one static output: next tokens, then each layer's woken count
             output = torch.cat([static_next.long(), torch.stack(template.pending_woken).long()])

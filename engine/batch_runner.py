@@ -138,13 +138,14 @@ class _Ahead:
     step's rows and tokens: the replay launched computes each row's token one position on. `expected`,
     (request id, token, position) per row fed, is made from them when read, unless it was set."""
 
-    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "span", "fed", "tokens",
-                 "offset", "_expected")
+    __slots__ = ("captured", "step", "dispatcher", "started", "launched_at", "pair", "turn", "graph", "span", "fed",
+                 "tokens", "offset", "_expected")
 
-    def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn, span=1) -> None:
+    def __init__(self, captured, step, dispatcher, started, launched_at, pair, turn, graph=None) -> None:
         self.captured, self.step, self.dispatcher = captured, step, dispatcher
         self.started, self.launched_at, self.pair, self.turn = started, launched_at, pair, turn
-        self.span = span  # the steps the launch runs: 1, or a graph of several steps (`_DecodeGraph.block`)
+        self.graph = captured if graph is None else graph  # the graph launched: `captured` or one of its blocks
+        self.span = self.graph.steps  # the steps the launch runs
         self.fed = self.tokens = self._expected = None
         self.offset = 1  # positions from the rows `fed` to this step's: the steps the launch before ran
 
@@ -174,10 +175,12 @@ class _Served:
     and waiting for nothing. `started` and `launched_at` are the launch's; `device_us` its device time
     over its steps."""
 
-    __slots__ = ("captured", "dispatcher", "first", "rows", "values", "index", "started", "launched_at", "device_us")
+    __slots__ = ("captured", "block", "dispatcher", "first", "rows", "values", "index", "started", "launched_at",
+                 "device_us")
 
-    def __init__(self, captured, dispatcher, first, rows, values, started, launched_at, device_us) -> None:
-        self.captured, self.dispatcher, self.first, self.rows, self.values = captured, dispatcher, first, rows, values
+    def __init__(self, captured, block, dispatcher, first, rows, values, started, launched_at, device_us) -> None:
+        self.captured, self.block = captured, block  # the one-step graph, and its graph of several steps launched
+        self.dispatcher, self.first, self.rows, self.values = dispatcher, first, rows, values
         self.started, self.launched_at, self.device_us = started, launched_at, device_us
         self.index = 1  # the next step to serve, counted from the launch's first
 
@@ -187,6 +190,19 @@ class _Served:
         index = self.index
         return (batch.step == self.first + index and batch.phase == DECODE
                 and _continue(batch.rows, self.rows, self.values[index - 1], index))
+
+
+def _largest_block(captured, reserve_next, batch, before: int):
+    """The largest graph of several steps of `captured` (its `block`, then its `tails`) whose steps the scheduler
+    reserves, `before` steps after `batch` first (-1: the block's first step is `batch` itself), or None. A
+    refused reservation reserves nothing, so the sizes are asked largest first."""
+    block = captured.block
+    if reserve_next(batch, before + block.steps):
+        return block
+    for tail in captured.tails:
+        if reserve_next(batch, before + tail.steps):
+            return tail
+    return None
 
 
 def _continue(rows, fed, tokens, offset: int) -> bool:
@@ -230,6 +246,9 @@ class _DecodeGraph:
     # The graph of `steps_per_graph` steps beside this one-step graph (same inputs, its own two instances and
     # landing buffers; its `kernels` are per step), or None. Its launches take this graph's `turn` and `holds`.
     block: "_DecodeGraph | None" = None
+    # Graphs of fewer steps beside `block`, halving down to 2 (K / 2, K / 4, ...: a run's last steps, fewer than
+    # K, still go by few launches), largest first; like `block`, or empty.
+    tails: tuple = ()
     # A block's launches per step when they differ from `kernels` (a step whose first norm the step before carried:
     # engine.decode_fused.StepOutputs.carry), else None; and the buffers its graphs write and read besides.
     step_kernels: tuple[dict[str, int], ...] | None = None
@@ -397,14 +416,13 @@ class BatchRunner:
         (and its input copy, if any) and the end event first; then the rest (`_finish_replay`). The replay
         is of the graph of several steps when there is one and the scheduler reserves the steps after this
         one, else of the one-step graph."""
-        block = captured.block
         graph = captured
-        if block is not None and reserve_next is not None and reserve_next(batch, block.steps - 1):
-            graph = block
+        if captured.block is not None and reserve_next is not None:
+            graph = _largest_block(captured, reserve_next, batch, -1) or captured
         pair = self._pairs[0]
         records = pair[1]
         stream = self._current_stream()
-        started = clock() if graph is block else None
+        started = clock() if graph is not captured else None
         records[0](stream)
         turn = captured.turn
         if graph is captured:
@@ -415,7 +433,7 @@ class BatchRunner:
         records[1](stream)
         launched_at = _perf_counter()
         return self._finish_replay(batch, dispatcher, captured, turn, pair, launched_at, None, kernels_before,
-                                   reserve_next, clock, stream, graph.steps, started)
+                                   reserve_next, clock, stream, graph, started)
 
     def _run_ahead(self, batch: Batch, dispatcher, ahead: _Ahead, kernels_before, reserve_next, clock
                    ) -> tuple[list[int], StepTiming]:
@@ -430,26 +448,28 @@ class BatchRunner:
                                f"ahead (step {ahead.step}, rows {ahead.expected}): the scheduler broke its "
                                f"reservation")
         return self._finish_replay(batch, dispatcher, ahead.captured, ahead.turn, ahead.pair, ahead.launched_at,
-                                   self.synced_at, kernels_before, reserve_next, clock, None, ahead.span,
+                                   self.synced_at, kernels_before, reserve_next, clock, None, ahead.graph,
                                    ahead.started)
 
     def _finish_replay(self, batch, dispatcher, captured, turn, pair, launched_at, busy_from, kernels_before,
-                       reserve_next, clock, stream, span=1, started=None) -> tuple[list[int], StepTiming]:
-        """A launched replay of `span` steps, this step its first: when the steps after it are reserved, the
-        next launch first (`_launch_ahead`, with the other event pair: the graph of several steps when
-        the scheduler reserves all its steps, else one step); the step's bookkeeping while the device
-        works; then its one sync (its end event: the replay and its outputs' writes done) and its outputs,
-        read from its own landing buffer (with `span` > 1, every step's: the later ones are `served`).
-        `busy_from`: where the step's host time starts when the runner measures it (a step launched ahead:
-        the previous step's sync), else None. `started`: the launch's start on the caller's clock."""
+                       reserve_next, clock, stream, launched=None, started=None) -> tuple[list[int], StepTiming]:
+        """A launched replay of `launched` (`captured`, the default, or one of its graphs of several steps: its
+        span), this step its first: when the steps after it are reserved, the next launch first (`_launch_ahead`,
+        with the other event pair: the largest graph of several steps whose steps the scheduler all reserves, else
+        one step); the step's bookkeeping while the device works; then its one sync (its end event: the replay and
+        its outputs' writes done) and its outputs, read from its own landing buffer (with a span > 1, every
+        step's: the later ones are `served`). `busy_from`: where the step's host time starts when the runner
+        measures it (a step launched ahead: the previous step's sync), else None. `started`: the launch's start on
+        the caller's clock."""
         rows = batch.rows
         step = batch.step
+        launched = captured if launched is None else launched
+        span = launched.steps
         if reserve_next is not None and self.run_ahead:
-            block = captured.block
             graph = None
-            if block is not None and reserve_next(batch, span - 1 + block.steps):
-                graph = block
-            elif reserve_next(batch, span):
+            if captured.block is not None:
+                graph = _largest_block(captured, reserve_next, batch, span - 1)
+            if graph is None and reserve_next(batch, span):
                 graph = captured
             if graph is not None:
                 pairs = self._pairs
@@ -458,9 +478,7 @@ class BatchRunner:
                                    pairs[1] if pair is pairs[0] else pairs[0], graph)
         # begin_step(step, DECODE, n_tokens) and replay, in one call: counts the replay's launches; a graph
         # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
-        kernels = captured.kernels
-        if span > 1 and captured.block.step_kernels is not None:
-            kernels = captured.block.step_kernels[0]
+        kernels = captured.kernels if launched.step_kernels is None else launched.step_kernels[0]
         dispatcher.replay(captured.template, kernels, step, len(rows))
         dispatcher.counters.graph_launches += 1  # this step's launch (a later step of a graph of several: none)
         # launches.since(kernels_before): what the replay launched, counted by `Dispatcher.replay` (nothing else on
@@ -474,10 +492,10 @@ class BatchRunner:
             tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
             last = tokens
         else:  # every step's outputs: this one's now, the later ones served from the host
-            values = captured.block.landing[turn].tolist()
+            values = launched.landing[turn].tolist()
             tokens = dispatcher.end_replay(values[0], len(rows))
             device_us /= span
-            self.served = _Served(captured, dispatcher, step, rows, values, started, launched_at, device_us)
+            self.served = _Served(captured, launched, dispatcher, step, rows, values, started, launched_at, device_us)
             last = values[-1][:len(rows)]
         ahead = self.ahead
         if ahead is None:
@@ -498,7 +516,7 @@ class BatchRunner:
                                f"at step {served.first}: the scheduler broke its reservation")
         index, rows = served.index, batch.rows
         captured = served.captured
-        step_kernels = captured.block.step_kernels
+        step_kernels = served.block.step_kernels
         kernels = captured.kernels if step_kernels is None else step_kernels[index]
         dispatcher.replay(captured.template, kernels, batch.step, len(rows))
         tokens = dispatcher.end_replay(served.values[index], len(rows))
@@ -526,7 +544,7 @@ class BatchRunner:
         graph.launches[turn]()
         captured.turn = turn ^ 1
         records[1](stream)
-        self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn, graph.steps)
+        self.ahead = _Ahead(captured, step, dispatcher, started, _perf_counter(), pair, turn, graph)
         self.run_ahead_launches += 1
 
     def _current_stream(self) -> torch.cuda.Stream:
@@ -681,29 +699,46 @@ class BatchRunner:
         steps = dispatcher.flags["steps_per_graph"]
         if steps > 1:
             # The graph of several steps: the same step captured `steps` times in a row, each step's outputs in
-            # its own row of the instance's landing buffer, each step feeding the next its inputs on the device.
-            blocks = tuple(torch.empty((steps, size + config.n_layers), dtype=torch.int64, pin_memory=True)
-                           for _ in range(2))
+            # its own row of the instance's landing buffer, each step feeding the next its inputs on the device;
+            # then, for a run's last steps, graphs of half as many, down to 2 (`tails`).
             # Each step but the last may carry the next one's first norm (the LM head's pick writes it into these
-            # buffers, one pair per instance); the launches of each step are checked against the one-step graph's.
+            # buffers, one pair per instance, shared by the graphs, which never run at once); the launches of each
+            # step are checked against the one-step graph's.
             carry = tuple((torch.empty((size, config.hidden), dtype=self.engine.dtype, device=self.device),
                            torch.empty((size, config.hidden), dtype=self.engine.dtype, device=self.device))
                           for _ in range(2)) if carry_default() else (None, None)
-            try:
-                block_graphs, _, per_step = self._capture_instances(batch, dispatcher, inputs, tokens, layout, blocks,
-                                                                    carry)
-                expected = [carried_launches(counted, index > 0 and per_step[index - 1][1], carried_out)
-                            for index, (_, carried_out) in enumerate(per_step)]
-                if [launched for launched, _ in per_step] != expected:
-                    raise RuntimeError(f"{steps} steps launch {[launched for launched, _ in per_step]}, not {expected}")
-            except Exception as error:  # noqa: BLE001 - the one-step graph serves; the steps say span 1
-                self.block_notes[key] = (f"graph of {steps} steps not captured: {type(error).__name__}: "
-                                         f"{str(error).splitlines()[0][:160]}")
-            else:
-                chained = any(carried_out for _, carried_out in per_step)
-                captured.block = _DecodeGraph(block_graphs, inputs, staging, blocks, template, counted, steps=steps,
-                                              step_kernels=tuple(expected) if chained else None, buffers=carry)
+            blocks = []
+            while steps > 1:
+                block = self._capture_block(batch, dispatcher, key, inputs, tokens, layout, staging, template, counted,
+                                            steps, carry)
+                if block is None:
+                    break
+                blocks.append(block)
+                steps //= 2
+            if blocks:
+                captured.block, captured.tails = blocks[0], tuple(blocks[1:])
         return next_tokens
+
+    def _capture_block(self, batch: Batch, dispatcher, key, inputs, tokens, layout, staging, template,
+                       counted: dict[str, int], steps: int, carry: tuple) -> "_DecodeGraph | None":
+        """The graph of `steps` steps (`_DecodeGraph.block` or one of its `tails`), or None with a note in
+        `block_notes` (the one-step graph and any larger graph captured serve)."""
+        size = inputs.shape[1]
+        landings = tuple(torch.empty((steps, size + self.engine.config.n_layers), dtype=torch.int64,
+                                     pin_memory=True) for _ in range(2))
+        try:
+            graphs, _, per_step = self._capture_instances(batch, dispatcher, inputs, tokens, layout, landings, carry)
+            expected = [carried_launches(counted, index > 0 and per_step[index - 1][1], carried_out)
+                        for index, (_, carried_out) in enumerate(per_step)]
+            if [launched for launched, _ in per_step] != expected:
+                raise RuntimeError(f"{steps} steps launch {[launched for launched, _ in per_step]}, not {expected}")
+        except Exception as error:  # noqa: BLE001 - the one-step graph serves; the steps say span 1
+            self.block_notes[key] = (f"graph of {steps} steps not captured: {type(error).__name__}: "
+                                     f"{str(error).splitlines()[0][:160]}")
+            return None
+        chained = any(carried_out for _, carried_out in per_step)
+        return _DecodeGraph(graphs, inputs, staging, landings, template, counted, steps=steps,
+                            step_kernels=tuple(expected) if chained else None, buffers=carry)
 
     def _capture_instances(self, batch: Batch, dispatcher, inputs, tokens, layout, landings: list,
                            carry: tuple = (None, None)) -> tuple[tuple, object, list[tuple[dict[str, int], bool]]]:

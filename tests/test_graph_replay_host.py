@@ -6,6 +6,7 @@ One step per graph launch (steps_per_graph=1) throughout; graphs of several step
 are served from the host: tests/test_graph_steps_host.py."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -478,7 +479,8 @@ def test_the_launched_step_check_is_the_expected_list_compared_row_by_row():
 
     first, second = Sequence([1, 2], 9), Sequence([3], 9)
     fed = (Row(first, 4, (7,), True), Row(second, 2, (8,), True))
-    ahead = batch_runner._Ahead(None, 5, None, 0.0, 0.0, None, 0)
+    one_step = SimpleNamespace(steps=1)  # the graph launched: only its span is read here
+    ahead = batch_runner._Ahead(one_step, 5, None, 0.0, 0.0, None, 0)
     assert ahead.expected is None and not ahead.feeds(fed)  # before the previous step's sync: nothing fed
     ahead.fed, ahead.tokens = fed, [11, 12]
     assert ahead.expected == [(first.request_id, 11, 5), (second.request_id, 12, 3)]

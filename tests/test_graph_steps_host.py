@@ -65,7 +65,8 @@ def test_several_steps_per_graph_record_what_one_step_graphs_record(tiny, prompt
     groups = _launches(records)
     blocks = [group for group in groups if group[0]["span"] == steps_per_graph]
     assert blocks, "no graph of several steps ran"
-    assert several[2]["graph_launches"] == one[2]["graph_launches"] - (steps_per_graph - 1) * len(blocks)
+    assert {group[0]["span"] for group in groups} <= {steps_per_graph >> shift for shift in range(3)}  # K, K/2, K/4
+    assert several[2]["graph_launches"] == one[2]["graph_launches"] - sum(len(group) - 1 for group in groups)
     for group in groups:
         assert len(group) == group[0]["span"] and [step["span_index"] for step in group] == list(range(len(group)))
         if len(group) > 1:
@@ -79,6 +80,19 @@ def test_several_steps_per_graph_record_what_one_step_graphs_record(tiny, prompt
                 # stamped at the launch: the first step's start (launched ahead) or just after it
                 assert group[0]["started"] <= step["started"] <= group[0]["ended"] and step["host_us"] > 0
     assert several[3].served is None and several[3].ahead is None
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_a_runs_last_steps_go_by_the_largest_graphs_that_fit(tiny, run_ahead):
+    """K = 8 and 20 tokens: 19 decode steps after the prefill's. The first is the capture; 16 then go by two graphs
+    of 8; the last two by a graph of 2 (a tail: `_DecodeGraph.tails`), not two launches of one step each. Without
+    run-ahead too (each launch then reserves its own steps)."""
+    runner = stub_runner(tiny, 1, 6 + 20 - 1, run_ahead)
+    sequences, steps, counters = _drive(tiny, runner, [list(b"hello!")], 20, 8)
+    assert [len(sequence.generated) for sequence in sequences] == [20]
+    spans = [group[0]["span"] for group in _launches(steps) if group[0]["phase"] == "decode"]
+    assert spans == [1, 8, 8, 2], spans
+    assert counters["graph_launches"] == 3 and counters["graph_replays"] == 18
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
@@ -208,7 +222,7 @@ def test_5000_steps_in_graphs_of_eight_leave_no_cyclic_garbage_and_no_objects_be
         unreachable = gc.collect()
     finally:
         gc.enable()
-    # 499 replayed steps a run: 62 graphs of 8 (496 steps), then 3 single steps at the tail
-    assert replayed == 10 * 499 and launched == 10 * (62 + 3)
+    # 499 replayed steps a run: 62 graphs of 8 (496 steps), then at the tail a graph of 2 and a single step
+    assert replayed == 10 * 499 and launched == 10 * (62 + 2)
     assert unreachable == 0
     assert after - before < 50, after - before

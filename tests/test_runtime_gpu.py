@@ -134,7 +134,7 @@ def test_graphs_of_several_steps_give_the_eager_tokens_and_counts(demo, lengths,
         spans = [step["span"] for step in decode if step["span_index"] == 0]
         assert spans.count(steps) >= 5, spans  # 23 decode steps: blocks, then single steps at the tail
         launched = graphed.counters["graph_launches"]
-        assert launched == graphed.counters["graph_replays"] - (steps - 1) * spans.count(steps)
+        assert launched == graphed.counters["graph_replays"] - sum(span - 1 for span in spans)  # tails: K / 2, ...
         assert runner.served is None and runner.ahead is None
         for step in decode[1:]:
             assert step["device_us"] > 0 and step["host_us"] > 0
