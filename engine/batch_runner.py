@@ -73,6 +73,9 @@ one forward for all its rows, and returns each row's next token, with the step's
   steps; host time of a served step: from the previous step's sync or return to its own return. A step's
   timing carries `span` (K, or 1) and `span_index`, so a consumer knows which launch computed it (the bench's
   steady window opens only where a launch begins).
+  Beside it, graphs of K/2, K/4, ... down to 2 steps (`_DecodeGraph.tails`): a launch takes the largest graph
+  whose steps the scheduler reserves (`_largest_block`), so a run's last steps, fewer than K, go by a few
+  launches rather than one each.
   Inside such a graph each one-row step but the last carries the next step's first norm
   (engine.decode_fused.StepOutputs.carry; unless MOEI_CARRY_NORM=0): its LM head's pick also writes the picked
   token's embedding row and its norm, so the next step launches no rms_norm (kernels.gemv_fused.NextNorm, the

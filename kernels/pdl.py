@@ -65,6 +65,12 @@ def preload(device: torch.device, kernel: str = "") -> bool:
     return setting == "1" or not kernel or kernel in setting.split(",")
 
 
+def combine_trigger() -> bool:
+    """Whether attention decode's combine kernel lets the next grid launch right after its wait (as rms_norm and
+    rope_cache do) rather than at its exit: unless MOEI_COMBINE_TRIGGER=0 (the benchmark's A/B)."""
+    return os.environ.get("MOEI_COMBINE_TRIGGER", "1") != "0"
+
+
 def launch_options(device: torch.device) -> dict:
     """What to add to a launch: {"USE_GDC": bool} and, when on, {"launch_pdl": True}."""
     if enabled(device):
