@@ -386,15 +386,12 @@ def _flash_decode_combine_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    TRIGGER: tl.constexpr,  # with USE_GDC: let the next grid launch once this one's wait returns (kernels.pdl)
 ):
     """combine="kernel": the same merge as the single launch's last program (`_merge_rows`, same
     tile), one column chunk of MERGE_ROWS rows of one group per program.
     Grid: (B * Hkv, cdiv(kv_group * Tq, MERGE_ROWS), HEAD_DIM // BLOCK_D)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        if TRIGGER:  # a few short programs: the next grid (the o projection) launches and preloads while they merge
-            tl.extra.cuda.gdc_launch_dependents()
     pid_bk = tl.program_id(0)
     column = tl.program_id(2) * BLOCK_D
     _merge_rows(
@@ -631,7 +628,7 @@ def flash_decode(
         BLOCK_D=block_d,
         HAS_SINKS=inputs.has_sinks,
         num_warps=4,
-        **pdl.launch_options(q.device), TRIGGER=pdl.combine_trigger(),
+        **pdl.launch_options(q.device),
     )
     launches.record("flash_decode_combine")
     remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)

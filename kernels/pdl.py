@@ -23,7 +23,12 @@ on, device time per step, PDL on against off):
   those loops were slower than these; run 23 (each program asking for its weight rows in L2 with a bulk
   prefetch before its wait) 139.0 against 133.9 us: a bulk prefetch keeps its program resident until the
   lines land (bench/probe_l2.py), so the early programs held slots and bandwidth the running grid needed.
-(bench/results/2026-11-29-h200-run21..23, run29-pdl-ab, run31-pdl-batches, run32-pdl-preload.)
+- letting the next grid launch earlier lost every time: the short kernels (rms_norm, rope_cache, attention's
+  split and combine) signalling before their own wait, 123.9 against 122.6-122.7 us (run 39) and 120.6-120.8
+  against 119.5-119.6 (run 40); attention's combine kernel, which never signals (the o projection launches at
+  its exit), signalling right after its wait, 116.8-116.9 against 116.2 (run 44). The early grids' programs
+  preload their weights while the latency-bound kernels run, and those kernels slow.
+(bench/results/2026-11-29-h200-run21..23, run29-pdl-ab, run31-pdl-batches, run32-pdl-preload, run39, run40, run44.)
 """
 
 from __future__ import annotations
@@ -63,12 +68,6 @@ def preload(device: torch.device, kernel: str = "") -> bool:
     if setting == "0" or not enabled(device):
         return False
     return setting == "1" or not kernel or kernel in setting.split(",")
-
-
-def combine_trigger() -> bool:
-    """Whether attention decode's combine kernel lets the next grid launch right after its wait (as rms_norm and
-    rope_cache do) rather than at its exit: unless MOEI_COMBINE_TRIGGER=0 (the benchmark's A/B)."""
-    return os.environ.get("MOEI_COMBINE_TRIGGER", "1") != "0"
 
 
 def launch_options(device: torch.device) -> dict:

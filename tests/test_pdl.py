@@ -46,10 +46,3 @@ def test_never_on_a_cpu_or_before_hopper(monkeypatch):
     device = _hopper(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not pdl.enabled(device)
-
-
-def test_the_combine_kernel_triggers_after_its_wait_unless_switched_off(monkeypatch):
-    monkeypatch.delenv("MOEI_COMBINE_TRIGGER", raising=False)
-    assert pdl.combine_trigger()
-    monkeypatch.setenv("MOEI_COMBINE_TRIGGER", "0")
-    assert not pdl.combine_trigger()
