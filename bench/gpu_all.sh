@@ -182,9 +182,10 @@ elif [ "$mode" = steps ]; then  # steps_per_graph: tests, then v4 tg128 at each 
         | cut -c1-200; done > "$WORK/steps_summary.txt"
     cat "$WORK/steps_summary.txt"
 elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ b1, interleaved ROUNDS times
-    # TUNE: "name:VAR=value,VAR=value name:..." ("base:" runs the defaults); TUNE_TESTS: the settings the GPU tests
-    # of the decode step, the runtime and attention decode run under first (every switch of the settings on).
-    TUNE=${TUNE:-"base: early:MOEI_PDL_EARLY=1 rope:MOEI_FOLD_QKV=rope early_rope:MOEI_PDL_EARLY=1,MOEI_FOLD_QKV=rope"}
+    # TUNE: "name:VAR=value+VAR=value name:..." ("base:" runs the defaults; a value may hold commas, as
+    # MOEI_PDL_PRELOAD=gemv,down); TUNE_TESTS: the settings the GPU tests of the decode step, the runtime and
+    # attention decode run under first (every switch of the settings on); TUNE_SKIP_TESTS=1: none of them.
+    TUNE=${TUNE:-"base: nostream:MOEI_STREAM_WEIGHTS=0 nocarry:MOEI_CARRY_NORM=0 nopreload:MOEI_PDL_PRELOAD=0"}
     read -r -a tests_env <<< "${TUNE_TESTS:-}"
     [ -z "${TUNE_SKIP_TESTS:-}" ] && TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --durations=5 tests/test_decode_fused.py tests/test_runtime_gpu.py
@@ -195,7 +196,7 @@ elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ 
     for round in $(seq "${ROUNDS:-2}"); do
         for setting in $TUNE; do
             name=${setting%%:*}; settings=${setting#*:}
-            IFS=, read -r -a setting_env <<< "$settings"
+            IFS=+ read -r -a setting_env <<< "$settings"
             TAIL=6 stage 100 "v4_${name}_$round" env "${setting_env[@]}" python3 -m inspector bench --model v4-shape \
                 --tg 128 --pp 128 --batch 1 --reps 3 --gpu-weights --format md --json-out "$WORK/v4_${name}_$round.json"
         done
