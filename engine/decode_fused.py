@@ -234,8 +234,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import NextNorm, Norm, Pick, Rope, Route, gemv_fused
-    from kernels.rms_norm import num_warps as norm_warps
+    from kernels.gemv_fused import NextNorm, Norm, Pick, Rope, Route, gemv_fused, next_norm_fits
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
@@ -296,7 +295,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             following = None
             # the next step's first norm, as its own rms_norm launch would compute it (not under FOLD_QKV, whose
             # first norm is no launch of its own)
-            if outputs.carry is not None and not FOLD_QKV and norm_warps(c.hidden) == 4:
+            if outputs.carry is not None and not FOLD_QKV and next_norm_fits(c.hidden):
                 following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]

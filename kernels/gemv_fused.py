@@ -123,6 +123,12 @@ class NextNorm:
     h: torch.Tensor  # [M, K] written
 
 
+def next_norm_fits(k_in: int) -> bool:
+    """Whether a pick can norm the next step's rows of K = k_in to kernels.rms_norm's bits: that launch reduces
+    with this kernel's 4 warps only up to its own limit (kernels.rms_norm.num_warps)."""
+    return norm_warps(k_in) == 4
+
+
 @dataclass(frozen=True)
 class Pick:
     """Each row's argmax of the float32 logits into `tokens` (int64, >= M elements); with `inputs`
@@ -438,7 +444,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
                 raise ValueError(f"gemv_fused: next_norm needs table [V, {k_in}] in {dtype} and weight [{k_in}]")
             if any(t.shape != (rows, k_in) or t.stride(1) != 1 or t.dtype != dtype for t in (following.x, following.h)):
                 raise ValueError(f"gemv_fused: next_norm.x and .h must be [{rows}, {k_in}] in {dtype}")
-            if norm_warps(k_in) != 4:
+            if not next_norm_fits(k_in):
                 raise ValueError(f"gemv_fused: next_norm at K = {k_in} would reduce in another order than "
                                  f"kernels.rms_norm ({norm_warps(k_in)} warps)")
     if route is not None and route.into is not None and (route.into.dtype != torch.int64 or route.into.numel() != 1):
