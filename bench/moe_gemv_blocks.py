@@ -1,9 +1,11 @@
-"""Block sizes of the gather-GEMV MoE arm at the v4 shape on an H200: each candidate checked against
+"""Block sizes and pipelining of the gather-GEMV MoE arm at the v4 shape on an H200: each candidate checked against
 the reference, then timed replayed from a CUDA graph, beside the bandwidth bound of the bytes read.
 
 Shape: D = 4096, F = 2048, E = 256, top-6, bf16, n = 1 and 8 tokens, routing drawn at random (k
 distinct experts per token). The module constants of kernels.moe_gemv are set per candidate (the
-launcher reads them at call time); the table entry in use is marked. Bound: w13 and w2 bytes of
+launcher reads them at call time); the table entry in use is marked. A candidate is (rows, columns,
+stages) per kernel: stages > 1 walks the weights with tl.range's software pipelining (cp.async into
+shared memory, stages - 1 tiles in flight ahead of the one reduced). Bound: w13 and w2 bytes of
 the distinct experts touched, over the device-to-device copy bandwidth measured in this run.
 
     python3 bench/moe_gemv_blocks.py          # prints a table; JSON to $OUT/moe_gemv_blocks.json
@@ -28,8 +30,13 @@ from kernels import moe_gemv  # noqa: E402
 from kernels.reference import moe_reference  # noqa: E402
 
 D, F, E, K = 4096, 2048, 256, 6
-GATE_UP = [(8, 512), (4, 512), (8, 1024), (16, 256), (4, 1024)]  # (BLOCK_F, BLOCK_D)
-DOWN = [(8, 1024), (4, 2048), (8, 2048), (16, 512), (4, 1024), (2, 2048)]  # (BLOCK_D, BLOCK_F)
+# (BLOCK_F, BLOCK_D, STAGES); run 10 timed (4, 512), (8, 1024), (16, 256), (4, 1024) unpipelined: none beat the table
+GATE_UP = [(8, 512, 1), (8, 512, 2), (8, 512, 3), (8, 512, 4), (4, 512, 3), (4, 512, 4), (8, 256, 4), (16, 256, 3),
+           (16, 512, 2), (4, 1024, 2)]
+# (BLOCK_D, BLOCK_F, STAGES); run 10: (4, 2048), (8, 2048), (16, 512), (4, 1024), (2, 2048) unpipelined lost
+DOWN = [(8, 1024, 1), (8, 1024, 2), (8, 512, 3), (8, 512, 4), (4, 512, 4), (16, 512, 3), (8, 256, 4), (4, 1024, 2),
+        (16, 256, 4)]
+FIELDS = ("GATE_UP_BLOCK_F", "GATE_UP_BLOCK_D", "GATE_UP_STAGES", "DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_STAGES")
 
 
 def main() -> int:
@@ -37,9 +44,9 @@ def main() -> int:
     w13 = (torch.randn(E, 2 * F, D, generator=generator, device="cuda") / 64).bfloat16()
     w2 = (torch.randn(E, D, F, generator=generator, device="cuda") / 45).bfloat16()
     bandwidth = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]
-    table = (moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D, moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F)
+    table = tuple(getattr(moe_gemv, field) for field in FIELDS)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; commit {commit_label()}; "
-          f"table entry gate_up {table[:2]} down {table[2:]}")
+          f"table entry gate_up {table[:3]} down {table[3:]}")
     rows, failed = [], False
     for tokens in (1, 8):
         x = torch.randn(tokens, D, generator=generator, device="cuda").bfloat16()
@@ -48,10 +55,10 @@ def main() -> int:
         expected = moe_reference(x, w13, w2, ids, weights).float()
         distinct = torch.unique(ids).numel()
         bound_us = distinct * 3 * D * F * 2 / bandwidth * 1e6
-        candidates = [(g, table[2:]) for g in GATE_UP] + [(table[:2], d) for d in DOWN if d != table[2:]]
+        candidates = [(g, table[3:]) for g in GATE_UP] + [(table[:3], d) for d in DOWN if d != table[3:]]
         for gate_up, down in candidates:
-            moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D = gate_up
-            moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F = down
+            for field, value in zip(FIELDS, gate_up + down):
+                setattr(moe_gemv, field, value)
             try:
                 out = moe_gemv.moe_gemv(x, w13, w2, ids, weights).float()
                 error = ((out - expected).abs().max() / expected.abs().max()).item()
@@ -63,9 +70,10 @@ def main() -> int:
             failed |= not ok
             rows.append({"tokens": tokens, "gate_up": gate_up, "down": down, "us": round(us, 2),
                          "bound_us": round(bound_us, 2), "ratio": round(us / bound_us, 3), "max_rel_error": error,
-                         "ok": ok, "table": (gate_up, down) == (table[:2], table[2:])})
-        moe_gemv.GATE_UP_BLOCK_F, moe_gemv.GATE_UP_BLOCK_D, moe_gemv.DOWN_BLOCK_D, moe_gemv.DOWN_BLOCK_F = table
-    print("| n | gate_up (F, D) | down (D, F) | us | x bound | rel err |\n|---:|---|---|---:|---:|---:|")
+                         "ok": ok, "table": (gate_up, down) == (table[:3], table[3:])})
+        for field, value in zip(FIELDS, table):
+            setattr(moe_gemv, field, value)
+    print("| n | gate_up (F, D, stages) | down (D, F, stages) | us | x bound | rel err |\n|---:|---|---|---:|---:|---:|")
     for row in rows:
         if "error" in row:
             print(f"| {row['tokens']} | {row['gate_up']} | {row['down']} | failed: {row['error']} | | |")

@@ -53,6 +53,8 @@ the sweep still times this arm), counters T x D/8 int32 (kept in the shared arri
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +66,21 @@ GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
 GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B per thread x 64
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
+GATE_UP_STAGES = 1  # software-pipelined steps of the weight walk (tl.range num_stages; 1: none)
+DOWN_STAGES = 1
 NUM_WARPS = 4
+
+
+def _table() -> tuple[int, int, int, int, int, int]:
+    """(gate-up BLOCK_F, BLOCK_D, stages, down BLOCK_D, BLOCK_F, stages): the module's table, or
+    MOEI_MOE_GEMV_TABLE="8,512,3,8,1024,1" for an A/B on the GPU (experiment switch)."""
+    setting = os.environ.get("MOEI_MOE_GEMV_TABLE")
+    if setting:
+        values = tuple(int(value) for value in setting.split(","))
+        if len(values) != 6:
+            raise ValueError(f"MOEI_MOE_GEMV_TABLE needs 6 integers, got {setting!r}")
+        return values
+    return GATE_UP_BLOCK_F, GATE_UP_BLOCK_D, GATE_UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_F, DOWN_STAGES
 
 
 @triton.jit
@@ -83,6 +99,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr,  # software pipelining of the walk along D (1: none)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
 ):
@@ -105,7 +122,7 @@ def _gate_up_kernel(
         # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
         gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
         up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-        for d0 in range(0, hidden_size, BLOCK_D):
+        for d0 in tl.range(0, hidden_size, BLOCK_D, num_stages=STAGES):
             d_mask = offs_d < hidden_size - d0
             w_mask = f_mask[:, None] & d_mask[None, :]
             x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
@@ -142,6 +159,7 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,  # software pipelining of the walk along F (1: none)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # with USE_GDC: the first w2 tile loaded before the wait (kernels.pdl.preload)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
@@ -175,7 +193,7 @@ def _down_kernel(
             h_ptrs += BLOCK_F
             f_start = BLOCK_F
         # reduced every step into [BLOCK_D] fp32: few registers, many programs per SM
-        for f0 in range(f_start, intermediate_size, BLOCK_F):
+        for f0 in tl.range(f_start, intermediate_size, BLOCK_F, num_stages=STAGES):
             f_mask = offs_f < intermediate_size - f0
             h = tl.load(h_ptrs, mask=f_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=d_mask[:, None] & f_mask[None, :], other=0.0,
@@ -217,26 +235,27 @@ def moe_gemv(
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
     hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
+    gate_up_block_f, gate_up_block_d, gate_up_stages, down_block_d, down_block_f, down_stages = _table()
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
-    gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
-    down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
+    gate_up_block_d = min(gate_up_block_d, triton.next_power_of_2(hidden_size))
+    down_block_f = min(down_block_f, triton.next_power_of_2(intermediate))
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, gate_up_block_f))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=gate_up_block_f, BLOCK_D=gate_up_block_d, STAGES=gate_up_stages, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
     # one program per (pair, output block); the k pairs of a token add up in the kernel
-    down_blocks = triton.cdiv(hidden_size, DOWN_BLOCK_D)
+    down_blocks = triton.cdiv(hidden_size, down_block_d)
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
     _down_kernel[(num_pairs, down_blocks)](
         hidden, w2, flat_ids, flat_weights, partials, counters, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), partials.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, STAGES=down_stages, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
