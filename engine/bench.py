@@ -377,13 +377,42 @@ def kernel_shares(kernels: list[tuple[str, float, float]], step_ranges: dict[int
         entry[1] += 1
     busy = sum(entry[0] for entry in totals.values())
     denominator = window_device_us if window_device_us else busy
-    sites = _per_site_us(chosen, [range_ for step, range_ in step_ranges.items() if step in window]) \
-        if window and step_ranges else {}
+    ranges = [range_ for step, range_ in step_ranges.items() if step in window] if window and step_ranges else []
+    sites = _per_site_us(chosen, ranges) if ranges else {}
+    critical = _critical_path_us(chosen, ranges) if ranges else {}
     rows = [{"kernel": name, "device_us": round(total, 1), "calls": calls, "us_per_call": round(total / calls, 2),
              "share": total / denominator, "launches_per_step": calls / steps}
+            | ({"critical_us_per_step": round(critical[name][0], 2)} if name in critical else {})
             | ({"us_per_call_by_site": sites[name]} if name in sites else {})
+            | ({"critical_us_by_site": [round(value, 2) for value in critical[name][1:]]}
+               if name in sites and name in critical else {})
             for name, (total, calls) in sorted(totals.items(), key=lambda item: -item[1][0])]
     return rows, note
+
+
+def _critical_path_us(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]
+                      ) -> dict[str, list[float]]:
+    """What each kernel adds to a step's device span, per step (mean over the steps of `ranges`), in total
+    and at each of its sites (the i-th launch of it in a step): the step's kernels in start order, the first
+    adding its own duration and each later one its end minus the latest end before it (never below 0).
+    Kernels on one stream end in launch order, so the additions sum to the step's span from its first
+    kernel's start to its last one's end. Unlike a kernel's own time, this stays a share of the step when
+    programmatic dependent launch starts a kernel while the one before it runs (its time then includes that
+    wait), and it charges a launch gap to the kernel that waited for it. name -> [total, site 1, site 2, ...]."""
+    added: dict[str, list[float]] = {}
+    for start, end in ranges:
+        previous_end, seen = None, {}
+        for name, begin, duration in sorted((kernel for kernel in kernels if start <= kernel[1] <= end),
+                                            key=lambda kernel: kernel[1]):
+            finish = begin + duration
+            gain = duration if previous_end is None else max(0.0, finish - previous_end)
+            previous_end = finish if previous_end is None else max(previous_end, finish)
+            site = seen[name] = seen.get(name, 0) + 1
+            entry = added.setdefault(name, [0.0])
+            entry.extend([0.0] * (site + 1 - len(entry)))
+            entry[0] += gain
+            entry[site] += gain
+    return {name: [total / len(ranges) for total in entry] for name, entry in added.items()}
 
 
 def _per_site_us(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]) -> dict[str, list[float]]:
@@ -803,27 +832,41 @@ def format_markdown(report: Report) -> str:
         if "profile" not in data:
             continue
         lines += ["", f"Kernel shares, {data['test']} ({data['profile']['note']}):", "",
-                  "| kernel | device µs | calls | µs/call | share | launches/step |",
-                  "|:---|---:|---:|---:|---:|---:|"]
+                  "| kernel | device µs | calls | µs/call | share | launches/step | adds µs/step |",
+                  "|:---|---:|---:|---:|---:|---:|---:|"]
         kernels = data["profile"]["kernels"]
         for entry in kernels[:20]:
             name = entry["kernel"] if len(entry["kernel"]) <= 64 else entry["kernel"][:61] + "..."
             lines.append(f"| {name.replace('|', '/')} | {entry['device_us']:.1f} | {entry['calls']} | "
                          f"{entry['us_per_call']:.2f} | {100 * entry['share']:.1f} % | "
-                         f"{entry['launches_per_step']:.2f} |")
+                         f"{entry['launches_per_step']:.2f} | {_critical_cell(entry)} |")
+            by_site = entry.get("critical_us_by_site", ())
             for site, us in enumerate(entry.get("us_per_call_by_site", ()), 1):
-                lines.append(f"| ↳ launch {site} of the step | | | {us:.2f} | | |")
+                adds = f"{by_site[site - 1]:.2f}" if site <= len(by_site) else ""
+                lines.append(f"| ↳ launch {site} of the step | | | {us:.2f} | | | {adds} |")
         if len(kernels) > 20:
-            lines.append(f"| ({len(kernels) - 20} more kernels in the JSON) | | | | | |")
+            lines.append(f"| ({len(kernels) - 20} more kernels in the JSON) | | | | | | |")
         busy, calls = sum(entry["device_us"] for entry in kernels), sum(entry["calls"] for entry in kernels)
         share, per_step = sum(entry["share"] for entry in kernels), sum(entry["launches_per_step"] for entry in kernels)
-        lines.append(f"| **GPU busy** | {busy:.1f} | {calls} | | {100 * share:.1f} % | {per_step:.2f} |")
+        span = sum(entry.get("critical_us_per_step", 0.0) for entry in kernels)
+        lines.append(f"| **GPU busy** | {busy:.1f} | {calls} | | {100 * share:.1f} % | {per_step:.2f} | "
+                     f"{span:.2f} |" if any("critical_us_per_step" in entry for entry in kernels) else
+                     f"| **GPU busy** | {busy:.1f} | {calls} | | {100 * share:.1f} % | {per_step:.2f} | — |")
+        lines.append("")
+        lines.append("adds µs/step: what the kernel adds to the step's device span (its end minus the end of the "
+                     "kernel before it, the step's first its own time), mean over the window's steps; the column "
+                     "sums to the span from the step's first kernel's start to its last one's end")
     foot = payload["footer"]
     lines += ["", f"{foot['model']} ({foot['dtype']}) on {foot['device']} · commit {foot['commit']} · "
               + " · ".join(f"{name} {version}" for name, version in foot["versions"].items()),
               f"flags: {foot['flags']} · graphs {foot['graphs']} · weights: {foot['weights']}",
               f"clocks: {foot['clocks']}"]
     return "\n".join(lines) + "\n"
+
+
+def _critical_cell(entry: dict) -> str:
+    value = entry.get("critical_us_per_step")
+    return "—" if value is None else f"{value:.2f}"
 
 
 def format_csv(report: Report) -> str:

@@ -181,6 +181,23 @@ def test_kernel_shares_split_a_kernel_by_its_site_in_the_step():
     assert "us_per_call_by_site" not in by_name["odd"]
 
 
+def test_kernel_shares_say_what_each_kernel_adds_to_the_step_when_spans_overlap():
+    # Programmatic dependent launch: "b" launches while "a" runs and waits for it, so its own time (30) counts
+    # a's tail; what it adds to the step is its end minus a's (10). The gap before "c" is charged to "c".
+    steps = {1: (100.0, 200.0), 2: (200.0, 300.0)}
+    kernels = [("a", 101.0, 40.0), ("b", 121.0, 30.0), ("c", 155.0, 5.0), ("b", 161.0, 2.0),
+               ("a", 201.0, 40.0), ("b", 221.0, 30.0), ("c", 157.0 + 100.0, 5.0), ("b", 263.0, 4.0)]
+    rows, _ = bench.kernel_shares(kernels, steps, window={1, 2}, window_device_us=70.0)
+    by_name = {row["kernel"]: row for row in rows}
+    assert by_name["a"]["critical_us_per_step"] == pytest.approx(40.0)
+    assert by_name["b"]["critical_us_by_site"] == pytest.approx([10.0, 4.0])  # 163 - 160 = 3, 267 - 262 = 5
+    assert by_name["c"]["critical_us_per_step"] == pytest.approx(10.0)  # 160-151 = 9, 262-251 = 11
+    assert sum(row["critical_us_per_step"] for row in rows) == pytest.approx(((163 - 101) + (267 - 201)) / 2)
+    # no step ranges (no markers): no additions, rather than a guess
+    rows, _ = bench.kernel_shares(kernels, {}, window={1, 2}, window_device_us=None, run_steps=2)
+    assert all("critical_us_per_step" not in row for row in rows)
+
+
 def test_an_empty_profile_is_an_error_not_a_table_of_zeros():
     with pytest.raises(MeasurementError, match="no device kernels"):
         bench.kernel_shares([], {0: (0.0, 1.0)}, {0}, 1.0)

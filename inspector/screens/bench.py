@@ -184,7 +184,7 @@ class BenchScreen(Screen):
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
         self.query_one("#bench-rows", DataTable).add_columns(*ROW_COLUMNS)
         self.query_one("#bench-kernels", DataTable).add_columns("row", "kernel", "device µs", "calls", "share",
-                                                                "launches/step")
+                                                                "launches/step", "adds µs/step")
         self.query_one("#bench-kernels").display = False
         self.query_one("#bench-refusal").display = False
         self.query_one(f"#bench-{PLAN_BOXES[0]}", Input).focus()
@@ -286,7 +286,8 @@ class BenchScreen(Screen):
             for entry in row["profile"]["kernels"][:SHARES_PER_ROW]:
                 name = entry["kernel"] if len(entry["kernel"]) <= 48 else entry["kernel"][:47] + "…"
                 kernels.add_row(row["test"], name, f"{entry['device_us']:.1f}", str(entry["calls"]),
-                                f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}")
+                                f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}",
+                                "—" if "critical_us_per_step" not in entry else f"{entry['critical_us_per_step']:.2f}")
             self.query_one("#bench-shares-note", Static).update(f"kernel shares, {row['profile']['note']}")
 
     def on_bench_finished(self, message: events.BenchFinished) -> None:
