@@ -73,7 +73,8 @@ def main() -> int:
                          "ok": ok, "table": (gate_up, down) == (table[:3], table[3:])})
         for field, value in zip(FIELDS, table):
             setattr(moe_gemv, field, value)
-    print("| n | gate_up (F, D, stages) | down (D, F, stages) | us | x bound | rel err |\n|---:|---|---|---:|---:|---:|")
+    print("| n | gate_up (F, D, stages) | down (D, F, stages) | us | x bound | rel err |")
+    print("|---:|---|---|---:|---:|---:|")
     for row in rows:
         if "error" in row:
             print(f"| {row['tokens']} | {row['gate_up']} | {row['down']} | failed: {row['error']} | | |")
