@@ -188,7 +188,8 @@ elif [ "$mode" = tune ] || [ "$mode" = moe_pipeline ]; then  # named environment
     # MOEI_PDL_PRELOAD=gemv,down); TUNE_TESTS: the settings the GPU tests of the decode step, the runtime and
     # attention decode run under first (every switch of the settings on); TUNE_SKIP_TESTS=1: none of them.
     # moe_pipeline: bench/moe_gemv_blocks.py first; its fastest gate-up and down at n = 1 (each beside the
-    # table's other kernel) become the settings gu, down and both (MOEI_MOE_GEMV_TABLE), the tests run under both.
+    # table's other kernel) become the settings gu, down and both (MOEI_MOE_GEMV_TABLE; those equal to the table
+    # or to each other dropped), the tests run under the last of them.
     TUNE=${TUNE:-"base: nostream:MOEI_STREAM_WEIGHTS=0 nocarry:MOEI_CARRY_NORM=0 nopreload:MOEI_PDL_PRELOAD=0"}
     if [ "$mode" = moe_pipeline ]; then
         TAIL=40 OUT=$WORK stage 300 moe_gemv_blocks python3 bench/moe_gemv_blocks.py
@@ -199,13 +200,16 @@ table = next(row for row in rows if row["table"])
 gate_up = min((row for row in rows if row["down"] == table["down"]), key=lambda row: row["us"])["gate_up"]
 down = min((row for row in rows if row["gate_up"] == table["gate_up"]), key=lambda row: row["us"])["down"]
 join = lambda *parts: ",".join(str(value) for part in parts for value in part)
-print(f"base: gu:MOEI_MOE_GEMV_TABLE={join(gate_up, table['down'])} down:MOEI_MOE_GEMV_TABLE={join(table['gate_up'], down)}"
-      f" both:MOEI_MOE_GEMV_TABLE={join(gate_up, down)}")
+settings = {"gu": join(gate_up, table["down"]), "down": join(table["gate_up"], down), "both": join(gate_up, down)}
+base = join(table["gate_up"], table["down"])
+chosen = {name: value for name, value in settings.items() if value != base}
+chosen = {name: value for name, value in chosen.items() if name != "both" or len(set(chosen.values())) > 1}
+print(" ".join(["base:"] + [f"{name}:MOEI_MOE_GEMV_TABLE={value}" for name, value in chosen.items()]))
 PY
 )
         echo "moe_pipeline settings: $picks" | tee "$WORK/moe_pipeline_settings.txt"
         TUNE=${picks:-base:}
-        TUNE_TESTS=${picks##* both:}
+        TUNE_TESTS=${picks##* }; TUNE_TESTS=${TUNE_TESTS#*:}  # the last setting: both, or the one that differs
     fi
     read -r -a tests_env <<< "${TUNE_TESTS:-}"
     [ -z "${TUNE_SKIP_TESTS:-}" ] && TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \

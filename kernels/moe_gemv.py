@@ -68,19 +68,21 @@ DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 GATE_UP_STAGES = 1  # software-pipelined steps of the weight walk (tl.range num_stages; 1: none)
 DOWN_STAGES = 1
+DOWN_WALK = 0  # 1: down as _down_walk_kernel (one program per token and output block walks its k pairs)
 NUM_WARPS = 4
 
 
-def _table() -> tuple[int, int, int, int, int, int]:
-    """(gate-up BLOCK_F, BLOCK_D, stages, down BLOCK_D, BLOCK_F, stages): the module's table, or
-    MOEI_MOE_GEMV_TABLE="8,512,3,8,1024,1" for an A/B on the GPU (experiment switch)."""
+def _table() -> tuple[int, int, int, int, int, int, int]:
+    """(gate-up BLOCK_F, BLOCK_D, stages, down BLOCK_D, BLOCK_F, stages, walk): the module's table, or
+    MOEI_MOE_GEMV_TABLE="8,512,3,8,1024,1,0" for an A/B on the GPU (experiment switch)."""
     setting = os.environ.get("MOEI_MOE_GEMV_TABLE")
     if setting:
         values = tuple(int(value) for value in setting.split(","))
-        if len(values) != 6:
-            raise ValueError(f"MOEI_MOE_GEMV_TABLE needs 6 integers, got {setting!r}")
+        if len(values) != 7:
+            raise ValueError(f"MOEI_MOE_GEMV_TABLE needs 7 integers, got {setting!r}")
         return values
-    return GATE_UP_BLOCK_F, GATE_UP_BLOCK_D, GATE_UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_F, DOWN_STAGES
+    return (GATE_UP_BLOCK_F, GATE_UP_BLOCK_D, GATE_UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_F, DOWN_STAGES,
+            DOWN_WALK)
 
 
 @triton.jit
@@ -218,6 +220,74 @@ def _down_kernel(
         tl.atomic_xchg(counter, 0)  # ready for the next launch on this stream, eager or replayed
 
 
+@triton.jit
+def _down_walk_kernel(
+    hidden_ptr,  # [N, F]
+    w2_ptr,  # [E, D, F]
+    topk_ids_ptr,  # [N]
+    topk_weights_ptr,  # [N]
+    out_ptr,  # [T, D] out
+    num_experts,
+    hidden_size,  # D
+    intermediate_size,  # F
+    stride_hp,
+    stride_we,
+    stride_wr,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,  # software pipelining of the walk over the k pairs' F chunks
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    PRELOAD: tl.constexpr,  # with USE_GDC: pair 0's first w2 tile loaded before the wait (kernels.pdl.preload)
+    WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
+):
+    """One program per (token, BLOCK_D outputs) walks its k pairs' w2 rows one after the other, as one
+    pipelined stream of k x F / BLOCK_F tiles, and sums them in fp32 in the fixed order j = 0..k-1: no
+    partials, no arrivals. Each tile is scaled by its pair's routing weight as it is reduced."""
+    token = tl.program_id(0)
+    d_block = tl.program_id(1)
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < hidden_size
+    offs_f = tl.arange(0, BLOCK_F)
+    first_pair = token * TOP_K
+    steps_per_pair = tl.cdiv(intermediate_size, BLOCK_F)
+    if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
+        expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
+        known = (expert >= 0) & (expert < num_experts)
+        w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
+                          + offs_f[None, :], mask=d_mask[:, None] & (offs_f < intermediate_size)[None, :],
+                          other=0.0, eviction_policy=WEIGHT_EVICTION)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    start = 0
+    if PRELOAD:  # the walk's first tile, preloaded
+        h = tl.where(known, tl.load(hidden_ptr + first_pair.to(tl.int64) * stride_hp + offs_f,
+                                    mask=offs_f < intermediate_size, other=0.0).to(tl.float32), 0.0)
+        scale = tl.where(known, tl.load(topk_weights_ptr + first_pair).to(tl.float32), 0.0)
+        total += scale * tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
+        start = 1
+    for step in tl.range(start, TOP_K * steps_per_pair, num_stages=STAGES):
+        j = step // steps_per_pair
+        f0 = (step - j * steps_per_pair) * BLOCK_F
+        pair = first_pair + j
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+        known = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) adds nothing
+        f_mask = offs_f < intermediate_size - f0
+        # an unknown pair's hidden row was never written (gate-up skips it): zeroed, not multiplied by 0
+        h = tl.where(known, tl.load(hidden_ptr + pair.to(tl.int64) * stride_hp + f0 + offs_f, mask=f_mask,
+                                    other=0.0).to(tl.float32), 0.0)
+        w = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
+                    + (f0 + offs_f)[None, :], mask=d_mask[:, None] & f_mask[None, :], other=0.0,
+                    eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+        scale = tl.where(known, tl.load(topk_weights_ptr + pair).to(tl.float32), 0.0)
+        total += scale * tl.sum(w * h[None, :], axis=1)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
 def moe_gemv(
     x: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2F, D]
@@ -235,7 +305,7 @@ def moe_gemv(
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
     hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
-    gate_up_block_f, gate_up_block_d, gate_up_stages, down_block_d, down_block_f, down_stages = _table()
+    gate_up_block_f, gate_up_block_d, gate_up_stages, down_block_d, down_block_f, down_stages, walk = _table()
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(gate_up_block_d, triton.next_power_of_2(hidden_size))
     down_block_f = min(down_block_f, triton.next_power_of_2(intermediate))
@@ -247,8 +317,19 @@ def moe_gemv(
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
-    # one program per (pair, output block); the k pairs of a token add up in the kernel
     down_blocks = triton.cdiv(hidden_size, down_block_d)
+    if walk:  # one program per (token, output block), walking its k pairs
+        _down_walk_kernel[(tokens, down_blocks)](
+            hidden, w2, flat_ids, flat_weights, out,
+            experts, hidden_size, intermediate,
+            hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, STAGES=down_stages, num_warps=NUM_WARPS,
+            **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
+            WEIGHT_EVICTION=streaming.weight_eviction(x.device),
+        )
+        launches.record("moe_gemv.down")
+        return out
+    # one program per (pair, output block); the k pairs of a token add up in the kernel
     partials = scratch.empty((num_pairs, hidden_size), torch.float32, x.device)  # [N, D] = [T, k, D]
     counters = arrivals.counters(x.device, tokens * down_blocks)  # [T, D / BLOCK_D]
     _down_kernel[(num_pairs, down_blocks)](
