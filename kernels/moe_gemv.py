@@ -68,7 +68,7 @@ DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 GATE_UP_STAGES = 1  # software-pipelined steps of the weight walk (tl.range num_stages; 1: none)
 DOWN_STAGES = 1
-DOWN_WALK = 0  # 1: down as _down_walk_kernel (one program per token and output block walks its k pairs)
+DOWN_WALK = 1  # 1: down as _down_walk_kernel (one program per token and output block walks its k pairs); run 47
 NUM_WARPS = 4
 
 
