@@ -44,6 +44,9 @@ PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 
 # (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`Dispatcher._observe`)
 _PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
+# `_batch_step`'s launch snapshot for a step launched already (ahead, or served by a graph of several steps): the
+# runner counts such a step's launches from its capture and only asks whether to count them (not None)
+_COUNT_REPLAYED: dict[str, int] = {}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -493,9 +496,10 @@ class Engine:
         precedes the previous step's `ended`; its host_us is the runner's: the host's busy time per
         step, from the previous step's sync to this step's wait for its own (everything but waiting
         for the device, which, two steps in flight, waits for the host only when this exceeds a step)."""
-        kernels_before = launches.snapshot()
         served = runner.served  # a later step of a synced graph of several steps: started with its launch
         ahead = runner.ahead if served is None else served
+        # a replayed step counts what its capture recorded, not a difference of snapshots: any mapping says "count"
+        kernels_before = _COUNT_REPLAYED if ahead is not None else launches.snapshot()
         if ahead is None:
             started = clock()  # stamped BEFORE the step: a request that finishes inside it is still timed
             # host_us is measured on perf_counter, the clock the runner stamps launched_at with

@@ -159,3 +159,22 @@ def test_engine_and_kernels_import_without_inspector_or_textual():
             "print('ok')\n")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=".")
     assert completed.returncode == 0, completed.stderr
+
+
+def test_launch_counts_of_replays_are_added_when_read():
+    # record_many counts a captured mapping per replay and adds it into the totals only when they are read;
+    # snapshot and since see every replay, interleaved with plain records, in any order of mappings.
+    from kernels import launches
+
+    before = launches.snapshot()
+    first, second = {"test_kernel_a": 2, "test_kernel_b": 1}, {"test_kernel_a": 1}
+    for _ in range(3):
+        launches.record_many(first)
+    launches.record("test_kernel_b", 4)
+    launches.record_many(second)
+    launches.record_many(first)
+    assert launches.since(before) == {"test_kernel_a": 9, "test_kernel_b": 8}
+    middle = launches.snapshot()
+    launches.record_many(second)
+    assert launches.since(middle) == {"test_kernel_a": 1}
+    assert launches.snapshot()["test_kernel_a"] - before.get("test_kernel_a", 0) == 10
