@@ -6,8 +6,6 @@
 #   bash bench/gpu_all.sh final      kernel and engine GPU tests, check-attention, attention bench, full sweep
 #   bash bench/gpu_all.sh tune       the GPU tests of the step under TUNE_TESTS's settings, then v4 tg128 @ b1 under
 #                                    each named setting of TUNE (environment switches), ROUNDS times interleaved
-#   bash bench/gpu_all.sh moe_pipeline  the MoE GEMV's block and pipelining candidates (bench/moe_gemv_blocks.py),
-#                                    then the fastest at n = 1 tuned as above against the table
 #   bash bench/gpu_all.sh confirm    v4 tg128 @ b1 three times, the graph and fused-step GPU tests, the demo table
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
@@ -183,34 +181,11 @@ elif [ "$mode" = steps ]; then  # steps_per_graph: tests, then v4 tg128 at each 
     for f in "$WORK"/v4_*.log; do echo "== $(basename "$f")"; grep -E "^\\| tg128|^- host time|^- the device" "$f" \
         | cut -c1-200; done > "$WORK/steps_summary.txt"
     cat "$WORK/steps_summary.txt"
-elif [ "$mode" = tune ] || [ "$mode" = moe_pipeline ]; then  # named environment settings A/B'd on v4 tg128 @ b1
+elif [ "$mode" = tune ]; then  # named environment settings A/B'd on v4 tg128 @ b1, interleaved ROUNDS times
     # TUNE: "name:VAR=value+VAR=value name:..." ("base:" runs the defaults; a value may hold commas, as
     # MOEI_PDL_PRELOAD=gemv,down); TUNE_TESTS: the settings the GPU tests of the decode step, the runtime and
     # attention decode run under first (every switch of the settings on); TUNE_SKIP_TESTS=1: none of them.
-    # moe_pipeline: bench/moe_gemv_blocks.py first; its fastest gate-up and down at n = 1 (each beside the
-    # table's other kernel) become the settings gu, down and both (MOEI_MOE_GEMV_TABLE; those equal to the table
-    # or to each other dropped), the tests run under the last of them.
     TUNE=${TUNE:-"base: nostream:MOEI_STREAM_WEIGHTS=0 nocarry:MOEI_CARRY_NORM=0 nopreload:MOEI_PDL_PRELOAD=0"}
-    if [ "$mode" = moe_pipeline ]; then
-        TAIL=40 OUT=$WORK stage 300 moe_gemv_blocks python3 bench/moe_gemv_blocks.py
-        picks=$(python3 - "$WORK/moe_gemv_blocks.json" <<'PY'
-import json, sys
-rows = [row for row in json.load(open(sys.argv[1]))["rows"] if row["tokens"] == 1 and row.get("ok")]
-table = next(row for row in rows if row["table"])
-gate_up = min((row for row in rows if row["down"] == table["down"]), key=lambda row: row["us"])["gate_up"]
-down = min((row for row in rows if row["gate_up"] == table["gate_up"]), key=lambda row: row["us"])["down"]
-join = lambda *parts: ",".join(str(value) for part in parts for value in part)
-settings = {"gu": join(gate_up, table["down"]), "down": join(table["gate_up"], down), "both": join(gate_up, down)}
-base = join(table["gate_up"], table["down"])
-chosen = {name: value for name, value in settings.items() if value != base}
-chosen = {name: value for name, value in chosen.items() if name != "both" or len(set(chosen.values())) > 1}
-print(" ".join(["base:"] + [f"{name}:MOEI_MOE_GEMV_TABLE={value}" for name, value in chosen.items()]))
-PY
-)
-        echo "moe_pipeline settings: $picks" | tee "$WORK/moe_pipeline_settings.txt"
-        TUNE=${picks:-base:}
-        TUNE_TESTS=${picks##* }; TUNE_TESTS=${TUNE_TESTS#*:}  # the last setting: both, or the one that differs
-    fi
     read -r -a tests_env <<< "${TUNE_TESTS:-}"
     [ -z "${TUNE_SKIP_TESTS:-}" ] && TAIL=25 stage 300 pytest_gpu env "${tests_env[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --durations=5 tests/test_decode_fused.py tests/test_runtime_gpu.py

@@ -1,11 +1,9 @@
-"""Block sizes and pipelining of the gather-GEMV MoE arm at the v4 shape on an H200: each candidate checked against
+"""Block sizes of the gather-GEMV MoE arm at the v4 shape on an H200: each candidate checked against
 the reference, then timed replayed from a CUDA graph, beside the bandwidth bound of the bytes read.
 
 Shape: D = 4096, F = 2048, E = 256, top-6, bf16, n = 1 and 8 tokens, routing drawn at random (k
 distinct experts per token). The module constants of kernels.moe_gemv are set per candidate (the
-launcher reads them at call time); the table entry in use is marked. A candidate is (rows, columns,
-stages) per kernel: stages > 1 walks the weights with tl.range's software pipelining (cp.async into
-shared memory, stages - 1 tiles in flight ahead of the one reduced). Bound: w13 and w2 bytes of
+launcher reads them at call time); the table entry in use is marked. Bound: w13 and w2 bytes of
 the distinct experts touched, over the device-to-device copy bandwidth measured in this run.
 
     python3 bench/moe_gemv_blocks.py          # prints a table; JSON to $OUT/moe_gemv_blocks.json
@@ -30,17 +28,16 @@ from kernels import moe_gemv  # noqa: E402
 from kernels.reference import moe_reference  # noqa: E402
 
 D, F, E, K = 4096, 2048, 256, 6
-# (BLOCK_F, BLOCK_D, STAGES); run 10 timed (4, 512), (8, 1024), (16, 256), (4, 1024) unpipelined, run 45 with 2-4
-# stages (8 x 512, 4 x 512, 8 x 256, 16 x 256, 16 x 512, 4 x 1024): none beat the table by more than 0.5 %
-GATE_UP = [(8, 512, 1)]
-# (BLOCK_D, BLOCK_F, STAGES, WALK); run 10: (4, 2048), (8, 2048), (16, 512), (4, 1024), (2, 2048) unpipelined lost;
-# run 45: pipelined (8, 1024), (8, 512), (4, 512), (16, 512), (8, 256), (4, 1024), (16, 256) lost. WALK = 1: one
-# program per (token, output block) walks the k pairs (_down_walk_kernel): at (8, 1024) unpipelined, 76.4 against
-# 78.9 us here and 114.6 against 116.8 us per v4 step (run 47); its pipelined walks lost there
-DOWN = [(8, 1024, 1, 1), (8, 1024, 1, 0), (4, 1024, 1, 1), (4, 2048, 1, 1), (8, 2048, 1, 1), (16, 1024, 1, 1),
-        (8, 512, 1, 1), (2, 2048, 1, 1), (8, 1024, 2, 1), (16, 512, 1, 1)]
-FIELDS = ("GATE_UP_BLOCK_F", "GATE_UP_BLOCK_D", "GATE_UP_STAGES", "DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_STAGES",
-          "DOWN_WALK")
+# (BLOCK_F, BLOCK_D). Measured at n = 1 (results under bench/results/): run 10 timed (4, 512), (8, 1024), (16, 256)
+# and (4, 1024): none beat (8, 512); run 45 added tl.range software pipelining (2-4 stages through shared memory) to
+# (8, 512), (4, 512), (8, 256), (16, 256), (16, 512) and (4, 1024): within 0.5 % in the arm, slower in the v4 step.
+GATE_UP = [(8, 512), (4, 1024), (8, 1024)]
+# (BLOCK_D, BLOCK_F) of down's walk over a token's k pairs. Before it (runs 10, 45), one program per pair and output
+# block summed by the last of a token's k programs: 78.9-79.5 us at (8, 1024). Run 48: the walk at (8, 1024) 77.3 us;
+# (4, 2048) 77.9, (8, 2048) 77.7, (4, 1024) 81.2, (2, 2048) 81.5, (8, 512) 84.0, (16, 1024) 86.5, (16, 512) 137.3;
+# pipelined walks (runs 47, 48) 78.3-85.1.
+DOWN = [(8, 1024), (4, 2048), (8, 2048), (4, 1024)]
+FIELDS = ("GATE_UP_BLOCK_F", "GATE_UP_BLOCK_D", "DOWN_BLOCK_D", "DOWN_BLOCK_F")
 
 
 def main() -> int:
@@ -50,7 +47,7 @@ def main() -> int:
     bandwidth = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]
     table = tuple(getattr(moe_gemv, field) for field in FIELDS)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; commit {commit_label()}; "
-          f"table entry gate_up {table[:3]} down {table[3:]}")
+          f"table entry gate_up {table[:2]} down {table[2:]}")
     rows, failed = [], False
     for tokens in (1, 8):
         x = torch.randn(tokens, D, generator=generator, device="cuda").bfloat16()
@@ -59,7 +56,7 @@ def main() -> int:
         expected = moe_reference(x, w13, w2, ids, weights).float()
         distinct = torch.unique(ids).numel()
         bound_us = distinct * 3 * D * F * 2 / bandwidth * 1e6
-        candidates = [(g, table[3:]) for g in GATE_UP] + [(table[:3], d) for d in DOWN if d != table[3:]]
+        candidates = [(g, table[2:]) for g in GATE_UP] + [(table[:2], d) for d in DOWN if d != table[2:]]
         for gate_up, down in candidates:
             for field, value in zip(FIELDS, gate_up + down):
                 setattr(moe_gemv, field, value)
@@ -74,10 +71,10 @@ def main() -> int:
             failed |= not ok
             rows.append({"tokens": tokens, "gate_up": gate_up, "down": down, "us": round(us, 2),
                          "bound_us": round(bound_us, 2), "ratio": round(us / bound_us, 3), "max_rel_error": error,
-                         "ok": ok, "table": (gate_up, down) == (table[:3], table[3:])})
+                         "ok": ok, "table": (gate_up, down) == (table[:2], table[2:])})
         for field, value in zip(FIELDS, table):
             setattr(moe_gemv, field, value)
-    print("| n | gate_up (F, D, stages) | down (D, F, stages, walk) | us | x bound | rel err |")
+    print("| n | gate_up (F, D) | down (D, F) | us | x bound | rel err |")
     print("|---:|---|---|---:|---:|---:|")
     for row in rows:
         if "error" in row:

@@ -89,12 +89,10 @@ def main() -> int:
         print(describe(f"grouped down v{variant}", kernel))
     print(describe("grouped reduce", compile_sm90(moe_grouped._reduce_kernel, dict(TOP_K=6, BLOCK_D=moe_grouped.REDUCE_BLOCK_D), 4, 3)))
     print(describe("gemv gate_up", compile_sm90(moe_gemv._gate_up_kernel, dict(
-        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, STAGES=moe_gemv.GATE_UP_STAGES,
-        USE_GDC=True,
+        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, USE_GDC=True,
         WEIGHT_EVICTION="evict_first"), moe_gemv.NUM_WARPS, 3)))
     print(describe("gemv down", compile_sm90(moe_gemv._down_kernel, dict(
-        TOP_K=6, BLOCK_D=moe_gemv.DOWN_BLOCK_D, BLOCK_F=moe_gemv.DOWN_BLOCK_F, STAGES=moe_gemv.DOWN_STAGES, USE_GDC=True,
-        PRELOAD=True,
+        TOP_K=6, BLOCK_D=moe_gemv.DOWN_BLOCK_D, BLOCK_F=moe_gemv.DOWN_BLOCK_F, USE_GDC=True, PRELOAD=True,
         WEIGHT_EVICTION="evict_first"), moe_gemv.NUM_WARPS, 3)))
     warps = moe_align.NUM_WARPS
     print(describe("align count", compile_sm90(moe_align._count_kernel, dict(CHUNK=moe_align.CHUNK_PAIRS, E_PAD=256), warps, 3)))
