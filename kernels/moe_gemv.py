@@ -44,6 +44,8 @@ Scratch: hidden [N, F] in x's dtype.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,7 @@ GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
 GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B per thread x 64
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2 (D / 8 = 512 programs per token)
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
+GATE_UP_F_STEPS = 1  # gate-up blocks per program (MOEI_GATE_UP_F_STEPS for a GPU A/B: 2 = one wave at n = 1)
 NUM_WARPS = 4
 
 
@@ -74,6 +77,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    F_STEPS: tl.constexpr,  # blocks of BLOCK_F hidden units per program, one after the other
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
 ):
@@ -84,33 +88,35 @@ def _gate_up_kernel(
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert >= 0) & (expert < num_experts):
-        offs_f = f_block * BLOCK_F + tl.arange(0, BLOCK_F)
-        f_mask = offs_f < intermediate_size
-        offs_d = tl.arange(0, BLOCK_D)
-        # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
-        w_base = w13_ptr + expert.to(tl.int64) * stride_we
-        gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
-        up_ptrs = gate_ptrs + intermediate_size * stride_wr
-        x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
-        # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
-        # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
-        gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-        up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-        for d0 in range(0, hidden_size, BLOCK_D):
-            d_mask = offs_d < hidden_size - d0
-            w_mask = f_mask[:, None] & d_mask[None, :]
-            x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
-            up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
-            gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
-            up_sum += tl.sum(up * x_chunk[None, :], axis=1)
-            gate_ptrs += BLOCK_D
-            up_ptrs += BLOCK_D
-            x_ptrs += BLOCK_D
-        if USE_GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty), mask=f_mask)
+        for f_step in range(F_STEPS):  # F_STEPS consecutive blocks of BLOCK_F hidden units, in turn
+            offs_f = (f_block * F_STEPS + f_step) * BLOCK_F + tl.arange(0, BLOCK_F)
+            f_mask = offs_f < intermediate_size
+            offs_d = tl.arange(0, BLOCK_D)
+            # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
+            w_base = w13_ptr + expert.to(tl.int64) * stride_we
+            gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
+            up_ptrs = gate_ptrs + intermediate_size * stride_wr
+            x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
+            # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
+            # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
+            gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+            up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+            for d0 in range(0, hidden_size, BLOCK_D):
+                d_mask = offs_d < hidden_size - d0
+                w_mask = f_mask[:, None] & d_mask[None, :]
+                x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+                gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+                up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+                gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
+                up_sum += tl.sum(up * x_chunk[None, :], axis=1)
+                gate_ptrs += BLOCK_D
+                up_ptrs += BLOCK_D
+                x_ptrs += BLOCK_D
+            if USE_GDC and f_step == F_STEPS - 1:
+                tl.extra.cuda.gdc_launch_dependents()
+            hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
+            tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
+                     mask=f_mask)
 
 
 @triton.jit
@@ -200,11 +206,12 @@ def moe_gemv(
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F))](
+    f_steps = int(os.environ.get("MOEI_GATE_UP_F_STEPS", GATE_UP_F_STEPS))
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=f_steps, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
