@@ -6,7 +6,8 @@
 #   bash bench/gpu_all.sh final      kernel and engine GPU tests, check-attention, attention bench, full sweep
 #   bash bench/gpu_all.sh tune       the GPU tests of the step under TUNE_TESTS's settings, then v4 tg128 @ b1 under
 #                                    each named setting of TUNE (environment switches), ROUNDS times interleaved
-#   bash bench/gpu_all.sh confirm    v4 tg128 @ b1 three times, the graph and fused-step GPU tests, the demo table
+#   bash bench/gpu_all.sh confirm    v4 tg128 @ b1 three times, the graph, fused-step and MoE GEMV GPU tests, a
+#                                    profiled v4 row (kernel shares), host step, the demo table
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
@@ -209,8 +210,13 @@ elif [ "$mode" = confirm ]; then  # a short lease: the v4 tg128 @ b1 row three t
         TAIL=12 stage 100 "bench_v4_$round" python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
             --reps 3 --gpu-weights --format md --json-out "$WORK/bench_v4_$round.json"
     done
-    TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf --durations=5 \
+    TAIL=25 stage 200 pytest_gpu python3 -m pytest -m gpu -p no:cacheprovider -rf --durations=5 \
         tests/test_runtime_gpu.py tests/test_decode_fused.py -k "several_steps or eager or pick_norms or fused_decode"
+    TAIL=12 stage 150 pytest_moe python3 -m pytest -m gpu -p no:cacheprovider -rf tests/test_moe_kernels.py \
+        -k "gemv or arms"
+    TAIL=40 stage 100 bench_v4_profile python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
+        --reps 2 --gpu-weights --profile --format md --json-out "$WORK/bench_v4_profile.json"
+    TAIL=12 stage 60 host_step python3 bench/host_step.py --device cuda --model v4-shape --steps 2000
     TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables

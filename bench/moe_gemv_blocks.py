@@ -31,6 +31,7 @@ D, F, E, K = 4096, 2048, 256, 6
 # (BLOCK_F, BLOCK_D). Measured at n = 1 (results under bench/results/): run 10 timed (4, 512), (8, 1024), (16, 256)
 # and (4, 1024): none beat (8, 512); run 45 added tl.range software pipelining (2-4 stages through shared memory) to
 # (8, 512), (4, 512), (8, 256), (16, 256), (16, 512) and (4, 1024): within 0.5 % in the arm, slower in the v4 step.
+# Each program now runs GATE_UP_F_STEPS (2) such blocks in turn (run 49, in the v4 step).
 GATE_UP = [(8, 512), (4, 1024), (8, 1024)]
 # (BLOCK_D, BLOCK_F) of down's walk over a token's k pairs. Before it (runs 10, 45), one program per pair and output
 # block summed by the last of a token's k programs: 78.9-79.5 us at (8, 1024). Run 48: the walk at (8, 1024) 77.3 us;

@@ -89,7 +89,8 @@ def main() -> int:
         print(describe(f"grouped down v{variant}", kernel))
     print(describe("grouped reduce", compile_sm90(moe_grouped._reduce_kernel, dict(TOP_K=6, BLOCK_D=moe_grouped.REDUCE_BLOCK_D), 4, 3)))
     print(describe("gemv gate_up", compile_sm90(moe_gemv._gate_up_kernel, dict(
-        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, USE_GDC=True,
+        TOP_K=6, BLOCK_F=moe_gemv.GATE_UP_BLOCK_F, BLOCK_D=moe_gemv.GATE_UP_BLOCK_D, F_STEPS=moe_gemv.GATE_UP_F_STEPS,
+        USE_GDC=True,
         WEIGHT_EVICTION="evict_first"), moe_gemv.NUM_WARPS, 3)))
     print(describe("gemv down", compile_sm90(moe_gemv._down_kernel, dict(
         TOP_K=6, BLOCK_D=moe_gemv.DOWN_BLOCK_D, BLOCK_F=moe_gemv.DOWN_BLOCK_F, USE_GDC=True, PRELOAD=True,

@@ -12,8 +12,9 @@ Shapes: T tokens, k experts per token, E experts, D hidden, F expert intermediat
 
 Kernels (two launches, no alignment, no deduplication of expert reads: the decode arm, right
 when pairs rarely share an expert):
-    _gate_up_kernel  grid (N, F / BLOCK_F)   one pair and BLOCK_F hidden units: gate and up rows
-                                             streamed along D, SiLU·mul fused
+    _gate_up_kernel  grid (N, F / (F_STEPS BLOCK_F))  one pair and F_STEPS blocks of BLOCK_F hidden
+                                             units, in turn: gate and up rows streamed along D,
+                                             SiLU·mul fused
     _down_kernel     grid (T, D / BLOCK_D)   one token and BLOCK_D outputs: the w2 rows of its k
                                              experts streamed one pair after the other along F,
                                              each tile scaled by its pair's routing weight and
@@ -27,24 +28,24 @@ Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture
 differently per run); they are set for the bandwidth-bound decode case on Hopper: each program
 streams 16-byte vectors of 8 rows x 512 (gate-up, w13's gate and up) or 8 x 1024 (down) weights
 per step, 16 KB at bf16, and reduces them at once into a few fp32 lanes. An sm_90 compile without
-a GPU gives 80 and 56 registers at 4 warps.
-    n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 256 = 1536 programs (1.9 waves of 792 slots)
+a GPU gives 96 and 56 registers at 4 warps (5 and 9 programs per SM).
+    n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 128 = 768 programs (1.2 waves of 660 slots), 2 x 8 steps
                                    down    512 programs (one wave), 6 x 2 steps of 16 KB each
-    n = 16:                        gate-up 24576, down 8192 programs
+    n = 16:                        gate-up 12288, down 8192 programs
 Measured on the H200 (bench/moe_gemv_blocks.py; results under bench/results/):
   - down, one program per (pair, output block) with the last of a token's k programs summing their
     partials (arrival counters): 78.9-79.5 us for the arm at n = 1, 116.8 us per v4 decode step;
     the walk above: 76.4-77.3 us and 114.6 us (runs 47, 48). Its pipelined variants (tl.range with
     2-4 stages through shared memory) and other blocks (4, 2 or 16 rows, 512 or 2048 columns) lost;
-  - gate-up: other blocks (run 10) and 2-4 pipelined stages (run 45) gained nothing at n = 1.
+  - gate-up: other blocks (run 10) and 2-4 pipelined stages (run 45) gained nothing at n = 1; two blocks
+    of 8 hidden units per program in turn (768 programs instead of 1536 in 1.9 waves): 112.6 against
+    113.8 us per v4 step, four (384 programs): 127.2 (run 49).
 With PDL, down loads its first pair's first tile before its wait (the ids are the router's, two
 grids back), so the whole grid has a tile in flight as gate-up drains.
 Scratch: hidden [N, F] in x's dtype.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -57,7 +58,7 @@ GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
 GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B per thread x 64
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2 (D / 8 = 512 programs per token)
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
-GATE_UP_F_STEPS = 1  # gate-up blocks per program (MOEI_GATE_UP_F_STEPS for a GPU A/B: 2 = one wave at n = 1)
+GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in turn (run 49: 2 against 1 and 4)
 NUM_WARPS = 4
 
 
@@ -206,12 +207,11 @@ def moe_gemv(
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    f_steps = int(os.environ.get("MOEI_GATE_UP_F_STEPS", GATE_UP_F_STEPS))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=f_steps, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=GATE_UP_F_STEPS, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
