@@ -47,8 +47,6 @@ Scratch: hidden [N, F] in x's dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -206,17 +204,14 @@ def moe_gemv(
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
     hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
-    block_f, block_d, f_steps = GATE_UP_BLOCK_F, GATE_UP_BLOCK_D, GATE_UP_F_STEPS
-    if os.environ.get("MOEI_GATE_UP_BLOCKS"):  # experiment switch for a GPU A/B: "BLOCK_F,BLOCK_D,F_STEPS"
-        block_f, block_d, f_steps = (int(value) for value in os.environ["MOEI_GATE_UP_BLOCKS"].split(","))
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
-    gate_up_block_d = min(block_d, triton.next_power_of_2(hidden_size))
+    gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, block_f * f_steps))](
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=block_f, BLOCK_D=gate_up_block_d, F_STEPS=f_steps, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=GATE_UP_F_STEPS, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
     launches.record("moe_gemv.gate_up")
