@@ -29,17 +29,17 @@ def _argmax_row(row_ptr, vocab, BLOCK: tl.constexpr):
     int64: walked in BLOCK chunks keeping the running best. Loads go past L1 (".cg"), so a program may read
     a row other programs of its own launch wrote (kernels.gemv_fused's pick epilogue, kernels.arrivals)."""
     offs = tl.arange(0, BLOCK)
-    best_value = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_index = tl.full([BLOCK], 2**31 - 1, dtype=tl.int32)
+    # each lane's running best as one int64 key: the value's bits made to order as signed integers, above the
+    # index reversed, so one max is the largest value at the lowest index (one block reduction at the end, not two)
+    best = tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64)
     for start in range(0, vocab, BLOCK):
         index = start + offs
         values = tl.load(row_ptr + index, mask=index < vocab, other=float("-inf"), cache_modifier=".cg")
-        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
-        better = (values > best_value) | ((values == best_value) & (index < best_index) & (index < vocab))
-        best_value = tl.where(better, values, best_value)
-        best_index = tl.where(better, index, best_index)
-    top = tl.max(best_value, axis=0)
-    return tl.min(tl.where(best_value == top, best_index, 2**31 - 1), axis=0).to(tl.int64)
+        values = tl.where(values != values, float("inf"), values) + 0.0  # NaN ranks first (torch.argmax); -0.0 = 0.0
+        bits = values.to(tl.int32, bitcast=True)
+        keys = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+        best = tl.maximum(best, tl.where(index < vocab, keys, -9223372036854775807 - 1))
+    return (0x7FFFFFFF - (tl.max(best, axis=0) & 0xFFFFFFFF)).to(tl.int64)
 
 
 @triton.jit

@@ -130,6 +130,32 @@ def test_topk_softmax_matches_route():
         topk_softmax(logits, 41, torch.float32)
 
 
+def test_topk_softmax_orders_signs_infinities_and_ties_like_a_stable_sort():
+    # One reduction per pick (a key of the value's bits above the reversed id): negative logits, -inf, NaN (never
+    # chosen), -0.0 equal to 0.0, many ties, a row of -inf and a padded width (E = 37); the expected ids are a
+    # stable sort by value, descending, NaN taken as -inf.
+    generator = torch.Generator().manual_seed(31)
+    logits = torch.randint(-3, 4, (6, 37), generator=generator).float() * 0.5  # many equal values, both signs
+    logits[0, 5], logits[0, 2] = -0.0, 0.0
+    logits[0, logits[0] > 0] = -1.0  # row 0's best is the zero pair: id 2 before id 5, whatever the sign
+    logits[1, :30] = float("-inf")
+    logits[2, 3], logits[2, 11] = float("nan"), float("inf")
+    logits[3] = float("-inf")  # the lowest ids, in order
+    logits[4] = -torch.rand(37, generator=generator) - 1e-3  # all negative, distinct
+    logits[5, 36] = logits[5].max() + 2  # the last lane
+    with scratch.poison_new_buffers():
+        ids, weights = topk_softmax(logits, 6, torch.float32)
+    cleaned = torch.where(torch.isnan(logits), float("-inf"), logits)
+    order = torch.sort(-cleaned, dim=-1, stable=True).indices[:, :6]  # ties: the lower id first
+    assert torch.equal(ids.long(), order)
+    assert ids[0, 0] == 2 and ids[0, 1] == 5 and ids[2, 0] == 11 and ids[5, 0] == 36
+    assert ids[3].tolist() == [0, 1, 2, 3, 4, 5]
+    top = torch.gather(cleaned, 1, order)
+    finite = ~torch.isinf(top).all(dim=-1) & ~torch.isinf(top[:, :1]).squeeze(1)
+    expected = torch.softmax(top[finite], dim=-1)
+    _close(weights[finite], expected, torch.float32)
+
+
 def test_pack_qkv_keeps_values_and_makes_one_matrix():
     config = PRESETS["tiny"]
     weights = random_weights(config, 0, torch.device("cpu"), torch.float32)
@@ -391,6 +417,24 @@ def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab):
     assert torch.equal(tokens, expected) and tokens[1] == 7
     assert torch.equal(inputs, torch.stack([expected, torch.tensor([5, 11, 21])]))
     assert observed[3:].tolist() == [-1, -1]  # past the rows: untouched (the woken counts live there)
+
+
+def test_argmax_rows_orders_signs_infinities_and_ties_like_torch():
+    # One key per lane (the value's bits above the reversed index): all-negative rows, -0.0 tied with 0.0 (the
+    # lower index), a row of -inf (index 0), NaN ranking first, the best in the last lane of a later chunk
+    from kernels.next_tokens import BLOCK, argmax_rows
+
+    vocab = BLOCK + 37
+    generator = torch.Generator().manual_seed(44)
+    logits = -torch.rand(6, vocab, generator=generator) - 1e-3
+    logits[1, 9], logits[1, 4] = 0.0, -0.0
+    logits[2] = float("-inf")
+    logits[3, BLOCK + 20] = float("nan")
+    logits[4, vocab - 1] = 5.0
+    logits[5, 3] = logits[5, BLOCK + 3] = 1.0
+    found = argmax_rows(logits)
+    assert found.tolist()[1:] == [4, 0, BLOCK + 20, vocab - 1, 3]
+    assert torch.equal(found, torch.argmax(logits, dim=-1))
 
 
 # ------------------------------------------------------------------------- kernels.gemv_fused (CPU)
