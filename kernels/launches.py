@@ -8,48 +8,52 @@ graph do not pass through Python: the engine multiplies what a capture recorded 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 _COUNTS: dict[str, int] = {}  # a plain dict: a Counter's item access is twice as slow
 # record_many's calls not yet added into _COUNTS: id(counts) -> [counts, times]. A replayed step's host path records
 # one captured mapping per step; adding it key by key was a tenth of a served step's host time, so it is counted
-# here and added when the counts are read (`_fold`). The mappings are a capture's, never changed after it.
+# here and added when the counts are read (`_totals`). The mappings are a capture's, never changed after it.
 _PENDING: dict[int, list] = {}
+# A read folds _PENDING into _COUNTS: a reader on another thread (the TUI's) must not lose a replay recorded meanwhile
+_LOCK = threading.Lock()
 
 
 def record(kernel_name: str, launches: int = 1) -> None:
-    _COUNTS[kernel_name] = _COUNTS.get(kernel_name, 0) + launches
+    with _LOCK:
+        _COUNTS[kernel_name] = _COUNTS.get(kernel_name, 0) + launches
 
 
 def record_many(counts: Mapping[str, int]) -> None:
     """`record(name, count)` for every entry: what one replay of a captured graph launches. `counts` must not
     change afterwards (it is added when the counts are next read)."""
-    entry = _PENDING.get(id(counts))
-    if entry is None:
-        _PENDING[id(counts)] = [counts, 1]  # holds `counts`: its id is not reused while pending
-    else:
-        entry[1] += 1
+    with _LOCK:
+        entry = _PENDING.get(id(counts))
+        if entry is None:
+            _PENDING[id(counts)] = [counts, 1]  # holds `counts`: its id is not reused while pending
+        else:
+            entry[1] += 1
 
 
-def _fold() -> None:
-    totals = _COUNTS
-    earlier = totals.get
-    for counts, times in _PENDING.values():
-        for name, count in counts.items():
-            totals[name] = earlier(name, 0) + count * times
-    _PENDING.clear()
+def _totals() -> dict[str, int]:
+    """Every kernel's count so far (a copy), the pending replays added in."""
+    with _LOCK:
+        totals = _COUNTS
+        earlier = totals.get
+        for counts, times in _PENDING.values():
+            for name, count in counts.items():
+                totals[name] = earlier(name, 0) + count * times
+        _PENDING.clear()
+        return dict(totals)
 
 
 def snapshot() -> dict[str, int]:
     """A copy of every kernel's launch count so far."""
-    if _PENDING:
-        _fold()
-    return dict(_COUNTS)
+    return _totals()
 
 
 def since(before: dict[str, int]) -> dict[str, int]:
     """Launches made since `before` (a snapshot), kernels with none left out."""
-    if _PENDING:
-        _fold()
     earlier = before.get
-    return {name: count - earlier(name, 0) for name, count in _COUNTS.items() if count != earlier(name, 0)}
+    return {name: count - earlier(name, 0) for name, count in _totals().items() if count != earlier(name, 0)}

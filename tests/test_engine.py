@@ -178,3 +178,38 @@ def test_launch_counts_of_replays_are_added_when_read():
     launches.record_many(second)
     assert launches.since(middle) == {"test_kernel_a": 1}
     assert launches.snapshot()["test_kernel_a"] - before.get("test_kernel_a", 0) == 10
+
+
+def test_launch_counts_read_on_another_thread_lose_no_replay():
+    # The TUI reads counts on its own thread while the engine's thread records replays: a read adds the pending
+    # replays into the totals, and a replay recorded meanwhile must not be lost. Threads switch every microsecond
+    # and the recording goes on until the reader has read many times, so an unguarded read loses counts here.
+    import sys
+    import threading
+
+    from kernels import launches
+
+    before = launches.snapshot()
+    counts = {"test_kernel_threads": 3}
+    done, reads = threading.Event(), [0]
+
+    def reader():
+        while not done.is_set():
+            launches.since(before)
+            reads[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    recorded = 0
+    try:
+        while recorded < 100_000 or (reads[0] < 20_000 and recorded < 5_000_000):
+            launches.record_many(counts)
+            recorded += 1
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert reads[0] >= 20_000, reads[0]
+    assert launches.since(before)["test_kernel_threads"] == 3 * recorded
