@@ -203,6 +203,8 @@ class Repetition:
     steps: int = 0  # steps inside the measured window
     # per step, mean over the window: launched ahead, the host's busy time per step; else start to launch
     host_us: float | None = None
+    host_us_p50: float | None = None  # the same, the median over the window's steps: the mean less its slow tail
+    host_us_p90: float | None = None
     device_us: float | None = None  # per step, mean over the window
     graph_steps: int = 0  # window steps served by a graph replay
     graph_launches: int = 0  # the launches that ran them (fewer with steps_per_graph > 1)
@@ -216,6 +218,15 @@ class Repetition:
 
 def _refuse(spec: RowSpec, label: str, reason: str) -> None:
     raise MeasurementError(f"{spec.name}, {label}: {reason}; refusing to print a number (no table)")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (linear between the two nearest ranks); the value itself for one."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def events_of(steps: list[dict]) -> list[StepEvent]:
@@ -274,7 +285,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
     host_values = [step["host_us"] for step in window]
     return Repetition(
         wall_s=wall, device_s=device_s, tokens=tokens, ttft_s=ttft, steady=steady, steps=len(window),
-        host_us=statistics.fmean(host_values), device_us=None if device_s is None else device_s * 1e6 / len(window),
+        host_us=statistics.fmean(host_values), host_us_p50=statistics.median(host_values),
+        host_us_p90=_quantile(host_values, 0.9), device_us=None if device_s is None else device_s * 1e6 / len(window),
         graph_steps=sum(step["graph"] == "replay" for step in window),
         graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window),
         trajectory=bins, window_steps=[step["step"] for step in window])
@@ -335,6 +347,8 @@ class Row:
                 ms_per_step=statistics.fmean(rep.wall_s / rep.steps * 1e3 for rep in reps),
                 window_steps=statistics.fmean(rep.steps for rep in reps),
                 host_us_per_step=statistics.fmean(rep.host_us for rep in reps),
+                host_us_p50=statistics.fmean(rep.host_us_p50 for rep in reps),
+                host_us_p90=statistics.fmean(rep.host_us_p90 for rep in reps),
                 device_us_per_step=None if device is None else statistics.fmean(rep.device_us for rep in reps),
                 graph_steps=sum(rep.graph_steps for rep in reps),
                 graph_launches=sum(rep.graph_launches for rep in reps))
@@ -647,6 +661,7 @@ def _targets(engine, rows: list[Row]) -> dict:
         measured = data["tps_wall"]["mean"]
         entry = {"test": row.spec.name, "tps": measured, "bound_tps": bound, "ratio_to_bound": bound / measured,
                  "target_ratio": 1.3, "host_us_per_step": data["host_us_per_step"],
+                 "host_us_p50": data.get("host_us_p50"), "host_us_p90": data.get("host_us_p90"),
                  "device_us_per_step": data["device_us_per_step"], "host_share": data.get("host_share"),
                  "target_host_share": 0.20, "graph_steps": data["graph_steps"],
                  "graph_launches": data["graph_launches"],
@@ -816,9 +831,13 @@ def format_markdown(report: Report) -> str:
                     graph_state = (f"graphs on ({entry['graph_steps']} of {entry['window_steps']:.0f} window steps "
                                    "replayed" + (f", by {launched} launches" if launched != entry["graph_steps"]
                                                  else "") + ")")
-                lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs of "
-                             f"{entry['device_us_per_step']:.1f} µs device = {100 * entry['host_share']:.1f} % "
-                             f"(target < {100 * entry['target_host_share']:.0f} %); host time = a step launched "
+                spread = "" if entry.get("host_us_p50") is None else (
+                    f" (median {entry['host_us_p50']:.1f}, p90 {entry['host_us_p90']:.1f}: the mean counts the "
+                    "slow tail)")
+                lines.append(f"- host time per decode step @ b1, {graph_state}: {entry['host_us_per_step']:.1f} µs"
+                             f"{spread} of {entry['device_us_per_step']:.1f} µs device = "
+                             f"{100 * entry['host_share']:.1f} % of the mean (target < "
+                             f"{100 * entry['target_host_share']:.0f} %); host time = a step launched "
                              "ahead (two in flight): the host's busy time per step, from the previous step's sync "
                              "to this step's wait for its own (all but waiting on the device); a later step of a "
                              "graph of several steps (steps_per_graph), from the step before's to its own return "

@@ -330,6 +330,17 @@ def test_targets_print_the_hosts_busy_time_and_the_devices_wait_for_it():
     text = bench.format_markdown(bench.Report("v4-shape", "cuda", [], footer, targets))
     assert "71.1 µs of 146.7 µs device = 48.5 %" in text
     assert "wall 148.0 µs - device 146.7 µs = 1.3 µs = 0.9 % of the step" in text
+    # beside the mean (the target's figure), the median and p90 show how much of it a slow tail makes
+    entry.update(host_us_p50=12.0, host_us_p90=30.5)
+    text = bench.format_markdown(bench.Report("v4-shape", "cuda", [], footer, targets))
+    assert "71.1 µs (median 12.0, p90 30.5: the mean counts the slow tail) of 146.7 µs device = 48.5 %" in text
+
+
+def test_host_time_quantiles_come_from_the_windows_steps():
+    assert bench._quantile([5.0], 0.9) == 5.0
+    assert bench._quantile([1.0, 2.0, 3.0, 4.0, 100.0], 0.5) == 3.0
+    assert bench._quantile([float(v) for v in range(11)], 0.9) == pytest.approx(9.0)
+    assert bench._quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
 
 
 def test_every_profiled_repetition_runs_after_every_timed_one(tiny, monkeypatch):
