@@ -278,9 +278,11 @@ async def test_bench_screen_shows_rows_as_they_are_timed_and_kernel_shares_after
             on_row(row)
 
         report = bench.run_bench(*args, on_row=arrived, **kwargs)
-        for row in report.rows:
+        for index, row in enumerate(report.rows):
             row.profile = [{"kernel": f"k_{row.spec.name}", "device_us": 2.0, "calls": 4, "share": 0.5,
                             "launches_per_step": 1.0}]
+            if index == 0:  # what the kernel adds to the step's span; a profile without step markers has none
+                row.profile[0]["critical_us_per_step"] = 1.75
             row.profile_note = "stub shares"
         return report
 
@@ -300,6 +302,7 @@ async def test_bench_screen_shows_rows_as_they_are_timed_and_kernel_shares_after
         kernels = screen.query_one("#bench-kernels", DataTable)
         assert kernels.display and kernels.row_count == 2
         assert [kernels.get_row_at(i)[1] for i in range(2)] == ["k_pp16", "k_pp16 @ b2"]
+        assert [kernels.get_row_at(i)[6] for i in range(2)] == ["1.75", "—"]  # the adds µs/step column
         assert "kernel shares, stub shares" in text_of(screen.query_one("#bench-shares-note"))
         assert [row["test"] for row in screen.rows] == ["pp16", "pp16 @ b2"]
 
