@@ -39,7 +39,7 @@ Measured on the H200 (bench/moe_gemv_blocks.py; results under bench/results/):
     2-4 stages through shared memory) and other blocks (4, 2 or 16 rows, 512 or 2048 columns) lost;
   - gate-up: other blocks (run 10) and 2-4 pipelined stages (run 45) gained nothing at n = 1; two blocks
     of 8 hidden units per program in turn (768 programs instead of 1536 in 1.9 waves): 112.6 against
-    113.8 us per v4 step, four (384 programs): 127.2 (run 49).
+    113.8 us per v4 step, four (384 programs): 127.3 (run 49).
 With PDL, down loads its first pair's first tile before its wait (the ids are the router's, two
 grids back), so the whole grid has a tile in flight as gate-up drains.
 Scratch: hidden [N, F] in x's dtype.
