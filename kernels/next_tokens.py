@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl
+from kernels.order_keys import drop, key_of, none_chosen, reversed_index_of
 
 BLOCK = 2048
 
@@ -29,17 +30,13 @@ def _argmax_row(row_ptr, vocab, BLOCK: tl.constexpr):
     int64: walked in BLOCK chunks keeping the running best. Loads go past L1 (".cg"), so a program may read
     a row other programs of its own launch wrote (kernels.gemv_fused's pick epilogue, kernels.arrivals)."""
     offs = tl.arange(0, BLOCK)
-    # each lane's running best as one int64 key: the value's bits made to order as signed integers, above the
-    # index reversed, so one max is the largest value at the lowest index (one block reduction at the end, not two)
-    best = tl.full([BLOCK], -9223372036854775807 - 1, dtype=tl.int64)
+    best = none_chosen(BLOCK)  # each lane's running best key (kernels.order_keys): one block reduction at the end
     for start in range(0, vocab, BLOCK):
         index = start + offs
         values = tl.load(row_ptr + index, mask=index < vocab, other=float("-inf"), cache_modifier=".cg")
-        values = tl.where(values != values, float("inf"), values) + 0.0  # NaN ranks first (torch.argmax); -0.0 = 0.0
-        bits = values.to(tl.int32, bitcast=True)
-        keys = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
-        best = tl.maximum(best, tl.where(index < vocab, keys, -9223372036854775807 - 1))
-    return (0x7FFFFFFF - (tl.max(best, axis=0) & 0xFFFFFFFF)).to(tl.int64)
+        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
+        best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= vocab))
+    return (0x7FFFFFFF - reversed_index_of(tl.max(best, axis=0))).to(tl.int64)
 
 
 @triton.jit

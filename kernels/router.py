@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
+from kernels.order_keys import drop, key_of, reversed_index_of, value_of
 
 MAX_EXPERTS = 4096
 
@@ -39,27 +40,19 @@ def _topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
     """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
     order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype).
     Shared by the kernel below and kernels.gemv_fused's router epilogue, so both do the same thing."""
-    # A NaN logit is never chosen (torch would rank it first; the model never produces one); -0.0 becomes 0.0,
-    # equal to it as a float, so the tie goes to the lower id as before.
-    values = tl.where(values == values, values, float("-inf")) + 0.0
-    # One reduction per pick instead of two (the largest value, then the lowest id holding it): each lane's key
-    # is its value's bits made to order as signed integers, above the id reversed, so the largest key is the
-    # largest value at the lowest id. The value comes back out of the key's high half.
-    bits = values.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
-    keys = tl.where(offs >= experts, -9223372036854775807 - 1, keys)  # padding lanes never chosen
+    # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
+    # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
+    values = tl.where(values == values, values, float("-inf"))
+    keys = drop(key_of(values, E_PAD - 1 - offs), offs >= experts)  # padding lanes never chosen
     slots = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros([K_PAD], dtype=tl.int32)
     chosen_logits = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(keys, axis=0)
-        best_id = (E_PAD - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        high = (best >> 32).to(tl.int32)
-        best_value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+        best_id = (E_PAD - 1 - reversed_index_of(best)).to(tl.int32)
         chosen_ids = tl.where(slots == j, best_id, chosen_ids)
-        chosen_logits = tl.where(slots == j, best_value, chosen_logits)
-        keys = tl.where(offs == best_id, -9223372036854775807 - 1, keys)  # taken
+        chosen_logits = tl.where(slots == j, value_of(best), chosen_logits)
+        keys = drop(keys, offs == best_id)  # taken
     valid = slots < TOP_K
     top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
