@@ -121,6 +121,14 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp):
+    """A pair's hidden[f0 : f0 + BLOCK_F] in fp32; an unknown pair's (an id outside [0, E)) row, which gate-up
+    never wrote, is taken as 0 rather than multiplied by its weight of 0."""
+    return tl.where(known, tl.load(hidden_ptr + pair.to(tl.int64) * stride_hp + f0 + offs_f, mask=f_mask,
+                                   other=0.0).to(tl.float32), 0.0)
+
+
+@triton.jit
 def _down_kernel(
     hidden_ptr,  # [N, F]
     w2_ptr,  # [E, D, F]
@@ -162,8 +170,7 @@ def _down_kernel(
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     start = 0
     if PRELOAD:  # the walk's first tile, preloaded
-        h = tl.where(known, tl.load(hidden_ptr + first_pair.to(tl.int64) * stride_hp + offs_f,
-                                    mask=offs_f < intermediate_size, other=0.0).to(tl.float32), 0.0)
+        h = _pair_hidden(hidden_ptr, first_pair, 0, offs_f, offs_f < intermediate_size, known, stride_hp)
         scale = tl.where(known, tl.load(topk_weights_ptr + first_pair).to(tl.float32), 0.0)
         total += scale * tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
         start = 1
@@ -174,9 +181,7 @@ def _down_kernel(
         expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
         known = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) adds nothing
         f_mask = offs_f < intermediate_size - f0
-        # an unknown pair's hidden row was never written (gate-up skips it): zeroed, not multiplied by 0
-        h = tl.where(known, tl.load(hidden_ptr + pair.to(tl.int64) * stride_hp + f0 + offs_f, mask=f_mask,
-                                    other=0.0).to(tl.float32), 0.0)
+        h = _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp)
         w = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
                     + (f0 + offs_f)[None, :], mask=d_mask[:, None] & f_mask[None, :], other=0.0,
                     eviction_policy=WEIGHT_EVICTION).to(tl.float32)
