@@ -392,8 +392,9 @@ def kernel_shares(kernels: list[tuple[str, float, float]], step_ranges: dict[int
     busy = sum(entry[0] for entry in totals.values())
     denominator = window_device_us if window_device_us else busy
     ranges = [range_ for step, range_ in step_ranges.items() if step in window] if window and step_ranges else []
-    sites = _per_site_us(chosen, ranges) if ranges else {}
-    critical = _critical_path_us(chosen, ranges) if ranges else {}
+    by_step = _step_kernels(chosen, ranges)
+    sites = _per_site_us(by_step)
+    critical = _critical_path_us(by_step)
     rows = [{"kernel": name, "device_us": round(total, 1), "calls": calls, "us_per_call": round(total / calls, 2),
              "share": total / denominator, "launches_per_step": calls / steps}
             | ({"critical_us_per_step": round(critical[name][0], 2)} if name in critical else {})
@@ -404,9 +405,15 @@ def kernel_shares(kernels: list[tuple[str, float, float]], step_ranges: dict[int
     return rows, note
 
 
-def _critical_path_us(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]
-                      ) -> dict[str, list[float]]:
-    """What each kernel adds to a step's device span, per step (mean over the steps of `ranges`), in total
+def _step_kernels(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]
+                  ) -> list[list[tuple[str, float, float]]]:
+    """Each step's kernels (those starting inside its host range; a step ends after its sync), in start order."""
+    return [sorted((kernel for kernel in kernels if start <= kernel[1] <= end), key=lambda kernel: kernel[1])
+            for start, end in sorted(ranges)]
+
+
+def _critical_path_us(by_step: list[list[tuple[str, float, float]]]) -> dict[str, list[float]]:
+    """What each kernel adds to a step's device span, per step (mean over the steps of `by_step`), in total
     and at each of its sites (the i-th launch of it in a step): the step's kernels in start order, the first
     adding its own duration and each later one its end minus the latest end before it (never below 0).
     Kernels on one stream end in launch order, so the additions sum to the step's span from its first
@@ -414,10 +421,9 @@ def _critical_path_us(kernels: list[tuple[str, float, float]], ranges: list[tupl
     programmatic dependent launch starts a kernel while the one before it runs (its time then includes that
     wait), and it charges a launch gap to the kernel that waited for it. name -> [total, site 1, site 2, ...]."""
     added: dict[str, list[float]] = {}
-    for start, end in ranges:
+    for step in by_step:
         previous_end, seen = None, {}
-        for name, begin, duration in sorted((kernel for kernel in kernels if start <= kernel[1] <= end),
-                                            key=lambda kernel: kernel[1]):
+        for name, begin, duration in step:
             finish = begin + duration
             gain = duration if previous_end is None else max(0.0, finish - previous_end)
             previous_end = finish if previous_end is None else max(previous_end, finish)
@@ -426,18 +432,18 @@ def _critical_path_us(kernels: list[tuple[str, float, float]], ranges: list[tupl
             entry.extend([0.0] * (site + 1 - len(entry)))
             entry[0] += gain
             entry[site] += gain
-    return {name: [total / len(ranges) for total in entry] for name, entry in added.items()}
+    return {name: [total / len(by_step) for total in entry] for name, entry in added.items()}
 
 
-def _per_site_us(kernels: list[tuple[str, float, float]], ranges: list[tuple[float, float]]) -> dict[str, list[float]]:
+def _per_site_us(step_kernels: list[list[tuple[str, float, float]]]) -> dict[str, list[float]]:
     """For a kernel launched several times in every step of the window, the same number of times in
     each, its mean µs per call at each site: the i-th launch of it within a step (in start order), so
     one kernel serving several call sites (a GEMV for q/k/v, the router and the LM head) shows what
     each costs. Kernels with one launch per step, or a count that differs between steps, get none."""
     by_step: list[dict[str, list[float]]] = []
-    for start, end in sorted(ranges):
+    for step in step_kernels:
         launched: dict[str, list[float]] = {}
-        for name, begin, duration in sorted(kernel for kernel in kernels if start <= kernel[1] <= end):
+        for name, _, duration in step:
             launched.setdefault(name, []).append(duration)
         by_step.append(launched)
     sites: dict[str, list[float]] = {}
