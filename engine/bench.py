@@ -864,7 +864,7 @@ def format_markdown(report: Report) -> str:
             name = entry["kernel"] if len(entry["kernel"]) <= 64 else entry["kernel"][:61] + "..."
             lines.append(f"| {name.replace('|', '/')} | {entry['device_us']:.1f} | {entry['calls']} | "
                          f"{entry['us_per_call']:.2f} | {100 * entry['share']:.1f} % | "
-                         f"{entry['launches_per_step']:.2f} | {_critical_cell(entry)} |")
+                         f"{entry['launches_per_step']:.2f} | {critical_cell(entry)} |")
             by_site = entry.get("critical_us_by_site", ())
             for site, us in enumerate(entry.get("us_per_call_by_site", ()), 1):
                 adds = f"{by_site[site - 1]:.2f}" if site <= len(by_site) else ""
@@ -889,7 +889,8 @@ def format_markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _critical_cell(entry: dict) -> str:
+def critical_cell(entry: dict) -> str:
+    """A kernel-share entry's adds µs/step as printed (the markdown table, the TUI), or a dash without step markers."""
     value = entry.get("critical_us_per_step")
     return "—" if value is None else f"{value:.2f}"
 

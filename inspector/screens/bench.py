@@ -287,7 +287,7 @@ class BenchScreen(Screen):
                 name = entry["kernel"] if len(entry["kernel"]) <= 48 else entry["kernel"][:47] + "…"
                 kernels.add_row(row["test"], name, f"{entry['device_us']:.1f}", str(entry["calls"]),
                                 f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}",
-                                "—" if "critical_us_per_step" not in entry else f"{entry['critical_us_per_step']:.2f}")
+                                bench.critical_cell(entry))
             self.query_one("#bench-shares-note", Static).update(f"kernel shares, {row['profile']['note']}")
 
     def on_bench_finished(self, message: events.BenchFinished) -> None:
