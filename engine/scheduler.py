@@ -200,6 +200,49 @@ class Scheduler:
         self._reserved_through = max(self._reserved_through, batch.step + steps)
         return True
 
+    @property
+    def reserved(self) -> tuple[Sequence, ...] | None:
+        """The cohort whose next decode steps are reserved (`reserve_next`), or None."""
+        return self._reserved
+
+    def serve_reserved(self, step: int, tokens: list[int], now: float | None = None) -> tuple[Sequence, ...]:
+        """Decode step `step` of the reserved cohort, scheduled and postprocessed at once: what `schedule` and then
+        `postprocess(batch, tokens, now)` do for it, without making its Batch (engine.runtime serves the later
+        steps of a synced graph of several steps this way: their tokens are on the host already). Each sequence
+        moves one position on with its token in `tokens` (which may run on past the cohort). Returns the cohort.
+        `step` must be the next step and reserved; else a RuntimeError (the caller's bug, never a wrong step)."""
+        reserved = self._reserved
+        if reserved is None or step != self.steps:
+            raise RuntimeError(f"step {step} is not the next reserved step (next step {self.steps}, reserved "
+                               f"through {self._reserved_through if reserved is not None else None})")
+        if step >= self._reserved_through:  # the last step reserved
+            self._reserved = None
+        self.steps = step + 1
+        emit = self._emit
+        for sequence, token in zip(reserved, tokens):
+            sequence.cached += 1
+            emit(sequence, token, now, None)
+        return reserved
+
+    def _emit(self, sequence: Sequence, token: int, now: float | None, finished: list | None) -> None:
+        """A row's generated token: appended and stamped; the sequence finishes at its last."""
+        generated = sequence.generated
+        generated.append(int(token))
+        sequence.token_times.append(now)
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+        if len(generated) == sequence.max_tokens:
+            if self._reserved is not None:  # reserve_next never reserves a step after a last token
+                raise RuntimeError(f"request {sequence.request_id} finished while its next step was "
+                                   f"reserved (launched ahead)")
+            sequence.status, sequence.finished_at = FINISHED, now
+            self.running.remove(sequence)
+            self._cohort = None
+            self.free_slots.append(sequence.slot)
+            self.free_slots.sort()
+            if finished is not None:
+                finished.append(sequence)
+
     def _prefill_rows(self) -> list[Row]:
         rows: list[Row] = []
         budget = self.token_budget
@@ -227,23 +270,10 @@ class Scheduler:
         if len(next_tokens) != len(batch.rows):
             raise ValueError(f"{len(next_tokens)} tokens for {len(batch.rows)} rows")
         finished = []
+        emit = self._emit
         for row, token in zip(batch.rows, next_tokens):
             sequence = row.sequence
             sequence.cached = row.start + len(row.tokens)  # row.end, inlined: every step
-            if not row.emits:
-                continue
-            sequence.generated.append(int(token))
-            sequence.token_times.append(now)
-            if sequence.first_token_at is None:
-                sequence.first_token_at = now
-            if len(sequence.generated) == sequence.max_tokens:
-                if self._reserved is not None:  # reserve_next never reserves a step after a last token
-                    raise RuntimeError(f"request {sequence.request_id} finished while its next step was "
-                                       f"reserved (launched ahead)")
-                sequence.status, sequence.finished_at = FINISHED, now
-                self.running.remove(sequence)
-                self._cohort = None
-                self.free_slots.append(sequence.slot)
-                self.free_slots.sort()
-                finished.append(sequence)
+            if row.emits:
+                emit(sequence, token, now, finished)
         return finished

@@ -342,3 +342,59 @@ def test_a_sequence_finishing_under_a_reservation_is_an_error():
     batch.rows[0].sequence.max_tokens = 2  # broken from outside: this step now makes the last token
     with pytest.raises(RuntimeError, match="reserved"):
         scheduler.postprocess(batch, [7], now=0.0)
+
+
+def _state(scheduler, sequences):
+    return ([(s.cached, list(s.generated), list(s.token_times), s.first_token_at, s.status, s.finished_at, s.slot)
+             for s in sequences], scheduler.steps, scheduler._reserved is not None, list(scheduler.free_slots),
+            [sequences.index(sequence) for sequence in scheduler.running])
+
+
+def test_serve_reserved_does_what_schedule_then_postprocess_do():
+    """Two schedulers in the same state, one stepping reserved steps by schedule + postprocess, the other by
+    serve_reserved: the same sequences (positions, tokens, stamps, the last step's finish) and scheduler state,
+    through the reservation's end (the second sequence's last token is the last reserved step's)."""
+    runs = []
+    for serve in (False, True):
+        scheduler = Scheduler(max_slots=2, capacity=64, token_budget=32, prefill_chunk=16)
+        sequences = [Sequence(range(4), 9), Sequence(range(5), 6)]
+        batch = _steady(scheduler, sequences)  # generated 1 each: this step makes the 2nd
+        assert scheduler.reserve_next(batch, 4)  # the 3rd..6th: the second sequence's last is the 4th step's
+        scheduler.postprocess(batch, [11, 12], now=1.0)
+        for step in range(batch.step + 1, batch.step + 5):
+            tokens = [step, 100 + step, 999]  # run on past the rows, as a landing row's woken counts do
+            if serve:
+                assert scheduler.serve_reserved(step, tokens, now=float(step)) == tuple(sequences)
+            else:
+                reserved = scheduler.schedule(now=float(step))
+                assert reserved.step == step and [row.sequence for row in reserved.rows] == sequences
+                scheduler.postprocess(reserved, tokens[:2], now=float(step))
+        runs.append(_state(scheduler, sequences))
+        assert sequences[1].finished and not sequences[0].finished
+    assert runs[0] == runs[1]
+
+
+def test_serve_reserved_refuses_a_step_that_is_not_the_next_reserved_one():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [sequence := Sequence(range(4), 20)])
+    with pytest.raises(RuntimeError, match="not the next reserved step"):
+        scheduler.serve_reserved(batch.step + 1, [7], now=0.0)  # nothing reserved
+    assert scheduler.reserve_next(batch, 2)
+    scheduler.postprocess(batch, [7], now=0.0)
+    with pytest.raises(RuntimeError, match="not the next reserved step"):
+        scheduler.serve_reserved(batch.step + 2, [7], now=0.0)  # skips a step
+    scheduler.serve_reserved(batch.step + 1, [7], now=0.0)
+    scheduler.serve_reserved(batch.step + 2, [7], now=0.0)  # the last reserved: the reservation is spent
+    with pytest.raises(RuntimeError, match="not the next reserved step"):
+        scheduler.serve_reserved(batch.step + 3, [7], now=0.0)
+    assert len(sequence.generated) == 4 and sequence.cached == 4 + 3
+
+
+def test_serve_reserved_refuses_a_sequence_finishing_before_the_reservation_ends():
+    scheduler = Scheduler(max_slots=1, capacity=64, token_budget=32, prefill_chunk=16)
+    batch = _steady(scheduler, [sequence := Sequence(range(4), 9)])
+    assert scheduler.reserve_next(batch, 3)
+    scheduler.postprocess(batch, [7], now=0.0)
+    sequence.max_tokens = 3  # broken from outside: the first reserved step now makes the last token
+    with pytest.raises(RuntimeError, match="reserved"):
+        scheduler.serve_reserved(batch.step + 1, [7], now=0.0)
