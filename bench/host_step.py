@@ -1,6 +1,6 @@
 """Host time of a CUDA-graph decode step: the quantity `moe-inspector bench` reports as host µs/step.
 
-Drives `Engine._batch_step` exactly as `Engine.generate_batch` does (the scheduler, the batch runner,
+Drives `Engine._next_steps` exactly as `Engine.generate_batch` does (the scheduler, the batch runner,
 one dispatcher per run) and reads each replayed step's `host_us` (engine.batch_runner): a step
 launched the usual way, the time from its start until its replay and end event are issued; a step
 launched ahead (run-ahead, two in flight), the host's busy time per step, from the previous step's
@@ -253,20 +253,24 @@ def run_once(engine, runner, flags, prompts, max_tokens, profiler=None, schedule
     for prompt in prompts:
         scheduler.add(Sequence(prompt, max_tokens), arrived)
     steps, launched_ahead = [], None
+    # one step, and the steps served with it (a graph of several steps); an older engine: one step per call
+    next_steps = getattr(Engine, "_next_steps", None) or (lambda *args: [Engine._batch_step(*args)])
     with paused_gc():  # as generate_batch steps (an older engine without it: the collector stays on)
         while scheduler.has_work():
             steady = profiler is not None and steps and steps[-1]["graph"] in ("capture", "replay")
             if steady:
                 profiler.enable()
-            steps.append(Engine._batch_step(scheduler, runner, dispatcher, clock))
+            made = next_steps(scheduler, runner, dispatcher, clock)
             if steady:
                 profiler.disable()
-            if synced is not None:
-                synced.append(getattr(runner, "synced_at", None) if steps[-1]["graph"] == "replay" else None)
-            if launched is not None:  # launched ahead: the runner's stamp; else the step's start + host_us
-                step = steps[-1]
-                launched.append(launched_ahead if launched_ahead is not None
-                                else step["started"] + step["host_us"] / 1e6)
+            steps += made
+            for step in made:  # a served step: the sync time and launch of its graph's launching step
+                if synced is not None:
+                    synced.append(getattr(runner, "synced_at", None) if step["graph"] == "replay" else None)
+                if launched is not None:  # launched ahead: the runner's stamp; else the step's start + host_us
+                    launched.append(launched_ahead if launched_ahead is not None
+                                    else step["started"] + step["host_us"] / 1e6)
+            if launched is not None:
                 ahead = getattr(runner, "ahead", None)
                 launched_ahead = None if ahead is None else ahead.launched_at
     return steps

@@ -98,15 +98,16 @@ class Counters:
         arms = self.arms
         arms[label] = arms.get(label, 0) + times
 
-    def replay(self, arms: Mapping[str, int], kernels: Mapping[str, int]) -> None:
-        """One CUDA-graph replay: every arm and kernel the capture launched, launched once more.
-        On the host path of every replayed step, so plain loops (Counter.update is a slower Python loop)."""
+    def replay(self, arms: Mapping[str, int], kernels: Mapping[str, int], times: int = 1) -> None:
+        """`times` CUDA-graph replays of one step: every arm and kernel the capture launched, launched once
+        more per replay. On the host path of every replayed step, so plain loops (Counter.update is a slower
+        Python loop)."""
         counts = self.arms
         earlier = counts.get
-        for label, times in arms.items():
-            counts[label] = earlier(label, 0) + times
-        launches.record_many(kernels)
-        self.graph_replays += 1
+        for label, launched in arms.items():
+            counts[label] = earlier(label, 0) + launched * times
+        launches.record_many(kernels, times)
+        self.graph_replays += times
 
     def to_json(self) -> dict:
         arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}

@@ -67,10 +67,12 @@ one forward for all its rows, and returns each row's next token, with the step's
   buffer and feeding step k + 1 on the device. A replayed step launches it when the scheduler reserves the K - 1
   steps after it (`reserve_next(batch, K - 1)`), and launches ahead the next such graph when it reserves
   K - 1 + K (else one step, else nothing). At the launch's sync the host reads all K steps' outputs; the later
-  K - 1 steps are then `served`: each `run` checks its batch is the step the graph computed (`_Served.feeds`;
-  else raises, as `_Ahead.feeds`), records it as a replay (the capture's records and launch counts, per
-  step), and returns its tokens without a launch or a wait. Device time: the launch's over K, on each of its
-  steps; host time of a served step: from the previous step's sync or return to its own return. A step's
+  K - 1 steps are then `served`: the caller takes them all (`take_served`, which checks the scheduler's reserved
+  cohort continues the graph's rows: `_Served.continues`; else raises, as `_Ahead.feeds`) and records each as
+  a replay in one loop (engine.runtime.Engine._served_steps: the capture's records and launch counts, per
+  step), without a launch or a wait; `run` refuses a step while they are untaken. Device time: the launch's
+  over K, on each of its steps; host time of a served step: from the previous step's return (the launch's
+  sync, for the first) to its own. A step's
   timing carries `span` (K, or 1) and `span_index`, so a consumer knows which launch computed it (the bench's
   steady window opens only where a launch begins).
   Beside it, graphs of K/2, K/4, ... down to 2 steps (`_DecodeGraph.tails`): a launch takes the largest graph
@@ -173,26 +175,34 @@ class _Ahead:
 
 class _Served:
     """A synced graph of several steps (`_DecodeGraph.block`) whose later steps have not run yet: their
-    tokens and woken counts are on the host already (`values`, one list per step of the graph). Each of
-    those steps' `run` checks its rows against what the graph computed and returns its values, launching
-    and waiting for nothing. `started` and `launched_at` are the launch's; `device_us` its device time
-    over its steps."""
+    tokens and woken counts are on the host already (`values`, one list per step of the graph). The caller
+    takes them (`BatchRunner.take_served`) and serves them all at once (engine.runtime.Engine._served_steps),
+    launching and waiting for nothing. `started` and `launched_at` are the launch's; `device_us` its device
+    time over its steps."""
 
-    __slots__ = ("captured", "block", "dispatcher", "first", "rows", "values", "index", "started", "launched_at",
+    __slots__ = ("captured", "block", "dispatcher", "first", "rows", "values", "started", "launched_at",
                  "device_us")
 
     def __init__(self, captured, block, dispatcher, first, rows, values, started, launched_at, device_us) -> None:
         self.captured, self.block = captured, block  # the one-step graph, and its graph of several steps launched
         self.dispatcher, self.first, self.rows, self.values = dispatcher, first, rows, values
         self.started, self.launched_at, self.device_us = started, launched_at, device_us
-        self.index = 1  # the next step to serve, counted from the launch's first
 
-    def feeds(self, batch) -> bool:
-        """Whether `batch` is the graph's next step: the same sequences, each one position on, fed the token
-        the step before computed."""
-        index = self.index
-        return (batch.step == self.first + index and batch.phase == DECODE
-                and _continue(batch.rows, self.rows, self.values[index - 1], index))
+    def kernels(self, index: int) -> dict[str, int]:
+        """The launches of the graph's step `index` (a step whose first norm the step before carried differs)."""
+        step_kernels = self.block.step_kernels
+        return self.captured.kernels if step_kernels is None else step_kernels[index]
+
+    def continues(self, cohort) -> bool:
+        """Whether `cohort` (the scheduler's reserved sequences) are the graph's rows after its first step: the
+        same sequences, in order, each one position on with the token that step computed as its last."""
+        rows = self.rows
+        if cohort is None or len(cohort) != len(rows):
+            return False
+        for sequence, row, token in zip(cohort, rows, self.values[0]):
+            if sequence is not row.sequence or sequence.cached != row.start + 1 or sequence.generated[-1] != token:
+                return False
+        return True
 
 
 def _largest_block(captured, reserve_next, batch, before: int):
@@ -258,8 +268,19 @@ class _DecodeGraph:
     buffers: tuple = ()
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
+    # The launches of steps 1 .. steps - 1 (served from the host after the launch's sync), as (launches, steps)
+    # groups of consecutive equal ones: what serving them counts, one group at a time.
+    later_kernels: tuple[tuple[dict[str, int], int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        groups: list[list] = []
+        for index in range(1, self.steps):
+            kernels = self.kernels if self.step_kernels is None else self.step_kernels[index]
+            if groups and groups[-1][0] == kernels:
+                groups[-1][1] += 1
+            else:
+                groups.append([kernels, 1])
+        self.later_kernels = tuple((kernels, times) for kernels, times in groups)
         inputs = self.inputs
         # Tensor.copy_ is a C method: the partial costs one call; non_blocking from pinned host memory, so it
         # is only enqueued on the current stream (the replay's).
@@ -350,11 +371,14 @@ class BatchRunner:
         (engine.scheduler.Scheduler.reserve_next), a replayed step may launch a graph of several steps
         (the flag steps_per_graph) once the scheduler reserves the steps after it, and a step whose next
         steps it reserves launches them before its own sync (run-ahead; `ahead` then holds that launch,
-        its start stamped on `clock` before it); the caller's next `run` must be that step. A step a synced
-        graph of several steps computed already (`served`) is returned from the host."""
-        served = self.served
-        if served is not None:
-            return self._run_served(batch, dispatcher, served, kernels_before)
+        its start stamped on `clock` before it); the caller's next `run` must be that step. The later steps of
+        a synced graph of several steps (`served`) are the caller's to take (`take_served`) before it runs
+        another step."""
+        if self.served is not None:
+            steps = f"{self.served.first + 1}..{self.served.first + len(self.served.values) - 1}"
+            self.drop_ahead()
+            raise RuntimeError(f"step {batch.step} run while steps {steps}, computed by a graph of several steps, "
+                               f"were not taken (take_served): a bug in the caller")
         if not self.label_steps:
             ahead = self.ahead
             if ahead is not None:  # launched before the previous step's sync (as `_run`, one call fewer)
@@ -508,30 +532,20 @@ class BatchRunner:
         host_us = None if busy_from is None else (waited - busy_from) * 1e6
         return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us, span)
 
-    def _run_served(self, batch: Batch, dispatcher, served: _Served, kernels_before) -> tuple[list[int], StepTiming]:
-        """A later step of a synced graph of several steps: checked to be the step the graph computed, then
-        recorded as a replayed step is, from the values already on the host. Nothing is launched or waited
-        for; its host time runs from the previous step's sync (or served step) to its return."""
-        if dispatcher is not served.dispatcher or not served.feeds(batch):
+    def take_served(self, dispatcher, cohort) -> _Served:
+        """The later steps of the synced graph of several steps (`served`), for the caller to serve at once: from
+        the values on the host, without a launch or a wait (engine.runtime.Engine._served_steps). `cohort` (the
+        scheduler's reserved sequences) must continue the graph's rows (`_Served.continues`), and `dispatcher`
+        be the launch's; else the launches in flight are dropped and a RuntimeError says the reservation broke."""
+        served = self.served
+        self.served = None
+        if dispatcher is not served.dispatcher or not served.continues(cohort):
+            served.captured.holds = None
             self.drop_ahead()
-            raise RuntimeError(f"step {batch.step} ({batch.phase}, {len(batch.rows)} rows) is not step "
-                               f"{served.first + served.index} of the graph of {len(served.values)} steps launched "
+            raise RuntimeError(f"the reserved steps after step {served.first} are not steps "
+                               f"{served.first + 1}..{served.first + len(served.values) - 1} of the graph launched "
                                f"at step {served.first}: the scheduler broke its reservation")
-        index, rows = served.index, batch.rows
-        captured = served.captured
-        step_kernels = served.block.step_kernels
-        kernels = captured.kernels if step_kernels is None else step_kernels[index]
-        dispatcher.replay(captured.template, kernels, batch.step, len(rows))
-        tokens = dispatcher.end_replay(served.values[index], len(rows))
-        span = len(served.values)
-        served.index = index + 1
-        if index + 1 == span:
-            self.served = None
-        now = _perf_counter()
-        host_us = (now - self.synced_at) * 1e6
-        self.synced_at = now
-        return tokens, StepTiming(served.launched_at, served.device_us, "replay", "",
-                                  None if kernels_before is None else dict(kernels), host_us, span, index)
+        return served
 
     def _launch_ahead(self, captured: _DecodeGraph, step: int, dispatcher, clock, stream, pair,
                       graph: _DecodeGraph | None = None) -> None:

@@ -42,10 +42,20 @@ log = logging.getLogger("moe_inspector.engine")
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 
-# (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`Dispatcher._observe`)
+# (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`_pairs_per_woken`)
 _PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
-# `_batch_step`'s launch snapshot for a step launched already (ahead, or served by a graph of several steps): the
-# runner counts such a step's launches from its capture and only asks whether to count them (not None)
+def _pairs_per_woken(pairs: int, woken: int) -> float:
+    """MoE pairs per woken expert, rounded to 3 digits: a decimal conversion, made once per (pairs, woken)."""
+    ratio = _PAIRS_PER_WOKEN.get((pairs, woken))
+    if ratio is None:
+        if len(_PAIRS_PER_WOKEN) >= 4096:
+            _PAIRS_PER_WOKEN.clear()
+        ratio = _PAIRS_PER_WOKEN[(pairs, woken)] = round(pairs / woken, 3)
+    return ratio
+
+
+# `_batch_step`'s launch snapshot for a step launched already (ahead): the runner counts such a step's launches
+# from its capture and only asks whether to count them (not None)
 _COUNT_REPLAYED: dict[str, int] = {}
 
 
@@ -141,7 +151,8 @@ class Dispatcher:
         self.attention_records: list[dict] = []
         self.pending_woken: list[torch.Tensor] = []
         self.pending_times: list[tuple[dict, object]] = []
-        self._replay_records = None  # what `replay` copies from this dispatcher's records, made once
+        self._replay_records = None  # what `replayed_records` copies from this dispatcher's records, made once
+        self._template: Dispatcher | None = None  # the capture a replayed step replays (`replay`)
 
     def _engage(self, family: str, arm: str, variant, shape_class: str, message: str) -> None:
         key = (family, arm, variant, shape_class)
@@ -255,52 +266,54 @@ class Dispatcher:
     def end_replay(self, values: list[int], rows: int) -> list[int]:
         """A replayed step's outputs, read by the batch runner at the step's one sync: `values`
         [B + MoE layers] is the graph's static output as copied to the host (the next tokens, then each
-        layer's woken experts, as `end_step_batch` concatenates them)."""
-        self._observe(values[rows:])
+        layer's woken experts, as `end_step_batch` concatenates them). The step's records are made here,
+        the capture's with what the replay observed (`replayed_records`)."""
+        self.moe_records, self.attention_records = self.replayed_records(self._template, self.step, values, rows)
         return values[:rows]
 
     def _observe(self, woken_counts: list[int]) -> None:
-        ratios = _PAIRS_PER_WOKEN
         for record, woken in zip(self.moe_records, woken_counts):
             record["woken_observed"] = woken
-            key = (record["n_tokens"] * record["k"], woken)
-            ratio = ratios.get(key)
-            if ratio is None:  # round() to 3 digits is a decimal conversion: made once per (pairs, woken)
-                if len(ratios) >= 4096:
-                    ratios.clear()
-                ratio = ratios[key] = round(key[0] / woken, 3)
-            record["pairs_per_woken_observed"] = ratio
+            record["pairs_per_woken_observed"] = _pairs_per_woken(record["n_tokens"] * record["k"], woken)
 
-    def replay(self, template: "Dispatcher", kernels: dict[str, int], step: int | None = None,
-               n_tokens: int = 0) -> None:
-        """This step is a CUDA-graph replay of the step `template` captured: its decisions (renumbered
-        to this step), its observed-count outputs (refilled by the replay) and its launches, counted
-        again, since a replayed kernel never passes through Python. Runs on every replayed step (the
-        batch runner calls it once the replay is issued): each record is one copy of a prepared dict.
-        With `step`, it also begins that step, as `begin_step(step, DECODE, n_tokens)` would first (one
-        call on the replayed step's host path, and no record lists made only to be replaced)."""
-        if step is not None:
-            self.step, self.phase, self.n_tokens = step, DECODE, n_tokens
-            self.pending_times = []
-            self._replay_records = None
-        self.counters.replay(template.counters.arms, kernels)
+    def replay(self, template: "Dispatcher", kernels: dict[str, int], step: int, n_tokens: int,
+               times: int = 1) -> None:
+        """Step `step` is a CUDA-graph replay of the step `template` captured: begins it, as
+        `begin_step(step, DECODE, n_tokens)` would, and counts the capture's arms and launches (`kernels`)
+        again, since a replayed kernel never passes through Python (`times` replays: `Counters.replay`). The
+        step's records come with its outputs (`end_replay`). Runs on the host path of every step that launches
+        a replay (the batch runner calls it once the replay is issued); the later steps of a graph of several
+        steps are counted and recorded together (`Engine._served_steps`)."""
+        self.step, self.phase, self.n_tokens = step, DECODE, n_tokens
+        self.pending_times = []
+        self._replay_records = None
+        self._template = template
+        self.counters.replay(template.counters.arms, kernels, times)
+        self.pending_woken = template.pending_woken  # read, never extended: the step records no layer
+
+    @staticmethod
+    def replayed_records(template: "Dispatcher", step: int, values: list[int], rows: int
+                         ) -> tuple[list[dict], list[dict]]:
+        """Replayed step `step`'s (MoE, attention) records: the capture's (`template`'s), renumbered to this
+        step, each MoE record with the woken experts its layer observed (`values`: as `end_replay`'s). Each
+        is one copy of a dict prepared once per capture."""
         prepared = template._replay_records
         if prepared is None:
             prepared = template._replay_records = (
-                [dict(record, graph="replay") for record in template.moe_records],
-                [dict(record, graph="replay") for record in template.attention_records])
-        step, phase = self.step, self.phase
-        self.moe_records = moe = []
-        for record in prepared[0]:
+                [dict(record, graph="replay", phase=DECODE) for record in template.moe_records],
+                [dict(record, graph="replay", phase=DECODE) for record in template.attention_records])
+        moe = []
+        for record, woken in zip(prepared[0], values[rows:]):
             record = record.copy()
-            record["step"], record["phase"] = step, phase
+            record["step"], record["woken_observed"] = step, woken
+            record["pairs_per_woken_observed"] = _pairs_per_woken(record["n_tokens"] * record["k"], woken)
             moe.append(record)
-        self.attention_records = attention = []
+        attention = []
         for record in prepared[1]:
             record = record.copy()
-            record["step"], record["phase"] = step, phase
+            record["step"] = step
             attention.append(record)
-        self.pending_woken = template.pending_woken  # read, never extended: the step records no layer
+        return moe, attention
 
     def step_record(self) -> dict:
         return {"step": self.step, "phase": self.phase, "n_tokens": self.n_tokens,
@@ -475,17 +488,66 @@ class Engine:
         for sequence in sequences:
             scheduler.add(sequence, arrived)
         steps = []
-        batch_step, has_work, append = self._batch_step, scheduler.has_work, steps.append
+        next_steps, has_work, extend = self._next_steps, scheduler.has_work, steps.extend
         try:
             with cyclic_gc_paused():  # no collector pauses inside the steps: a run makes no reference cycles
                 while has_work():
-                    append(batch_step(scheduler, runner, dispatcher, clock))
+                    extend(next_steps(scheduler, runner, dispatcher, clock))
         finally:  # a run that ended early must not leave a launched-ahead step (or served steps) for the next run
             if runner.ahead is not None or runner.served is not None:
                 runner.drop_ahead()
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
                                engagements=dispatcher.engagements, graphs=runner.graphs_note)
+
+    @staticmethod
+    def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> list[dict]:
+        """The next scheduled step's record (`_batch_step`) and, where that step launched and synced a graph of
+        several steps, its later steps' records (`_served_steps`): what `generate_batch` runs per loop."""
+        step = Engine._batch_step(scheduler, runner, dispatcher, clock)
+        if runner.served is None:
+            return [step]
+        return [step, *Engine._served_steps(scheduler, runner, dispatcher, clock, step)]
+
+    @staticmethod
+    def _served_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock, launching: dict) -> list[dict]:
+        """The later steps of the graph of several steps that step `launching` launched and synced (the runner's
+        `served`): their tokens and woken counts are on the host already, so they are served in one loop,
+        launching and waiting for nothing, each recorded as a replayed step of its own (`launching`'s record,
+        with its own number, decisions, observed counts, rows, launches and clocks), the scheduler advancing
+        the reserved cohort by its tokens (`Scheduler.serve_reserved`). A served step's host time runs from
+        the previous step's end (the launch's sync, for the first) to the end of its own work, its record made;
+        `ended`, its tokens' time, is stamped before they are handed to the scheduler.
+        Each step costs the host a few µs where a scheduled, run and postprocessed step cost about 10 (issue
+        7: host time per decode step; bench/host_step.py)."""
+        served = runner.take_served(dispatcher, scheduler.reserved)
+        template, values, first, size = served.captured.template, served.values, served.first, len(served.rows)
+        counters, arms = dispatcher.counters, template.counters.arms
+        for kernels, times in served.block.later_kernels:
+            counters.replay(arms, kernels, times)
+        replayed, serve, kernels_of = dispatcher.replayed_records, scheduler.serve_reserved, served.kernels
+        perf = time.perf_counter
+        previous = runner.synced_at
+        steps = []
+        moe = attention = None
+        for index in range(1, len(values)):
+            outputs, step = values[index], first + index
+            moe, attention = replayed(template, step, outputs, size)
+            ended = clock()
+            cohort = serve(step, outputs, ended)
+            record = launching.copy()
+            record["step"], record["moe"], record["attention"] = step, moe, attention
+            record["started"], record["ended"], record["device_us"] = served.started, ended, served.device_us
+            record["kernel_launches"], record["span_index"] = dict(kernels_of(index)), index
+            record["rows"] = [{"request_id": sequence.request_id, "slot": sequence.slot, "start": sequence.cached - 1,
+                               "tokens": 1, "emitted": token} for sequence, token in zip(cohort, outputs)]
+            steps.append(record)
+            now = perf()  # the step's work done: its host time ends here
+            record["host_us"] = (now - previous) * 1e6
+            previous = now
+        runner.synced_at = previous  # the next launch's host time starts at the last served step's return
+        dispatcher.step, dispatcher.moe_records, dispatcher.attention_records = step, moe, attention
+        return steps
 
     @staticmethod
     def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
@@ -496,8 +558,7 @@ class Engine:
         precedes the previous step's `ended`; its host_us is the runner's: the host's busy time per
         step, from the previous step's sync to this step's wait for its own (everything but waiting
         for the device, which, two steps in flight, waits for the host only when this exceeds a step)."""
-        served = runner.served  # a later step of a synced graph of several steps: started with its launch
-        ahead = runner.ahead if served is None else served
+        ahead = runner.ahead
         # a replayed step counts what its capture recorded, not a difference of snapshots: any mapping says "count"
         kernels_before = _COUNT_REPLAYED if ahead is not None else launches.snapshot()
         if ahead is None:

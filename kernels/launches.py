@@ -25,15 +25,15 @@ def record(kernel_name: str, launches: int = 1) -> None:
         _COUNTS[kernel_name] = _COUNTS.get(kernel_name, 0) + launches
 
 
-def record_many(counts: Mapping[str, int]) -> None:
-    """`record(name, count)` for every entry: what one replay of a captured graph launches. `counts` must not
-    change afterwards (it is added when the counts are next read)."""
+def record_many(counts: Mapping[str, int], times: int = 1) -> None:
+    """`record(name, count * times)` for every entry: what `times` replays of a captured graph launch. `counts`
+    must not change afterwards (it is added when the counts are next read)."""
     with _LOCK:
         entry = _PENDING.get(id(counts))
         if entry is None:
-            _PENDING[id(counts)] = [counts, 1]  # holds `counts`: its id is not reused while pending
+            _PENDING[id(counts)] = [counts, times]  # holds `counts`: its id is not reused while pending
         else:
-            entry[1] += 1
+            entry[1] += times
 
 
 def _totals() -> dict[str, int]:

@@ -40,14 +40,15 @@ def drive(engine, runner, prompts, max_tokens, add_later=(), steps_per_graph=1):
         scheduler.add(sequence, 0.0)
     steps, launched = [], []
     while scheduler.has_work():
-        steps.append(Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter))
+        before = len(steps)
+        steps.extend(Engine._next_steps(scheduler, runner, dispatcher, time.perf_counter))
         ahead = runner.ahead
         if ahead is not None:
             launched.append({"after": steps[-1]["step"], "waiting": len(scheduler.waiting),
                              "left": [s.max_tokens - len(s.generated) for s in scheduler.running],
                              "positions": [position for _, _, position in ahead.expected]})
         for index, prompt, count in add_later:
-            if index == len(steps) - 1:
+            if before <= index < len(steps):  # after that step, or after the served steps it came with
                 sequence = Sequence(prompt, count)
                 sequences.append(sequence)
                 scheduler.add(sequence, 0.0)
