@@ -11,7 +11,8 @@
 #   bash bench/gpu_all.sh host       the host's time per decode step against an older tree in $OLD (default ab_old/,
 #                                    e.g. `git archive REV engine kernels inspector bench pyproject.toml`): v4 tg128
 #                                    @ b1 and bench/host_step.py, the two trees interleaved ROUNDS times (default 3);
-#                                    the runtime's and fused step's GPU tests, a profiled v4 row, the demo table
+#                                    host_step --pieces; the runtime's and fused step's GPU tests, a profiled v4
+#                                    row, the demo table (CHECKS=0: not these three)
 #   bash bench/gpu_all.sh bench      batched-runtime GPU tests and the bench tables (bench/gpu_bench.sh)
 #   bash bench/gpu_all.sh fused      fused decode step: its GPU tests, the GEMV bench, the v4-shape table
 #   bash bench/gpu_all.sh attention  attention GPU tests, check-attention, attention bench, the demo table
@@ -226,23 +227,27 @@ elif [ "$mode" = confirm ]; then  # a short lease: the v4 tg128 @ b1 row three t
 elif [ "$mode" = host ]; then  # issue 7's host time: this tree against $OLD, interleaved, then the checks
     OLD=${OLD:-ab_old}
     [ -d "$OLD/engine" ] || { echo "no older tree in $OLD"; exit 2; }
-    v4_row() {  # v4_row TREE NAME
-        (cd "$1" && python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 --reps 3 --gpu-weights \
-            --format md --json-out "$WORK/$2.json")
-    }
-    host_step() { (cd "$1" && python3 bench/host_step.py --device cuda --model v4-shape --steps 2000); }
     for round in $(seq 1 "${ROUNDS:-3}"); do
-        TAIL=4 stage 100 "v4_new_$round" v4_row . "v4_new_$round"
-        TAIL=4 stage 100 "v4_old_$round" v4_row "$OLD" "v4_old_$round"
-        TAIL=4 stage 60 "host_step_new_$round" host_step .
-        TAIL=4 stage 60 "host_step_old_$round" host_step "$OLD"
+        for tree in new old; do
+            dir=.; [ $tree = old ] && dir=$OLD
+            TAIL=4 stage 100 "v4_${tree}_$round" bash -c "cd '$dir' && python3 -m inspector bench --model v4-shape \
+                --pp 128 --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out '$WORK/v4_${tree}_$round.json'"
+        done
+        for tree in new old; do
+            dir=.; [ $tree = old ] && dir=$OLD
+            TAIL=4 stage 60 "host_step_${tree}_$round" bash -c "cd '$dir' && python3 bench/host_step.py --device cuda \
+                --model v4-shape --steps 2000"
+        done
     done
-    TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -p no:cacheprovider -rf --durations=5 \
-        tests/test_runtime_gpu.py tests/test_decode_fused.py
-    TAIL=40 stage 100 bench_v4_profile python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
-        --reps 2 --gpu-weights --profile --format md --json-out "$WORK/bench_v4_profile.json"
-    TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
-        --reps 3 --format md --json-out "$WORK/bench_demo.json"
+    TAIL=24 stage 90 host_pieces python3 bench/host_step.py --device cuda --model v4-shape --steps 2000 --pieces
+    if [ "${CHECKS:-1}" != 0 ]; then  # CHECKS=0: the A/B alone
+        TAIL=25 stage 240 pytest_gpu python3 -m pytest -m gpu -p no:cacheprovider -rf --durations=5 \
+            tests/test_runtime_gpu.py tests/test_decode_fused.py
+        TAIL=40 stage 100 bench_v4_profile python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
+            --reps 2 --gpu-weights --profile --format md --json-out "$WORK/bench_v4_profile.json"
+        TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
+            --reps 3 --format md --json-out "$WORK/bench_demo.json"
+    fi
 elif [ "$mode" = bench ]; then  # issue 7: batched-runtime GPU tests, demo and v4-shape tables
     [ -n "${RECHECK:-}" ] && TAIL=12 stage 150 pytest_recheck python3 -m pytest -m gpu -q -p no:cacheprovider -rf $RECHECK
     TAIL=60 OUT=$WORK/bench stage 360 bench_all bash bench/gpu_bench.sh

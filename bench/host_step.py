@@ -12,6 +12,7 @@ a CPU stub is all host time.
     python bench/host_step.py --layers 1           # the v4-shape record count (1 layer)
     python bench/host_step.py --profile            # plus the top cProfile entries of the replayed steps
     python bench/host_step.py --breakdown          # plus each piece of the path before the launch, timed per call
+    python bench/host_step.py --pieces             # plus each function and C call of the default path, per step
     python bench/host_step.py --device cuda --model v4-shape   # a real graph on a GPU
 
 --device cpu (no GPU): the real scheduler, runner and dispatcher, with a stub graph. The first
@@ -375,6 +376,87 @@ def breakdown(engine, runner, flags, prompts, max_tokens, steps: int) -> list[tu
     return rows
 
 
+def pieces(engine, runner, flags, prompts, max_tokens, steps: int) -> tuple[list[tuple[str, float]], float, float]:
+    """Where the host's time per replayed step goes on the default path (run-ahead, graphs of several steps): the
+    functions and C calls of the path, each timed per call (perf_counter around it) over separate runs, summed
+    and divided by the replayed steps: (label, µs per replayed step) rows, nested calls indented under their
+    caller (whose time includes theirs and their timers); then host_us per step with the timers on and the
+    launches per replayed step. The sync's wait is timed too, and left out of the launching step's row, as
+    host_us leaves it out. A launching step's row counts replayed steps only (not an eager or capture step's)."""
+    clock = time.perf_counter
+    wait_label, launching_label = "sync: the wait for the step's end event (not host time)", \
+        "a step that launches (Engine._batch_step, less the sync's wait)"
+    labels = [launching_label, "  Scheduler.schedule", "  Scheduler.reserve_next",
+              "  BatchRunner._launch_ahead (the next launch, two in flight)", "    event record (C)",
+              "    graph launch (C)", "  Dispatcher.replay (arm and launch counts)",
+              "  elapsed time of the step's events (C)", "  Dispatcher.end_replay (the step's records)",
+              "  Scheduler.postprocess", "the later steps of its graph (Engine._served_steps, one loop)",
+              "  BatchRunner.take_served (the rows checked)", "  Dispatcher.replayed_records",
+              "  Scheduler.serve_reserved", wait_label, "an empty call, timed the same way"]
+    spent = dict.fromkeys(labels, 0.0)
+
+    def timed(label, function, counts=None):
+        def wrapper(*args, **kwargs):
+            started = clock()
+            out = function(*args, **kwargs)
+            if counts is None or counts(out):
+                spent[label] += clock() - started
+            return out
+        return wrapper
+
+    batch_step = Engine._batch_step
+    waits = [0.0]
+
+    def launching(*args):  # a replayed step's time, less its wait
+        waited = spent[wait_label]
+        started = clock()
+        out = batch_step(*args)
+        if out["graph"] == "replay":
+            spent[launching_label] += clock() - started - (spent[wait_label] - waited)
+        else:
+            waits[0] += spent[wait_label] - waited
+        return out
+
+    methods = [(Scheduler, "schedule", 1), (Scheduler, "reserve_next", 2), (BatchRunner, "_launch_ahead", 3),
+               (runtime.Dispatcher, "replay", 6), (runtime.Dispatcher, "end_replay", 8), (Scheduler, "postprocess", 9),
+               (Engine, "_served_steps", 10), (BatchRunner, "take_served", 11),
+               (runtime.Dispatcher, "replayed_records", 12), (Scheduler, "serve_reserved", 13)]
+    methods = [entry for entry in methods if hasattr(entry[0], entry[1])]
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in methods] + [(Engine, "_batch_step",
+                                                                                  vars(Engine)["_batch_step"])]
+    for owner, name, index in methods:
+        function, static = getattr(owner, name), isinstance(vars(owner)[name], staticmethod)
+        setattr(owner, name, staticmethod(timed(labels[index], function)) if static else timed(labels[index], function))
+    Engine._batch_step = staticmethod(launching)
+    pairs = runner._pairs
+    graphs = [graph for captured in runner._graphs.values()
+              for graph in (captured, captured.block, *captured.tails) if graph is not None]
+    launches = {id(graph): graph.launches for graph in graphs}
+    runner._pairs = tuple((events, tuple(timed(labels[4], record) for record in records), timed(wait_label, wait),
+                           timed(labels[7], elapsed)) for events, records, wait, elapsed in pairs)
+    for graph in graphs:
+        graph.launches = tuple(timed(labels[5], launch) for launch in graph.launches)
+    empty = timed(labels[-1], lambda: None)
+    host, launched = [], 0
+    try:
+        while len(host) < steps:
+            before = runner.run_ahead_launches
+            for record in run_once(engine, runner, flags, prompts, max_tokens):
+                if record["graph"] == "replay":
+                    host.append(record["host_us"])
+                    empty()
+            launched += runner.run_ahead_launches - before
+    finally:
+        for owner, name, function in saved:
+            setattr(owner, name, function)
+        runner._pairs = pairs
+        for graph in graphs:
+            graph.launches = launches[id(graph)]
+    spent[wait_label] -= waits[0]  # the replayed steps' waits only
+    return [(label, seconds * 1e6 / len(host)) for label, seconds in spent.items()], statistics.fmean(host), \
+        launched / len(host)
+
+
 class GcPauses:
     """Collections the garbage collector ran (and their time) while it is installed."""
 
@@ -410,6 +492,9 @@ def main(argv=None) -> int:
                         help="disable the garbage collector while timing (isolates its pauses from the code's cost)")
     parser.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--pieces", action="store_true",
+                        help="also time the functions and C calls of the default path (run-ahead, graphs of several "
+                             "steps) per replayed step (separate runs)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each piece of the path before the launch, per call (separate runs)")
     args = parser.parse_args(argv)
@@ -459,7 +544,10 @@ def main(argv=None) -> int:
             gc.callbacks.remove(pauses)
             gc.enable()
             loops[mode] = (loop, launch_loop, gap, getattr(runner, "run_ahead_launches", 0) - ahead_before)
-        pieces = breakdown(engine, runner, flags, prompts, tokens, args.steps) if args.breakdown else None
+        if args.pieces:
+            runner.run_ahead = True
+        parts = pieces(engine, runner, flags, prompts, tokens, args.steps) if args.pieces else None
+        pieces_before = breakdown(engine, runner, flags, prompts, tokens, args.steps) if args.breakdown else None
     config = engine.config
     print(f"{config.name}, {config.n_layers} layer(s), batch {args.batch}, {args.device}"
           f"{' (stub graph)' if args.device == 'cpu' else ''}; torch {torch.__version__}, "
@@ -486,11 +574,18 @@ def main(argv=None) -> int:
               f"(one per run: its first replay; a steady cohort feeds itself)")
     print(f"garbage collections while timing: {pauses.count} ({pauses.full} full), "
           f"{pauses.seconds * 1e6 / max(1, len(host)):.2f} µs per replayed step on average")
-    if pieces is not None:
+    if pieces_before is not None:
         print("before the launch of a replayed step, per call in µs (separate runs with timers on, which slow what "
               "they time: compare the last two rows with host_us above; each piece holds one empty call's time):")
-        for label, values in pieces:
+        for label, values in pieces_before:
             print(f"  {label:<72} {summary(values)}")
+    if parts is not None:
+        rows, timed_host, launched = parts
+        print(f"the default path (run-ahead, {launched:.3f} launches per replayed step), µs per replayed step, summed "
+              f"over separate runs with timers on (host_us then {timed_host:.2f}; a row holds its nested rows and "
+              f"their timers):")
+        for label, per_step in rows:
+            print(f"  {label:<80} {per_step:8.2f}")
     if profiler is not None:
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
