@@ -845,9 +845,10 @@ def format_markdown(report: Report) -> str:
                              f"{100 * entry['host_share']:.1f} % of the mean (target < "
                              f"{100 * entry['target_host_share']:.0f} %); host time = a step launched "
                              "ahead (two in flight): the host's busy time per step, from the previous step's sync "
-                             "to this step's wait for its own (all but waiting on the device); a later step of a "
-                             "graph of several steps (steps_per_graph), from the step before's to its own return "
-                             "(nothing to launch or wait for); else from the step's start to its launch")
+                             "(or served step's end) to this step's wait for its own (all but waiting on the "
+                             "device); a later step of a graph of several steps (steps_per_graph), served with the "
+                             "others in one loop: from the step before's end to the end of its own work, its record "
+                             "made (nothing to launch or wait for); else from the step's start to its launch")
                 lines.append("- the device's wait for the host per decode step @ b1: wall "
                              f"{entry['wall_us_per_step']:.1f} µs - device {entry['device_us_per_step']:.1f} µs = "
                              f"{entry['device_waits_us_per_step']:.1f} µs = {100 * entry['device_waits_share']:.1f} % "
