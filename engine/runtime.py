@@ -44,6 +44,8 @@ PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 
 # (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`_pairs_per_woken`)
 _PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
+
+
 def _pairs_per_woken(pairs: int, woken: int) -> float:
     """MoE pairs per woken expert, rounded to 3 digits: a decimal conversion, made once per (pairs, woken)."""
     ratio = _PAIRS_PER_WOKEN.get((pairs, woken))
@@ -545,7 +547,7 @@ class Engine:
             now = perf()  # the step's work done: its host time ends here
             record["host_us"] = (now - previous) * 1e6
             previous = now
-        runner.synced_at = previous  # the next launch's host time starts at the last served step's return
+        runner.synced_at = previous  # the next launch's host time starts at the last served step's end
         dispatcher.step, dispatcher.moe_records, dispatcher.attention_records = step, moe, attention
         return steps
 
