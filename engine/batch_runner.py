@@ -188,11 +188,6 @@ class _Served:
         self.dispatcher, self.first, self.rows, self.values = dispatcher, first, rows, values
         self.started, self.launched_at, self.device_us = started, launched_at, device_us
 
-    def kernels(self, index: int) -> dict[str, int]:
-        """The launches of the graph's step `index` (a step whose first norm the step before carried differs)."""
-        step_kernels = self.block.step_kernels
-        return self.captured.kernels if step_kernels is None else step_kernels[index]
-
     def continues(self, cohort) -> bool:
         """Whether `cohort` (the scheduler's reserved sequences) are the graph's rows after its first step: the
         same sequences, in order, each one position on with the token that step computed as its last."""
@@ -275,7 +270,7 @@ class _DecodeGraph:
     def __post_init__(self) -> None:
         groups: list[list] = []
         for index in range(1, self.steps):
-            kernels = self.kernels if self.step_kernels is None else self.step_kernels[index]
+            kernels = self.step_launches(index)
             if groups and groups[-1][0] == kernels:
                 groups[-1][1] += 1
             else:
@@ -286,6 +281,10 @@ class _DecodeGraph:
         # is only enqueued on the current stream (the replay's).
         self.feed = None if inputs is None else partial(inputs.copy_, self.staging, non_blocking=True)
         self.launches = tuple(_launcher(graph) for graph in self.graphs)
+
+    def step_launches(self, index: int) -> dict[str, int]:
+        """The launches of this graph's step `index` (`kernels`, unless a step before carried its first norm)."""
+        return self.kernels if self.step_kernels is None else self.step_kernels[index]
 
 
 # (stream id, device index, device type) of a device's current stream: the one C call inside
@@ -505,7 +504,7 @@ class BatchRunner:
                                    pairs[1] if pair is pairs[0] else pairs[0], graph)
         # begin_step(step, DECODE, n_tokens) and replay, in one call: counts the replay's launches; a graph
         # replays one token per row (`_replay` feeds row.tokens[0]), so n_tokens is the row count
-        kernels = captured.kernels if launched.step_kernels is None else launched.step_kernels[0]
+        kernels = launched.step_launches(0)  # the capture's (`captured.kernels`), or the block's first step's
         dispatcher.replay(captured.template, kernels, step, len(rows))
         dispatcher.counters.graph_launches += 1  # this step's launch (a later step of a graph of several: none)
         # launches.since(kernels_before): what the replay launched, counted by `Dispatcher.replay` (nothing else on

@@ -527,7 +527,7 @@ class Engine:
         counters, arms = dispatcher.counters, template.counters.arms
         for kernels, times in served.block.later_kernels:
             counters.replay(arms, kernels, times)
-        replayed, serve, kernels_of = dispatcher.replayed_records, scheduler.serve_reserved, served.kernels
+        replayed, serve, kernels_of = dispatcher.replayed_records, scheduler.serve_reserved, served.block.step_launches
         perf = time.perf_counter
         previous = runner.synced_at
         steps = []

@@ -143,14 +143,22 @@ def test_each_step_of_a_block_returns_its_own_tokens(tiny):
     assert checked == 14 * 2
 
 
-def test_a_step_that_is_not_the_blocks_next_is_refused_and_the_runner_recovers(tiny):
-    runner = stub_runner(tiny, 2, 4 + 12 - 1)
+def _until_served(engine, slots):
+    """A stub runner, its scheduler and dispatcher, stepped one scheduled step at a time from one 4-byte prompt
+    (12 tokens, 4 steps per graph) until a graph's later steps wait to be served: (runner, scheduler, dispatcher,
+    resolved flags, the launching step's record)."""
+    runner = stub_runner(engine, slots, 4 + 12 - 1)
     resolved = flags.resolve(["steps_per_graph=4"], environ={})
-    scheduler = Scheduler(2, runner.capacity, 2048, resolved["prefill_chunk"])
-    dispatcher = Dispatcher(tiny, resolved, timed=False)
+    scheduler = Scheduler(slots, runner.capacity, 2048, resolved["prefill_chunk"])
+    dispatcher = Dispatcher(engine, resolved, timed=False)
     scheduler.add(Sequence(list(b"abcd"), 12), 0.0)
     while runner.served is None:
         launching = Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    return runner, scheduler, dispatcher, resolved, launching
+
+
+def test_a_step_that_is_not_the_blocks_next_is_refused_and_the_runner_recovers(tiny):
+    runner, scheduler, dispatcher, resolved, launching = _until_served(tiny, 2)
     served = runner.served
     served.values[0][0] += 1  # the graph computed another token than the one its launching step returned
     with pytest.raises(RuntimeError, match="broke its reservation"):
@@ -250,13 +258,7 @@ def test_a_served_steps_host_work_is_counted_in_its_own_host_time(tiny, monkeypa
 
 
 def test_a_step_run_while_a_graphs_later_steps_are_untaken_is_refused(tiny):
-    runner = stub_runner(tiny, 1, 4 + 12 - 1)
-    resolved = flags.resolve(["steps_per_graph=4"], environ={})
-    scheduler = Scheduler(1, runner.capacity, 2048, resolved["prefill_chunk"])
-    dispatcher = Dispatcher(tiny, resolved, timed=False)
-    scheduler.add(Sequence(list(b"abcd"), 12), 0.0)
-    while runner.served is None:
-        Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
+    runner, scheduler, dispatcher, _, _ = _until_served(tiny, 1)
     with pytest.raises(RuntimeError, match="were not taken"):
         Engine._batch_step(scheduler, runner, dispatcher, time.perf_counter)
     assert runner.served is None and runner.ahead is None
