@@ -14,6 +14,35 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _dot_in_one_rounding() -> None:
+    """The interpreter's tl.dot is numpy's matmul, whose BLAS sums each element in an order that depends
+    on the operands' shapes (its N and M blocking), so two schedules that multiply the same rows and
+    columns with different block widths round differently on some CPUs and not others. On the GPU an
+    element's MMA does not depend on the block width; here each fp16 or fp32 element is summed in float64
+    (every product is exact there, and an order's effect stays far below one fp32 rounding) and rounded
+    once to the accumulator's dtype, so an element depends on its row, its column and the accumulator it
+    is added to, as on the GPU. Other dtypes keep the interpreter's own dot."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: the kernel tests skip themselves
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype not in (np.float16, np.float32) or b.data.dtype not in (np.float16, np.float32):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle(product.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
+    _dot_in_one_rounding()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
