@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.rope import rope_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 _SINKS: dict[int, tuple] = {}
@@ -166,8 +167,6 @@ def packed_qkv(weights: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
 
 def _inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """The model's RoPE frequencies (engine.model.rope_inverse_frequency), computed once per device."""
-    from engine.model import rope_inverse_frequency  # engine.model imports this module
-
     key = (config.rope_theta, config.head_dim, device)
     table = _INV_FREQ.get(key)
     if table is None:

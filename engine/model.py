@@ -31,6 +31,7 @@ import torch
 
 from engine import decode_fused
 from engine.config import ModelConfig
+from engine.rope import rope_inverse_frequency
 from kernels.reference import moe_reference_gpt_oss
 
 
@@ -149,12 +150,6 @@ def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Ten
         return _yarn_rope_tables(config, positions)
     angles = positions.float()[:, None] * rope_inverse_frequency(config, positions.device)[None, :]
     return angles.cos(), angles.sin()
-
-
-def rope_inverse_frequency(config: ModelConfig, device) -> torch.Tensor:
-    """theta^(-i / (hd/2)) for i < hd/2, float32 [hd/2]: plain RoPE's frequencies."""
-    half = config.head_dim // 2
-    return config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
 
 
 def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

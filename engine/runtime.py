@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 import threading
 import time
@@ -23,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from engine import calibration, dispatch
-from engine.arms import ARMS, Counters
-from engine.attention_dispatch import UNFUSED, decide_attention
+from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine.decode_fused import pack_qkv
+from engine.devices import device_label, resolve_device  # noqa: F401 - re-exported for callers
+from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 - re-exported for callers
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import KVCache, forward, random_weights
@@ -36,43 +35,10 @@ from engine.sequence import Sequence
 from engine.shipped import load_shipped, shipped_directory
 from engine.tokenizer import ByteTokenizer
 from kernels import launches
-from kernels.reference import MaskSpec
-
-log = logging.getLogger("moe_inspector.engine")
-
-PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
-
-# (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`_pairs_per_woken`)
-_PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
-
-
-def _pairs_per_woken(pairs: int, woken: int) -> float:
-    """MoE pairs per woken expert, rounded to 3 digits: a decimal conversion, made once per (pairs, woken)."""
-    ratio = _PAIRS_PER_WOKEN.get((pairs, woken))
-    if ratio is None:
-        if len(_PAIRS_PER_WOKEN) >= 4096:
-            _PAIRS_PER_WOKEN.clear()
-        ratio = _PAIRS_PER_WOKEN[(pairs, woken)] = round(pairs / woken, 3)
-    return ratio
-
 
 # `_batch_step`'s launch snapshot for a step launched already (ahead): the runner counts such a step's launches
 # from its capture and only asks whether to count them (not None)
 _COUNT_REPLAYED: dict[str, int] = {}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"unknown device {name!r}: use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is visible here; use --device cpu or auto")
-    return torch.device(name)
-
-
-def device_label(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # Runs inside `cyclic_gc_paused` now (the process's collector is off while any one runs), and whether
@@ -105,221 +71,6 @@ def cyclic_gc_paused():
             _gc_pause["runs"] -= 1
             if _gc_pause["runs"] == 0 and _gc_pause["was_enabled"]:
                 gc.enable()
-
-
-class _Timer:
-    """Per-call timing: CUDA events on a GPU (read after the step's one sync), the wall clock on
-    a CPU, where work is synchronous."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def start(self):
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            return (begin, end)
-        return time.perf_counter()
-
-    def stop(self, handle):
-        if self.cuda:
-            handle[1].record()
-            return handle
-        return (time.perf_counter() - handle) * 1e6
-
-    def microseconds(self, stopped) -> float:
-        return stopped[0].elapsed_time(stopped[1]) * 1e3 if self.cuda else stopped
-
-
-class Dispatcher:
-    """The engine's per-run layer hooks: decides, executes, counts and records."""
-
-    def __init__(self, engine: "Engine", flags: ResolvedFlags, timed: bool) -> None:
-        self.engine, self.flags, self.timed = engine, flags, timed
-        self.counters = Counters()
-        # engine.decode_fused.StepOutputs while the batch runner has a decode step's folds write its outputs
-        self.outputs = None
-        self.timer = _Timer(engine.device)
-        self.engaged: set[tuple] = set()
-        self.engagements: list[str] = []
-        config = engine.config
-        self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
-                                                    config.hidden, config.intermediate, flags["tile_m"])
-        self.begin_step(0, PREFILL, 0)
-
-    def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
-        self.step, self.phase, self.n_tokens = step, phase, n_tokens
-        self.moe_records: list[dict] = []
-        self.attention_records: list[dict] = []
-        self.pending_woken: list[torch.Tensor] = []
-        self.pending_times: list[tuple[dict, object]] = []
-        self._replay_records = None  # what `replayed_records` copies from this dispatcher's records, made once
-        self._template: Dispatcher | None = None  # the capture a replayed step replays (`replay`)
-
-    def _engage(self, family: str, arm: str, variant, shape_class: str, message: str) -> None:
-        key = (family, arm, variant, shape_class)
-        if key not in self.engaged:
-            self.engaged.add(key)
-            self.engagements.append(message)
-            log.info(message)
-
-    def _run(self, record: dict, launch: Callable):
-        if not self.timed:
-            return launch()
-        handle = self.timer.start()
-        out = launch()
-        self.pending_times.append((record, self.timer.stop(handle)))
-        return out
-
-    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
-        """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
-        e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
-        `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
-        already counted it (engine.decode_fused); else it is counted here."""
-        config, flags, device = self.engine.config, self.flags, self.engine.device
-        n = h.shape[0]
-        decision = dispatch.decide(dispatch.GateInputs(
-            n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
-            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
-        arm = ARMS[decision.arm]
-        if experts is not None:
-            executed = ARMS[dispatch.REFERENCE]
-            note = (f"{decision.arm} computes plain SwiGLU experts: the reference arm computes {experts.description}"
-                    if decision.arm != dispatch.REFERENCE else "")
-        elif arm.supports(device):
-            executed, note = arm, ""
-        else:
-            executed = ARMS[dispatch.REFERENCE]
-            note = (f"{decision.arm} cannot run on {device.type}: the reference arm computes the same function"
-                    if decision.arm != dispatch.REFERENCE else "")
-        predicted = dispatch.woken_experts(n, config.top_k, config.n_experts)
-        record = {
-            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": n, "k": config.top_k,
-            "experts": config.n_experts, "tile_m": flags["tile_m"], "woken_predicted": round(predicted, 2),
-            "woken_observed": None,
-            "pairs_per_woken": round(dispatch.pairs_per_woken_expert(n, config.top_k, config.n_experts), 3),
-            "fill": round(dispatch.tile_fill(n, config.top_k, config.n_experts, flags["tile_m"]), 4),
-            "boundary": decision.boundary, "policy": flags["moe_gate"],
-            "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
-            "reason": decision.reason, "execution_note": note, "us": None,
-        }
-        if woken is not None:
-            self.pending_woken.append(woken)
-        elif h.is_cuda:  # one launch (kernels.router); the torch form is three
-            from kernels.router import count_distinct
-
-            self.pending_woken.append(count_distinct(topk_ids, config.n_experts))
-        else:
-            woken = torch.zeros(config.n_experts, device=h.device, dtype=torch.int32)
-            woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
-            self.pending_woken.append(woken.sum())
-        label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
-        self.counters.bump(label)
-        self._engage("moe", executed.name, decision.variant, self.phase,
-                     f"MoE: {label} engaged ({self.phase}, {n} tokens x top-{config.top_k} of {config.n_experts} "
-                     f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
-                     + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
-        self.moe_records.append(record)
-        if experts is not None:
-            return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
-        return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
-                                                         tile_m=flags["tile_m"], variant=decision.variant))
-
-    def attention(self, layer, q, k_cache, v_cache, sinks, q_start, length):
-        config, flags, device = self.engine.config, self.flags, self.engine.device
-        layer_mask = config.layer_masks[layer]
-        decision = decide_attention(config.head_dim, layer_mask.kind, layer_mask.describe(), flags["flash_512"],
-                                    flags["fused_mask"])
-        spec = (MaskSpec("causal") if decision.applied_mask == "causal"
-                else MaskSpec(layer_mask.kind, layer_mask.window, layer_mask.block))
-        arm = ARMS[decision.arm]
-        executed = arm if arm.supports(device) else ARMS[UNFUSED]
-        note = "" if executed is arm else f"{decision.arm} cannot run on {device.type}: the unfused reference " \
-                                          f"computes its semantics ({decision.applied_mask} mask)"
-        record = {
-            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": self.n_tokens,
-            "head_dim": config.head_dim,
-            "decided_arm": decision.arm, "executed_arm": executed.name, "mask": decision.mask,
-            "applied_mask": decision.applied_mask, "declined": decision.declined, "reason": decision.reason,
-            "execution_note": note, "us": None,
-        }
-        self.counters.bump(executed.name)
-        self._engage("attention", executed.name, decision.applied_mask, self.phase,
-                     f"attention: {executed.name} engaged ({self.phase}, {decision.mask} mask, applies "
-                     f"{decision.applied_mask})" + (f"; decided {decision.arm}" if executed is not arm else ""))
-        self.attention_records.append(record)
-        return self._run(record, lambda: executed.launch(q, k_cache[:, :length], v_cache[:, :length], sinks, spec,
-                                                         q_start, None))
-
-    def end_step(self, next_token: torch.Tensor) -> int:
-        """The step's one sync: the next token and every observed count together."""
-        return self.end_step_batch(next_token.reshape(1))[0]
-
-    def end_step_batch(self, next_tokens: torch.Tensor) -> list[int]:
-        """The step's one sync for a batch: each row's next token [B] and every observed count."""
-        rows = next_tokens.numel()
-        values = torch.cat([next_tokens.reshape(-1).long(), torch.stack(self.pending_woken).long()]).tolist()
-        self._observe(values[rows:])
-        for record, stopped in self.pending_times:
-            record["us"] = round(self.timer.microseconds(stopped), 1)
-        return values[:rows]
-
-    def end_replay(self, values: list[int], rows: int) -> list[int]:
-        """A replayed step's outputs, read by the batch runner at the step's one sync: `values`
-        [B + MoE layers] is the graph's static output as copied to the host (the next tokens, then each
-        layer's woken experts, as `end_step_batch` concatenates them). The step's records are made here,
-        the capture's with what the replay observed (`replayed_records`)."""
-        self.moe_records, self.attention_records = self.replayed_records(self._template, self.step, values, rows)
-        return values[:rows]
-
-    def _observe(self, woken_counts: list[int]) -> None:
-        for record, woken in zip(self.moe_records, woken_counts):
-            record["woken_observed"] = woken
-            record["pairs_per_woken_observed"] = _pairs_per_woken(record["n_tokens"] * record["k"], woken)
-
-    def replay(self, template: "Dispatcher", kernels: dict[str, int], step: int, n_tokens: int,
-               times: int = 1) -> None:
-        """Step `step` is a CUDA-graph replay of the step `template` captured: begins it, as
-        `begin_step(step, DECODE, n_tokens)` would, and counts the capture's arms and launches (`kernels`)
-        again, since a replayed kernel never passes through Python (`times` replays: `Counters.replay`). The
-        step's records come with its outputs (`end_replay`). Runs on the host path of every step that launches
-        a replay (the batch runner calls it once the replay is issued); the later steps of a graph of several
-        steps are counted and recorded together (`Engine._served_steps`)."""
-        self.step, self.phase, self.n_tokens = step, DECODE, n_tokens
-        self.pending_times = []
-        self._replay_records = None
-        self._template = template
-        self.counters.replay(template.counters.arms, kernels, times)
-        self.pending_woken = template.pending_woken  # read, never extended: the step records no layer
-
-    @staticmethod
-    def replayed_records(template: "Dispatcher", step: int, values: list[int], rows: int
-                         ) -> tuple[list[dict], list[dict]]:
-        """Replayed step `step`'s (MoE, attention) records: the capture's (`template`'s), renumbered to this
-        step, each MoE record with the woken experts its layer observed (`values`: as `end_replay`'s). Each
-        is one copy of a dict prepared once per capture."""
-        prepared = template._replay_records
-        if prepared is None:
-            prepared = template._replay_records = (
-                [dict(record, graph="replay", phase=DECODE) for record in template.moe_records],
-                [dict(record, graph="replay", phase=DECODE) for record in template.attention_records])
-        moe = []
-        for record, woken in zip(prepared[0], values[rows:]):
-            record = record.copy()
-            record["step"], record["woken_observed"] = step, woken
-            record["pairs_per_woken_observed"] = _pairs_per_woken(record["n_tokens"] * record["k"], woken)
-            moe.append(record)
-        attention = []
-        for record in prepared[1]:
-            record = record.copy()
-            record["step"] = step
-            attention.append(record)
-        return moe, attention
-
-    def step_record(self) -> dict:
-        return {"step": self.step, "phase": self.phase, "n_tokens": self.n_tokens,
-                "moe": self.moe_records, "attention": self.attention_records}
 
 
 @dataclass
@@ -475,8 +226,6 @@ class Engine:
         decode cohort. Every sequence gets a fresh request id; pass `runner` to reuse a KV cache
         and its captured graphs across runs. The steps run with the cyclic garbage collector off
         (`cyclic_gc_paused`), turned back on when they end."""
-        from engine.batch_runner import BatchRunner  # it imports this module for the Dispatcher
-
         counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts, strict=True)]
         for sequence in sequences:
