@@ -131,6 +131,8 @@ class StepTiming:
     # over `span`. 1 and 0 for every other step.
     span: int = 1
     span_index: int = 0
+    # Each row's logits [B, V] float32 on the host, where the run keeps them (the dispatcher's keep_logits).
+    logits: torch.Tensor | None = None
 
 
 class _Ahead:
@@ -180,12 +182,14 @@ class _Served:
     time over its steps."""
 
     __slots__ = ("captured", "block", "dispatcher", "first", "rows", "values", "started", "launched_at",
-                 "device_us")
+                 "device_us", "logits")
 
-    def __init__(self, captured, block, dispatcher, first, rows, values, started, launched_at, device_us) -> None:
+    def __init__(self, captured, block, dispatcher, first, rows, values, started, launched_at, device_us,
+                 logits=None) -> None:
         self.captured, self.block = captured, block  # the one-step graph, and its graph of several steps launched
         self.dispatcher, self.first, self.rows, self.values = dispatcher, first, rows, values
         self.started, self.launched_at, self.device_us = started, launched_at, device_us
+        self.logits = logits  # [steps, B, V] float32 on the host, where the run keeps them; else None
 
     def continues(self, cohort) -> bool:
         """Whether `cohort` (the scheduler's reserved sequences) are the graph's rows after its first step: the
@@ -242,6 +246,7 @@ class BatchRunner:
         self.device = engine.device
         self.cache = KVCache.allocate(engine.config, max_slots, capacity, engine.device, engine.dtype)
         cuda = self.device.type == "cuda"
+        self.graphs_requested = graphs  # as asked: None (the default: on where CUDA is), True or False
         self.graphs_enabled = cuda and (graphs is None or graphs)
         self.graphs_note = ("on" if self.graphs_enabled else
                             "off (--graphs off)" if cuda else "off (CPU: no CUDA graphs)")
@@ -251,7 +256,7 @@ class BatchRunner:
         self._refused: dict[tuple[int, int], str] = {}  # why a graph cannot serve this (size, flags); "" = it can
         self.block_notes: dict[tuple[int, int], str] = {}  # why a graph of several steps was not captured
         self._flag_tokens: dict[tuple, int] = {}
-        self._flags_key: tuple = (None, -1)  # (the last flags object seen, its token)
+        self._flags_key: tuple = (None, -1, False)  # (the last flags object seen, its token, keep_logits)
         # Two (start, end) event pairs, reused (`use_events`); None on a CPU.
         self._pairs: tuple | None = None
         self._events = self._records = None
@@ -261,7 +266,7 @@ class BatchRunner:
             if cuda else None
         self._stream: torch.cuda.Stream | None = None  # the current stream, kept while its id stays the same
         self._stream_ident: tuple | None = None
-        # The last replayed graph, with the flags object and batch size it was found for: a steady
+        # The last replayed graph, with the dispatcher (the run) and batch size it was found for: a steady
         # cohort's next step finds it without a key or a dict lookup.
         self._last_replayed: tuple = (None, 0, None)
         self.input_copies = 0  # replays that had to copy their inputs in (a new cohort, or a first replay)
@@ -369,9 +374,12 @@ class BatchRunner:
         launched_at = time.perf_counter()
         counted = None if kernels_before is None else launches.since(kernels_before)
         tokens = dispatcher.end_step_batch(next_tokens)
+        logits = None
+        if dispatcher.keep_logits:  # after the step's sync: the copy waits for nothing
+            logits, dispatcher.step_logits = dispatcher.step_logits.float().cpu(), None
         events = self._events
         device_us = events[0].elapsed_time(events[1]) * 1e3 if events is not None else None
-        return tokens, StepTiming(launched_at, device_us, graph_mode, reason, counted)
+        return tokens, StepTiming(launched_at, device_us, graph_mode, reason, counted, logits=logits)
 
     def _run_replay(self, batch: Batch, dispatcher, captured: DecodeGraph, kernels_before, reserve_next=None,
                     clock=time.perf_counter) -> tuple[list[int], StepTiming]:
@@ -451,6 +459,8 @@ class BatchRunner:
         pair[2]()  # the step's sync: its end event
         self.synced_at = _perf_counter()
         device_us = pair[3]() * 1e3
+        # the graph copied each step's logits out where the run keeps them: read before the instance runs again
+        logits = None if launched.logits is None else launched.logits[turn][:, :len(rows)].clone()  # [span, B, V]
         if span == 1:
             tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
             last = tokens
@@ -458,7 +468,8 @@ class BatchRunner:
             values = launched.landing[turn].tolist()
             tokens = dispatcher.end_replay(values[0], len(rows))
             device_us /= span
-            self.served = _Served(captured, launched, dispatcher, step, rows, values, started, launched_at, device_us)
+            self.served = _Served(captured, launched, dispatcher, step, rows, values, started, launched_at, device_us,
+                                  logits)
             last = values[-1][:len(rows)]
         ahead = self.ahead
         if ahead is None:
@@ -466,7 +477,8 @@ class BatchRunner:
         else:  # the graph replays again already: what it was fed, checked by the next step (`_Ahead.feeds`)
             ahead.fed, ahead.tokens, ahead.offset = rows, last, span
         host_us = None if busy_from is None else (waited - busy_from) * 1e6
-        return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us, span)
+        return tokens, StepTiming(launched_at, device_us, "replay", "", counted, host_us, span,
+                                  logits=None if logits is None else logits[0])
 
     def take_served(self, dispatcher, cohort) -> _Served:
         """The later steps of the synced graph of several steps (`served`), for the caller to serve at once: from
@@ -552,6 +564,8 @@ class BatchRunner:
             logits = forward(config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]
         finally:
             dispatcher.outputs = None
+        if dispatcher.keep_logits:
+            dispatcher.step_logits = logits
         if outputs is not None and outputs.picked:  # the LM head's GEMV took the argmax
             return outputs.observed[:size]
         if logits.is_cuda:
@@ -563,11 +577,13 @@ class BatchRunner:
     # ---------------------------------------------------------------------------------- graphs
 
     def _graph_key(self, size: int, dispatcher) -> tuple[int, int]:
-        # A capture freezes the decisions of its flags: a run with other flags needs its own graph.
+        # A capture freezes the decisions of its flags: a run with other flags needs its own graph; a run that
+        # keeps each step's logits needs graphs that copy them out.
         flags = dispatcher.flags
-        if self._flags_key[0] is not flags:
-            values = tuple(sorted(flags.values.items()))
-            self._flags_key = (flags, self._flag_tokens.setdefault(values, len(self._flag_tokens)))
+        if self._flags_key[0] is not flags or self._flags_key[2] != dispatcher.keep_logits:
+            values = (tuple(sorted(flags.values.items())), dispatcher.keep_logits)
+            self._flags_key = (flags, self._flag_tokens.setdefault(values, len(self._flag_tokens)),
+                               dispatcher.keep_logits)
         return (size, self._flags_key[1])
 
     def _graph_for(self, rows, dispatcher) -> tuple[str, tuple[int, int] | None, DecodeGraph | None]:
@@ -579,7 +595,7 @@ class BatchRunner:
                 return (f"decode rows sit in cache rows {[row.sequence.slot for row in rows]}, not 0..{size - 1}",
                         None, None)
         last = self._last_replayed
-        if last[0] is dispatcher.flags and last[1] == size:  # a steady cohort: the graph it replayed last step
+        if last[0] is dispatcher and last[1] == size:  # a steady cohort: the graph it replayed last step
             return "", None, last[2]
         key = self._graph_key(size, dispatcher)
         reason = self._refused.get(key)
@@ -587,7 +603,7 @@ class BatchRunner:
             reason = self._refused[key] = self._capture_blocker(size, dispatcher)
         captured = None if reason else self._graphs.get(key)
         if captured is not None:
-            self._last_replayed = (dispatcher.flags, size, captured)
+            self._last_replayed = (dispatcher, size, captured)
         return reason, key, captured
 
     def _capture_blocker(self, size: int, dispatcher) -> str:

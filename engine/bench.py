@@ -616,7 +616,7 @@ def _run_once(engine, flags, spec: RowSpec, runner, token_budget, clock, repetit
     """One repetition of a row: its prompts (fresh per repetition) through `generate_batch` on its runner."""
     prompts = prompts_for(spec, engine.seed, repetition, engine.config.vocab_size)
     return engine.generate_batch(prompts, spec.max_tokens, flags, runner=runner, token_budget=token_budget,
-                                 clock=clock)
+                                 clock=clock, timed=False)
 
 
 def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor: int) -> tuple[list[dict], str]:

@@ -19,6 +19,7 @@ from engine.arms import ARMS, Counters
 from engine.attention_dispatch import UNFUSED, decide_attention
 from engine.devices import device_label
 from engine.flags import ResolvedFlags
+from kernels import launches
 from kernels.reference import MaskSpec
 
 log = logging.getLogger("moe_inspector.engine")
@@ -66,8 +67,12 @@ class _Timer:
 class Dispatcher:
     """The engine's per-run layer hooks: decides, executes, counts and records."""
 
-    def __init__(self, engine, flags: ResolvedFlags, timed: bool) -> None:
+    def __init__(self, engine, flags: ResolvedFlags, timed: bool, keep_logits: bool = False) -> None:
         self.engine, self.flags, self.timed = engine, flags, timed
+        # Whether the run keeps each step's logits (compare, the TUI's side-by-side error): the runner copies
+        # them to the host at the step's sync (graphs copy them out themselves), else they never leave the device.
+        self.keep_logits = keep_logits
+        self.step_logits: torch.Tensor | None = None  # an eager step's [B, V] logits until the runner reads them
         self.counters = Counters()
         # engine.decode_fused.StepOutputs while the batch runner has a decode step's folds write its outputs
         self.outputs = None
@@ -96,12 +101,23 @@ class Dispatcher:
             log.info(message)
 
     def _run(self, record: dict, launch: Callable):
-        if not self.timed:
-            return launch()
-        handle = self.timer.start()
-        out = launch()
-        self.pending_times.append((record, self.timer.stop(handle)))
-        return out
+        """The arm's call. On a GPU the record lists the device kernels it launched, in order (`arm_kernels`:
+        engine.layer_timing reads a replay's profile back per layer with them); timed, its µs come at the
+        step's sync (`us_method` says how)."""
+        logged = self.engine.device.type == "cuda"
+        if logged:
+            launches.log_begin()
+        try:
+            if not self.timed:
+                return launch()
+            handle = self.timer.start()
+            out = launch()
+            self.pending_times.append((record, self.timer.stop(handle)))
+            record["us_method"] = "cuda events around the call (eager step)" if self.timer.cuda else "cpu wall clock"
+            return out
+        finally:
+            if logged:
+                record["arm_kernels"] = [launches.device_kernel_name(name) or name for name in launches.log_end()]
 
     def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
         """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
@@ -134,7 +150,7 @@ class Dispatcher:
             "fill": round(dispatch.tile_fill(n, config.top_k, config.n_experts, flags["tile_m"]), 4),
             "boundary": decision.boundary, "policy": flags["moe_gate"],
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
-            "reason": decision.reason, "execution_note": note, "us": None,
+            "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
         }
         if woken is not None:
             self.pending_woken.append(woken)
@@ -174,7 +190,7 @@ class Dispatcher:
             "head_dim": config.head_dim,
             "decided_arm": decision.arm, "executed_arm": executed.name, "mask": decision.mask,
             "applied_mask": decision.applied_mask, "declined": decision.declined, "reason": decision.reason,
-            "execution_note": note, "us": None,
+            "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
         }
         self.counters.bump(executed.name)
         self._engage("attention", executed.name, decision.applied_mask, self.phase,

@@ -68,6 +68,9 @@ class DecodeGraph:
     # engine.decode_fused.StepOutputs.carry), else None; and the buffers its graphs write and read besides.
     step_kernels: tuple[dict[str, int], ...] | None = None
     buffers: tuple = ()
+    # Per instance, [steps, B, V] float32 pinned: each step's logits, copied by the graph itself, where the run
+    # keeps them (the dispatcher's `keep_logits`: compare and the TUI's side-by-side error); else None.
+    logits: tuple | None = None
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
     # The launches of steps 1 .. steps - 1 (served from the host after the launch's sync), as (launches, steps)
@@ -133,15 +136,17 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
     # copied or written there after the forward. A launch then copies nothing (bench/probe_launch.py:
     # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
     landing = tuple(torch.empty(size + config.n_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
+    logits = _logit_landings(runner, dispatcher, 1, size)
     try:
         graphs, template, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout,
-                                                             [observed.view(1, -1) for observed in landing])
+                                                        [observed.view(1, -1) for observed in landing],
+                                                        logits=logits)
         counted = per_step[0][0]
     except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
         runner._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return next_tokens
     staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
-    captured = runner._graphs[key] = DecodeGraph(graphs, inputs, staging, landing, template, counted)
+    captured = runner._graphs[key] = DecodeGraph(graphs, inputs, staging, landing, template, counted, logits=logits)
     steps = dispatcher.flags["steps_per_graph"]
     if steps > 1:
         # The graph of several steps: the same step captured `steps` times in a row, each step's outputs in
@@ -156,7 +161,7 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
         blocks = []
         while steps > 1:
             block = _capture_block(runner, batch, dispatcher, key, inputs, tokens, layout, staging, template, counted,
-                                        steps, carry)
+                                   steps, carry)
             if block is None:
                 break
             blocks.append(block)
@@ -165,6 +170,16 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
             captured.block, captured.tails = blocks[0], tuple(blocks[1:])
     return next_tokens
 
+
+def _logit_landings(runner, dispatcher, steps: int, size: int) -> tuple | None:
+    """Two [steps, B, V] float32 pinned buffers a graph copies each step's logits into, where the run keeps
+    them; else None (the graph then writes only tokens and counts)."""
+    if not dispatcher.keep_logits:
+        return None
+    vocab = runner.engine.config.vocab_size
+    return tuple(torch.empty((steps, size, vocab), dtype=torch.float32, pin_memory=True) for _ in range(2))
+
+
 def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout, staging, template,
                    counted: dict[str, int], steps: int, carry: tuple) -> "DecodeGraph | None":
     """The graph of `steps` steps (`_DecodeGraph.block` or one of its `tails`), or None with a note in
@@ -172,31 +187,37 @@ def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout
     size = inputs.shape[1]
     landings = tuple(torch.empty((steps, size + runner.engine.config.n_layers), dtype=torch.int64,
                                  pin_memory=True) for _ in range(2))
+    logits = _logit_landings(runner, dispatcher, steps, size)
     try:
-        graphs, _, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout, landings, carry)
+        graphs, _, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout, landings, carry,
+                                                 logits)
         expected = [carried_launches(counted, index > 0 and per_step[index - 1][1], carried_out)
                     for index, (_, carried_out) in enumerate(per_step)]
         if [launched for launched, _ in per_step] != expected:
             raise RuntimeError(f"{steps} steps launch {[launched for launched, _ in per_step]}, not {expected}")
     except Exception as error:  # noqa: BLE001 - the one-step graph serves; the steps say span 1
         runner.block_notes[key] = (f"graph of {steps} steps not captured: {type(error).__name__}: "
-                                 f"{str(error).splitlines()[0][:160]}")
+                                   f"{str(error).splitlines()[0][:160]}")
         return None
     chained = any(carried_out for _, carried_out in per_step)
     return DecodeGraph(graphs, inputs, staging, landings, template, counted, steps=steps,
-                        step_kernels=tuple(expected) if chained else None, buffers=carry)
+                       step_kernels=tuple(expected) if chained else None, buffers=carry, logits=logits)
+
 
 def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout, landings: list,
-                       carry: tuple = (None, None)) -> tuple[tuple, object, list[tuple[dict[str, int], bool]]]:
+                       carry: tuple = (None, None), logits: tuple | None = None
+                       ) -> tuple[tuple, object, list[tuple[dict[str, int], bool]]]:
     """One graph per landing buffer [steps, B + MoE layers], each the decode step captured `steps` times in
-    a row, step k writing its outputs into row k; the first step's template dispatcher (its decisions and
-    outputs, which a replay copies per step) and, per step of an instance, its launches and whether its LM
-    head carried the next step's first norm into that instance's `carry` buffers (x, h; None: no carry)."""
+    a row, step k writing its outputs into row k (and, with `logits`, its logits into row k of that instance's
+    [steps, B, V] buffer); the first step's template dispatcher (its decisions and outputs, which a replay
+    copies per step) and, per step of an instance, its launches and whether its LM head carried the next
+    step's first norm into that instance's `carry` buffers (x, h; None: no carry)."""
     from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
 
     config, weights, size = runner.engine.config, runner.engine.weights, inputs.shape[1]
     graphs, templates, counted = [], [], []
-    for landing, buffers in zip(landings, carry):
+    for instance, (landing, buffers) in enumerate(zip(landings, carry)):
+        logit_landing = None if logits is None else logits[instance]
         steps = []  # made before the capture: nothing of a dispatcher's set-up belongs in the graph
         for index, observed in enumerate(landing):
             template = Dispatcher(runner.engine, dispatcher.flags, timed=False)
@@ -213,9 +234,11 @@ def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout,
                     template.outputs = outputs = StepOutputs(
                         observed, inputs, carry=buffers if index + 1 < len(steps) else None, carried=carried)
                     try:
-                        logits = forward(config, weights, tokens, layout, runner.cache, template)  # [B, V]
+                        step_logits = forward(config, weights, tokens, layout, runner.cache, template)  # [B, V]
                     finally:
                         template.outputs = None
+                    if logit_landing is not None:
+                        logit_landing[index].copy_(step_logits, non_blocking=True)
                     woken = template.pending_woken
                     if len(woken) != config.n_layers:
                         raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
@@ -227,7 +250,7 @@ def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout,
                     # host->device copy (the host checks, see `holds`). One kernel where the LM head did not:
                     # argmax into `observed`, the same tokens into inputs[0], inputs[1] + 1.
                     if not outputs.picked:
-                        next_tokens_into(logits.float(), observed, inputs)
+                        next_tokens_into(step_logits.float(), observed, inputs)
                     per_step.append((launches.since(before), outputs.carried_out))
                     carried = buffers if outputs.carried_out else None
         finally:

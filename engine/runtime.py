@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from engine import layer_timing
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine.decode_fused import pack_qkv
@@ -29,7 +30,7 @@ from engine.devices import device_label, resolve_device  # noqa: F401 - re-expor
 from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 - re-exported for callers
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
-from engine.model import KVCache, forward, random_weights
+from engine.model import random_weights
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.shipped import load_shipped, shipped_directory
@@ -73,6 +74,41 @@ def cyclic_gc_paused():
                 gc.enable()
 
 
+@contextlib.contextmanager
+def _kernel_profile(enabled: bool):
+    """torch.profiler over the steps (CUDA activity only: the device kernels) when `enabled`, else nothing."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield prof
+
+
+def _device_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of every device kernel the profile recorded (copies and memsets left out)."""
+    kernels = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+            name = event.name
+            if not name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
+                kernels.append((name, event.time_range.start, event.time_range.elapsed_us()))
+    return kernels
+
+
+def _timing_note(mode: str, cuda: bool, profiled: bool, attributed: str) -> str:
+    if mode == "off":
+        return "off: no per-layer µs (layer_timing=off)"
+    if not cuda:
+        return "cpu wall clock around each call (the CPU runs synchronously)"
+    if mode == "events":
+        return "cuda events around each call, every step eager (layer_timing=events: graphs off)"
+    if not profiled:
+        return "cuda events around each call (graphs off for this run)"
+    return f"replayed steps profiled (CUPTI), eager steps by cuda events around each call: {attributed}"
+
+
 @dataclass
 class Generation:
     model: str
@@ -87,6 +123,8 @@ class Generation:
     engagements: list[str]
     cancelled: bool = False
     weights: str = ""  # where the weights came from: a shipped checkpoint or "random, seed N"
+    graphs: str = ""  # whether decode steps replayed CUDA graphs: "on", or "off (why)"
+    layer_timing: str = ""  # how the records' per-layer µs were measured, for people
 
     def to_json(self) -> dict:
         return {
@@ -94,6 +132,7 @@ class Generation:
             "prompt_tokens": len(self.prompt_tokens),
             "text": self.text, "tokens": self.tokens, "flags": self.flags.to_json(), "steps": self.steps,
             "counters": self.counters, "engagements": self.engagements, "cancelled": self.cancelled,
+            "graphs": self.graphs, "layer_timing": self.layer_timing,
         }
 
 
@@ -110,6 +149,11 @@ class BatchGeneration:
     counters: dict
     engagements: list[str]
     graphs: str  # "on", or "off (why)"
+    cancelled: bool = False  # the caller's cancel event ended the run early
+    # With keep_logits: per sequence (in the order given), the logits [V] float32 on the host of each token it
+    # generated; else None.
+    logits: list[list[torch.Tensor]] | None = field(default=None, repr=False)
+    layer_timing: str = ""  # how the records' per-layer µs were measured, for people
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -129,6 +173,7 @@ class Engine:
             pack_qkv(config, self.weights)
         self.weights_source = weights_source or (f"random, seed {seed}" if weights is None else "given")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self._runner: BatchRunner | None = None  # the last batch runner made (`runner_for`): its cache and graphs
 
     @staticmethod
     def dtype_for(device: torch.device) -> torch.dtype:
@@ -182,86 +227,121 @@ class Engine:
                             f"{self.config.name} context of {context}: ask for at most "
                             f"{context - len(prompt_tokens)} tokens")
 
-    @torch.inference_mode()
+    def runner_for(self, slots: int, capacity: int, graphs: bool | None = None) -> BatchRunner:
+        """A batch runner with at least `slots` KV-cache rows of `capacity` positions: the last one made when it
+        is large enough (its captured graphs are reused: the TUI's next prompt replays at once), else a new one
+        sized with room to spare (capacity rounded up to a power of two, within the context)."""
+        runner = self._runner
+        if (runner is not None and runner.max_slots >= slots and runner.capacity >= capacity
+                and runner.graphs_requested == graphs):
+            return runner
+        rounded = min(max(256, 1 << max(0, capacity - 1).bit_length()), max(capacity, self.config.max_seq_len))
+        self._runner = None  # its cache is freed before the next is allocated
+        self._runner = BatchRunner(self, slots, rounded, graphs)
+        return self._runner
+
     def generate(self, prompt: str | list[int], max_tokens: int, flags: ResolvedFlags,
                  on_step: Callable[[dict, int], None] | None = None, cancel: threading.Event | None = None,
-                 timed: bool = True) -> Generation:
-        """Greedy decoding at temperature 0; ties go to the lowest token id (argmax takes the first)."""
+                 keep_logits: bool = True, graphs: bool | None = None, timed: bool | None = None) -> Generation:
+        """Greedy decoding of one prompt at temperature 0 (ties go to the lowest token id) through the batched
+        runtime every entry point uses (`generate_batch`): chunked prefill, then decode steps that replay CUDA
+        graphs on a GPU. `on_step(record, token)` is called as each step's record is made (`token` None for a
+        prefill chunk that emits nothing); `cancel` ends the run after the step in flight. `keep_logits`: each
+        generated token's logits come back (`Generation.logits`; compare needs them). `timed`: as
+        `generate_batch`'s (None: the flag layer_timing)."""
         prompt_tokens = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_length(prompt_tokens, max_tokens)
-        dispatcher = Dispatcher(self, flags, timed)
-        cache = KVCache.allocate(self.config, 1, len(prompt_tokens) + max_tokens, self.device, self.dtype)
-        inputs = torch.tensor([prompt_tokens], device=self.device)
-        start, generated, steps, logits_per_step = 0, [], [], []
-        cancelled = False
-        for step in range(max_tokens):
-            if cancel is not None and cancel.is_set():
-                cancelled = True
-                break
-            dispatcher.begin_step(step, PREFILL if step == 0 else DECODE, inputs.shape[1])
-            logits = forward(self.config, self.weights, inputs, start, cache, dispatcher)  # [1, V]
-            token = dispatcher.end_step(torch.argmax(logits[0]))
-            start += inputs.shape[1]
-            generated.append(token)
-            logits_per_step.append(logits[0].float().cpu())
-            record = dispatcher.step_record()
-            record["token"] = token
-            steps.append(record)
+
+        def each_step(record: dict) -> None:
+            emitted = record["rows"][0]["emitted"] if record["rows"] else None
+            record["token"] = emitted
             if on_step is not None:
-                on_step(record, token)
-            inputs = torch.tensor([[token]], device=self.device)
+                on_step(record, emitted)
+
+        run = self.generate_batch([prompt_tokens], max_tokens, flags, on_step=each_step, cancel=cancel,
+                                  keep_logits=keep_logits, graphs=graphs, timed=timed)
+        generated = run.tokens[0]
         return Generation(
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
-            text=self.tokenizer.decode(generated), flags=flags, steps=steps, counters=dispatcher.counters.to_json(),
-            logits=logits_per_step, engagements=dispatcher.engagements, cancelled=cancelled,
-            weights=self.weights_source)
+            text=self.tokenizer.decode(generated), flags=flags, steps=run.steps, counters=run.counters,
+            logits=run.logits[0] if run.logits is not None else [], engagements=run.engagements,
+            cancelled=run.cancelled, weights=self.weights_source, graphs=run.graphs, layer_timing=run.layer_timing)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,
                        max_slots: int | None = None, token_budget: int | None = None, graphs: bool | None = None,
                        runner=None, clock: Callable[[], float] = time.perf_counter,
-                       timed: bool = False) -> BatchGeneration:
+                       timed: bool | None = None, on_step: Callable[[dict], None] | None = None,
+                       cancel: threading.Event | None = None, keep_logits: bool = False) -> BatchGeneration:
         """Greedy decoding of many prompts at once with continuous batching (engine.scheduler) and
         the batch runner (engine.batch_runner): chunked prefill of `prefill_chunk` tokens, then a
         decode cohort. Every sequence gets a fresh request id; pass `runner` to reuse a KV cache
-        and its captured graphs across runs. The steps run with the cyclic garbage collector off
+        and its captured graphs across runs (else the engine's own, `runner_for`). `on_step` is called with
+        each step's record as it is made; `cancel` (set from another thread) ends the run after the step in
+        flight, the result then says `cancelled`. Per-layer µs as the flag layer_timing says (`timed` True or
+        False overrides it: the bench times whole steps and asks for none): on a GPU, `profile` runs the steps
+        under torch.profiler and reads each replayed layer's kernels back from it (engine.layer_timing), eager
+        steps timed by events around each call; `events` runs every step eagerly (no graphs) with those events;
+        on a CPU both time each call by the wall clock. The steps run with the cyclic garbage collector off
         (`cyclic_gc_paused`), turned back on when they end."""
         counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts, strict=True)]
         for sequence in sequences:
             self.check_length(list(sequence.prompt), sequence.max_tokens)
+        mode = flags["layer_timing"] if timed is None else ("profile" if timed else "off")
+        cuda = self.device.type == "cuda"
+        if cuda and mode == "events":  # every call timed by events around it: the eager path, no graphs
+            graphs = False
         if runner is None:
-            runner = BatchRunner(self, max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs)
+            runner = self.runner_for(max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs)
         chunk = flags["prefill_chunk"]
         scheduler = Scheduler(runner.max_slots, runner.capacity, token_budget or max(chunk, 2048), chunk)
-        dispatcher = Dispatcher(self, flags, timed)
+        dispatcher = Dispatcher(self, flags, mode != "off", keep_logits=keep_logits)
         arrived = clock()
         for sequence in sequences:
             scheduler.add(sequence, arrived)
+        kept: dict[int, list[torch.Tensor]] | None = {s.request_id: [] for s in sequences} if keep_logits else None
         steps = []
         next_steps, has_work, extend = self._next_steps, scheduler.has_work, steps.extend
+        cancelled = False
+        profiled = cuda and mode == "profile" and runner.graphs_enabled
+        timing_note = ""
         try:
-            with cyclic_gc_paused():  # no collector pauses inside the steps: a run makes no reference cycles
+            with cyclic_gc_paused(), _kernel_profile(profiled) as profile:  # no collector pauses inside the steps
                 while has_work():
-                    extend(next_steps(scheduler, runner, dispatcher, clock))
+                    if cancel is not None and cancel.is_set():
+                        cancelled = True
+                        break
+                    made = next_steps(scheduler, runner, dispatcher, clock, kept)
+                    extend(made)
+                    if on_step is not None:
+                        for record in made:
+                            on_step(record)
         finally:  # a run that ended early must not leave a launched-ahead step (or served steps) for the next run
             if runner.ahead is not None or runner.served is not None:
                 runner.drop_ahead()
+        if profiled:
+            timing_note = layer_timing.attribute(steps, _device_kernels(profile))
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
-                               engagements=dispatcher.engagements, graphs=runner.graphs_note)
+                               engagements=dispatcher.engagements, graphs=runner.graphs_note, cancelled=cancelled,
+                               logits=None if kept is None else [kept[s.request_id] for s in sequences],
+                               layer_timing=_timing_note(mode, cuda, profiled, timing_note))
 
     @staticmethod
-    def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> list[dict]:
+    def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,
+                    kept: dict[int, list[torch.Tensor]] | None = None) -> list[dict]:
         """The next scheduled step's record (`_batch_step`) and, where that step launched and synced a graph of
-        several steps, its later steps' records (`_served_steps`): what `generate_batch` runs per loop."""
-        step = Engine._batch_step(scheduler, runner, dispatcher, clock)
+        several steps, its later steps' records (`_served_steps`): what `generate_batch` runs per loop. `kept`
+        (request id -> logits of each token it generated) collects the steps' logits where the run keeps them."""
+        step = Engine._batch_step(scheduler, runner, dispatcher, clock, kept)
         if runner.served is None:
             return [step]
-        return [step, *Engine._served_steps(scheduler, runner, dispatcher, clock, step)]
+        return [step, *Engine._served_steps(scheduler, runner, dispatcher, clock, step, kept)]
 
     @staticmethod
-    def _served_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock, launching: dict) -> list[dict]:
+    def _served_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock, launching: dict,
+                      kept: dict[int, list[torch.Tensor]] | None = None) -> list[dict]:
         """The later steps of the graph of several steps that step `launching` launched and synced (the runner's
         `served`): their tokens and woken counts are on the host already, so they are served in one loop,
         launching and waiting for nothing, each recorded as a replayed step of its own (`launching`'s record,
@@ -292,6 +372,9 @@ class Engine:
             record["kernel_launches"], record["span_index"] = dict(kernels_of(index)), index
             record["rows"] = [{"request_id": sequence.request_id, "slot": sequence.slot, "start": sequence.cached - 1,
                                "tokens": 1, "emitted": token} for sequence, token in zip(cohort, outputs)]
+            if kept is not None:
+                for row, sequence in enumerate(cohort):
+                    kept[sequence.request_id].append(served.logits[index, row])
             steps.append(record)
             now = perf()  # the step's work done: its host time ends here
             record["host_us"] = (now - previous) * 1e6
@@ -301,7 +384,8 @@ class Engine:
         return steps
 
     @staticmethod
-    def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock) -> dict:
+    def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,
+                    kept: dict[int, list[torch.Tensor]] | None = None) -> dict:
         """One scheduled step and its record. `started` is stamped before the step's launch and
         `host_us` is the host time from the step's start to its launch. A step the runner launched
         ahead (engine.batch_runner, run-ahead: before the previous replayed step's sync, its next step
@@ -323,6 +407,10 @@ class Engine:
         next_tokens, timing = runner.run(batch, dispatcher, kernels_before, scheduler.reserve_next, clock)
         ended = clock()
         scheduler.postprocess(batch, next_tokens, ended)
+        if kept is not None:
+            for index, row in enumerate(batch.rows):
+                if row.emits:
+                    kept[row.sequence.request_id].append(timing.logits[index])
         host_us = timing.host_us
         if host_us is None:
             host_us = (timing.launched_at - host_started) * 1e6

@@ -249,6 +249,6 @@ def flash_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    launches.record("flash_attention")
+    launches.record("flash_attention", kernel=_flash_attention_kernel)
     remember_compiled(f"flash_attention hd{inputs.head_dim} {spec.kind} {q.dtype} {config}", compiled)
     return out

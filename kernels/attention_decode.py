@@ -608,7 +608,7 @@ def flash_decode(
         num_stages=config.num_stages,
         **pdl.launch_options(q.device),
     )
-    launches.record("flash_decode_split")
+    launches.record("flash_decode_split", kernel=_flash_decode_split_kernel)
     remember_compiled(
         f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} "
         f"merge{merge_rows}x{splits_pow2}x{block_d} {config}", compiled
@@ -630,6 +630,6 @@ def flash_decode(
         num_warps=4,
         **pdl.launch_options(q.device),
     )
-    launches.record("flash_decode_combine")
+    launches.record("flash_decode_combine", kernel=_flash_decode_combine_kernel)
     remember_compiled(f"flash_decode_combine hd{head_dim} rows{merge_rows} splits{splits_pow2}", compiled)
     return out

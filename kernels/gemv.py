@@ -156,5 +156,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         PRELOAD=pdl.preload(x.device, "gemv") if preload is None else preload,
         WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
-    launches.record("gemv")
+    launches.record("gemv", kernel=_gemv_kernel)
     return out

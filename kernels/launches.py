@@ -18,11 +18,43 @@ _COUNTS: dict[str, int] = {}  # a plain dict: a Counter's item access is twice a
 _PENDING: dict[int, list] = {}
 # A read folds _PENDING into _COUNTS: a reader on another thread (the TUI's) must not lose a replay recorded meanwhile
 _LOCK = threading.Lock()
+# Launch name -> the name of the device kernel it launches (the @triton.jit function's), as a profiler reports it
+_KERNEL_NAMES: dict[str, str] = {}
+# While a log is open (`log_begin`), every launch name recorded, in order; None when none is open
+_LOG: list[str] | None = None
 
 
-def record(kernel_name: str, launches: int = 1) -> None:
+def record(kernel_name: str, launches: int = 1, kernel=None) -> None:
+    """Count `launches` launches of `kernel_name`. `kernel`: the @triton.jit function launched, whose name a
+    profiler reports for it (`device_kernel_name`), registered the first time it is given."""
     with _LOCK:
         _COUNTS[kernel_name] = _COUNTS.get(kernel_name, 0) + launches
+        if _LOG is not None and launches > 0:
+            _LOG.extend([kernel_name] * launches)
+        if kernel is not None and kernel_name not in _KERNEL_NAMES:
+            function = getattr(kernel, "fn", kernel)
+            _KERNEL_NAMES[kernel_name] = getattr(function, "__name__", str(function))
+
+
+def device_kernel_name(kernel_name: str) -> str | None:
+    """The device kernel a launch name launches, as a profiler names it; None when its launcher never said."""
+    return _KERNEL_NAMES.get(kernel_name)
+
+
+def log_begin() -> None:
+    """Start recording launch names in order (the dispatcher brackets an arm's call: which kernels it launched,
+    so a profile of its replays can be read back per layer). One log at a time: the engine's thread."""
+    global _LOG
+    with _LOCK:
+        _LOG = []
+
+
+def log_end() -> list[str]:
+    """The launch names recorded since `log_begin`, in order; the log is closed."""
+    global _LOG
+    with _LOCK:
+        logged, _LOG = _LOG or [], None
+        return logged
 
 
 def record_many(counts: Mapping[str, int], times: int = 1) -> None:

@@ -449,7 +449,7 @@ def moe_align(
             TILE_M=tile_m, WINDOW_TILES=window_tiles, MAX_PAIRS=FUSED_MAX_PAIRS, CHUNK=chunk_pairs,
             BLOCK=block_tiles, E_PAD=e_pad, num_warps=NUM_WARPS,
         )
-        launches.record("moe_align.fused")
+        launches.record("moe_align.fused", kernel=_fused_kernel)
     else:
         _align_in_three(flat_ids, sorted_pair_ids, pair_rows, tile_expert_ids, window_first_tiles,
                         expert_counts, expert_offsets, padded_offsets, used, num_pairs, num_experts,
@@ -485,13 +485,13 @@ def _align_in_three(flat_ids, sorted_pair_ids, pair_rows, tile_expert_ids, windo
         flat_ids, rank_in_chunk, chunk_counts, num_pairs, num_experts,
         CHUNK=CHUNK_PAIRS, E_PAD=e_pad, num_warps=NUM_WARPS,
     )
-    launches.record("moe_align.count")
+    launches.record("moe_align.count", kernel=_count_kernel)
     if not single_chunk:
         _scan_kernel[(1,)](
             chunk_counts, expert_counts, num_chunks, num_experts,
             SCAN_BLOCK=SCAN_CHUNKS, E_PAD=e_pad, num_warps=NUM_WARPS,
         )
-        launches.record("moe_align.scan")
+        launches.record("moe_align.scan", kernel=_scan_kernel)
     programs = max(num_chunks, triton.cdiv(max_tiles, TILES_PER_PROGRAM), triton.cdiv(max_windows, TILES_PER_PROGRAM))
     _place_kernel[(programs,)](
         flat_ids, rank_in_chunk, chunk_counts, expert_counts,
@@ -501,4 +501,4 @@ def _align_in_three(flat_ids, sorted_pair_ids, pair_rows, tile_expert_ids, windo
         TILE_M=tile_m, WINDOW_TILES=window_tiles, CHUNK=CHUNK_PAIRS, BLOCK_TILES=TILES_PER_PROGRAM,
         E_PAD=e_pad, SINGLE_CHUNK=single_chunk, num_warps=NUM_WARPS,
     )
-    launches.record("moe_align.place")
+    launches.record("moe_align.place", kernel=_place_kernel)

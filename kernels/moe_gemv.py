@@ -219,7 +219,7 @@ def moe_gemv(
         TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=GATE_UP_F_STEPS, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
-    launches.record("moe_gemv.gate_up")
+    launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
     _down_kernel[(tokens, triton.cdiv(hidden_size, DOWN_BLOCK_D))](
         hidden, w2, flat_ids, flat_weights, out,
@@ -229,5 +229,5 @@ def moe_gemv(
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device),
     )
-    launches.record("moe_gemv.down")
+    launches.record("moe_gemv.down", kernel=_down_kernel)
     return out

@@ -386,7 +386,7 @@ def moe_grouped(
         GROUP_WINDOWS=schedule.group_windows, PERSISTENT=schedule.persistent,
         EVEN_K=hidden_size % BLOCK_K == 0, DOT_PRECISION=dot_precision, **meta,
     )
-    launches.record(f"moe_grouped.gate_up.v{variant}")
+    launches.record(f"moe_grouped.gate_up.v{variant}", kernel=_gate_up_kernel)
 
     down_items = max_windows * triton.cdiv(hidden_size, down_block_n)
     _down_kernel[(min(down_items, programs) if schedule.persistent else down_items,)](
@@ -398,11 +398,11 @@ def moe_grouped(
         GROUP_WINDOWS=schedule.group_windows, PERSISTENT=schedule.persistent,
         EVEN_K=intermediate % BLOCK_K == 0, DOT_PRECISION=dot_precision, **meta,
     )
-    launches.record(f"moe_grouped.down.v{variant}")
+    launches.record(f"moe_grouped.down.v{variant}", kernel=_down_kernel)
 
     _reduce_kernel[(tokens, triton.cdiv(hidden_size, reduce_block_d))](
         pair_out, flat_ids, out, experts, hidden_size, pair_out.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_D=reduce_block_d, num_warps=4,
     )
-    launches.record("moe_grouped.reduce")
+    launches.record("moe_grouped.reduce", kernel=_reduce_kernel)
     return out

@@ -86,4 +86,4 @@ def _launch(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor, 
     _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0) if feed else 0,
                                  BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), FEED=feed, num_warps=4,
                                  **pdl.launch_options(logits.device))
-    launches.record("next_tokens")
+    launches.record("next_tokens", kernel=_next_tokens_kernel)

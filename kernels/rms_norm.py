@@ -111,5 +111,5 @@ def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residu
         BLOCK_D=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, GATHER=gather,
         num_warps=num_warps(hidden), **pdl.launch_options(weight.device),
     )
-    launches.record("rms_norm")
+    launches.record("rms_norm", kernel=_rms_norm_kernel)
     return x_out, h

@@ -113,5 +113,5 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
         **pdl.launch_options(qkv.device),
     )
-    launches.record("rope_cache")
+    launches.record("rope_cache", kernel=_rope_cache_kernel)
     return q_out, position32

@@ -110,7 +110,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
         num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
     )
-    launches.record("topk_softmax")
+    launches.record("topk_softmax", kernel=_topk_softmax_kernel)
     return (ids, weights, count[0]) if woken else (ids, weights)
 
 
@@ -131,5 +131,5 @@ def count_distinct(ids: torch.Tensor, experts: int) -> torch.Tensor:
     e_pad = triton.next_power_of_2(experts)
     _count_distinct_kernel[(1,)](flat, out, flat.numel(), experts, E_PAD=e_pad,
                                  BLOCK=max(1, min(64, 16384 // e_pad)), num_warps=4)
-    launches.record("count_distinct")
+    launches.record("count_distinct", kernel=_count_distinct_kernel)
     return out[0]

@@ -35,7 +35,8 @@ def _stubbed_run(engine, prompt, tokens, run_ahead=True):
         copies.append(holds != [(row.sequence.request_id, row.tokens[0], row.start) for row in rows])
 
     runner._replay = replay
-    return engine.generate_batch([prompt], tokens, flags.resolve([ONE_STEP], environ={}), runner=runner), copies, runner
+    return (engine.generate_batch([prompt], tokens, flags.resolve([ONE_STEP], environ={}), runner=runner, timed=False),
+            copies, runner)
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
