@@ -286,8 +286,12 @@ class Engine:
         (`cyclic_gc_paused`), turned back on when they end."""
         counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         sequences = [Sequence(prompt, count) for prompt, count in zip(prompts, counts, strict=True)]
+        vocab = self.config.vocab_size
         for sequence in sequences:
             self.check_length(list(sequence.prompt), sequence.max_tokens)
+            if not all(isinstance(token, int) and 0 <= token < vocab for token in sequence.prompt):
+                bad = next(token for token in sequence.prompt if not (isinstance(token, int) and 0 <= token < vocab))
+                raise UserError(f"prompt token {bad!r} is not a token id of {self.config.name} (0..{vocab - 1})")
         mode = flags["layer_timing"] if timed is None else ("profile" if timed else "off")
         cuda = self.device.type == "cuda"
         if cuda and mode == "events":  # every call timed by events around it: the eager path, no graphs
