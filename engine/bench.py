@@ -472,13 +472,14 @@ def _profile_events(prof) -> tuple[list[tuple[str, float, float]], dict[int, tup
 # --------------------------------------------------------------------------------------------
 
 def active_weight_bytes(config, element_bytes: int) -> dict:
-    """Weights one decode token reads: every dense weight, k of E experts, one embedding row."""
+    """Weights one decode token reads: every dense weight, k of E experts, one embedding row (the whole
+    embedding when it is also the output head, tied)."""
     experts = dense = 0
     for name, shape in tensor_shapes(config).items():
         elements = math.prod(shape)
         if name.endswith(("w13", "w2")):
             experts += elements * config.top_k // config.n_experts
-        elif name == "embed":
+        elif name == "embed" and not config.tie_embeddings:
             dense += shape[1]
         else:
             dense += elements
@@ -729,6 +730,7 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
         "commit": commit_label(), "device": engine.device_label, "versions": versions,
         "model": engine.config.name, "dtype": str(engine.dtype).replace("torch.", ""), "flags": flags.describe(),
         "graphs": graphs, "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
+        **({"checkpoint": engine.checkpoint} if getattr(engine, "checkpoint", None) else {}),
         "clocks": ("wall = perf_counter around whole steps; device = CUDA events around each step's work"
                    if engine.device.type == "cuda" else
                    "wall = perf_counter around whole steps; device = n/a (a CPU has no separate device clock)"),
@@ -736,20 +738,12 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
 
 
 def device_random_weights(config, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Weights drawn on the GPU from a seeded CUDA generator per tensor: seconds instead of the CPU
-    draw's minutes at v4-shape width. For timing only: they are NOT the weights `random_weights`
-    gives (generate, compare and sessions use those), and the report says so."""
-    from engine.model import _init_std
+    """Weights drawn on the GPU from a seeded CUDA generator per tensor (engine.model_source.random_weights_on):
+    seconds instead of the CPU draw's minutes at v4-shape width. For timing only: they are NOT the weights
+    `random_weights` gives on the CPU, and the report says so."""
+    from engine.model_source import random_weights_on
 
-    weights = {}
-    for name, shape in tensor_shapes(config).items():
-        std = _init_std(name, shape)
-        if std is None:
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
-            continue
-        generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        weights[name] = torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
-    return weights
+    return random_weights_on(config, seed, device, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -887,7 +881,19 @@ def format_markdown(report: Report) -> str:
               + " · ".join(f"{name} {version}" for name, version in foot["versions"].items()),
               f"flags: {foot['flags']} · graphs {foot['graphs']} · weights: {foot['weights']}",
               f"clocks: {foot['clocks']}"]
+    if "checkpoint" in foot:
+        checkpoint = foot["checkpoint"]
+        lines.append(f"checkpoint: {checkpoint['path']} ({checkpoint['family']}, config.json sha256 "
+                     f"{checkpoint['config_sha256']}, weights {describe_weights(checkpoint['weights'])})")
     return "\n".join(lines) + "\n"
+
+
+def describe_weights(source: dict) -> str:
+    """A checkpoint's weights source (engine.model_source.describe_checkpoint) in a few words."""
+    if source["source"] == "random":
+        return f"random, seed {source['seed']}, drawn on the {source['drawn_on']}"
+    total = sum(entry["bytes"] for entry in source["files"])
+    return f"{len(source['files'])} safetensors files, {total / 2**30:.2f} GiB"
 
 
 def critical_cell(entry: dict) -> str:

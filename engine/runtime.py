@@ -17,12 +17,14 @@ import gc
 import os
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from engine import layer_timing
+from engine.model_source import model_config, resolve_model_path  # noqa: F401 - re-exported
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine.decode_fused import pack_qkv
@@ -72,6 +74,24 @@ def cyclic_gc_paused():
             _gc_pause["runs"] -= 1
             if _gc_pause["runs"] == 0 and _gc_pause["was_enabled"]:
                 gc.enable()
+
+
+def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, str]:
+    """tokenizer.json where the directory has it and `tokenizers` is installed; else the byte tokenizer (a
+    random-weights run needs token ids, not words), and a note saying so."""
+    if (directory / "tokenizer.json").is_file():
+        try:
+            from engine.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer(directory / "tokenizer.json"), ""
+        except UserError as error:
+            reason = str(error).split(": ", 1)[-1]
+    else:
+        reason = "no tokenizer.json"
+    if config.vocab_size < 256:
+        raise UserError(f"{directory}: {reason}, and a vocabulary of {config.vocab_size} is too small for byte "
+                        f"tokens: add tokenizer.json")
+    return ByteTokenizer(), f" (prompts as byte tokens: {reason})"
 
 
 @contextlib.contextmanager
@@ -174,27 +194,37 @@ class Engine:
         self.weights_source = weights_source or (f"random, seed {seed}" if weights is None else "given")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self._runner: BatchRunner | None = None  # the last batch runner made (`runner_for`): its cache and graphs
+        self.checkpoint: dict | None = None  # a checkpoint directory's provenance (engine.model_source), or None
+        self.model_spec = config.name  # the model as the user named it (`load`: a preset or a directory's path)
 
     @staticmethod
     def dtype_for(device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @classmethod
-    def load(cls, model: str = "demo", device: str = "auto", seed: int = 0, weights: str = "auto") -> "Engine":
-        """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader). A preset
-        name wins over a directory of the same name (write ./NAME for the directory).
+    def load(cls, model: str = "demo", device: str = "auto", seed: int = 0, weights: str = "auto",
+             base: str | Path | None = None) -> "Engine":
+        engine = cls._load(model, device, seed, weights, base)
+        engine.model_spec = model
+        return engine
+
+    @classmethod
+    def _load(cls, model: str, device: str, seed: int, weights: str, base: str | Path | None) -> "Engine":
+        """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader; a relative path
+        taken from `base` when given, e.g. a session file's directory). A preset name wins over a directory
+        of the same name (write ./NAME for the directory).
 
         weights="auto" loads a preset's shipped checkpoint where one exists (the trained demo), else
-        random weights from `seed`; weights="random" always draws random weights."""
+        random weights from `seed`, and a directory's safetensors files; weights="random" always draws random
+        weights (for a directory: of the family and shape its config.json gives, on the device)."""
         if weights not in ("auto", "random"):
             raise UserError(f"--weights {weights!r}: use auto (a shipped checkpoint where there is one) or random")
-        if model not in PRESETS and os.path.isdir(model):
-            from engine.hf_loader import load_checkpoint  # tokenizers is imported only for directories
-
-            torch_device = resolve_device(device)
-            loaded = load_checkpoint(model, torch_device, cls.dtype_for(torch_device))
-            return cls(loaded.config, torch_device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
-                       weights_source=f"{loaded.family} checkpoint {model}")
+        if model not in PRESETS and resolve_model_path(model, base).is_dir():
+            return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model)
+        if model not in PRESETS and base is not None and (os.sep in model or "/" in model):
+            raise UserError(f"model {model}: {resolve_model_path(model, base)} is not a directory (a relative path "
+                            f"is taken from the session file's directory); give a preset ({', '.join(PRESETS)}) "
+                            f"or a checkpoint directory")
         if model not in PRESETS and (os.sep in model or "/" in model or os.path.exists(model)):
             raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
                             f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
@@ -206,9 +236,48 @@ class Engine:
                                                                      cls.dtype_for(torch_device)),
                    weights_source=f"trained checkpoint {directory.relative_to(directory.parents[2])}")
 
+    @classmethod
+    def _load_directory(cls, directory: Path, device: torch.device, seed: int, weights: str,
+                        shown: str | None = None) -> "Engine":
+        """A Hugging Face-format checkpoint directory: its safetensors files (engine.hf_loader), or with
+        weights="random" random weights of the family and shape its config.json gives, drawn on `device`.
+        The model must fit the device's free memory, checked before a byte is read or drawn. `shown`: the path
+        as the user gave it (a session's relative path), which the weights' source names."""
+        from engine import model_source
+        from engine.hf_loader import load_checkpoint, read_config  # tokenizers is imported only for directories
+
+        config, family = read_config(directory)
+        dtype = cls.dtype_for(device)
+        model_source.check_fits(config, device, dtype, str(directory))
+        checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
+        if weights == "random":
+            tokenizer, note = _directory_tokenizer(directory, config)
+            drawn = model_source.random_weights_on(config, seed, device, dtype)
+            engine = cls(config, device, seed, weights=drawn, tokenizer=tokenizer,
+                         weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
+                                        f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")
+        else:
+            has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists()
+            if not has_weights:
+                raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
+                                f"random weights of this {family} shape, or download the weights")
+            loaded = load_checkpoint(directory, device, dtype)
+            engine = cls(loaded.config, device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
+                         weights_source=f"{loaded.family} checkpoint {shown or directory}")
+        engine.checkpoint = checkpoint
+        return engine
+
     @property
     def device_label(self) -> str:
         return device_label(self.device)
+
+    def provenance(self) -> dict:
+        """What a results header records of this engine's model: the preset, or the checkpoint directory
+        (path, family, config.json hash, the weights' files or random seed), and the weights' source."""
+        model = {"name": self.config.name, "weights": self.weights_source}
+        if self.checkpoint is not None:
+            model["checkpoint"] = self.checkpoint
+        return model
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not prompt:

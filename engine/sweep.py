@@ -47,9 +47,9 @@ class MoeShape:
 
 def moe_shape(model: str) -> MoeShape:
     """The MoE layer shape of a preset (engine.config), so the sweep times what the model runs."""
-    from engine.config import from_name
+    from engine.model_source import model_config
 
-    config = from_name(model)
+    config = model_config(model)  # a preset, or a checkpoint directory's config.json
     return MoeShape(experts=config.n_experts, top_k=config.top_k, hidden=config.hidden,
                     intermediate=config.intermediate)
 

@@ -29,6 +29,9 @@ def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set a flag (repeatable); see `moe-inspector flags`")
     parser.add_argument("--session", default=None, metavar="FILE", help="open (or start) this session file")
     parser.add_argument("--seed", type=int, default=0, help="weight seed for random presets (default 0)")
+    parser.add_argument("--weights", choices=("auto", "random"), default="auto",
+                        help="auto: the shipped or the directory's weights; random: random weights of the model's "
+                             "shape (a directory's from its config.json, drawn on the device)")
     parser.add_argument("--sweep", default=None, metavar="FILE", help="sweep JSON for the tile-fill µs-per-arm plot")
 
 

@@ -202,9 +202,10 @@ ACTIONS = tuple(STEP_TYPES)
 
 @dataclass(frozen=True)
 class EngineSpec:
-    model: str = "demo"
+    model: str = "demo"  # a preset, or a checkpoint directory (a relative path is from the session file's directory)
     device: str = "auto"
     seed: int = 0
+    weights: str = "auto"  # auto: shipped or the directory's files; random: random weights of the model's shape
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Session:
 
 TABLES = ("session", "engine", "flags", "config", "step")
 SESSION_KEYS = ("version", "name", "description")
-ENGINE_KEYS = ("model", "device", "seed")
+ENGINE_KEYS = ("model", "device", "seed", "weights")
 
 
 def _type_name(value: Any) -> str:
@@ -318,6 +319,8 @@ def _parse_engine(data: Mapping, where: str) -> EngineSpec:
             raise _wrong_type(here, key, TEXT.describe, table[key])
     if "seed" in table and not _is_int(table["seed"]):
         raise _wrong_type(here, "seed", "an integer", table["seed"])
+    if "weights" in table and table["weights"] not in ("auto", "random"):
+        raise UserError(f"{here}: weights {table['weights']!r} is not allowed; allowed: auto, random")
     return EngineSpec(**table)
 
 
@@ -467,6 +470,8 @@ def session_to_plain(session: Session) -> dict[str, Any]:
     if session.description:
         header["description"] = session.description
     engine = {"model": session.engine.model, "device": session.engine.device, "seed": session.engine.seed}
+    if session.engine.weights != "auto":
+        engine["weights"] = session.engine.weights
     plain: dict[str, Any] = {"session": header, "engine": engine, "flags": _ordered_flags(session.flags)}
     if session.configs:
         plain["config"] = [{"name": config.name, **_ordered_flags(config.flags)} for config in session.configs]

@@ -69,11 +69,11 @@ class SessionRecorder:
                  flags: flag_registry.ResolvedFlags | Mapping[str, Any] | None = None, *,
                  name: str | None = None, description: str | None = None) -> None:
         self.path = Path(path)
-        unknown = set(engine_info) - {"model", "device", "seed"}
+        unknown = set(engine_info) - {"model", "device", "seed", "weights"}
         if unknown or "model" not in engine_info:
             raise UserError(f"engine_info needs model (and optionally device, seed), got {sorted(engine_info)}")
         engine = EngineSpec(model=str(engine_info["model"]), device=str(engine_info.get("device", "auto")),
-                            seed=int(engine_info.get("seed", 0)))
+                            seed=int(engine_info.get("seed", 0)), weights=str(engine_info.get("weights", "auto")))
         starting = _flag_values(flags, "the recorder's starting flags")
         self._session = Session(name=name or self.path.stem, description=description, engine=engine,
                                 flags=starting)

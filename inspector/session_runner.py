@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine import flags as flag_registry
-from engine.config import ModelConfig, from_name
+from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
 from engine.tokenizer import ByteTokenizer
@@ -90,8 +90,14 @@ def triton_version() -> str | None:
         return None
 
 
+def session_directory(where: str | os.PathLike) -> Path:
+    """The directory a session's relative paths are taken from: the session file's."""
+    return Path(where).resolve().parent
+
+
 def environment_header(session: Session, where: str, device_label: str, device_spec: str,
-                       base_flags: flag_registry.ResolvedFlags, weights: str | None = None) -> dict:
+                       base_flags: flag_registry.ResolvedFlags, weights: str | None = None,
+                       checkpoint: dict | None = None) -> dict:
     import torch
 
     commit, dirty = git_commit()
@@ -102,6 +108,7 @@ def environment_header(session: Session, where: str, device_label: str, device_s
         "cpu_threads": torch.get_num_threads(),
         "device": device_label, "device_spec": device_spec, "model": session.engine.model,
         "seed": session.engine.seed, "weights": weights, "flags": base_flags.to_json(),
+        **({"checkpoint": checkpoint} if checkpoint else {}),
         "configs": {config.name: dict(config.flags) for config in session.configs},
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -207,10 +214,16 @@ def preflight_step(where: str, index: int, step: Step, model: ModelConfig, devic
 
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:
     """The model and torch device, after checking every step can run here; raises UserError."""
-    from engine.runtime import resolve_device
+    from engine.runtime import PRESETS, model_config, resolve_device, resolve_model_path
 
+    name = session.engine.model
+    if name not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
+        path = resolve_model_path(name, session_directory(where))
+        if not path.is_dir():
+            raise UserError(f"{where}: [engine] model: {path} is not a directory (a relative path is taken from the "
+                            f"session file's directory): was the checkpoint moved? Fix the path in [engine] model")
     try:
-        model = from_name(session.engine.model)
+        model = model_config(name, session_directory(where))
     except UserError as error:
         raise UserError(f"{where}: [engine] model: {error}") from None
     try:
@@ -418,9 +431,10 @@ def run_session(session: Session, where: str, device: str | None = None,
     model, torch_device = preflight(session, where, device or session.engine.device)
     base = base_flags(session)
     # The same weights the TUI and `generate` use: a preset's shipped checkpoint where it has one.
-    engine = Engine.load(session.engine.model, str(torch_device), session.engine.seed)
+    engine = Engine.load(session.engine.model, str(torch_device), session.engine.seed, session.engine.weights,
+                         base=session_directory(where))
     outcome = RunOutcome(environment_header(session, where, engine.device_label, str(engine.device), base,
-                                            engine.weights_source))
+                                            engine.weights_source, engine.checkpoint))
     context = RunContext(session, where, engine, base)
     chosen = [(index, step) for index, step in enumerate(session.steps, start=1)
               if only_steps is None or index in only_steps]

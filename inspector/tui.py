@@ -81,7 +81,7 @@ class TuiSession:
         """An existing session for this engine; UserError (the parser's message) when it is not one."""
         recorder = SessionRecorder.load(path)
         spec = recorder.session.engine
-        if spec.model != engine.config.name or spec.seed != engine.seed:
+        if spec.model not in (engine.model_spec, engine.config.name) or spec.seed != engine.seed:
             raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
                             f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {path}`")
         lines, note = cls._recorded_lines(Path(path), recorder.session, engine)
@@ -273,12 +273,17 @@ def launch(args) -> int:
         existing = bool(session_path) and Path(session_path).exists()
         if existing:  # a malformed session is refused here, before anything is loaded
             model, seed, device, notes = _session_engine(args, load_session(session_path).engine)
-        if not Path(model).is_dir():
+        if not Path(model).is_dir() and not existing:
             from_name(model)  # an unknown preset is refused before anything is loaded
         print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
-        engine = Engine.load(model, device, seed)
+        weights = getattr(args, "weights", "auto")
+        if existing:
+            weights = load_session(session_path).engine.weights
+        base = Path(session_path).resolve().parent if existing else None
+        engine = Engine.load(model, device, seed, weights, base=base)
         path = Path(session_path) if session_path else autosave_path()
-        session = TuiSession.start(path, engine, {"model": model, "device": device, "seed": seed}, flags)
+        info = {"model": model, "device": device, "seed": seed} | ({"weights": weights} if weights != "auto" else {})
+        session = TuiSession.start(path, engine, info, flags)
         if existing:
             flags = session.starting_flags(args.set_flags)
     except UserError as error:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from engine import bench
 from engine import flags as flag_registry
-from engine.config import from_name
+from engine.config import PRESETS
 from engine.errors import UserError
 from engine.progress import Progress
-from engine.runtime import Engine, resolve_device
+from engine.runtime import Engine, model_config, resolve_device
 from inspector.commands.common import positive_int_list
 
 
@@ -27,7 +27,12 @@ def _switch(text: str) -> bool:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="llama-bench-style pp/tg rows with both clocks, launch counters and refusal of invalid rows")
-    parser.add_argument("--model", default="demo", help="preset name: tiny, demo, v4-shape (default demo)")
+    parser.add_argument("--model", default="demo",
+                        help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
+    parser.add_argument("--weights", choices=("auto", "random"), default="auto",
+                        help="a directory's weights: auto = its safetensors files, random = random weights of its "
+                             "family and shape drawn on the device from config.json alone (presets always bench "
+                             "random weights)")
     parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
     parser.add_argument("--pp", default="128,512,2048",
@@ -74,7 +79,8 @@ def run(args) -> int:
                         "raise it or lower the chunk with --set prefill_chunk=N")
     graphs = _switch(args.graphs)
     specs = bench.row_specs(pp, tg, batches, args.tg_prompt)
-    config = from_name(args.model)
+    config = model_config(args.model)
+    directory = args.model not in PRESETS
     device = resolve_device(args.device)
     for spec in specs:  # before drawing weights: a bad row costs nothing
         needed = spec.prompt_len + spec.max_tokens
@@ -82,15 +88,19 @@ def run(args) -> int:
             raise UserError(f"{spec.name} needs {needed} positions, more than the {config.name} context of "
                             f"{config.max_seq_len}: choose shorter --pp/--tg/--tg-prompt")
     weights, weights_note = None, ""
-    if args.gpu_weights:
-        if device.type != "cuda":
-            raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")
-        import torch
+    if args.gpu_weights and device.type != "cuda":
+        raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")
+    if directory:
+        engine = Engine.load(args.model, args.device, args.seed, args.weights)
+        weights_note = engine.weights_source
+    else:
+        if args.gpu_weights:
+            import torch
 
-        weights = bench.device_random_weights(config, args.seed, device, torch.bfloat16)
-        weights_note = (f"random, seed {args.seed}, drawn on the GPU by a seeded CUDA generator "
-                        "(timing only: not the CPU-drawn weights of generate/compare)")
-    engine = Engine(config, device, args.seed, weights=weights)
+            weights = bench.device_random_weights(config, args.seed, device, torch.bfloat16)
+            weights_note = (f"random, seed {args.seed}, drawn on the GPU by a seeded CUDA generator "
+                            "(timing only: not the CPU-drawn weights of generate/compare)")
+        engine = Engine(config, device, args.seed, weights=weights)
     progress = None if args.no_progress else Progress(len(specs) * (args.reps + 1 + int(args.profile)),
                                                       f"bench {config.name}")
     try:

@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
         "prints each arm's ratio to the larger bound and the GEMV/grouped crossover, and writes "
         "the calibration entry that moe_gate=measured reads. Needs a CUDA GPU.",
     )
-    parser.add_argument("--model", default="v4-shape", help="tiny, demo or v4-shape (default v4-shape)")
+    parser.add_argument("--model", default="v4-shape",
+                        help="tiny, demo, v4-shape (default) or a checkpoint directory (its config.json's MoE shape)")
     parser.add_argument("--tokens", default=_DEFAULT_TOKENS, help=f"token counts, comma separated (default {_DEFAULT_TOKENS})")
     parser.add_argument("--arms", default=_ALL_ARMS, help=f"arms to time, comma separated (default {_ALL_ARMS})")
     parser.add_argument("--skew", type=float, default=0.0,

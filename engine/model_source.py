@@ -1,0 +1,128 @@
+"""Where a model comes from, and what a run records of it: a preset, or a Hugging Face-format checkpoint
+directory (its safetensors files, or random weights of its family and shape drawn from `config.json`).
+
+`describe_checkpoint` is the provenance every results header and report carries (path, family, a hash of
+config.json, and the weights' source: files with their sizes, or random with the seed and where drawn);
+`check_fits` refuses a model larger than the memory it would go to, before a byte is loaded or drawn.
+Knows nothing of generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import UserError
+
+# Memory a model may take of what is free: the KV cache, activations and the graphs' pools need the rest.
+FIT_SHARE = 0.9
+
+
+def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every weight of `config` in `dtype` (engine.model.tensor_shapes), computed without allocating."""
+    from engine.model import tensor_shapes
+
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in tensor_shapes(config).values()) * element
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free on `device` now: the GPU's (cudaMemGetInfo), or the host's available memory; None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def check_fits(config: ModelConfig, device: torch.device, dtype: torch.dtype, where: str) -> int:
+    """The model's bytes; a UserError naming both sizes when they exceed FIT_SHARE of what `device` has free."""
+    needed = model_bytes(config, dtype)
+    free = free_bytes(device)
+    if free is not None and needed > FIT_SHARE * free:
+        place = "the GPU" if device.type == "cuda" else "this machine"
+        raise UserError(f"{where}: the model's weights take {gib(needed)} in {str(dtype).replace('torch.', '')}, "
+                        f"more than {FIT_SHARE:.0%} of the {gib(free)} free on {place}: use a smaller model or "
+                        f"fewer layers (num_hidden_layers in config.json), or free memory")
+    return needed
+
+
+def config_hash(directory: Path) -> str:
+    """sha256 of config.json's bytes, the first 16 hex digits."""
+    return hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()[:16]
+
+
+def weight_files(directory: Path) -> list[dict]:
+    """The safetensors files of a checkpoint directory, with their sizes in bytes."""
+    return [{"file": path.name, "bytes": path.stat().st_size} for path in sorted(directory.glob("*.safetensors"))]
+
+
+def describe_checkpoint(directory: Path, family: str, weights: str, seed: int, device: torch.device) -> dict:
+    """What a results header records of a checkpoint directory's model."""
+    source = ({"source": "random", "seed": seed, "drawn_on": device.type}
+              if weights == "random" else {"source": "files", "files": weight_files(directory)})
+    return {"path": str(directory.resolve()), "family": family, "config_sha256": config_hash(directory),
+            "weights": source}
+
+
+def random_weights_on(config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype
+                      ) -> dict[str, torch.Tensor]:
+    """Random weights of `config`: drawn on a GPU by a seeded generator per tensor (seconds for a 48-layer
+    model where the CPU draw takes hours), on the CPU by engine.model.random_weights (bit-identical on every
+    machine). Either is deterministic for a device type and seed."""
+    if device.type != "cuda":
+        from engine.model import random_weights
+
+        return random_weights(config, seed, device, dtype)
+    import zlib
+
+    from engine.model import _init_std, tensor_shapes
+
+    weights = {}
+    for name, shape in tensor_shapes(config).items():
+        std = _init_std(name, shape)
+        if std is None:
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            continue
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        weights[name] = torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
+    return weights
+
+
+def model_config(model: str, base: str | Path | None = None) -> ModelConfig:
+    """The config of `model` without loading a weight: a preset by name, else a checkpoint directory's
+    config.json (a relative path taken from `base`, e.g. a session file's directory)."""
+    from engine.config import PRESETS, from_name
+
+    if model in PRESETS:
+        return PRESETS[model]
+    path = resolve_model_path(model, base)
+    if path.is_dir():
+        from engine.hf_loader import read_config
+
+        return read_config(path)[0]
+    return from_name(model)  # the unknown-model error, naming the presets
+
+
+def resolve_model_path(model: str, base: str | Path | None = None) -> Path:
+    """A model given as a path: relative ones are taken from `base` when given (a session's directory)."""
+    path = Path(model).expanduser()
+    return path if path.is_absolute() or base is None else Path(base) / path
