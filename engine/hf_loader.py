@@ -75,11 +75,12 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dtype,
-                    stream: TextIO | None = None) -> LoadedCheckpoint:
-    """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory."""
+                    stream: TextIO | None = None, tokenizer=None) -> LoadedCheckpoint:
+    """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory
+    (`tokenizer`: the caller's, instead of the directory's tokenizer.json)."""
     directory = Path(directory)
     config, family = read_config(directory)
-    tokenizer = HFTokenizer(directory / "tokenizer.json")
+    tokenizer = HFTokenizer(directory / "tokenizer.json") if tokenizer is None else tokenizer
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")

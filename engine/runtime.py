@@ -77,8 +77,9 @@ def cyclic_gc_paused():
 
 
 def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, str]:
-    """tokenizer.json where the directory has it and `tokenizers` is installed; else the byte tokenizer (a
-    random-weights run needs token ids, not words), and a note saying so."""
+    """tokenizer.json where the directory has it and `tokenizers` is installed; else the byte tokenizer, and a
+    note every header and report carries (the bench and random-weights runs need token ids, not words; text
+    through byte tokens is not the model's)."""
     if (directory / "tokenizer.json").is_file():
         try:
             from engine.hf_tokenizer import HFTokenizer
@@ -196,6 +197,7 @@ class Engine:
         self._runner: BatchRunner | None = None  # the last batch runner made (`runner_for`): its cache and graphs
         self.checkpoint: dict | None = None  # a checkpoint directory's provenance (engine.model_source), or None
         self.model_spec = config.name  # the model as the user named it (`load`: a preset or a directory's path)
+        self.text_refusal = ""  # why a text prompt cannot be encoded for this model ("" when it can)
 
     @staticmethod
     def dtype_for(device: torch.device) -> torch.dtype:
@@ -250,8 +252,8 @@ class Engine:
         dtype = cls.dtype_for(device)
         model_source.check_fits(config, device, dtype, str(directory))
         checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
+        tokenizer, note = _directory_tokenizer(directory, config)
         if weights == "random":
-            tokenizer, note = _directory_tokenizer(directory, config)
             drawn = model_source.random_weights_on(config, seed, device, dtype)
             engine = cls(config, device, seed, weights=drawn, tokenizer=tokenizer,
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
@@ -261,9 +263,13 @@ class Engine:
             if not has_weights:
                 raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
                                 f"random weights of this {family} shape, or download the weights")
-            loaded = load_checkpoint(directory, device, dtype)
+            loaded = load_checkpoint(directory, device, dtype, tokenizer=tokenizer)
             engine = cls(loaded.config, device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
-                         weights_source=f"{loaded.family} checkpoint {shown or directory}")
+                         weights_source=f"{loaded.family} checkpoint {shown or directory}{note}")
+            if note:  # the model's own weights: text through byte tokens would not be its text
+                engine.text_refusal = (f"{directory}{note.removeprefix(' (prompts as byte tokens').rstrip(')')}: "
+                                       f"a text prompt needs the checkpoint's tokenizer.json (and the tokenizers "
+                                       f"package); token-id workloads (bench) run without it")
         engine.checkpoint = checkpoint
         return engine
 
@@ -282,6 +288,8 @@ class Engine:
     def encode_prompt(self, prompt: str) -> list[int]:
         if not prompt:
             raise UserError("the prompt is empty: give some text to run")
+        if self.text_refusal:
+            raise UserError(self.text_refusal)
         return self.tokenizer.encode(prompt)
 
     def check_length(self, prompt_tokens: list[int], max_tokens: int) -> None:

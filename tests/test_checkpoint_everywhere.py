@@ -1,0 +1,143 @@
+"""A checkpoint directory works wherever a preset does: bench, sessions (a path relative to the session
+file) and replay, the TUI; a directory holding only config.json runs with random weights of its shape;
+the results record the checkpoint; a moved checkpoint and a config without weights are refused in a line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine import flags  # noqa: E402
+from engine.runtime import Engine  # noqa: E402
+from inspector import cli  # noqa: E402
+
+CONFIG = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=300, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+              norm_topk_prob=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint saved by transformers, with a tokenizer.json (test_hf_models' BPE)."""
+    from test_hf_models import _write_tokenizer
+
+    directory = tmp_path_factory.mktemp("models") / "qwen3"
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG)).float().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def config_only(tmp_path, checkpoint):
+    directory = tmp_path / "shape"
+    directory.mkdir()
+    shutil.copy(checkpoint / "config.json", directory / "config.json")
+    return directory
+
+
+def _run(argv, capsys):
+    code = cli.main([str(part) for part in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_bench_takes_a_checkpoint_directory_and_records_it(checkpoint, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code, text, _ = _run(["bench", "--model", checkpoint, "--device", "cpu", "--pp", "16", "--tg", "8",
+                          "--batch", "1", "--reps", "1", "--no-progress", "--json-out", out], capsys)
+    assert code == 0, text
+    footer = json.loads(out.read_text())["footer"]
+    assert footer["checkpoint"]["family"] == "qwen3-moe"
+    assert footer["checkpoint"]["weights"]["source"] == "files"
+    assert footer["checkpoint"]["weights"]["files"][0]["bytes"] > 0
+    assert len(footer["checkpoint"]["config_sha256"]) == 16
+    assert "checkpoint:" in text and "qwen3-moe" in text
+
+
+def test_a_config_only_directory_needs_random_weights(config_only, capsys):
+    code, _, err = _run(["bench", "--model", config_only, "--device", "cpu", "--pp", "16", "--tg", "none",
+                         "--batch", "1", "--reps", "1", "--no-progress"], capsys)
+    assert code == 2 and "config.json but no *.safetensors: give --weights random" in err
+    assert len(err.strip().splitlines()) == 1
+    code, text, _ = _run(["bench", "--model", config_only, "--weights", "random", "--device", "cpu", "--pp", "16",
+                          "--tg", "4", "--batch", "1", "--reps", "1", "--no-progress", "--format", "json"], capsys)
+    assert code == 0
+    footer = json.loads(text)["footer"]
+    assert footer["checkpoint"]["weights"] == {"source": "random", "seed": 0, "drawn_on": "cpu"}
+
+
+def test_random_weights_of_a_directory_have_its_shape_and_are_deterministic(config_only):
+    one, two = (Engine.load(str(config_only), "cpu", seed=3, weights="random") for _ in range(2))
+    assert one.config.n_experts == 8 and one.config.qk_norm == "per_head"
+    assert all(torch.equal(one.weights[name], two.weights[name]) for name in one.weights)
+    resolved = flags.resolve(environ={})
+    assert one.generate("same", 4, resolved).tokens == two.generate("same", 4, resolved).tokens
+
+
+def test_a_checkpoint_without_its_tokenizer_benches_but_refuses_text(checkpoint, tmp_path, capsys):
+    directory = tmp_path / "untokenized"
+    shutil.copytree(checkpoint, directory)
+    (directory / "tokenizer.json").unlink()
+    code, _, err = _run(["generate", "--model", directory, "--device", "cpu", "--prompt", "hello"], capsys)
+    assert code == 2 and "a text prompt needs the checkpoint's tokenizer.json" in err
+    code, text, _ = _run(["bench", "--model", directory, "--device", "cpu", "--pp", "16", "--tg", "none",
+                          "--batch", "1", "--reps", "1", "--no-progress", "--format", "json"], capsys)
+    assert code == 0 and "prompts as byte tokens: no tokenizer.json" in json.loads(text)["footer"]["weights"]
+
+
+def test_a_model_larger_than_free_memory_is_refused_before_loading(config_only, monkeypatch):
+    from engine import model_source
+    from engine.errors import UserError
+
+    monkeypatch.setattr(model_source, "free_bytes", lambda device: 1000)
+    with pytest.raises(UserError, match=r"take 0\.\d\d GiB .* more than 90% of the 0\.00 GiB free"):
+        Engine.load(str(config_only), "cpu", weights="random")
+
+
+def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(checkpoint, tmp_path, capsys):
+    session_directory = tmp_path / "work"
+    session_directory.mkdir()
+    shutil.copytree(checkpoint, session_directory / "ckpt")
+    session = session_directory / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "dir"\n\n[engine]\nmodel = "./ckpt"\ndevice = "cpu"\n\n'
+                       '[[step]]\naction = "prompt"\nprompt = "hello"\nmax_tokens = 5\n\n'
+                       '[[step]]\naction = "bench"\npp = [16]\ntg = [4]\nbatch = [1]\nreps = 1\n')
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    header = json.loads((session_directory / "s.results.jsonl").read_text().splitlines()[0])
+    assert header["model"] == "./ckpt" and header["checkpoint"]["family"] == "qwen3-moe"
+    assert header["checkpoint"]["path"] == str((session_directory / "ckpt").resolve())
+    code, _, err = _run(["replay", session], capsys)
+    assert code == 0, err
+    (session_directory / "ckpt").rename(session_directory / "moved")
+    code, _, err = _run(["run", session], capsys)
+    assert code == 2 and "ckpt is not a directory" in err and "was the checkpoint moved?" in err
+    assert (session_directory / "s.results.jsonl").exists()  # nothing recorded is lost
+
+
+def test_the_tui_runs_a_checkpoint_directory(checkpoint):
+    from test_tui import make_app, run_prompt, synchronously
+
+    from inspector import events
+    from inspector.widgets.dispatch_log import DispatchLog
+
+    engine = Engine.load(str(checkpoint), "cpu")
+
+    @synchronously
+    async def drive():
+        app = make_app(engine)
+        async with app.run_test(size=(200, 50)) as pilot:
+            main = await run_prompt(pilot, app, "hello", max_tokens=4)
+            run = main.current_run
+            assert len(run.tokens[events.A]) == len(run.tokens[events.B]) == 4
+            assert len(main.query_one(DispatchLog).entries) == 2 * 4 * 2 * engine.config.n_layers
+
+    drive()
