@@ -36,6 +36,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import collections
 import math
 import platform
 import random
@@ -210,6 +211,7 @@ class Repetition:
     graph_launches: int = 0  # the launches that ran them (fewer with steps_per_graph > 1)
     trajectory: list[float] = field(default_factory=list)
     window_steps: list[int] = field(default_factory=list)  # step numbers inside the window
+    phases: dict[str, int] = field(default_factory=dict)  # the repetition's steps by phase (prefill, mixed, decode)
 
     @property
     def device_rate(self) -> float | None:
@@ -241,7 +243,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
     """One repetition's numbers from its sequences (time stamps, tokens) and step records, or a
     MeasurementError naming what makes it invalid."""
     asked_prompt = spec.prompt_len * spec.batch
-    prompt_tokens = sum(row["tokens"] for step in steps if step["phase"] == "prefill" for row in step["rows"])
+    prompt_tokens = sum(row["tokens"] for step in steps for row in step["rows"] if row.get("prefill", step["phase"] == "prefill"))
     if spec.kind == "pp" and prompt_tokens == 0:
         _refuse(spec, label, "zero prompt tokens were processed")
     if prompt_tokens < asked_prompt:
@@ -258,9 +260,10 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
     events = events_of(steps)
     origin = min(sequence.arrived_at for sequence in sequences)
     bins = trajectory(events, origin, bin_s)
+    phases = dict(collections.Counter(step["phase"] for step in steps))
 
     if spec.kind == "pp":
-        window = [step for step in steps if step["phase"] == "prefill"]
+        window = [step for step in steps if step["phase"] in ("prefill", "mixed")]
         tokens = prompt_tokens
         wall = max(sequence.first_token_at for sequence in sequences) - min(step["started"] for step in window)
         steady = None
@@ -268,7 +271,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         request_ids = [sequence.request_id for sequence in sequences]
         steady = steady_window(events, request_ids, depth_floor)
         if steady is None:
-            return Repetition(0.0, None, 0, ttft, None, trajectory=bins)
+            return Repetition(0.0, None, 0, ttft, None, trajectory=bins, phases=phases)
         window = steps[steady.first:steady.last + 1]
         tokens, wall = steady.tokens, steady.seconds
     if tokens <= 0:
@@ -289,7 +292,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         host_us_p90=_quantile(host_values, 0.9), device_us=None if device_s is None else device_s * 1e6 / len(window),
         graph_steps=sum(step["graph"] == "replay" for step in window),
         graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window),
-        trajectory=bins, window_steps=[step["step"] for step in window])
+        trajectory=bins, window_steps=[step["step"] for step in window], phases=phases)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +331,8 @@ class Row:
                    "batch": self.spec.batch, "prompt_tokens": self.spec.prompt_len,
                    "generated_tokens": self.spec.max_tokens, "reps": len(reps), "depth_floor": self.depth_floor,
                    "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
-                   "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory}}
+                   "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory,
+                                  "phases": reps[-1].phases}}
         if self.admitting:
             payload.update(state="admitting", tps_wall=None, tps_device=None, clock_disagreement=None,
                            clock_flag=False, ms_per_token=None, ms_per_step=None)
@@ -804,13 +808,14 @@ def format_markdown(report: Report) -> str:
     for data in payload["rows"]:
         for note in data["counters"].get("graph_notes", []):
             lines.append(f"{data['test']}: {note}; its steps replayed one per launch")
-    trajectories = [(data["test"], data["trajectory"]["tokens_per_s"])
+    trajectories = [(data["test"], data["trajectory"]["tokens_per_s"], data["trajectory"].get("phases", {}))
                     for data in payload["rows"] if data["kind"] == "tg"]
     if trajectories:
         lines += ["", f"Generated tokens/s in {TRAJECTORY_BIN_S:g}-second bins over the last repetition:"]
-        for name, values in trajectories:
+        for name, values, phases in trajectories:
             peak = max(values, default=0.0)
-            lines.append(f"- {name}: {sparkline(values)}  ({len(values)} bins, peak {peak:.1f} t/s)")
+            steps = ", ".join(f"{count} {phase}" for phase, count in phases.items())
+            lines.append(f"- {name}: {sparkline(values)}  ({len(values)} bins, peak {peak:.1f} t/s; steps: {steps})")
     targets = payload["targets"]
     if targets:
         weights, bandwidth = targets["active_weight_bytes_per_token"], targets["copy_bandwidth"]

@@ -116,6 +116,8 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
     FlagSpec("steps_per_graph", 8, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
              "int", help="decode steps one CUDA-graph launch runs when the scheduler can reserve them (batched runs)"),
+    FlagSpec("mixed_steps", True, "on or off", _parse_switch, "bool", (True, False),
+             "a step that prefills also carries the decoding sequences' tokens (phase mixed); off = decoders wait"),
     FlagSpec("layer_timing", "profile", "profile, events or off", _parse_choice(LAYER_TIMINGS), "select",
              LAYER_TIMINGS, "how a record's per-layer us are measured: profile = graphs on, replayed steps' kernels "
              "read from a CUPTI profile; events = graphs off, CUDA events around each call; off = none "

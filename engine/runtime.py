@@ -376,7 +376,8 @@ class Engine:
         if runner is None:
             runner = self.runner_for(max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs)
         chunk = flags["prefill_chunk"]
-        scheduler = Scheduler(runner.max_slots, runner.capacity, token_budget or max(chunk, 2048), chunk)
+        scheduler = Scheduler(runner.max_slots, runner.capacity, token_budget or max(chunk, 2048), chunk,
+                              mixed=flags["mixed_steps"])
         dispatcher = Dispatcher(self, flags, mode != "off", keep_logits=keep_logits)
         arrived = clock()
         for sequence in sequences:
@@ -452,7 +453,7 @@ class Engine:
             record["started"], record["ended"], record["device_us"] = served.started, ended, served.device_us
             record["kernel_launches"], record["span_index"] = dict(kernels_of(index)), index
             record["rows"] = [{"request_id": sequence.request_id, "slot": sequence.slot, "start": sequence.cached - 1,
-                               "tokens": 1, "emitted": token} for sequence, token in zip(cohort, outputs)]
+                               "tokens": 1, "emitted": token, "prefill": False} for sequence, token in zip(cohort, outputs)]
             if kept is not None:
                 for row, sequence in enumerate(cohort):
                     kept[sequence.request_id].append(served.logits[index, row])
@@ -503,5 +504,6 @@ class Engine:
                 "graph": timing.graph, "eager_reason": timing.eager_reason, "kernel_launches": timing.kernel_launches,
                 "span": timing.span, "span_index": timing.span_index,
                 "rows": [{"request_id": row.sequence.request_id, "slot": row.sequence.slot, "start": row.start,
-                          "tokens": len(row.tokens), "emitted": token if row.emits else None}
+                          "tokens": len(row.tokens), "emitted": token if row.emits else None,
+                          "prefill": row.start < len(row.sequence.prompt)}
                          for row, token in zip(batch.rows, next_tokens)]}

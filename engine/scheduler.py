@@ -7,8 +7,11 @@ Policy (nano-vllm's, plus chunked prefill):
      Each row gets the next chunk of its prompt, at most `prefill_chunk` tokens, and the step at
      most `token_budget` tokens in all (the last row may get a shorter chunk to fit).
   2. Otherwise a decode step: every admitted sequence whose prompt is cached feeds its last token.
-Steps are prefill steps or decode steps, never mixed. A row whose chunk reaches the end of its
-prompt emits the sequence's first generated token; every decode row emits one token.
+With `mixed` (the flag mixed_steps, on by default) a step that prefills also carries every decoding
+sequence's next token, first and within the token budget (phase MIXED), so admitting a sequence does
+not stall the ones decoding (as vLLM and SGLang schedule); without it such a step prefills alone and
+the decoders wait. A row whose chunk reaches the end of its prompt emits the sequence's first
+generated token; every decode row emits one token.
 
 A slot is a row of the preallocated KV cache; a sequence keeps the lowest free slot from
 admission until it finishes. Rows are ragged: each has its own start position (and, in prefill,
@@ -35,7 +38,7 @@ from dataclasses import dataclass, fields
 
 from engine.sequence import FINISHED, RUNNING, WAITING, Sequence
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 MIN_PREFILL_CHUNK = 16
 
 
@@ -56,7 +59,7 @@ class Row:
 @dataclass(frozen=True, slots=True)
 class Batch:
     step: int
-    phase: str  # PREFILL or DECODE
+    phase: str  # PREFILL, DECODE or MIXED (decode rows first, then prefill chunks)
     rows: tuple[Row, ...]
 
     @property
@@ -107,7 +110,8 @@ def _decode_batch(step: int, cohort: tuple[Sequence, ...]) -> Batch:
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, capacity: int, token_budget: int, prefill_chunk: int) -> None:
+    def __init__(self, max_slots: int, capacity: int, token_budget: int, prefill_chunk: int,
+                 mixed: bool = False) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if prefill_chunk < MIN_PREFILL_CHUNK:
@@ -116,6 +120,7 @@ class Scheduler:
             raise ValueError(f"token_budget ({token_budget}) must be >= prefill_chunk ({prefill_chunk})")
         self.max_slots, self.capacity = max_slots, capacity
         self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
+        self.mixed = mixed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.free_slots = list(range(max_slots))
@@ -157,11 +162,18 @@ class Scheduler:
             return batch
         if not self.has_work():
             raise RuntimeError("nothing to schedule: every sequence has finished")
-        rows = self._prefill_rows()
+        decoding = []
+        if self.mixed:  # the decoders' tokens first, then prefill within what the budget leaves (at least one)
+            decoding = [Row(sequence, sequence.cached, (sequence.generated[-1],), True) for sequence in self.running
+                        if sequence.cached >= len(sequence.prompt)][:self.token_budget - 1]
+        rows = self._prefill_rows(self.token_budget - len(decoding))
         phase = PREFILL
-        if not rows:
+        if rows and decoding:
+            phase, rows = MIXED, decoding + rows
+        elif not rows:
             phase = DECODE
-            rows = [Row(sequence, sequence.cached, (sequence.generated[-1],), True) for sequence in self.running]
+            rows = decoding or [Row(sequence, sequence.cached, (sequence.generated[-1],), True)
+                                for sequence in self.running]
         for row in rows:
             if row.sequence.first_scheduled_at is None:
                 row.sequence.first_scheduled_at = now
@@ -243,9 +255,8 @@ class Scheduler:
             if finished is not None:
                 finished.append(sequence)
 
-    def _prefill_rows(self) -> list[Row]:
+    def _prefill_rows(self, budget: int) -> list[Row]:
         rows: list[Row] = []
-        budget = self.token_budget
         for sequence in [s for s in self.running if s.cached < len(s.prompt)]:  # s.prefilling, inlined: every step
             if budget <= 0:
                 return rows

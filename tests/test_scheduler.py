@@ -209,7 +209,7 @@ def test_batched_greedy_tokens_equal_generate_for_each_prompt(tiny):
     for prompt, count, sequence in zip(PROMPTS, ASKED, batched.sequences):
         assert sequence.generated == tiny.generate(prompt, count, resolved).tokens, sequence.request_id
     phases = {step["phase"] for step in batched.steps}
-    assert phases == {"prefill", "decode"}
+    assert phases == {"prefill", "decode", "mixed"}  # the third prompt is admitted while two decode
     # ragged steps happened: a prefill step with rows of different lengths and starts, and a decode
     # step with rows at different positions
     assert any(len({row["tokens"] for row in step["rows"]}) > 1 for step in batched.steps if step["phase"] == "prefill")
@@ -398,3 +398,69 @@ def test_serve_reserved_refuses_a_sequence_finishing_before_the_reservation_ends
     sequence.max_tokens = 3  # broken from outside: the first reserved step now makes the last token
     with pytest.raises(RuntimeError, match="reserved"):
         scheduler.serve_reserved(batch.step + 1, [7], now=0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixed steps: decoders keep decoding while a sequence is admitted
+# ------------------------------------------------------------------------------------------------
+
+def _run_to_decoding(scheduler, sequence):
+    batch = scheduler.schedule(0.0)
+    scheduler.postprocess(batch, [7] * len(batch.rows), 0.0)
+    return batch
+
+
+def test_a_prefill_step_carries_the_decoders_tokens_first_when_mixed():
+    scheduler = Scheduler(4, 64, 24, 16, mixed=True)
+    first = Sequence(tuple(range(1, 6)), 8)
+    scheduler.add(first, 0.0)
+    _run_to_decoding(scheduler, first)  # prefilled: it decodes from now on
+    later = Sequence(tuple(range(1, 41)), 4)  # 40 prompt tokens: more than one step's budget
+    scheduler.add(later, 0.0)
+    batch = scheduler.schedule(0.0)
+    assert batch.phase == "mixed"
+    assert [(row.sequence, row.start, len(row.tokens), row.emits) for row in batch.rows] == [
+        (first, 5, 1, True), (later, 0, 16, False)]
+    assert batch.n_tokens == 17  # what the MoE gate sees: every row of the step
+    scheduler.postprocess(batch, [9, 0], 0.0)
+    assert first.generated == [7, 9] and later.cached == 16 and not later.generated
+    batch = scheduler.schedule(0.0)  # the budget (24) holds the decoder and one chunk of 16
+    assert batch.phase == "mixed" and [len(row.tokens) for row in batch.rows] == [1, 16]
+
+
+def test_without_mixed_steps_the_decoders_wait_for_the_prefill():
+    scheduler = Scheduler(4, 64, 24, 16, mixed=False)
+    first = Sequence(tuple(range(1, 6)), 8)
+    scheduler.add(first, 0.0)
+    _run_to_decoding(scheduler, first)
+    scheduler.add(Sequence(tuple(range(1, 41)), 4), 0.0)
+    batch = scheduler.schedule(0.0)
+    assert batch.phase == PREFILL and all(row.sequence is not first for row in batch.rows)
+
+
+def test_mixed_decoders_leave_the_prefill_at_least_one_token():
+    scheduler = Scheduler(20, 64, 16, 16, mixed=True)
+    decoders = [Sequence((1, 2), 20) for _ in range(18)]
+    for sequence in decoders[:16]:
+        scheduler.add(sequence, 0.0)
+    batch = scheduler.schedule(0.0)  # eight prompts of two tokens: all 16 admitted in one step
+    scheduler.postprocess(batch, [3] * len(batch.rows), 0.0)
+    for sequence in decoders[16:]:
+        scheduler.add(sequence, 0.0)
+    batch = scheduler.schedule(0.0)
+    assert batch.phase == "mixed" and batch.n_tokens <= 16
+    assert sum(1 for row in batch.rows if row.start < len(row.sequence.prompt)) >= 1
+
+
+def test_mixed_steps_give_the_tokens_of_unmixed_ones(tiny):
+    prompts = [list(b"first prompt"), list(b"a second, longer prompt that arrives")]
+    results = {}
+    for mixed in (True, False):
+        resolved = flags.resolve([f"mixed_steps={'on' if mixed else 'off'}", "prefill_chunk=16"], environ={})
+        results[mixed] = tiny.generate_batch(prompts, [12, 4], resolved, max_slots=2, token_budget=16)
+    assert results[True].tokens == results[False].tokens
+    phases = [step["phase"] for step in results[True].steps]
+    assert "mixed" in phases and "mixed" not in [step["phase"] for step in results[False].steps]
+    mixed = next(step for step in results[True].steps if step["phase"] == "mixed")
+    assert all(record["phase"] == "mixed" and record["n_tokens"] == mixed["n_tokens"] for record in mixed["moe"])
+    assert len(results[True].steps) < len(results[False].steps)
