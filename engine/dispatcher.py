@@ -19,6 +19,7 @@ from engine.arms import ARMS, Counters
 from engine.attention_dispatch import UNFUSED, decide_attention
 from engine.devices import device_label
 from engine.flags import ResolvedFlags
+from engine.records import AttentionRecord, MoeRecord
 from kernels import launches
 from kernels.reference import MaskSpec
 
@@ -86,8 +87,8 @@ class Dispatcher:
 
     def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
         self.step, self.phase, self.n_tokens = step, phase, n_tokens
-        self.moe_records: list[dict] = []
-        self.attention_records: list[dict] = []
+        self.moe_records: list[MoeRecord] = []
+        self.attention_records: list[AttentionRecord] = []
         self.pending_woken: list[torch.Tensor] = []
         self.pending_times: list[tuple[dict, object]] = []
         self._replay_records = None  # what `replayed_records` copies from this dispatcher's records, made once

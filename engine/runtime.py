@@ -33,6 +33,7 @@ from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 -
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import random_weights
+from engine.records import StepRecord
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.shipped import load_shipped, shipped_directory
@@ -138,7 +139,7 @@ class Generation:
     tokens: list[int]
     text: str
     flags: ResolvedFlags
-    steps: list[dict]
+    steps: list[StepRecord]
     counters: dict
     logits: list[torch.Tensor] = field(repr=False)  # per step, the last position's [V] fp32 on the CPU
     engagements: list[str]
@@ -166,7 +167,7 @@ class BatchGeneration:
     device: str
     flags: ResolvedFlags
     sequences: list[Sequence]
-    steps: list[dict]
+    steps: list[StepRecord]
     counters: dict
     engagements: list[str]
     graphs: str  # "on", or "off (why)"
@@ -412,7 +413,7 @@ class Engine:
 
     @staticmethod
     def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,
-                    kept: dict[int, list[torch.Tensor]] | None = None) -> list[dict]:
+                    kept: dict[int, list[torch.Tensor]] | None = None) -> list[StepRecord]:
         """The next scheduled step's record (`_batch_step`) and, where that step launched and synced a graph of
         several steps, its later steps' records (`_served_steps`): what `generate_batch` runs per loop. `kept`
         (request id -> logits of each token it generated) collects the steps' logits where the run keeps them."""
@@ -423,7 +424,7 @@ class Engine:
 
     @staticmethod
     def _served_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock, launching: dict,
-                      kept: dict[int, list[torch.Tensor]] | None = None) -> list[dict]:
+                      kept: dict[int, list[torch.Tensor]] | None = None) -> list[StepRecord]:
         """The later steps of the graph of several steps that step `launching` launched and synced (the runner's
         `served`): their tokens and woken counts are on the host already, so they are served in one loop,
         launching and waiting for nothing, each recorded as a replayed step of its own (`launching`'s record,
@@ -467,7 +468,7 @@ class Engine:
 
     @staticmethod
     def _batch_step(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,
-                    kept: dict[int, list[torch.Tensor]] | None = None) -> dict:
+                    kept: dict[int, list[torch.Tensor]] | None = None) -> StepRecord:
         """One scheduled step and its record. `started` is stamped before the step's launch and
         `host_us` is the host time from the step's start to its launch. A step the runner launched
         ahead (engine.batch_runner, run-ahead: before the previous replayed step's sync, its next step
@@ -496,8 +497,7 @@ class Engine:
         host_us = timing.host_us
         if host_us is None:
             host_us = (timing.launched_at - host_started) * 1e6
-        # dispatcher.step_record()'s keys, then the step's clocks and rows, written as one literal: a call
-        # with keyword arguments costs about a microsecond more per step (tests/test_engine.py keeps the keys)
+        # an engine.records.StepRecord: dispatcher.step_record()'s keys, then the step's clocks and rows
         return {"step": dispatcher.step, "phase": dispatcher.phase, "n_tokens": dispatcher.n_tokens,
                 "moe": dispatcher.moe_records, "attention": dispatcher.attention_records,
                 "started": started, "ended": ended, "host_us": host_us, "device_us": timing.device_us,
