@@ -733,7 +733,8 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
     return {
         "commit": commit_label(), "device": engine.device_label, "versions": versions,
         "model": engine.config.name, "dtype": str(engine.dtype).replace("torch.", ""), "flags": flags.describe(),
-        "graphs": graphs, "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
+        "graphs": graphs, "decode_glue": engine.decode_glue,
+        "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
         **({"checkpoint": engine.checkpoint} if getattr(engine, "checkpoint", None) else {}),
         "clocks": ("wall = perf_counter around whole steps; device = CUDA events around each step's work"
                    if engine.device.type == "cuda" else
@@ -884,7 +885,8 @@ def format_markdown(report: Report) -> str:
     foot = payload["footer"]
     lines += ["", f"{foot['model']} ({foot['dtype']}) on {foot['device']} · commit {foot['commit']} · "
               + " · ".join(f"{name} {version}" for name, version in foot["versions"].items()),
-              f"flags: {foot['flags']} · graphs {foot['graphs']} · weights: {foot['weights']}",
+              f"flags: {foot['flags']} · graphs {foot['graphs']} · decode glue: {foot.get('decode_glue', 'n/a')} · "
+              f"weights: {foot['weights']}",
               f"clocks: {foot['clocks']}"]
     if "checkpoint" in foot:
         checkpoint = foot["checkpoint"]

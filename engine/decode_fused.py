@@ -129,10 +129,21 @@ def carried_launches(launched: dict[str, int], carried_in: bool, carried_out: bo
     return {name: count for name, count in counts.items() if count}
 
 
+def ineligible(config: ModelConfig) -> str:
+    """Why a decode step of this architecture keeps engine.model's torch forward ("" when the fused glue
+    computes it): each feature the fused step does not have. Per-head q/k norms (Qwen3-MoE) are folded into
+    rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function."""
+    missing = [feature for feature, present in (
+        ("q/k/v/o biases", config.attention_bias), ("a q/k norm over the whole projection", config.qk_norm == "full"),
+        ("clip_qkv", config.clip_qkv is not None), ("YaRN RoPE", config.rope_scaling is not None),
+        ("a router bias", config.router_bias),
+        ("softmax-top-k routing without renormalisation", config.router == "softmax_topk" and not config.norm_topk_prob),
+    ) if present]
+    return ", ".join(missing)
+
+
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
-    return ((tokens.is_cuda or force) and tokens.dim() == 2 and tokens.shape[1] == 1
-            and not config.attention_bias and config.qk_norm == "none" and config.clip_qkv is None
-            and config.rope_scaling is None and config.router == "topk_softmax" and not config.router_bias)
+    return ((tokens.is_cuda or force) and tokens.dim() == 2 and tokens.shape[1] == 1 and not ineligible(config))
 
 
 def pack_qkv(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
@@ -251,7 +262,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         normed = layer == 0 and carried is not None
         if normed:
             x, h = carried
-        if packed is not None and FOLD_QKV and _fused_rows(batch):  # qkv, RoPE and the cache write in one launch
+        if packed is not None and FOLD_QKV and c.qk_norm == "none" and _fused_rows(batch):  # qkv, RoPE, cache write
             rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
             if normed:
                 folded = gemv_fused(h, packed, rope=rope)
@@ -266,8 +277,9 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         else:
             if not normed:
                 x, h = _rms_norm(x, norm)
+            qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
             q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
-                                    c.n_heads)
+                                    c.n_heads, qk_norm)
         # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,

@@ -132,7 +132,10 @@ class Dispatcher:
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
             grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
         arm = ARMS[decision.arm]
-        if experts is not None:
+        clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
+        if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)
+            executed, note = arm, f"gemv computes {experts.description} (its clamped epilogue)"
+        elif experts is not None:
             executed = ARMS[dispatch.REFERENCE]
             note = (f"{decision.arm} computes plain SwiGLU experts: the reference arm computes {experts.description}"
                     if decision.arm != dispatch.REFERENCE else "")
@@ -170,6 +173,11 @@ class Dispatcher:
                      f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
                      + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
         self.moe_records.append(record)
+        if clamped_gemv:
+            from kernels.moe_gemv import moe_gemv_clamped
+
+            return self._run(record, lambda: moe_gemv_clamped(h, w13, w2, topk_ids, topk_weights, experts.b13,
+                                                              experts.b2, experts.alpha, experts.limit))
         if experts is not None:
             return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
         return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,

@@ -103,8 +103,9 @@ def capture_blocker(runner, size: int, dispatcher) -> str:
         n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
         policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
         grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
-    if not config.plain_experts:
-        return "this family's experts (biases, clamped SwiGLU) run on the reference arm, which syncs the host"
+    if not config.plain_experts and decision.arm != dispatch.GEMV:
+        return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
+                f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
     if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
         return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for mask in config.layer_masks:

@@ -27,6 +27,7 @@ from engine import layer_timing
 from engine.model_source import model_config, resolve_model_path  # noqa: F401 - re-exported
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
+from engine import decode_fused
 from engine.decode_fused import pack_qkv
 from engine.devices import device_label, resolve_device  # noqa: F401 - re-exported for callers
 from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 - re-exported for callers
@@ -147,6 +148,7 @@ class Generation:
     weights: str = ""  # where the weights came from: a shipped checkpoint or "random, seed N"
     graphs: str = ""  # whether decode steps replayed CUDA graphs: "on", or "off (why)"
     layer_timing: str = ""  # how the records' per-layer µs were measured, for people
+    decode_glue: str = ""  # what computed decode steps around the arms (Engine.decode_glue)
 
     def to_json(self) -> dict:
         return {
@@ -154,7 +156,7 @@ class Generation:
             "prompt_tokens": len(self.prompt_tokens),
             "text": self.text, "tokens": self.tokens, "flags": self.flags.to_json(), "steps": self.steps,
             "counters": self.counters, "engagements": self.engagements, "cancelled": self.cancelled,
-            "graphs": self.graphs, "layer_timing": self.layer_timing,
+            "graphs": self.graphs, "layer_timing": self.layer_timing, "decode_glue": self.decode_glue,
         }
 
 
@@ -176,6 +178,7 @@ class BatchGeneration:
     # generated; else None.
     logits: list[list[torch.Tensor]] | None = field(default=None, repr=False)
     layer_timing: str = ""  # how the records' per-layer µs were measured, for people
+    decode_glue: str = ""  # on a GPU: "fused", or why decode steps keep the torch forward around the arms
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -278,6 +281,15 @@ class Engine:
     def device_label(self) -> str:
         return device_label(self.device)
 
+    @property
+    def decode_glue(self) -> str:
+        """What computes a decode step around its arms: on a GPU the fused step (engine.decode_fused) where the
+        architecture allows it, else the torch forward and why; on a CPU always the torch forward."""
+        if self.device.type != "cuda":
+            return "torch forward (CPU)"
+        reason = decode_fused.ineligible(self.config)
+        return "fused" if not reason else f"torch forward: the fused step has no {reason}"
+
     def provenance(self) -> dict:
         """What a results header records of this engine's model: the preset, or the checkpoint directory
         (path, family, config.json hash, the weights' files or random seed), and the weights' source."""
@@ -343,7 +355,8 @@ class Engine:
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
             text=self.tokenizer.decode(generated), flags=flags, steps=run.steps, counters=run.counters,
             logits=run.logits[0] if run.logits is not None else [], engagements=run.engagements,
-            cancelled=run.cancelled, weights=self.weights_source, graphs=run.graphs, layer_timing=run.layer_timing)
+            cancelled=run.cancelled, weights=self.weights_source, graphs=run.graphs, layer_timing=run.layer_timing,
+            decode_glue=run.decode_glue)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,
@@ -409,7 +422,8 @@ class Engine:
                                steps=steps, counters=dispatcher.counters.to_json(),
                                engagements=dispatcher.engagements, graphs=runner.graphs_note, cancelled=cancelled,
                                logits=None if kept is None else [kept[s.request_id] for s in sequences],
-                               layer_timing=_timing_note(mode, cuda, profiled, timing_note))
+                               layer_timing=_timing_note(mode, cuda, profiled, timing_note),
+                               decode_glue=self.decode_glue)
 
     @staticmethod
     def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,

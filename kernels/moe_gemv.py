@@ -81,6 +81,12 @@ def _gate_up_kernel(
     F_STEPS: tl.constexpr,  # blocks of BLOCK_F hidden units per program, one after the other
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
+    b13_ptr=None,  # [E, 2F] gate then up biases (CLAMPED only, may be absent)
+    stride_be=0,
+    alpha=1.0,  # CLAMPED: glu = gate * sigmoid(alpha * gate)
+    limit=1.0,  # CLAMPED: gate <= limit, -limit <= up <= limit
+    CLAMPED: tl.constexpr = False,  # gpt-oss experts: biases and the clamped SwiGLU (kernels.reference)
+    HAS_B13: tl.constexpr = False,
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -115,7 +121,16 @@ def _gate_up_kernel(
                 x_ptrs += BLOCK_D
             if USE_GDC and f_step == F_STEPS - 1:
                 tl.extra.cuda.gdc_launch_dependents()
-            hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
+            if CLAMPED:
+                if HAS_B13:
+                    bias_base = b13_ptr + expert.to(tl.int64) * stride_be
+                    gate_sum += tl.load(bias_base + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+                    up_sum += tl.load(bias_base + intermediate_size + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+                gate_sum = tl.minimum(gate_sum, limit)
+                up_sum = tl.minimum(tl.maximum(up_sum, -limit), limit)
+                hidden = (up_sum + 1.0) * (gate_sum / (1.0 + tl.exp(-alpha * gate_sum)))
+            else:
+                hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
             tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
                      mask=f_mask)
 
@@ -148,10 +163,13 @@ def _down_kernel(
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # with USE_GDC: pair 0's first w2 tile loaded before the wait (kernels.pdl.preload)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
+    b2_ptr=None,  # [E, D] down biases, inside each pair's routing weight (gpt-oss)
+    stride_b2e=0,
+    HAS_B2: tl.constexpr = False,
 ):
     """One program per (token, BLOCK_D outputs) walks its k pairs' w2 rows one after the other, k x F / BLOCK_F
     tiles, and sums them in fp32 in the fixed order j = 0..k-1. Each tile is scaled by its pair's routing weight
-    as it is reduced."""
+    as it is reduced; with HAS_B2 each pair's bias too, once, after its last tile."""
     token = tl.program_id(0)
     d_block = tl.program_id(1)
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -187,6 +205,10 @@ def _down_kernel(
                     eviction_policy=WEIGHT_EVICTION).to(tl.float32)
         scale = tl.where(known, tl.load(topk_weights_ptr + pair).to(tl.float32), 0.0)
         total += scale * tl.sum(w * h[None, :], axis=1)
+        if HAS_B2:
+            if step - j * steps_per_pair == steps_per_pair - 1:  # the pair's last tile: its bias, weighted
+                total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
+                                         mask=d_mask, other=0.0).to(tl.float32)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -200,6 +222,30 @@ def moe_gemv(
     topk_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, D]
     """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`."""
+    return _moe_gemv(x, w13, w2, topk_ids, topk_weights)
+
+
+def moe_gemv_clamped(
+    x: torch.Tensor,  # [T, D]
+    w13: torch.Tensor,  # [E, 2F, D]
+    w2: torch.Tensor,  # [E, D, F]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k]
+    b13: torch.Tensor | None,  # [E, 2F]
+    b2: torch.Tensor | None,  # [E, D]
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:  # [T, D]
+    """The gather-GEMV arm for gpt-oss experts (biases, the clamped SwiGLU); same contract as
+    `kernels.reference.moe_reference_gpt_oss`. The same two kernels, their epilogues switched by constexprs."""
+    experts = w13.shape[0]
+    for name, bias, shape in (("b13", b13, (experts, w13.shape[1])), ("b2", b2, (experts, w2.shape[1]))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.stride(-1) != 1):
+            raise ValueError(f"{name} must be a contiguous-row {list(shape)} tensor, got {list(bias.shape)}")
+    return _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=(b13, b2, float(alpha), float(limit)))
+
+
+def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     check_triton_device(x, "moe_gemv")
     out = scratch.empty((tokens, hidden_size), x.dtype, x.device)
@@ -212,12 +258,19 @@ def moe_gemv(
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
+    gate_up_extra, down_extra = {}, {}
+    if clamped is not None:
+        b13, b2, alpha, limit = clamped
+        gate_up_extra = dict(b13_ptr=b13, stride_be=0 if b13 is None else b13.stride(0), alpha=alpha, limit=limit,
+                             CLAMPED=True, HAS_B13=b13 is not None)
+        if b2 is not None:
+            down_extra = dict(b2_ptr=b2, stride_b2e=b2.stride(0), HAS_B2=True)
     _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=GATE_UP_F_STEPS, num_warps=NUM_WARPS,
-        **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device),
+        **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device), **gate_up_extra,
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
@@ -227,7 +280,7 @@ def moe_gemv(
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
-        WEIGHT_EVICTION=streaming.weight_eviction(x.device),
+        WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )
     launches.record("moe_gemv.down", kernel=_down_kernel)
     return out

@@ -10,7 +10,9 @@ index_put_ into the cache):
 
 rope(x, p): first/second halves of x in float32, angle_i = p * inv_freq[i] (float32, inv_freq
 passed in so it is the model's own table), first*cos - second*sin ++ second*cos + first*sin,
-rounded to x's dtype.
+rounded to x's dtype. With q_norm and k_norm (Qwen3-MoE's per-head q/k RMSNorm) each q and k head is
+first normed as engine.model.rms_norm does: (x32 * rsqrt(mean(x32^2) + eps)) rounded to x's dtype, times
+the [hd] weight, rounded again.
 
 Shapes: B sequences, Hq / Hkv heads, hd head dim.
     qkv      [B, (Hq + 2 Hkv) * hd]   the fused projection output: q heads, k heads, v heads
@@ -40,6 +42,19 @@ def _rotate(first, second, position, inv_freq_ptr, offs):
 
 
 @triton.jit
+def _head_norm(first, second, weight_ptr, offs, eps, HALF: tl.constexpr):
+    """One head's RMSNorm from its halves, rounded as engine.model.rms_norm rounds (x's dtype twice)."""
+    first32, second32 = first.to(tl.float32), second.to(tl.float32)
+    mean = (tl.sum(first32 * first32, axis=0) + tl.sum(second32 * second32, axis=0)) / (2 * HALF)
+    scale = 1.0 / tl.sqrt(mean + eps)
+    normed_first = (first32 * scale).to(first.dtype).to(tl.float32)
+    normed_second = (second32 * scale).to(first.dtype).to(tl.float32)
+    weight_first = tl.load(weight_ptr + offs).to(tl.float32)
+    weight_second = tl.load(weight_ptr + HALF + offs).to(tl.float32)
+    return (normed_first * weight_first).to(first.dtype), (normed_second * weight_second).to(first.dtype)
+
+
+@triton.jit
 def _rope_cache_kernel(
     qkv_ptr, inv_freq_ptr, position_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,
     query_heads, kv_heads,
@@ -50,6 +65,10 @@ def _rope_cache_kernel(
     HALF: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    q_norm_ptr=None,  # [hd] per-head RMSNorm weight of the queries (QK_NORM)
+    k_norm_ptr=None,  # [hd] of the keys
+    eps=1e-6,
+    QK_NORM: tl.constexpr = False,
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -73,6 +92,11 @@ def _rope_cache_kernel(
         tl.store(destination + offs, first)
         tl.store(destination + HALF + offs, second)
     else:
+        if QK_NORM:
+            if head < query_heads:
+                first, second = _head_norm(first, second, q_norm_ptr, offs, eps, HALF)
+            else:
+                first, second = _head_norm(first, second, k_norm_ptr, offs, eps, HALF)
         rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, offs)
         if head < query_heads:
             destination = q_out_ptr + b.to(tl.int64) * stride_qo_b + head * stride_qo_h
@@ -84,9 +108,11 @@ def _rope_cache_kernel(
 
 
 def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor, slot: torch.Tensor | None,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k of one token per sequence, write k and v into the cache (row slot[b], or row b
-    when slot is None); returns q [B, Hq, hd] and the positions as int32 [B]."""
+    when slot is None); returns q [B, Hq, hd] and the positions as int32 [B]. `qk_norm` (q weight [hd],
+    k weight [hd], eps): each q and k head RMSNormed first."""
     batch = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if qkv.dim() != 2 or qkv.shape[1] != (query_heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -100,6 +126,13 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         raise ValueError(f"rope_cache: position and slot must be [{batch}]")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or v_cache.shape != k_cache.shape:
         raise ValueError("rope_cache: the caches must be [rows, S, Hkv, hd] with unit stride along hd")
+    norm_options = {}
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+            raise ValueError(f"rope_cache: the q/k norm weights must be [{head_dim}], got {tuple(q_weight.shape)} "
+                             f"and {tuple(k_weight.shape)}")
+        norm_options = dict(q_norm_ptr=q_weight, k_norm_ptr=k_weight, eps=float(eps), QK_NORM=True)
     q_out = scratch.empty((batch, query_heads, head_dim), qkv.dtype, qkv.device)
     position32 = scratch.empty((batch,), torch.int32, qkv.device)
     if batch == 0:
@@ -111,7 +144,7 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
-        **pdl.launch_options(qkv.device),
+        **pdl.launch_options(qkv.device), **norm_options,
     )
     launches.record("rope_cache", kernel=_rope_cache_kernel)
     return q_out, position32

@@ -206,6 +206,52 @@ def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, pac
         _close(fused_cache.v[layer], torch_cache.v[layer], torch.float32)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_decode_step_of_a_qwen3_moe_architecture_matches_the_torch_forward(rows):
+    """Per-head q/k RMSNorm (folded into rope_cache), softmax-then-top-k renormalised routing, no sinks, grouped
+    queries: the fused glue computes what the torch forward does, to fp32 rounding."""
+    from dataclasses import replace
+
+    config = replace(PRESETS["tiny"], name="qwen3-like", qk_norm="per_head", router="softmax_topk",
+                     norm_topk_prob=True, sinks=False, n_heads=4, n_kv_heads=2, head_dim=32, norm_eps=1e-6)
+    weights = random_weights(config, 3, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(4)
+    for layer in range(config.n_layers):  # norm weights off one, so the fold's weights matter
+        for name in ("q_norm", "k_norm"):
+            weights[f"layers.{layer}.{name}"] = 1 + 0.3 * torch.randn(config.head_dim, generator=generator)
+    engine = Engine(config, torch.device("cpu"), 3, weights=weights)
+    decode_fused.pack_qkv(config, engine.weights)
+    tokens, start = torch.tensor([[3], [200], [77]])[:rows], torch.tensor([5, 5, 5])[:rows]
+    fused, fused_cache = _decode_logits(engine, True, tokens, start)
+    torch_logits, torch_cache = _decode_logits(engine, False, tokens, start)
+    _close(fused, torch_logits, torch.float32)
+    for layer in range(config.n_layers):
+        _close(fused_cache.k[layer], torch_cache.k[layer], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_cache_norms_each_q_and_k_head_first(dtype):
+    batch, heads, kv_heads, head_dim = 2, 4, 2, 32
+    qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=21)
+    positions = torch.tensor([3, 11])
+    half = head_dim // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+    q_weight, k_weight = (1 + 0.3 * _draw(head_dim, seed=22)).to(dtype), (1 + 0.3 * _draw(head_dim, seed=23)).to(dtype)
+    k_cache = torch.zeros(batch, 16, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    with scratch.poison_new_buffers():
+        q, _ = rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, (q_weight, k_weight, 1e-6))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    q_in, k_in, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q_normed = rms_norm(q_in.view(batch, 1, heads, head_dim), q_weight, 1e-6)
+    k_normed = rms_norm(k_in.view(batch, 1, kv_heads, head_dim), k_weight, 1e-6)
+    _close(q, apply_rope(q_normed, cos, sin)[:, 0], dtype)
+    _close(k_cache[torch.arange(batch), positions], apply_rope(k_normed, cos, sin)[:, 0], dtype)
+    with pytest.raises(ValueError, match="q/k norm weights must be"):
+        rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, (q_weight[:8], k_weight, 1e-6))
+
+
 def _one_row_after_prefill():
     """tiny with its q/k/v packed, one cache row of 24 positions holding a 5-token prefill, and the
     dispatcher that ran it: what a one-row decode step at position 5 starts from."""
@@ -317,7 +363,13 @@ def test_eligibility():
     assert not decode_fused.eligible(tiny, torch.zeros(2, 3, dtype=torch.long), force=True)  # prefill
     from dataclasses import replace
     assert not decode_fused.eligible(replace(tiny, attention_bias=True), one, force=True)
-    assert not decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
+    # softmax over all E, top k, renormalised is top-k-then-softmax: fused; without the renormalisation it is not
+    assert decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
+    assert not decode_fused.eligible(replace(tiny, router="softmax_topk", norm_topk_prob=False), one, force=True)
+    assert decode_fused.eligible(replace(tiny, qk_norm="per_head"), one, force=True)  # folded into rope_cache
+    assert not decode_fused.eligible(replace(tiny, qk_norm="full"), one, force=True)
+    assert decode_fused.ineligible(replace(tiny, attention_bias=True, router_bias=True)) == \
+        "q/k/v/o biases, a router bias"
 
 
 # ------------------------------------------------------------------------------------------------ GPU
