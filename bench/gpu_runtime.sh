@@ -41,13 +41,16 @@ if [ "$mode" = runtime ]; then
         --no-progress --format md --json-out "$OUT/bench_demo.json"
 elif [ "$mode" = models ]; then
     QWEN=bench/configs/qwen3-30b-a3b
-    TAIL=40 stage 300 bench_qwen3 python3 -m inspector bench --model "$QWEN" --weights random --pp 512 --tg 128 \
+    if [ -n "${TESTS:-}" ]; then  # GPU tests to run first (a list of files)
+        TAIL=20 stage 150 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf $TESTS
+    fi
+    TAIL=40 stage 240 bench_qwen3 python3 -m inspector bench --model "$QWEN" --weights random --pp 512 --tg 128 \
         --batch 1,8,32 --reps 3 --no-progress --format md --json-out "$OUT/bench_qwen3.json"
-    TAIL=4 stage 150 hf_peer python3 bench/hf_generate_peer.py --model "$QWEN" --tokens 128 --prompt 32 --reps 2 \
+    TAIL=4 stage 100 hf_peer python3 bench/hf_generate_peer.py --model "$QWEN" --tokens 128 --prompt 32 --reps 2 \
         --out "$OUT/hf_peer_qwen3.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         > "$WORK/wheels.log" 2>&1
-    TAIL=4 PYTHONPATH=/tmp/site stage 150 tui_stream python3 bench/tui_stream.py --model "$QWEN" --weights random \
+    TAIL=4 PYTHONPATH=/tmp/site stage 100 tui_stream python3 bench/tui_stream.py --model "$QWEN" --weights random \
         --tokens 128 --out "$OUT/tui_stream_qwen3.json"
 fi
 echo "done at $((SECONDS - started))s" | tee -a "$summary"

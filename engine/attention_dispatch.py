@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 FUSED, UNFUSED = "fused", "unfused"
 FLASH_HEAD_DIM = 512
+# The head dims the fused (Triton) attention kernels take: kernels.attention_common.SUPPORTED_HEAD_DIMS, which a
+# test keeps equal (this module is plain Python and imports no kernel).
+FUSED_HEAD_DIMS = (64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,10 @@ class AttentionDecision:
 
 def decide_attention(head_dim: int, mask_kind: str, mask_description: str, flash_512: bool,
                      fused_mask: str) -> AttentionDecision:
+    if head_dim not in FUSED_HEAD_DIMS:
+        return AttentionDecision(UNFUSED, mask_description, mask_description,
+                                 f"head_dim {head_dim}: the fused kernels take head_dim "
+                                 f"{', '.join(map(str, FUSED_HEAD_DIMS))}; the unfused reference computes it", False)
     if head_dim == FLASH_HEAD_DIM and not flash_512:
         return AttentionDecision(UNFUSED, mask_description, mask_description,
                                  "flash_512=off: head_dim-512 layers take the unfused reference", False)

@@ -121,6 +121,8 @@ def _device_kernels(prof) -> list[tuple[str, float, float]]:
 
 
 def _timing_note(mode: str, cuda: bool, profiled: bool, attributed: str) -> str:
+    if attributed and not profiled:
+        return f"cuda events around each call on eager steps; {attributed}"
     if mode == "off":
         return "off: no per-layer µs (layer_timing=off)"
     if not cuda:
@@ -402,6 +404,8 @@ class Engine:
         cancelled = False
         profiled = cuda and mode == "profile" and runner.graphs_enabled
         timing_note = ""
+        if profiled and torch._C._autograd._profiler_enabled():  # the caller's profiler runs: not a second one
+            profiled, timing_note = False, "another profiler is running (the caller's): replayed layers not timed"
         try:
             with cyclic_gc_paused(), _kernel_profile(profiled) as profile:  # no collector pauses inside the steps
                 while has_work():

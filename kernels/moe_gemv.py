@@ -191,6 +191,10 @@ def _down_kernel(
         h = _pair_hidden(hidden_ptr, first_pair, 0, offs_f, offs_f < intermediate_size, known, stride_hp)
         scale = tl.where(known, tl.load(topk_weights_ptr + first_pair).to(tl.float32), 0.0)
         total += scale * tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
+        if HAS_B2:
+            if steps_per_pair == 1:  # that tile was the first pair's last: its bias, weighted
+                total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
+                                         mask=d_mask, other=0.0).to(tl.float32)
         start = 1
     for step in range(start, TOP_K * steps_per_pair):
         j = step // steps_per_pair

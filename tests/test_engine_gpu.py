@@ -91,7 +91,8 @@ def test_v4_shape_prefill_runs_grouped_kernels_only():
             scale = 1.0 if name in ("embed",) or name.endswith("sinks") else shape[-1] ** -0.5
             weights[name] = (torch.randn(shape, device="cuda", generator=generator, dtype=torch.bfloat16) * scale)
     engine = Engine(config, torch.device("cuda"), weights=weights)
-    result = engine.generate(bytes(range(32, 127)).decode() * 12, 1, resolved("moe_gate=tile-fill"))
+    # one prefill step of the whole 1140-token prompt (the runtime would chunk it at the default 512)
+    result = engine.generate(bytes(range(32, 127)).decode() * 12, 1, resolved("moe_gate=tile-fill", "prefill_chunk=2048"))
     record = result.steps[0]["moe"][0]
     assert record["decided_arm"] == record["executed_arm"] == "grouped"
     counters = result.counters

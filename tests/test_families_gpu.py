@@ -12,7 +12,8 @@ pytest.importorskip("tokenizers")
 
 from engine import flags, layer_timing  # noqa: E402
 from engine.runtime import Engine  # noqa: E402
-from test_hf_models import FAMILIES, _build  # noqa: E402
+import test_hf_models  # noqa: E402
+from test_hf_models import FAMILIES  # noqa: E402
 
 PROMPT = "mixture of experts layers route every token to a few"
 TOKENS = 24
@@ -21,11 +22,18 @@ FUSED_GLUE = {"qwen3-moe": True, "mixtral": True, "olmoe": False, "gpt-oss": Fal
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
+    """test_hf_models' tiny checkpoints at head_dim 64, the smallest the fused attention kernels take."""
     out = {}
-    for seed, family in enumerate(FAMILIES):
-        directory = tmp_path_factory.mktemp(family)
-        _build(family, directory, seed)
-        out[family] = Engine.load(str(directory), "cuda")
+    wide = dict(test_hf_models.COMMON, hidden_size=128, head_dim=64)
+    original = test_hf_models.COMMON
+    test_hf_models.COMMON = wide
+    try:
+        for seed, family in enumerate(FAMILIES):
+            directory = tmp_path_factory.mktemp(family)
+            test_hf_models._build(family, directory, seed)
+            out[family] = Engine.load(str(directory), "cuda")
+    finally:
+        test_hf_models.COMMON = original
     return out
 
 

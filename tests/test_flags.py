@@ -10,7 +10,8 @@ def test_defaults_match_the_design():
     resolved = flags.resolve(environ={})
     assert resolved.values == {"moe_gate": "measured", "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2,
                                "tile_m": 16, "flash_512": True, "fused_mask": "honor",
-                               "prefill_chunk": 512, "steps_per_graph": 8}
+                               "prefill_chunk": 512, "steps_per_graph": 8, "mixed_steps": True,
+                               "layer_timing": "profile"}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 
 
@@ -57,3 +58,13 @@ def test_tile_m_choices_match_the_kernel():
     grouped = pytest.importorskip("kernels.moe_grouped")
     assert flags.TILE_M_CHOICES == grouped.TILE_M_CHOICES
     assert flags.SPECS["tile_m"].default == grouped.DEFAULT_TILE_M
+
+
+def test_the_attention_decision_knows_the_head_dims_the_fused_kernels_take():
+    from engine import attention_dispatch
+    from kernels import attention_common
+
+    assert attention_dispatch.FUSED_HEAD_DIMS == attention_common.SUPPORTED_HEAD_DIMS
+    decision = attention_dispatch.decide_attention(96, "causal", "causal", True, "honor")
+    assert decision.arm == attention_dispatch.UNFUSED and "head_dim 96" in decision.reason
+    assert attention_dispatch.decide_attention(128, "causal", "causal", True, "honor").arm == attention_dispatch.FUSED

@@ -30,7 +30,14 @@ def _case(tokens, top_k, experts, hidden, intermediate, dtype, device="cpu", see
     pytest.param(5, 3, 11, 33, 24, id="odd-hidden-prime-experts"),
 ])
 @pytest.mark.parametrize("biases", ["both", "none", "b13-only"])
-def test_clamped_gemv_matches_the_gpt_oss_reference(tokens, top_k, experts, hidden, intermediate, dtype, biases):
+@pytest.mark.parametrize("preload", [False, True], ids=["no-preload", "preload"])
+def test_clamped_gemv_matches_the_gpt_oss_reference(tokens, top_k, experts, hidden, intermediate, dtype, biases,
+                                                    preload, monkeypatch):
+    """`preload`: down's first tile loaded before the wait, as on a GPU under PDL (kernels.pdl): with one tile per
+    pair, that tile is the first pair's last, whose bias must still be added."""
+    from kernels import moe_gemv
+
+    monkeypatch.setattr(moe_gemv.pdl, "preload", lambda device, kernel: preload)
     x, w13, w2, ids, weights, b13, b2 = _case(tokens, top_k, experts, hidden, intermediate, dtype)
     b13, b2 = {"both": (b13, b2), "none": (None, None), "b13-only": (b13, None)}[biases]
     reference = moe_reference_gpt_oss(x, w13, w2, ids, weights, b13, b2, ALPHA, LIMIT)

@@ -56,7 +56,7 @@ def test_run_ahead_gives_the_same_tokens_and_counters_as_without_it(demo):
     runs = {}
     for run_ahead in (False, True):
         runner = BatchRunner(demo, len(batch), 130 + 24 - 1, graphs=True, run_ahead=run_ahead)
-        runs[run_ahead] = (demo.generate_batch(batch, 24, resolved(), runner=runner), runner)
+        runs[run_ahead] = (demo.generate_batch(batch, 24, resolved(), runner=runner, timed=False), runner)
     (off, off_runner), (on, on_runner) = runs[False], runs[True]
     assert on.tokens == off.tokens
     assert on.counters == off.counters
