@@ -24,7 +24,7 @@ FUSED_GLUE = {"qwen3-moe": True, "mixtral": True, "olmoe": False, "gpt-oss": Fal
 def engines(tmp_path_factory):
     """test_hf_models' tiny checkpoints at head_dim 64, the smallest the fused attention kernels take."""
     out = {}
-    wide = dict(test_hf_models.COMMON, hidden_size=128, head_dim=64)
+    wide = dict(test_hf_models.COMMON, hidden_size=256, head_dim=64)  # 4 heads x 64 = hidden: OLMoE norms q over it
     original = test_hf_models.COMMON
     test_hf_models.COMMON = wide
     try:
