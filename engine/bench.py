@@ -320,6 +320,9 @@ class Row:
     depth_floor: int
     profile: list[dict] | None = None
     profile_note: str = ""
+    # crc32 of every timed repetition's generated tokens, in order: an A/B (engine.ab_rows) refuses a row whose
+    # two sides computed different tokens at temperature 0
+    tokens_crc32: int | None = None
 
     @property
     def admitting(self) -> bool:
@@ -332,7 +335,8 @@ class Row:
                    "generated_tokens": self.spec.max_tokens, "reps": len(reps), "depth_floor": self.depth_floor,
                    "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
                    "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory,
-                                  "phases": reps[-1].phases}}
+                                  "phases": reps[-1].phases},
+                   "tokens_crc32": self.tokens_crc32}
         if self.admitting:
             payload.update(state="admitting", tps_wall=None, tps_device=None, clock_disagreement=None,
                            clock_flag=False, ms_per_token=None, ms_per_step=None)
@@ -583,6 +587,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
+        tokens_crc = 0
         run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
         for repetition in range(reps + 1):
             result = run_once(repetition)
@@ -591,9 +596,10 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
             if repetition > 0:  # the warm-up (compilation, graph capture) is excluded
                 repetitions.append(measured)
                 _add_counts(counts, result.counters)
+                tokens_crc = zlib.crc32(repr([list(s.generated) for s in result.sequences]).encode(), tokens_crc)
             if progress is not None:
                 progress.advance(note=f"{spec.name} {label}")
-        row = Row(spec, repetitions, counts, floor)
+        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc)
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
         if runner.block_notes:  # steps_per_graph asked for a graph this runner could not capture: say so
