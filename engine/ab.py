@@ -334,14 +334,16 @@ class Outcome:
             a = [by[(index, "A")].get(name) for index in complete]
             b = [by[(index, "B")].get(name) for index in complete]
             entry: dict = {"row": name, "rounds": len(complete)}
-            present = [sample for sample in (*a, *b) if sample is not None]
+            present = [sample for sample in (*a, *b) if sample is not None] or \
+                [run["samples"][name] for run in self.runs if name in run["samples"]]
             entry["unit"] = present[0].unit if present else ""
             entry["state"] = present[0].state if present else ""
             entry["arms"] = {side: _arm_summary(samples) for side, samples in (("A", a), ("B", b))}
             entry["notes"] = sorted({note for sample in present for note in sample.notes})
             if not complete:
                 entry.update(refused="no round completed on both sides", verdict=None)
-                entry["values"] = {"A": [s.value for s in a if s], "B": [s.value for s in b if s]}
+                entry["values"] = {side: [run["samples"][name].value for run in self.runs
+                                          if run["side"] == side and name in run["samples"]] for side in ("A", "B")}
                 rows.append(entry)
                 continue
             why, notes = ab_rows.refusal(name, a, b, claims["A"], claims["B"], self.allow_different_tokens)
