@@ -180,9 +180,13 @@ class Worker:
         self.process = subprocess.Popen([python, "-c", WORKER], cwd=side.tree.path, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env=environment, bufsize=1)
+        self.ready = False  # its hello is read at its first run: both sides' processes start at once
+
+    def _wait_ready(self) -> None:
         hello = self._receive(START_TIMEOUT_S)
         if not hello.get("ready"):
-            raise SideFailed(side.name, f"{side.tree.label} does not start: {hello.get('error', 'no answer')}")
+            raise SideFailed(self.side.name, f"{self.side.tree.label} does not start: {hello.get('error', 'no answer')}")
+        self.ready = True
 
     def _receive(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -200,6 +204,8 @@ class Worker:
                 raise SideFailed(self.side.name, f"{self.side.tree.label}: no answer in {timeout:.0f} s")
 
     def run(self, argv: list[str]) -> tuple[int, str, str]:
+        if not self.ready:
+            self._wait_ready()
         self.process.stdin.write(json.dumps({"argv": argv}) + "\n")
         self.process.stdin.flush()
         answer = self._receive(float("inf"))
@@ -386,8 +392,8 @@ def run_ab(sides: dict[str, Side], workload: Workload, rounds: int, warmup: int 
            rule: ab_stats.Rule = ab_stats.Rule(), launcher: Launcher | None = None, fresh: bool = False,
            allow_different_tokens: bool = False, progress: Callable[[str], None] | None = None) -> Outcome:
     """Every round (after `warmup` discarded runs per side); stops at the first side that fails, keeping what
-    was measured. Processes start lazily, A's first, so a side that does not build still leaves the other's
-    first run in the report."""
+    was measured. Both sides' processes start at once; a side that does not start fails at its first run, so
+    the other side's runs before it stay in the report."""
     import datetime
 
     if rounds < 1:
@@ -409,10 +415,17 @@ def run_ab(sides: dict[str, Side], workload: Workload, rounds: int, warmup: int 
             if workload.kind == "session":
                 session_copy(workload.session, side.overrides, scratch / f"session-{name}.toml")
 
+        failed_start: dict[str, SideFailed] = {}
+        for name, side in sides.items():  # every side's process starts now (their imports overlap) ...
+            try:
+                processes[name] = launcher(side)
+            except SideFailed as failure:  # ... and a side that cannot start fails at its first run, in order
+                failed_start[name] = failure
+
         def one_run(name: str) -> tuple[dict, float]:
             side = sides[name]
-            if name not in processes:
-                processes[name] = launcher(side)
+            if name in failed_start:
+                raise failed_start[name]
             started = time.perf_counter()
             code, stdout, stderr = processes[name].run(workload.argv(side, scratch))
             seconds = time.perf_counter() - started
