@@ -12,8 +12,8 @@ Tracks: one process per configuration (A, B, a bench's flags, a session's config
                        inside that: the kernels' own device times, each attributed to its layer and arm
 Kernel attribution (`attribute`): a step's kernels in start order are its capture order (one stream: a CUDA
 graph replays its kernels in the order they were captured, and an eager step launches them in that order).
-Each is classed by its function name (attention, MoE or other: the Triton kernels of kernels/attention*.py
-and kernels/moe_*.py, kernels/router.py); the i-th run of attention kernels is layer i's attention, the
+Each is classed by its function name (attention, MoE or other: the device kernels a record says its arm
+launched, `arm_kernels`, then the Triton kernels of kernels/attention*.py, kernels/moe_*.py, kernels/router.py); the i-th run of attention kernels is layer i's attention, the
 kernels after it up to the last MoE kernel before the next layer's attention belong to layer i, those after
 that to layer i + 1 (its norm and q/k/v), and those after the last layer's MoE kernels to the LM head
 (`head`). Under programmatic dependent launch a kernel starts while the one before it runs; its slice then
@@ -195,6 +195,9 @@ class StepClock:
             self._chained(record, token)
 
     def stamped(self, steps: list[dict]) -> list[dict]:
+        """Records with clocks: their own where they carry them (the batched runtime's), else the stamps."""
+        if all(step.get("started") is not None and step.get("ended") is not None for step in steps):
+            return steps
         return [dict(step, started=begin, ended=end) for step, (begin, end) in zip(steps, self._stamps)]
 
 
@@ -309,6 +312,14 @@ class Trace:
             return counts
         offset = statistics.median(records[step]["started"] * 1e6 - step_ranges[step][0] for step in shared)
         pid = self._pid(configuration)
+        # the records name the device kernels each arm launched (`arm_kernels`, engine.dispatcher): those class
+        # first, the kernels package's modules after
+        families = dict(kernel_families() if families is None else families)
+        for step in steps:
+            for family, key in ((MOE, "moe"), (ATTENTION, "attention")):
+                for record in step.get(key, ()):
+                    for name in record.get("arm_kernels") or ():
+                        families[name] = family
         ordered = sorted(kernels, key=lambda kernel: kernel[1])
         for step_number in sorted(shared):
             start, end = step_ranges[step_number]
