@@ -617,8 +617,8 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     # calls slower for good (bench/probe_launch.py, H200: a graph launch 4.0 us before one, 13.9 us after),
     # so a row timed after another row's profile would carry that cost in its host time.
     for row, runner, run_once, floor in profiled:
-        row.profile, row.profile_note = _profiled_repetition(row.spec, runner, run_once, reps + 1, floor,
-                                                             trace and partial(trace.add_profiled, flags.describe()))
+        traced = {} if trace is None else {"traced": partial(trace.add_profiled, flags.describe())}
+        row.profile, row.profile_note = _profiled_repetition(row.spec, runner, run_once, reps + 1, floor, **traced)
         if progress is not None:
             progress.advance(note=f"{row.spec.name} profile")
     del profiled
