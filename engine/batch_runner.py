@@ -102,6 +102,7 @@ from engine.decode_fused import StepOutputs
 from engine.graphs import DecodeGraph
 from engine.model import KVCache, StepLayout, forward
 from engine.scheduler import DECODE, Batch
+from engine.trace import nvtx
 from kernels import launches
 
 
@@ -326,8 +327,12 @@ class BatchRunner:
                 self.ahead = None
                 return self._run_ahead(batch, dispatcher, ahead, kernels_before, reserve_next, clock)
             return self._run(batch, dispatcher, kernels_before, reserve_next, clock)
-        with torch.profiler.record_function(f"moei.step.{batch.step}"):
-            return self._run(batch, dispatcher, kernels_before, None, clock)  # no run-ahead: ranges per step
+        nvtx.push(f"step {batch.step} {batch.phase} n={batch.n_tokens}")  # a trace's NVTX range, when asked for
+        try:
+            with torch.profiler.record_function(f"moei.step.{batch.step}"):
+                return self._run(batch, dispatcher, kernels_before, None, clock)  # no run-ahead: ranges per step
+        finally:
+            nvtx.pop()
 
     def drop_ahead(self) -> None:
         """Forget a launch made for steps that will not run (their run ended early, e.g. on an error): a

@@ -320,6 +320,9 @@ class Row:
     depth_floor: int
     profile: list[dict] | None = None
     profile_note: str = ""
+    # crc32 of every timed repetition's generated tokens, in order: an A/B (engine.ab_rows) refuses a row whose
+    # two sides computed different tokens at temperature 0
+    tokens_crc32: int | None = None
 
     @property
     def admitting(self) -> bool:
@@ -332,7 +335,8 @@ class Row:
                    "generated_tokens": self.spec.max_tokens, "reps": len(reps), "depth_floor": self.depth_floor,
                    "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
                    "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory,
-                                  "phases": reps[-1].phases}}
+                                  "phases": reps[-1].phases},
+                   "tokens_crc32": self.tokens_crc32}
         if self.admitting:
             payload.update(state="admitting", tps_wall=None, tps_device=None, clock_disagreement=None,
                            clock_flag=False, ms_per_token=None, ms_per_step=None)
@@ -565,12 +569,13 @@ class Report:
 def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | None = None,
               profile: bool = False, depth_floor: int | None = None, token_budget: int | None = None,
               progress=None, weights_note: str = "", clock: Callable[[], float] | None = None,
-              on_row: Callable[[Row], None] | None = None) -> Report:
+              on_row: Callable[[Row], None] | None = None, trace=None) -> Report:
     """Every row: one warm-up repetition and `reps` timed ones; with `profile`, then one profiled repetition
     per row, all after the last timed one (a profiler session slows the process's CUDA calls for good).
     `on_row` is called with each row once its timed repetitions are done (before any profile: the TUI
     shows rows as they arrive). Raises MeasurementError (exit 2) on the first invalid repetition; nothing
-    is printed here."""
+    is printed here. `trace` (an engine.trace.Trace) receives every repetition's steps and, with `profile`, the
+    profiled repetition's kernels."""
     from engine.batch_runner import BatchRunner
 
     if reps < 1:
@@ -583,17 +588,21 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
+        tokens_crc = 0
         run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
         for repetition in range(reps + 1):
             result = run_once(repetition)
             label = "warm-up" if repetition == 0 else f"rep {repetition}"
             measured = measure(spec, result.sequences, result.steps, floor, label)
+            if trace is not None:
+                trace.add_run(flags.describe(), f"{spec.name} {label}", result.steps)
             if repetition > 0:  # the warm-up (compilation, graph capture) is excluded
                 repetitions.append(measured)
                 _add_counts(counts, result.counters)
+                tokens_crc = zlib.crc32(repr([list(s.generated) for s in result.sequences]).encode(), tokens_crc)
             if progress is not None:
                 progress.advance(note=f"{spec.name} {label}")
-        row = Row(spec, repetitions, counts, floor)
+        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc)
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
         if runner.block_notes:  # steps_per_graph asked for a graph this runner could not capture: say so
@@ -608,7 +617,8 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     # calls slower for good (bench/probe_launch.py, H200: a graph launch 4.0 us before one, 13.9 us after),
     # so a row timed after another row's profile would carry that cost in its host time.
     for row, runner, run_once, floor in profiled:
-        row.profile, row.profile_note = _profiled_repetition(row.spec, runner, run_once, reps + 1, floor)
+        traced = {} if trace is None else {"traced": partial(trace.add_profiled, flags.describe())}
+        row.profile, row.profile_note = _profiled_repetition(row.spec, runner, run_once, reps + 1, floor, **traced)
         if progress is not None:
             progress.advance(note=f"{row.spec.name} profile")
     del profiled
@@ -624,7 +634,8 @@ def _run_once(engine, flags, spec: RowSpec, runner, token_budget, clock, repetit
                                  clock=clock, timed=False)
 
 
-def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor: int) -> tuple[list[dict], str]:
+def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor: int,
+                         traced: Callable | None = None) -> tuple[list[dict], str]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -637,6 +648,8 @@ def _profiled_repetition(spec: RowSpec, runner, run_once, repetition: int, floor
     finally:
         runner.label_steps = False
     kernels, step_ranges = _profile_events(prof)
+    if traced is not None:
+        traced(f"{spec.name} profiled rep", result.steps, kernels, step_ranges)
     measured = measure(spec, result.sequences, result.steps, floor, "profiled rep")
     window = set(measured.window_steps)
     device_us = None if measured.device_s is None else measured.device_s * 1e6

@@ -1,7 +1,7 @@
 """The calibration file that `moe_gate=measured` reads and `moe-inspector sweep` writes.
 
 One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", "hidden",
-"intermediate", "tile_m", "crossover_tokens", "measured_at", "commit"}]}. The crossover is the
+"intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing"}]}. The crossover is the
 smallest measured token count from which the grouped arm beats the GEMV arm at every larger
 measured width. Knows nothing of how the sweep measures.
 """
@@ -41,11 +41,13 @@ def load_entries(path: Path | None = None) -> list[dict]:
 
 def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
                    path: Path | None = None) -> int | None:
-    """The measured crossover for exactly this routing shape on this device, or None."""
+    """The measured crossover for exactly this routing shape on this device, or None. Only an entry timed the
+    runtime's way (`"timing": "graph"`, engine.sweep) counts: an entry of a sweep that timed each arm as one cold
+    eager call (before that field) put the crossover where the runtime does not run the arms; run the sweep again."""
     wanted = (device, k, experts, hidden, intermediate, tile_m)
     for entry in load_entries(path):
         try:
-            if _key(entry) == wanted:
+            if _key(entry) == wanted and entry.get("timing") == "graph":
                 return int(entry["crossover_tokens"])
         except (KeyError, TypeError, ValueError):
             continue

@@ -20,6 +20,7 @@ from engine.attention_dispatch import UNFUSED, decide_attention
 from engine.devices import device_label
 from engine.flags import ResolvedFlags
 from engine.records import AttentionRecord, MoeRecord
+from engine.trace import layer_range_name, nvtx
 from kernels import launches
 from kernels.reference import MaskSpec
 
@@ -108,6 +109,8 @@ class Dispatcher:
         logged = self.engine.device.type == "cuda"
         if logged:
             launches.log_begin()
+        if nvtx.enabled:  # a trace was asked for: the layer's NVTX range (host-walked steps only, never a replay)
+            nvtx.push(layer_range_name(record))
         try:
             if not self.timed:
                 return launch()
@@ -117,6 +120,8 @@ class Dispatcher:
             record["us_method"] = "cuda events around the call (eager step)" if self.timer.cuda else "cpu wall clock"
             return out
         finally:
+            if nvtx.enabled:
+                nvtx.pop()
             if logged:
                 record["arm_kernels"] = [launches.device_kernel_name(name) or name for name in launches.log_end()]
 

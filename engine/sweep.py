@@ -11,11 +11,19 @@ Per token count n it reports
                     against `moe_reference` on the same inputs, and its launches per call
     align           median µs of `moe_align` alone (the sort/schedule every grouped call pays)
 
-How it times (so the numbers mean what they say): inputs (x, routing) rotate among ROTATIONS
-sets; before each timed call a clean read of twice the L2 evicts everything (a read, not a write,
-so no dirty lines are written back inside the timed call), then a device spin gives the host time
-to queue all of the arm's launches, so the CUDA events measure device time as under a CUDA graph,
-not Python launch overhead. Median of up to MAX_REPS calls.
+How it times (each arm's row says which; docs/ab.md gives the why), inputs (x, routing) rotating
+among ROTATIONS sets either way:
+    graph (default: the runtime's way)  calls back to back captured in one CUDA graph, launched with the
+        options the runtime's launches use (kernels.pdl: programmatic dependent launch on Hopper; the
+        weights' L2 policy of kernels.streaming), replayed; the median over replays of the replay's
+        device time over its calls. As in a decode step's graph, each call's first kernel launches while
+        the one before drains and the L2 holds what the calls before left there. The calibration that
+        `moe_gate=measured` reads is written only from this method.
+    cold: before each timed call a clean read of twice the L2 evicts everything (a read, not a write,
+        so no dirty lines are written back inside the timed call), then a device spin gives the host time
+        to queue all of the arm's launches, and CUDA events bracket that one eager call: a cold-cache,
+        one-call figure (its ramp-up and drain counted whole). Median of up to MAX_REPS calls.
+An arm that a graph cannot capture is timed cold, and its row says so.
 
 Knows nothing of screens or sessions; the model shapes are a local table until the preset
 registry (engine/config.py) lands.
@@ -66,6 +74,14 @@ SPIN_CYCLES = 1_000_000  # ~0.5 ms at H200 clocks: longer than any arm's host la
 MATMUL_SIZE = 8192
 COPY_BYTES = 1 << 30  # bytes of the copy source (the copy moves twice this)
 CHECK_TOLERANCE = 1e-2  # relative error vs reference in bf16 (see tests/test_moe_kernels.py)
+TIMINGS = ("graph", "cold")
+GRAPH_REPLAY_US = 1000.0  # calls per captured graph: about a millisecond of them, so a replay's ends weigh little
+MAX_GRAPH_CALLS = 64
+TIMING_DESCRIPTIONS = {
+    "graph": "the runtime's way: calls back to back in one CUDA graph replay (PDL and the weights' L2 policy as "
+             "the runtime launches them, L2 warm from the calls before), device time per call, median over replays",
+    "cold": "one eager call after a clean 2x-L2 read and a device spin, CUDA events around it, median over calls",
+}
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
@@ -100,10 +116,13 @@ class SweepConfig:
     tile_m: int = 16
     seed: int = 0
     calibration: Path | None = None
+    timing: str = "graph"
     shape: MoeShape = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", moe_shape(self.model))
+        if self.timing not in TIMINGS:
+            raise UserError(f"--timing {self.timing!r}: choose graph (the runtime's way) or cold")
         if not self.tokens:
             raise UserError("--tokens: give at least one token count")
         if not self.arms:
@@ -209,6 +228,43 @@ class _Timer:
         torch.cuda.synchronize()
         times_us = [begin.elapsed_time(finish) * 1e3 for begin, finish in events]
         median = statistics.median(times_us)
+        if not (math.isfinite(median) and median > 0):
+            raise MeasurementError(f"a timing came back as {median} µs: refusing to report it")
+        return median
+
+
+    def graph_us(self, fn, budget_ms: float = BUDGET_MS) -> float:
+        """Median device µs per call of `fn` the runtime's way: back-to-back calls captured in one CUDA graph
+        (`fn` rotates its inputs per call), replayed; each replay's time over its calls. Raises what the
+        capture raises (an arm a graph cannot capture)."""
+        torch = self.torch
+        fn()  # compile / warm up, outside the capture
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        estimate_us = max(start.elapsed_time(end) * 1e3, 1.0)
+        calls = int(min(MAX_GRAPH_CALLS, max(ROTATIONS, math.ceil(GRAPH_REPLAY_US / estimate_us / ROTATIONS)
+                                             * ROTATIONS)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()  # the first replay uploads the graph
+        torch.cuda.synchronize()
+        replays = int(min(MAX_REPS, max(MIN_REPS, budget_ms * 1e3 / (estimate_us * calls))))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for begin, finish in events:
+            if self.spin is not None:
+                self.spin(SPIN_CYCLES // 4)  # the host queues the replay behind it: device time only
+            begin.record()
+            graph.replay()
+            finish.record()
+        torch.cuda.synchronize()
+        del graph
+        median = statistics.median(begin.elapsed_time(finish) * 1e3 / calls for begin, finish in events)
         if not (math.isfinite(median) and median > 0):
             raise MeasurementError(f"a timing came back as {median} µs: refusing to report it")
         return median
@@ -341,7 +397,21 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
                 x, ids, weights = sets[next(counter) % ROTATIONS]
                 return function(x, w13, w2, ids, weights)
 
-            arms_result[arm] = {"us": timer.median_us(call), "rel_err": rel_err, "launches_per_call": per_call}
+            timing, note = config.timing, ""
+            if timing == "graph":
+                try:
+                    us = timer.graph_us(call)
+                except MeasurementError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - an arm a graph cannot capture is timed cold, and says so
+                    torch.cuda.synchronize()
+                    timing, note = "cold", f"graph capture failed ({type(error).__name__}): timed cold"
+                    us = timer.median_us(call)
+            else:
+                us = timer.median_us(call)
+            arms_result[arm] = {"us": us, "rel_err": rel_err, "launches_per_call": per_call, "timing": timing}
+            if note:
+                arms_result[arm]["timing_note"] = note
             step(f"n={tokens} {arm}")
         for arm, why in unavailable.items():
             arms_result[arm] = {"us": None, "rel_err": None, "launches_per_call": {}, "unavailable": why}
@@ -378,6 +448,10 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
         calibration_note = "no crossover measured (needs gemv and a grouped arm, grouped winning at the largest n)"
     elif config.skew > 0:
         calibration_note = "skewed routing: the calibration (uniform routing) was not written"
+    elif config.timing != "graph" or any(result.get("timing") != "graph" for row in rows
+                                         for result in row["arms"].values() if result["us"] is not None):
+        calibration_note = ("not every arm was timed the runtime's way (--timing graph): the calibration that "
+                            "moe_gate=measured reads was not written")
     else:
         calibration_file = str(calibration.save_entry({
             "device": device_name,
@@ -389,6 +463,7 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
             "crossover_tokens": crossover,
             "measured_at": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit,
+            "timing": "graph",
         }, config.calibration))
     return {
         "device": device_name,
@@ -398,6 +473,7 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
         "dtype": "bfloat16",
         "tile_m": config.tile_m,
         "skew": config.skew,
+        "timing": {"method": config.timing, "describe": TIMING_DESCRIPTIONS[config.timing]},
         "copy_bandwidth_gbs": copy_gbs,
         "matmul_tflops": matmul_tflops,
         "rows": rows,

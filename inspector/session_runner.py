@@ -318,6 +318,7 @@ class RunContext:
     engine: Any  # engine.runtime.Engine
     base: flag_registry.ResolvedFlags
     bench_progress: Any = None  # an object with advance(note=...), passed to engine.bench.run_bench
+    trace: Any = None  # an engine.trace.Trace that receives every generation's and bench row's steps (--trace)
 
 
 def bench_numbers(report: dict) -> dict:
@@ -334,7 +335,15 @@ def make_context(session: Session, where: str, engine) -> RunContext:
 def _generate(context: RunContext, prompt: str, max_tokens: int, config_name: str | None):
     flags = config_flags(context.session, context.base, config_name)
     started = time.perf_counter()
-    generation = context.engine.generate(prompt, max_tokens, flags)
+    clock = None
+    if context.trace is not None:
+        from engine.trace import StepClock
+
+        clock = StepClock()
+    generation = context.engine.generate(prompt, max_tokens, flags, on_step=clock)
+    if clock is not None:
+        context.trace.add_run(config_name or BASE, f"{len(generation.tokens)} tokens: {prompt[:40]!r}",
+                              clock.stamped(generation.steps))
     return generation, summarize_generation(generation, config_name or BASE, time.perf_counter() - started)
 
 
@@ -397,7 +406,7 @@ def run_step(context: RunContext, index: int, step: Step) -> dict:
         from engine.bench import run_bench
 
         report = run_bench(context.engine, config_flags(context.session, context.base, step.config),
-                           bench_specs(step), step.reps, progress=context.bench_progress)
+                           bench_specs(step), step.reps, progress=context.bench_progress, trace=context.trace)
         numbers = bench_numbers(report.to_json())
     else:  # pragma: no cover - the parser admits only the types above
         raise AssertionError(step)
@@ -424,8 +433,9 @@ class RunOutcome:
 
 def run_session(session: Session, where: str, device: str | None = None,
                 progress: Callable[[int, int, Step, dict | None], None] | None = None,
-                only_steps: list[int] | None = None) -> RunOutcome:
-    """Run every step (or the 1-based `only_steps`) on `device` (default: the session's)."""
+                only_steps: list[int] | None = None, trace=None) -> RunOutcome:
+    """Run every step (or the 1-based `only_steps`) on `device` (default: the session's); `trace` (an
+    engine.trace.Trace) receives the steps of every generation and bench row."""
     from engine.runtime import Engine
 
     model, torch_device = preflight(session, where, device or session.engine.device)
@@ -435,7 +445,11 @@ def run_session(session: Session, where: str, device: str | None = None,
                          base=session_directory(where))
     outcome = RunOutcome(environment_header(session, where, engine.device_label, str(engine.device), base,
                                             engine.weights_source, engine.checkpoint))
-    context = RunContext(session, where, engine, base)
+    context = RunContext(session, where, engine, base, trace=trace)
+    if trace is not None:
+        from engine.trace import enable_nvtx
+
+        enable_nvtx(engine.device)
     chosen = [(index, step) for index, step in enumerate(session.steps, start=1)
               if only_steps is None or index in only_steps]
     for index, step in chosen:

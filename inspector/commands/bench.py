@@ -57,6 +57,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--depth-floor", type=int, default=None,
                         help="generated tokens every sequence needs before a decode window opens "
                              "(default min(8, tg/4))")
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="also write a Chrome/Perfetto trace: every repetition's steps, layers and decisions; on "
+                             "a GPU it runs the profiled repetition (as --profile) and attributes its kernels to "
+                             "layers and arms")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(run=run)
 
@@ -101,15 +105,27 @@ def run(args) -> int:
             weights_note = (f"random, seed {args.seed}, drawn on the GPU by a seeded CUDA generator "
                             "(timing only: not the CPU-drawn weights of generate/compare)")
         engine = Engine(config, device, args.seed, weights=weights)
-    progress = None if args.no_progress else Progress(len(specs) * (args.reps + 1 + int(args.profile)),
+    trace = None
+    if args.trace:
+        from engine import trace as tracing
+
+        trace = tracing.Trace()
+        tracing.enable_nvtx(device)
+    profile = args.profile or (trace is not None and device.type == "cuda")
+    progress = None if args.no_progress else Progress(len(specs) * (args.reps + 1 + int(profile)),
                                                       f"bench {config.name}")
     try:
-        report = bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, profile=args.profile,
+        report = bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, profile=profile,
                                  depth_floor=args.depth_floor, token_budget=args.token_budget,
-                                 progress=progress, weights_note=weights_note)
+                                 progress=progress, weights_note=weights_note, trace=trace)
     finally:
         if progress is not None:
             progress.close()
+    if trace is not None:
+        import sys
+
+        size = trace.write(args.trace)
+        print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(bench.format_json(report))
     print({"md": bench.format_markdown, "json": bench.format_json, "csv": bench.format_csv}[args.format](report),

@@ -6,7 +6,7 @@ from engine import flags as flag_registry
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector.commands.common import print_json, show_engagements
-from inspector.commands.generate import add_generation_arguments, print_generation
+from inspector.commands.generate import add_generation_arguments, print_generation, traced_clock, write_trace
 
 
 def add_parser(subparsers) -> None:
@@ -24,8 +24,13 @@ def run(args) -> int:
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
     if not args.json:
         show_engagements()
-    result_a = engine.generate(args.prompt, args.max_tokens, flags_a)
-    result_b = engine.generate(args.prompt, args.max_tokens, flags_b)
+    clock_a, clock_b = traced_clock(args, engine), traced_clock(args, engine)
+    result_a = engine.generate(args.prompt, args.max_tokens, flags_a, on_step=clock_a)
+    if clock_b is not None:
+        clock_b.__init__()  # B's first step starts when A's run ends
+    result_b = engine.generate(args.prompt, args.max_tokens, flags_b, on_step=clock_b)
+    write_trace(args, [(f"A: {args.a or 'no overrides'}", result_a, clock_a),
+                       (f"B: {args.b or 'no overrides'}", result_b, clock_b)])
     summary = compare(result_a, result_b)
     if args.json:
         print_json({"a": result_a.to_json(), "b": result_b.to_json(), **summary})

@@ -14,6 +14,8 @@ def add_generation_arguments(parser) -> None:
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                         help=f"set a flag, repeatable; flags: {', '.join(flag_registry.SPECS)}")
     add_json_argument(parser)
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="also write a Chrome/Perfetto trace of the steps, layers and decisions (engine.trace)")
 
 
 def add_parser(subparsers) -> None:
@@ -43,12 +45,39 @@ def print_generation(result: Generation, label: str = "") -> None:
     print(f"{heading}counters: {counts}" + (f"; kernels: {result.counters['kernels']}" if result.counters["kernels"] else ""))
 
 
+def traced_clock(args, engine):
+    """A StepClock when --trace was given (and NVTX ranges on a GPU), else None."""
+    if not getattr(args, "trace", None):
+        return None
+    from engine import trace
+
+    trace.enable_nvtx(engine.device)
+    return trace.StepClock()
+
+
+def write_trace(args, runs) -> None:
+    """The --trace file of (configuration, Generation, StepClock) runs; its size on stderr."""
+    if not getattr(args, "trace", None):
+        return
+    import sys
+
+    from engine.trace import Trace
+
+    trace = Trace()
+    for configuration, result, clock in runs:
+        trace.add_run(configuration, f"{result.model}: {len(result.tokens)} tokens", clock.stamped(result.steps))
+    size = trace.write(args.trace)
+    print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
+
+
 def run(args) -> int:
     resolved = flag_registry.resolve(args.set_flags)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
     if not args.json:
         show_engagements()
-    result = engine.generate(args.prompt, args.max_tokens, resolved)
+    clock = traced_clock(args, engine)
+    result = engine.generate(args.prompt, args.max_tokens, resolved, on_step=clock)
+    write_trace(args, [("generate: " + resolved.describe(), result, clock)])
     if args.json:
         print_json(result.to_json())
     else:

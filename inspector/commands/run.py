@@ -21,6 +21,8 @@ def add_parser(subparsers) -> None:
                         help="report format: md (default), json, jsonl or csv; default from --report's extension")
     parser.add_argument("--results", metavar="FILE", help="results file (default: SESSION.results.jsonl beside it)")
     parser.add_argument("--device", default=None, help="override the session's [engine] device: auto, cpu or cuda")
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="also write a Chrome/Perfetto trace of every step's runs (engine.trace)")
     parser.set_defaults(run=run)
 
 
@@ -39,7 +41,15 @@ def run(args) -> int:
     session = load_session(args.session)
     fmt = format_for(args.report, args.format)
     results_path = results_path_for(args.session, args.results)
-    outcome = run_session(session, args.session, args.device, progress_printer("run"))
+    trace = None
+    if args.trace:
+        from engine.trace import Trace
+
+        trace = Trace()
+    outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace)
+    if trace is not None:
+        size = trace.write(args.trace)
+        print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     write_results(results_path, outcome.header, outcome.steps)
     report = render(outcome.header, outcome.steps, fmt, session.description)
     if args.report:

@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file to write (default MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")
+    parser.add_argument("--timing", choices=("graph", "cold"), default="graph",
+                        help="graph (default): calls back to back in a CUDA graph replay, as the runtime runs the "
+                             "arm (the calibration is written only from it); cold: one eager call after an L2 flush")
     parser.set_defaults(run=run)
 
 
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         tile_m=tile_m,
         seed=args.seed,
         calibration=Path(args.calibration) if args.calibration else None,
+        timing=args.timing,
     )
     require_cuda()
     progress = Progress(2 + len(config.tokens) * (len(config.arms) + 1), f"sweep {config.model}")
@@ -85,6 +89,8 @@ def render_table(result: dict) -> str:
         f"F={shape['intermediate']}, {result['dtype']}), tile_m={result['tile_m']}, skew={result['skew']}",
         f"device {result['device']}: copy {result['copy_bandwidth_gbs']:,.0f} GB/s, "
         f"bf16 matmul {result['matmul_tflops']:,.0f} TFLOP/s",
+        *([f"timing: {result['timing']['method']}: {result['timing']['describe']}"]
+          if isinstance(result.get("timing"), dict) else []),
         "",
     ]
     header = ["n", "woken", "bw µs", "tc µs", *[f"{arm} µs (×bound)" for arm in arms], "align µs"]
@@ -98,7 +104,8 @@ def render_table(result: dict) -> str:
                 cells.append("n/a")
                 continue
             flag = "" if entry["rel_err"] is not None and entry["rel_err"] <= result["check_tolerance"] else " CHECK"
-            cells.append(f"{_us(entry['us'])} ({entry['ratio']:.2f}){flag}")
+            cold = " cold" if entry.get("timing") == "cold" and result.get("timing", {}).get("method") == "graph" else ""
+            cells.append(f"{_us(entry['us'])} ({entry['ratio']:.2f}){cold}{flag}")
         cells.append(_us(row["align_us"]))
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]

@@ -27,6 +27,7 @@ KEYS = (
     ("f8", "bench screen: llama-bench pp/tg rows on this engine under A, with a progress bar, the trajectory "
            "and (on a GPU, profiled) kernel shares"),
     ("ctrl+r", "bench screen: run the bench (Enter in a plan box does too)"),
+    ("f9", "A/B screen: an `moe-inspector ab --json-out` report's rows and verdicts, each row's rounds plotted"),
     ("ctrl+s", "save the session as (a path; recording continues into the new file, results beside it)"),
     ("ctrl+o", "open a session (a malformed file is refused in place; the current session stays)"),
     ("escape", "on the tile-fill, attention check, replay, bench, help and dialog screens: back"),

@@ -94,6 +94,7 @@ class MainScreen(Screen):
         Binding("f6", "focus_flags", "Flags"),
         Binding("f7", "replay", "Replay"),
         Binding("f8", "bench", "Bench"),
+        Binding("f9", "ab", "A/B", show=False),  # in the help and the palette; the footer keeps its width
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
     ]
 
@@ -406,3 +407,8 @@ class MainScreen(Screen):
         from inspector.screens.bench import BenchScreen
 
         self.app.push_screen(BenchScreen(self.engine, self.flags, getattr(self.app, "engine_lock", None)))
+
+    def action_ab(self) -> None:
+        from inspector.screens.ab import AbScreen
+
+        self.app.push_screen(AbScreen(getattr(self.app, "ab_path", None)))

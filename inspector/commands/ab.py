@@ -1,0 +1,214 @@
+"""`moe-inspector ab`: one workload (bench rows, a sweep, a session) under two sides, interleaved in rounds
+in separate processes; per row each side's median and spread, B/A with a bootstrap interval and a verdict
+(engine.ab, engine.ab_stats; the rule in docs/ab.md).
+
+Exit codes: 0 every row compared; 1 `--fail-on-regression PCT` and a row slower beyond PCT; 2 bad input, a
+side that fails (the report keeps what was measured) or a row refused for measuring different things.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.errors import UserError
+
+_DEFAULT_ROUNDS = 8
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "ab", help="A/B of a workload under two flag sets or source trees: interleaved rounds, ratio with a "
+                   "bootstrap interval, a verdict per row",
+        description="Runs the same workload under side A and side B in rounds (A B, B A, ...), each side in its "
+        "own process from its own checkout, and reports per row each side's median, B/A with a 95 %% bootstrap "
+        "interval and a verdict: faster, slower, no change or insufficient data. Rows that did not measure the "
+        "same thing on both sides are refused.")
+    sides = parser.add_argument_group("sides")
+    sides.add_argument("--a", default="", metavar="FLAG=VALUE,...", help="side A's flag values")
+    sides.add_argument("--b", default="", metavar="FLAG=VALUE,...", help="side B's flag values")
+    sides.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
+                       help="a flag value of both sides, repeatable")
+    for name in ("a", "b"):
+        group = sides.add_mutually_exclusive_group()
+        group.add_argument(f"--{name}-tree", default=None, metavar="PATH",
+                           help=f"side {name.upper()} runs from this source tree (default: this one)")
+        group.add_argument(f"--{name}-rev", default=None, metavar="REV",
+                           help=f"side {name.upper()} runs from this git revision (unpacked with git archive)")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--workload", choices=("bench", "sweep", "session"), default="bench",
+                      help="bench rows (default), a sweep (GPU), or a session file")
+    work.add_argument("--model", default="demo", help="bench/sweep model (default demo)")
+    work.add_argument("--device", default=None, help="bench: auto (default), cpu or cuda; session: its override")
+    work.add_argument("--seed", type=int, default=0, help="bench/sweep weight and prompt seed (default 0)")
+    work.add_argument("--pp", default="none", help="bench: prompt lengths of pp rows (default none)")
+    work.add_argument("--tg", default="32", help="bench: generated tokens of tg rows (default 32)")
+    work.add_argument("--batch", default="1", help="bench: sequences per row (default 1)")
+    work.add_argument("--reps", type=int, default=3, help="bench: timed repetitions per run (default 3)")
+    work.add_argument("--tg-prompt", type=int, default=32, help="bench: prompt tokens of tg rows (default 32)")
+    work.add_argument("--gpu-weights", action="store_true", help="bench: random weights drawn on the GPU")
+    work.add_argument("--graphs", default=None, help="bench: CUDA graphs on or off (default the bench's)")
+    work.add_argument("--tokens", default="1,32", help="sweep: token counts (default 1,32)")
+    work.add_argument("--sweep-arms", default=None,
+                      help="sweep: time these arms on both sides (default: the arm each side's flags decide per n)")
+    work.add_argument("--sweep-timing", default=None, choices=("graph", "cold"),
+                      help="sweep: its timing method (default the side's own)")
+    work.add_argument("--session", default=None, metavar="FILE.toml", help="session: the session file")
+    work.add_argument("--clock", choices=("device", "wall"), default="device",
+                      help="bench rows: the device clock where a row has one (default), else the wall clock")
+    stats = parser.add_argument_group("rounds and verdicts")
+    stats.add_argument("--rounds", type=int, default=_DEFAULT_ROUNDS, help=f"timed rounds (default {_DEFAULT_ROUNDS})")
+    stats.add_argument("--warmup", type=int, default=1, help="discarded runs per side first (default 1)")
+    stats.add_argument("--fresh", action="store_true",
+                       help="a fresh `python -m inspector` process for every run (default: one per side)")
+    stats.add_argument("--tolerance", type=float, default=2.0, metavar="PCT",
+                       help="the no-change band, ±PCT %% (default 2)")
+    stats.add_argument("--min-rounds", type=int, default=5, help="rounds a verdict needs (default 5)")
+    stats.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    stats.add_argument("--stats-seed", type=int, default=0, help="the bootstrap's seed (default 0)")
+    stats.add_argument("--allow-different-tokens", action="store_true",
+                       help="compare rows whose tokens differ at temperature 0 (marked), instead of refusing them")
+    stats.add_argument("--fail-on-regression", type=float, default=None, metavar="PCT",
+                       help="exit 1 when a row is slower and B/A exceeds 1 + PCT/100")
+    out = parser.add_argument_group("output")
+    out.add_argument("--format", choices=("md", "json"), default="md", help="stdout format (default md)")
+    out.add_argument("--report", default=None, metavar="FILE.md", help="also write the markdown report to FILE")
+    out.add_argument("--json-out", default=None, metavar="FILE.json",
+                     help="also write the JSON report to FILE (the TUI's A/B screen opens it)")
+    out.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.set_defaults(run=run)
+
+
+def _tree(args, name: str):
+    from engine import ab
+
+    tree, revision = getattr(args, f"{name}_tree"), getattr(args, f"{name}_rev")
+    if tree:
+        return ab.tree_at(tree)
+    if revision:
+        return ab.tree_of_revision(revision)
+    return ab.current_tree()
+
+
+def _sides(args):
+    from engine import ab
+    from engine import flags as registry
+
+    base = registry.resolve(args.set_flags)
+    sides = {}
+    for name, text in (("A", args.a), ("B", args.b)):
+        overrides = registry.parse_assignments(text, f"--{name.lower()}")
+        flags = base.with_overrides(overrides, registry.COMMAND_LINE)
+        assignments = list(args.set_flags) + [f"{key}={registry.format_value(key, value)}"
+                                              for key, value in overrides.items()]
+        sides[name] = ab.Side(name, None, overrides, dict(flags.values), assignments)
+    return sides
+
+
+def _workload(args, sides):
+    from engine import ab
+    from inspector.commands.common import positive_int_list
+
+    if args.workload == "bench":
+        for option in ("pp", "tg"):
+            positive_int_list(getattr(args, option), f"--{option}", allow_none=True)
+        positive_int_list(args.batch, "--batch")
+        if args.reps < 1:
+            raise UserError(f"--reps must be >= 1, got {args.reps}")
+        arguments = ["--model", args.model, "--seed", str(args.seed), "--pp", args.pp, "--tg", args.tg,
+                     "--batch", args.batch, "--reps", str(args.reps), "--tg-prompt", str(args.tg_prompt)]
+        arguments += ["--device", args.device] if args.device else []
+        arguments += ["--gpu-weights"] if args.gpu_weights else []
+        arguments += ["--graphs", args.graphs] if args.graphs else []
+        rows = [f"pp{n}" for n in args.pp.split(",") if args.pp.lower() not in ("none", "0", "")] + \
+               [f"tg{n}" for n in args.tg.split(",") if args.tg.lower() not in ("none", "0", "")]
+        describe = f"bench {', '.join(rows) or 'no rows'} at batch {args.batch} on {args.model}, {args.reps} reps per run"
+        return ab.Workload("bench", describe, arguments, clock=args.clock)
+    if args.workload == "sweep":
+        from engine.sweep import parse_arms, parse_tokens
+
+        tokens = parse_tokens(args.tokens)
+        arguments = ["--model", args.model, "--tokens", ",".join(map(str, tokens)), "--seed", str(args.seed)]
+        arguments += ["--timing", args.sweep_timing] if args.sweep_timing else []
+        if args.sweep_arms:
+            arms = parse_arms(args.sweep_arms)
+            arguments += ["--arms", ",".join(arms)]
+            return ab.Workload("sweep", f"sweep of {', '.join(arms)} at n = {args.tokens} on {args.model}", arguments)
+        decided = {name: decided_arms(args.model, tokens, side.flags) for name, side in sides.items()}
+        describe = f"sweep on {args.model}: at each n the MoE arm each side's flags decide (n = {args.tokens})"
+        return ab.Workload("sweep", describe, arguments, arms_by_tokens=decided)
+    if not args.session:
+        raise UserError("--workload session needs --session FILE.toml")
+    session = Path(args.session)
+    if not session.is_file():
+        raise UserError(f"--session {args.session}: no such file; give a session TOML file")
+    return ab.Workload("session", f"session {session.name}", ["--device", args.device] if args.device else [],
+                       session=session.resolve())
+
+
+def decided_arms(model: str, tokens, flags: dict) -> dict[int, str]:
+    """n -> the sweep arm a side's gate decides at n tokens (a sweep A/B of flags times each side's own arm)."""
+    from engine import dispatch
+    from engine.config import from_name
+
+    if flags["moe_gate"] == "measured":
+        raise UserError("a sweep A/B of flags decides each side's arm per n, and moe_gate=measured reads this GPU's "
+                        "calibration: give a fixed policy (--set moe_gate=grouped, tile-fill, threshold:N, ...) or "
+                        "--sweep-arms")
+    config = from_name(model)
+    arms = {}
+    for n in tokens:
+        decision = dispatch.decide(dispatch.GateInputs(
+            n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
+            grouped_variant=flags["grouped_variant"], measured_crossover=None))
+        if decision.arm == dispatch.REFERENCE:
+            raise UserError(f"at n = {n} the flags {flags['moe_gate']} decide the reference arm, which the sweep "
+                            "does not time; give another moe_gate or --sweep-arms")
+        arms[n] = f"grouped_v{decision.variant}" if decision.arm == dispatch.GROUPED else decision.arm
+    return arms
+
+
+def run(args) -> int:
+    from engine import ab, ab_report, ab_stats
+    from inspector.session import atomic_write_text
+
+    try:
+        rule = ab_stats.Rule(tolerance=args.tolerance / 100, resamples=args.resamples, min_rounds=args.min_rounds,
+                             seed=args.stats_seed)
+    except ValueError as error:
+        raise UserError(f"--tolerance/--resamples/--min-rounds: {error}") from None
+    sides = _sides(args)
+    workload = _workload(args, sides)
+    trees = []
+    try:
+        for name in ("A", "B"):
+            sides[name].tree = _tree(args, name.lower())
+            trees.append(sides[name].tree)
+        progress = None if args.quiet else (lambda note: print(f"[ab] {note}", file=sys.stderr))
+        outcome = ab.run_ab(sides, workload, args.rounds, args.warmup, rule, fresh=args.fresh,
+                            allow_different_tokens=args.allow_different_tokens, progress=progress)
+    finally:
+        for tree in trees:
+            tree.cleanup()
+    report = outcome.to_json()
+    markdown = ab_report.format_markdown(report, args.fail_on_regression)
+    if args.report:
+        atomic_write_text(args.report, markdown)
+    if args.json_out:
+        atomic_write_text(args.json_out, ab_report.format_json(report))
+    sys.stdout.write(markdown if args.format == "md" else ab_report.format_json(report))
+    if report["failure"]:
+        failure = report["failure"]
+        raise UserError(f"side {failure['side']}: {failure['line']} (the rounds measured before it are in the report)")
+    refused = [row for row in report["rows"] if row.get("refused")]
+    if refused or not report["rows"]:
+        raise UserError(f"row {refused[0]['row']} refused: {refused[0]['refused']}" if refused else
+                        "the workload measured no rows")
+    if args.fail_on_regression is not None:
+        slower = [row for row in report["rows"] if ab_stats.regression_beyond(row, args.fail_on_regression)]
+        if slower:
+            print(f"moe-inspector: ab: {slower[0]['row']} is slower by {100 * (slower[0]['ratio'] - 1):.1f} %, beyond "
+                  f"--fail-on-regression {args.fail_on_regression:g} %", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,131 @@
+"""The A/B screen: an `moe-inspector ab` report (its --json-out file): one line per row (each side's median, B/A
+with its interval, the verdict or the refusal) and the highlighted row's rounds as a plot, A and B per round
+(textual-plotext). It reads a saved report; it runs nothing, so it never competes with the engine for the GPU
+(an A/B needs the device to itself: `moe-inspector ab` runs it headless)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Input, Static
+from textual_plotext import PlotextPlot
+
+from engine.ab_report import row_cells
+from engine.errors import UserError
+
+COLUMNS = ("row", "unit", "A median (MAD)", "B median (MAD)", "B/A", "95 % interval", "verdict")
+
+
+def load_report(path: str) -> dict:
+    """An A/B report JSON, or a UserError naming what is wrong with the file."""
+    where = Path(path).expanduser()
+    try:
+        report = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; write one with `moe-inspector ab ... --json-out {path}`") from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise UserError(f"{path}: not a JSON A/B report ({type(error).__name__})") from None
+    if not isinstance(report, dict) or report.get("kind") != "ab" or not isinstance(report.get("rows"), list):
+        raise UserError(f"{path}: not an A/B report (no kind \"ab\" with rows); `moe-inspector ab --json-out` writes one")
+    return report
+
+
+class AbScreen(Screen):
+    DEFAULT_CSS = """
+    #ab-path-row { height: 1; }
+    #ab-path { width: 2fr; }
+    #ab-status { width: 1fr; padding-left: 1; }
+    #ab-sides { height: auto; max-height: 4; }
+    #ab-rows { height: 1fr; max-height: 12; }
+    #ab-plot { height: 2fr; min-height: 10; }
+    """
+    BINDINGS = [Binding("escape,f9", "app.pop_screen", "Back"),
+                Binding("ctrl+l", "focus_path", "Report file", show=False)]
+
+    def __init__(self, path: str | None = None) -> None:
+        super().__init__()
+        self.path = path
+        self.report: dict | None = None
+        self.plotted: tuple[str, dict] | None = None  # the plot's title and points per side (what tests read)
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="ab-path-row"):
+            yield Input(self.path or "", placeholder="A/B report JSON (ab --json-out FILE): path, then Enter",
+                        compact=True, id="ab-path")
+            yield Static("", id="ab-status")
+        yield Static("", id="ab-sides")
+        yield DataTable(id="ab-rows", cursor_type="row", zebra_stripes=True)
+        yield PlotextPlot(id="ab-plot")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#ab-rows", DataTable).add_columns(*COLUMNS)
+        if self.path:
+            self.load(self.path)
+        else:
+            self.query_one("#ab-path", Input).focus()
+
+    def action_focus_path(self) -> None:
+        self.query_one("#ab-path", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.load(event.value.strip())
+
+    def load(self, path: str) -> None:
+        status = self.query_one("#ab-status", Static)
+        try:
+            report = load_report(path)
+        except UserError as error:
+            status.update(f"refused: {error}")
+            return
+        self.path, self.report = path, report
+        sides = report.get("sides", {})
+        lines = [f"{report.get('workload', {}).get('describe', '')}"]
+        for name in ("A", "B"):
+            side = sides.get(name, {})
+            flags = ", ".join(f"{key}={value}" for key, value in side.get("overrides", {}).items()) or "no overrides"
+            lines.append(f"{name}: {side.get('tree', '?')}; {flags}")
+        if report.get("failure"):
+            lines.append(f"stopped: side {report['failure']['side']}: {report['failure']['line']}")
+        self.query_one("#ab-sides", Static).update("\n".join(lines))
+        status.update(f"{len(report['rows'])} rows, {len({run['round'] for run in report.get('runs', [])})} rounds")
+        table = self.query_one("#ab-rows", DataTable)
+        table.clear()
+        for index, row in enumerate(report["rows"]):
+            table.add_row(*row_cells(row), key=str(index))
+        if report["rows"]:
+            table.move_cursor(row=0)
+            self.draw(0)
+            table.focus()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if self.report is not None and event.row_key is not None and event.row_key.value is not None:
+            self.draw(int(event.row_key.value))
+
+    def draw(self, index: int) -> None:
+        """Row `index`'s rounds: A and B's time per round, each side's median as a line."""
+        row = self.report["rows"][index]
+        plt = self.query_one("#ab-plot", PlotextPlot).plt
+        plt.clear_figure()
+        values = row.get("values", {})
+        title = row["row"] + (f": refused ({row['refused']})" if row.get("refused") else
+                              f": {row['verdict']}, B/A {row['ratio']:.4f}")
+        plt.title(title + " · A blue, B orange, lines at the medians")
+        counts = {}
+        for side, color in (("A", "blue"), ("B", "orange")):
+            points = [(number + 1, value) for number, value in enumerate(values.get(side, [])) if value is not None]
+            counts[side] = len(points)
+            if points:
+                plt.plot([x for x, _ in points], [y for _, y in points], marker="dot", color=color)
+                if row.get(side.lower()):
+                    plt.hline(row[side.lower()]["median"], color)
+        self.plotted = (title.split(", B/A")[0], counts)
+        plt.xlabel("round")
+        plt.ylabel(row.get("unit") or "time")
+        self.query_one("#ab-plot", PlotextPlot).refresh()

@@ -1,0 +1,85 @@
+"""The sweep's timing methods: the runtime's way (a CUDA-graph replay of back-to-back calls) by default, the
+cold eager call on request, each row saying which, and the calibration `moe_gate=measured` reads taken only
+from the runtime's way. The timing itself needs a GPU (tests marked gpu and bench/sweep_vs_runtime.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import calibration
+from engine.errors import UserError
+from engine.sweep import SweepConfig
+from inspector.commands.sweep import render_table
+
+
+def entry(**changes) -> dict:
+    base = {"device": "NVIDIA H200", "k": 6, "experts": 256, "hidden": 4096, "intermediate": 2048, "tile_m": 16,
+            "crossover_tokens": 24, "measured_at": "2026-12-01T00:00:00+00:00", "commit": "abc"}
+    return base | changes
+
+
+def test_only_a_crossover_timed_the_runtimes_way_is_read(tmp_path):
+    path = tmp_path / "calibration.json"
+    calibration.save_entry(entry(), path)  # an older sweep's entry: no timing field, one cold call per arm
+    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) is None
+    calibration.save_entry(entry(timing="graph", crossover_tokens=20), path)
+    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) == 20
+    calibration.save_entry(entry(timing="cold", crossover_tokens=30), path)  # replaces it: no longer counted
+    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) is None
+
+
+def test_the_timing_method_is_checked():
+    assert SweepConfig(model="tiny").timing == "graph"
+    assert SweepConfig(model="tiny", timing="cold").timing == "cold"
+    with pytest.raises(UserError, match="--timing 'warm'"):
+        SweepConfig(model="tiny", timing="warm")
+
+
+def test_the_table_says_how_each_arm_was_timed():
+    result = {
+        "device": "NVIDIA H200", "model": "tiny", "dtype": "bfloat16", "tile_m": 16, "skew": 0.0,
+        "timing": {"method": "graph", "describe": "the runtime's way: calls back to back in one CUDA graph replay"},
+        "shape": {"experts": 8, "top_k": 2, "hidden": 64, "intermediate": 32},
+        "copy_bandwidth_gbs": 4200.0, "matmul_tflops": 790.0, "crossover_tokens": None,
+        "calibration_note": "not every arm was timed the runtime's way", "check_tolerance": 1e-2,
+        "check_failed": False, "commit": "abc", "versions": {"torch": "2.11", "triton": "3.6"},
+        "rows": [{"tokens": 1, "woken_experts": 2.0, "pairs_per_woken_expert": 1.0, "bandwidth_bound_us": 1.5,
+                  "tensor_core_bound_us": 0.1, "bound_us": 1.5, "align_us": 6.0,
+                  "arms": {"gemv": {"us": 3.0, "ratio": 2.0, "rel_err": 0.004, "timing": "graph",
+                                    "launches_per_call": {}},
+                           "torch_grouped_mm": {"us": 9.0, "ratio": 6.0, "rel_err": 0.004, "timing": "cold",
+                                                "timing_note": "graph capture failed", "launches_per_call": {}}}}],
+    }
+    table = render_table(json.loads(json.dumps(result)))
+    assert "timing: graph: the runtime's way" in table
+    assert "3.0 (2.00)  " in table or table.count("3.0 (2.00)") == 1
+    assert "9.0 (6.00) cold" in table and "3.0 (2.00) cold" not in table
+    assert "calibration not written: not every arm was timed the runtime's way" in table
+
+
+@pytest.mark.gpu
+def test_graph_timing_is_the_runtimes_within_five_percent():
+    """The GEMV arm at n = 1 on a small shape: graph-timed per call against the same calls replayed by
+    engine.bench.graph_call_us (the bench's own graph timing), and the cold figure at least as slow."""
+    import torch
+
+    from engine.bench import graph_call_us
+    from engine.sweep import _Timer
+    from kernels.moe_gemv import moe_gemv
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    E, D, F, k = 64, 2048, 1024, 6
+    w13 = torch.randn(E, 2 * F, D, device=device, generator=generator, dtype=torch.bfloat16) / 45
+    w2 = torch.randn(E, D, F, device=device, generator=generator, dtype=torch.bfloat16) / 32
+    x = torch.randn(1, D, device=device, generator=generator, dtype=torch.bfloat16)
+    ids = torch.randperm(E, device=device, generator=generator)[:k].view(1, k).int()
+    weights = torch.softmax(torch.randn(1, k, device=device, generator=generator), -1)
+    timer = _Timer(device)
+    graph = timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights))
+    peer = graph_call_us(lambda: moe_gemv(x, w13, w2, ids, weights), calls=16)
+    cold = timer.median_us(lambda: moe_gemv(x, w13, w2, ids, weights))
+    assert abs(graph / peer - 1) < 0.05, (graph, peer)
+    assert cold > 0.95 * graph, (cold, graph)

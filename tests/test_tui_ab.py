@@ -1,0 +1,85 @@
+"""The TUI's A/B screen (f9): it opens an `ab --json-out` report, lists its rows with their verdicts or
+refusals, plots the highlighted row's rounds, and refuses a file that is not a report in place."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from textual.widgets import DataTable, Input, Static
+
+from engine import ab, ab_stats
+from engine import flags as flag_registry
+from engine.runtime import Engine
+from inspector.app import InspectorApp
+from inspector.screens.ab import AbScreen
+from tests.test_ab import REPO, StubProcess, bench_json
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load("tiny", "cpu", 0)
+
+
+def stub_report(path) -> dict:
+    made = {}
+    for name, overrides in (("A", {"moe_gate": "tile-fill"}), ("B", {"moe_gate": "floor"})):
+        flags = dict(flag_registry.from_environment({}).with_overrides(overrides, "command line").values)
+        made[name] = ab.Side(name, ab.Tree(REPO, "x", "this tree"), overrides, flags, [])
+
+    def outputs(side, call):
+        rows = json.loads(bench_json(100.0 + (12 if side.name == "B" else 0) + (call or 0) * 0.1))["rows"]
+        rows.append(dict(rows[0], test="tg64", state="admitting" if side.name == "B" else "steady",
+                         tps_device={"mean": 1e4}, tps_wall={"mean": 1e4}))
+        return json.dumps({"rows": rows})
+
+    report = ab.run_ab(made, ab.Workload("bench", "bench tg32, tg64", []), 6, 0,
+                       launcher=lambda side: StubProcess(side, outputs)).to_json()
+    path.write_text(json.dumps(report))
+    return report
+
+
+def test_the_ab_screen_shows_rows_verdicts_and_rounds(engine, tmp_path):
+    report_path = tmp_path / "ab.json"
+    report = stub_report(report_path)
+    assert report["rows"][0]["verdict"] == ab_stats.SLOWER and report["rows"][1]["refused"]
+
+    async def scenario():
+        app = InspectorApp(engine, flag_registry.resolve([], environ={}), timed=False)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.press("f9")
+            await pilot.pause()
+            screen = app.screen
+            assert isinstance(screen, AbScreen)
+            screen.query_one("#ab-path", Input).value = "/no/such/report.json"
+            await pilot.press("enter")
+            await pilot.pause()
+            assert "refused: /no/such/report.json: no such file" in str(screen.query_one("#ab-status", Static).render())
+            screen.query_one("#ab-path", Input).value = str(report_path)
+            screen.query_one("#ab-path", Input).focus()
+            await pilot.press("enter")
+            await pilot.pause()
+            table = screen.query_one("#ab-rows", DataTable)
+            assert table.row_count == 2
+            first = [str(cell) for cell in table.get_row_at(0)]
+            assert first[0] == "tg32" and first[-1] == "slower" and first[4].startswith("1.1")
+            second = [str(cell) for cell in table.get_row_at(1)]
+            assert second[-1].startswith("refused: ")
+            assert screen.plotted == ("tg32: slower", {"A": 6, "B": 6})
+            await pilot.press("down")
+            await pilot.pause()
+            assert screen.plotted[0].startswith("tg64: refused (")
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, AbScreen)
+
+    asyncio.run(scenario())
+
+
+def test_palette_and_help_offer_the_ab_screen():
+    from inspector.screens.help import KEYS
+    from inspector.screens.palette import ACTIONS
+
+    assert any(action == "screen.ab" for _, _, action in ACTIONS)
+    assert any(key == "f9" for key, _ in KEYS)
