@@ -1,6 +1,6 @@
 """The kernel arms the engine can run, and their exact launch counters.
 
-An arm is a registered object: a name, the family it serves (moe or attention), which devices
+An arm is a registered object: a name, the family it serves (moe, attention or latent_attention), which devices
 it supports, and a launch function. The engine bumps an arm's counter each time it actually
 executes it (never when it only decided it), and counts the Triton kernel launches underneath
 through `kernels.launches`. Kernels are imported lazily, so the CPU path never needs Triton.
@@ -13,8 +13,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from engine import mla
 from kernels import launches
-from kernels.reference import attention_reference, moe_reference
+from kernels.reference import attention_reference, mla_decompressed_reference, moe_reference
 
 
 def _moe_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
@@ -65,10 +66,25 @@ def _attention_unfused(q, k, v, sinks, spec, q_start, key_padding):
     return attention_reference(q, k, v, sinks, spec, q_start, key_padding)
 
 
+def _mla_fused(config, q, latent_cache, kv_b, q_start):
+    """The absorbed form (engine.mla): q W_UK, the Triton walk over the latent cache, then W_UV."""
+    from kernels.attention_mla import mla_decode
+    latent = config.latent_attention
+    out_latent = mla_decode(mla.absorb_query(config, q, kv_b), latent_cache, latent.kv_lora_rank, latent.scale,
+                            q_start)  # [B, T, Hq, R]
+    return mla.unabsorb_output(config, out_latent, kv_b)
+
+
+def _mla_reference(config, q, latent_cache, kv_b, q_start):
+    """The naive form: K and V decompressed per head from the latents (kernels.reference)."""
+    w_uk, w_uv = mla.split_kv_b(config, kv_b)
+    return mla_decompressed_reference(q, latent_cache, w_uk, w_uv, config.latent_attention.scale, q_start)
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
-    family: str  # "moe" or "attention"
+    family: str  # "moe", "attention" or "latent_attention" (MLA layers: launch(config, q, cache, kv_b, q_start))
     supports: Callable[[torch.device], bool]
     launch: Callable
 
@@ -80,6 +96,8 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("reference", "moe", lambda device: True, _moe_reference),
     Arm("fused", "attention", _on_cuda, _attention_fused),
     Arm("unfused", "attention", lambda device: True, _attention_unfused),
+    Arm("mla_fused", "latent_attention", _on_cuda, _mla_fused),
+    Arm("mla_reference", "latent_attention", lambda device: True, _mla_reference),
 )}
 
 
@@ -113,6 +131,9 @@ class Counters:
         arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}
         arms.update({f"grouped_v{variant}": 0 for variant in (0, 1, 2)})
         arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
+        latent = [name for name in ARMS if ARMS[name].family == "latent_attention"]
+        if any(name in self.arms for name in latent):  # an MLA model's run: both of its arms, counted or not
+            arms.update({name: 0 for name in latent})
         arms.update(self.arms)
         counts = {"arms": arms, "kernels": launches.since(self._kernel_baseline)}
         if self.graph_replays:  # only runs that replayed graphs carry them: generate's layout is unchanged

@@ -563,7 +563,7 @@ class BatchRunner:
         config, size = self.engine.config, tokens.shape[0]
         outputs = None
         if self.device.type == "cuda" and decode:
-            outputs = dispatcher.outputs = StepOutputs(torch.empty(size + config.n_layers, dtype=torch.int64,
+            outputs = dispatcher.outputs = StepOutputs(torch.empty(size + config.n_moe_layers, dtype=torch.int64,
                                                                    device=self.device))
         try:
             logits = forward(config, self.engine.weights, tokens, layout, self.cache, dispatcher)  # [B, V]

@@ -54,9 +54,10 @@ argmax, which jump at near ties, so their folds round h first (kernels.gemv_fuse
 second read of x): their logits are gemv(h) of the h they write, the same roundings as the torch
 forward, in a different order of fp32 sums only.
 
-Eligible: a CUDA device (or `force` for the interpreter tests), one token per row, and a preset-style
-architecture (no attention biases, q/k norms, clipping, YaRN, router bias or softmax-then-top-k):
-the Hugging Face families keep the torch forward. Knows nothing of flags or scheduling.
+Eligible: a CUDA device (or `force` for the interpreter tests), one token per row, and an architecture
+the glue computes (`ineligible` lists what it lacks: biases, a full-projection q/k norm, clipping, YaRN, a
+router bias, unrenormalised softmax-top-k, group-limited routing, routed scaling, latent attention, shared
+experts, dense layers): the other families keep the torch forward. Knows nothing of flags or scheduling.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def ineligible(config: ModelConfig) -> str:
         ("clip_qkv", config.clip_qkv is not None), ("YaRN RoPE", config.rope_scaling is not None),
         ("a router bias", config.router_bias),
         ("softmax-top-k routing without renormalisation", config.router == "softmax_topk" and not config.norm_topk_prob),
+        ("group-limited routing", config.router in ("softmax_group_topk", "sigmoid_group_topk")),
+        ("routed_scaling_factor", config.routed_scaling_factor != 1.0), ("q/k/v biases", config.qkv_bias),
+        ("latent attention", config.latent_attention is not None), ("shared experts", config.shared_experts is not None),
+        ("dense layers", bool(config.dense_layers)),
     ) if present]
     return ", ".join(missing)
 

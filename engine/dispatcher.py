@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from engine import calibration, dispatch
+from engine import calibration, dispatch, mla, routing
 from engine.arms import ARMS, Counters
-from engine.attention_dispatch import UNFUSED, decide_attention
+from engine.attention_dispatch import MLA_REFERENCE, UNFUSED, decide_attention, decide_layer_attention
 from engine.devices import device_label
 from engine.flags import ResolvedFlags
 from engine.records import AttentionRecord, MoeRecord
@@ -84,6 +84,7 @@ class Dispatcher:
         config = engine.config
         self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
                                                     config.hidden, config.intermediate, flags["tile_m"])
+        self.family_fields = routing.record_fields(config)  # shared experts, group-limited routing: said per record
         self.begin_step(0, PREFILL, 0)
 
     def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
@@ -125,11 +126,13 @@ class Dispatcher:
             if logged:
                 record["arm_kernels"] = [launches.device_kernel_name(name) or name for name in launches.log_end()]
 
-    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None):
         """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
         e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
         `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
-        already counted it (engine.decode_fused); else it is counted here."""
+        already counted it (engine.decode_fused); else it is counted here. `shared`: the layer's shared
+        experts (engine.model.SharedMLP), run on every token and added after the routed arm, outside
+        its decision and its timing (the record's `shared_experts` says so)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
         decision = dispatch.decide(dispatch.GateInputs(
@@ -161,6 +164,8 @@ class Dispatcher:
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
         }
+        if self.family_fields:
+            record.update(self.family_fields)
         if woken is not None:
             self.pending_woken.append(woken)
         elif h.is_cuda:  # one launch (kernels.router); the torch form is three
@@ -185,8 +190,37 @@ class Dispatcher:
                                                               experts.b2, experts.alpha, experts.limit))
         if experts is not None:
             return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
-        return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
-                                                         tile_m=flags["tile_m"], variant=decision.variant))
+        routed = self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
+                                                           tile_m=flags["tile_m"], variant=decision.variant))
+        return routed if shared is None else routed + shared(h)
+
+    def latent_attention(self, layer, q, latent_cache, kv_b, q_start, length):
+        """A latent attention (MLA) layer: engine.attention_dispatch decides the arm (mla_fused, or
+        mla_reference: flash_512=off, a latent shape the kernel declines, or a CPU, which computes the same
+        function); the record carries the latent cache's bytes per token beside the naive cache's."""
+        config, device = self.engine.config, self.engine.device
+        decision = decide_layer_attention(config, layer, self.flags)
+        arm = ARMS[decision.arm]
+        executed = arm if arm.supports(device) else ARMS[MLA_REFERENCE]
+        note = "" if executed is arm else f"{decision.arm} cannot run on {device.type}: the reference computes " \
+                                          f"the same function (K and V decompressed per head)"
+        latent_bytes, naive_bytes = mla.cache_bytes_per_token(config, self.engine.dtype.itemsize)
+        record = {
+            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": self.n_tokens,
+            "head_dim": config.head_dim, "attention": "latent",
+            "decided_arm": decision.arm, "executed_arm": executed.name, "mask": decision.mask,
+            "applied_mask": decision.applied_mask, "declined": decision.declined, "reason": decision.reason,
+            "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
+            "kv_cache_bytes_per_token": latent_bytes, "naive_kv_cache_bytes_per_token": naive_bytes,
+            "forward": self.family_fields.get("forward", ""),
+        }
+        self.counters.bump(executed.name)
+        self._engage("attention", executed.name, "latent", self.phase,
+                     f"attention: {executed.name} engaged ({self.phase}, latent cache {latent_bytes} B per token "
+                     f"per layer against {naive_bytes} B decompressed)"
+                     + (f"; decided {decision.arm}" if executed is not arm else ""))
+        self.attention_records.append(record)
+        return self._run(record, lambda: executed.launch(config, q, latent_cache[:, :length], kv_b, q_start))
 
     def attention(self, layer, q, k_cache, v_cache, sinks, q_start, length):
         config, flags, device = self.engine.config, self.flags, self.engine.device

@@ -24,7 +24,7 @@ import torch
 
 from engine import dispatch
 from engine.arms import ARMS
-from engine.attention_dispatch import UNFUSED, decide_attention
+from engine.attention_dispatch import UNFUSED, decide_layer_attention
 from engine.decode_fused import StepOutputs, carried_launches, carry_default
 from engine.dispatcher import Dispatcher
 from engine.model import StepLayout, forward
@@ -108,9 +108,8 @@ def capture_blocker(runner, size: int, dispatcher) -> str:
                 f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
     if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
         return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
-    for mask in config.layer_masks:
-        attention = decide_attention(config.head_dim, mask.kind, mask.describe(), flags["flash_512"],
-                                     flags["fused_mask"])
+    for layer in range(config.n_layers):
+        attention = decide_layer_attention(config, layer, flags)
         if attention.arm == UNFUSED:
             return "the unfused attention reference syncs the host, which a CUDA graph cannot capture"
     return ""
@@ -136,7 +135,7 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
     # the LM head's argmax, which also feeds the next replay its inputs); what they did not write is
     # copied or written there after the forward. A launch then copies nothing (bench/probe_launch.py:
     # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
-    landing = tuple(torch.empty(size + config.n_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
+    landing = tuple(torch.empty(size + config.n_moe_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
     logits = _logit_landings(runner, dispatcher, 1, size)
     try:
         graphs, template, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout,
@@ -186,7 +185,7 @@ def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout
     """The graph of `steps` steps (`_DecodeGraph.block` or one of its `tails`), or None with a note in
     `block_notes` (the one-step graph and any larger graph captured serve)."""
     size = inputs.shape[1]
-    landings = tuple(torch.empty((steps, size + runner.engine.config.n_layers), dtype=torch.int64,
+    landings = tuple(torch.empty((steps, size + runner.engine.config.n_moe_layers), dtype=torch.int64,
                                  pin_memory=True) for _ in range(2))
     logits = _logit_landings(runner, dispatcher, steps, size)
     try:
@@ -241,8 +240,8 @@ def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout,
                     if logit_landing is not None:
                         logit_landing[index].copy_(step_logits, non_blocking=True)
                     woken = template.pending_woken
-                    if len(woken) != config.n_layers:
-                        raise RuntimeError(f"{len(woken)} woken counts for {config.n_layers} layers")
+                    if len(woken) != config.n_moe_layers:
+                        raise RuntimeError(f"{len(woken)} woken counts for {config.n_moe_layers} MoE layers")
                     if any(count.data_ptr() != observed[size + layer].data_ptr()
                            for layer, count in enumerate(woken)):
                         observed[size:].copy_(torch.stack([count.long() for count in woken]), non_blocking=True)

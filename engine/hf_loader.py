@@ -10,6 +10,15 @@ Families, by the `architectures` entry of config.json:
     Qwen3MoeForCausalLM  q/k RMSNorm per head; softmax-then-top-k routing (`norm_topk_prob`)
     MixtralForCausalLM   top-k-then-softmax routing; an optional sliding window
     OlmoeForCausalLM     q/k RMSNorm over the full projection; optional clip_qkv; softmax-then-top-k
+    Qwen2MoeForCausalLM  q/k/v biases; softmax-then-top-k; a shared expert scaled by a sigmoid gate; dense
+                         layers from mlp_only_layers / decoder_sparse_step
+    DeepseekV3ForCausalLM  multi-head latent attention (engine.mla); the sigmoid router with its correction
+                         bias and group-limited top-k (n_group, topk_group: top-2-sum group scores),
+                         norm_topk_prob, routed_scaling_factor; shared experts; dense layers before
+                         first_k_dense_replace (and off moe_layer_freq); YaRN with the mscale softmax scale
+    DeepseekV2ForCausalLM  the same attention and experts; softmax routing, topk_method greedy or
+                         group_limited_greedy (max group scores); q_lora_rank null (V2-Lite) takes one q
+                         projection
 
 The engine's layout (engine.model.tensor_shapes) from the checkpoint's names (L layer, e expert;
 `model.layers.L.` written `L.`):
@@ -23,11 +32,22 @@ The engine's layout (engine.model.tensor_shapes) from the checkpoint's names (L 
     w2[e]                     L.mlp.experts.e.down_proj.weight | Mixtral ...experts.e.w2.weight |
                               gpt-oss L.mlp.experts.down_proj[e].T
     b13, b2                   gpt-oss gate_up_proj_bias (de-interleaved), down_proj_bias
+    bq bk bv (Qwen2-MoE)      L.self_attn.{q,k,v}_proj.bias (o has none)
+    wq | wq_a q_a_norm wq_b   DeepSeek L.self_attn.q_proj.weight | L.self_attn.{q_a_proj, q_a_layernorm, q_b_proj}.weight
+    wkv_a kv_a_norm wkv_b wo  L.self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}.weight
+    router_correction         L.mlp.gate.e_score_correction_bias (DeepSeek-V3; kept in float32, as the router)
+    shared_gate_up = [gate; up], shared_down   L.mlp.shared_experts.{gate,up,down}_proj.weight (DeepSeek) |
+                              L.mlp.shared_expert.{gate,up,down}_proj.weight (Qwen2-MoE)
+    shared_gate               L.mlp.shared_expert_gate.weight (Qwen2-MoE)
+    mlp_gate_up = [gate; up], mlp_down   a dense layer's L.mlp.{gate,up,down}_proj.weight
+DeepSeek-V3 checkpoints may hold num_nextn_predict_layers multi-token-prediction modules after the last
+layer (model.layers.N...): speculative decoding, which this engine does not run; they are not read.
+Every tensor's presence and shape is checked before the first is read, so a bad checkpoint loads nothing.
 
 Reading is lazy (engine.checkpoint): one tensor, or one expert, at a time, copied to its destination
 at once, with a progress bar on stderr. Anything this module does not map is an error that names
-it: another architecture (MLA attention, a dense model, shared experts), a feature these families do
-not have here, a tensor of the wrong shape, a tensor nothing uses. Never a model that computes
+it: another architecture (a dense model), a feature these families do not have here (the config key
+and its value), a tensor of the wrong shape, a tensor nothing uses. Never a model that computes
 something else. Knows nothing of dispatch or generation.
 """
 
@@ -43,10 +63,10 @@ from typing import TextIO
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.config import LayerMask, ModelConfig, YarnScaling
+from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.errors import UserError
 from engine.hf_tokenizer import HFTokenizer
-from engine.model import tensor_shapes
+from engine.model import tensor_dtype, tensor_shapes
 from engine.progress import Progress
 
 ARCHITECTURES = {
@@ -54,9 +74,14 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3-moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "Qwen2MoeForCausalLM": "qwen2-moe",
+    "DeepseekV3ForCausalLM": "deepseek-v3",
+    "DeepseekV2ForCausalLM": "deepseek-v2",
 }
 MODEL_TYPES = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "olmoe": "OlmoeForCausalLM"}  # for a config.json without `architectures`
+               "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "deepseek_v2": "DeepseekV2ForCausalLM"}  # for a config.json without `architectures`
+LATENT_FAMILIES = ("deepseek-v3", "deepseek-v2")  # the families with multi-head latent attention
 # Tensors a checkpoint may hold that the forward does not need (recomputed from config.json).
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -86,7 +111,7 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
     checkpoint = Checkpoint.open(directory)
     try:
-        weights = _load_weights(config, family, checkpoint, device, dtype, stream)
+        weights = _load_weights(config, family, checkpoint, device, dtype, stream, _unread_layers(directory, family))
     finally:
         checkpoint.close()
     return LoadedCheckpoint(config, weights, tokenizer, family)
@@ -149,10 +174,11 @@ def _family(fields: _Fields) -> str:
     model_type = fields.get("model_type", "<no architectures, no model_type>")
     architecture = architectures[0] if architectures else MODEL_TYPES.get(model_type, model_type)
     supported = ", ".join(ARCHITECTURES)
-    if fields.get("kv_lora_rank") or fields.get("q_lora_rank"):
-        raise fields.fail(f"architecture {architecture} uses MLA attention (kv_lora_rank="
-                          f"{fields.get('kv_lora_rank')}): multi-head latent attention is not supported",
-                          f"supported architectures are {supported}")
+    latent = ARCHITECTURES.get(architecture) in LATENT_FAMILIES
+    if (fields.get("kv_lora_rank") or fields.get("q_lora_rank")) and not latent:
+        raise fields.fail(f"architecture {architecture} declares multi-head latent attention (kv_lora_rank="
+                          f"{fields.get('kv_lora_rank')}), which this engine computes only for "
+                          f"DeepseekV3ForCausalLM and DeepseekV2ForCausalLM", f"supported architectures are {supported}")
     if architecture not in ARCHITECTURES:
         experts = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
         if not any(fields.get(key) for key in experts):
@@ -162,15 +188,18 @@ def _family(fields: _Fields) -> str:
     return ARCHITECTURES[architecture]
 
 
-def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str, quantized: bool = False) -> dict:
+def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str, quantized: bool = False,
+            shared: bool = False) -> dict:
     """The fields every family shares, checked for features none of them has here. `quantized`: the
-    family reads its own quantization_config (gpt-oss MXFP4); for the others any is an error."""
+    family reads its own quantization_config (gpt-oss MXFP4); for the others any is an error. `shared`:
+    the family reads its own shared experts (Qwen2-MoE, DeepSeek); for the others they are an error."""
     hidden, heads = fields.integer("hidden_size"), fields.integer("num_attention_heads")
     n_experts = fields.integer(experts_key, 0, "num_local_experts", "num_experts")
     if n_experts == 0:
         raise fields.fail(f"{experts_key} is 0: a dense model", "this inspector runs Mixture-of-Experts models")
-    if fields.get("shared_expert_intermediate_size") or fields.get("n_shared_experts"):
-        raise fields.fail("shared experts are not supported", "use a model without shared experts")
+    if not shared and (fields.get("shared_expert_intermediate_size") or fields.get("n_shared_experts")):
+        raise fields.fail("shared experts are not supported for this architecture",
+                          "use a model without shared experts, or a Qwen2-MoE or DeepSeek checkpoint")
     quantization = fields.get("quantization_config")
     if quantization is not None and not quantized:
         raise fields.fail(f"a quantized checkpoint (quant_method={quantization.get('quant_method')!r}) is not "
@@ -306,8 +335,158 @@ def _olmoe_config(fields: _Fields, name: str) -> ModelConfig:
     )
 
 
+def _qwen2_moe_config(fields: _Fields, name: str) -> ModelConfig:
+    _require_silu(fields)
+    common = _common(fields, name, "num_experts", "moe_intermediate_size", shared=True)
+    n_layers = common["n_layers"]
+    shared = fields.integer("shared_expert_intermediate_size", 5632)  # transformers' Qwen2MoeConfig default
+    if shared == 0:
+        raise fields.fail("shared_expert_intermediate_size is 0: Qwen2-MoE always runs its shared expert",
+                          "give its width")
+    only = fields.get("mlp_only_layers") or []
+    step = fields.integer("decoder_sparse_step", 1)
+    if not isinstance(only, list) or any(isinstance(layer, bool) or not isinstance(layer, int) for layer in only) \
+            or step < 1:
+        raise fields.fail(f"mlp_only_layers {only!r} / decoder_sparse_step {step!r} are not a list of layers and an "
+                          f"integer >= 1", "fix config.json")
+    # as transformers' Qwen2MoeDecoderLayer: a layer is MoE unless listed in mlp_only_layers or off the sparse step
+    dense = tuple(layer for layer in range(n_layers) if layer in only or (layer + 1) % step)
+    masks = _uniform_masks(fields, n_layers, None)
+    if fields.get("use_sliding_window", False):
+        window = fields.integer("sliding_window")
+        types = fields.get("layer_types") or [
+            "sliding_attention" if (layer + 1) % 2 and layer < fields.integer("max_window_layers", 28)
+            else "full_attention" for layer in range(n_layers)]  # transformers' default layer_types
+        if len(types) != n_layers or any(kind not in ("sliding_attention", "full_attention") for kind in types):
+            raise fields.fail(f"layer_types {types!r} is not one sliding_attention or full_attention per layer",
+                              "fix config.json")
+        masks = tuple(LayerMask("window", window) if kind == "sliding_attention" else LayerMask("causal")
+                      for kind in types)
+    theta, yarn = _rope(fields, 10000.0)
+    return ModelConfig(
+        **common, layer_masks=masks, rope_theta=theta, rope_scaling=yarn, sinks=False,
+        qkv_bias=bool(fields.get("qkv_bias", True)), router="softmax_topk",
+        norm_topk_prob=bool(fields.get("norm_topk_prob", False)),
+        shared_experts=SharedExperts(1, shared, gated=True),
+        dense_layers=dense, dense_intermediate=fields.integer("intermediate_size") if dense else 0,
+    )
+
+
+# transformers' DeepseekV3Config / DeepseekV2Config defaults, used where config.json leaves a key out
+_DEEPSEEK_DEFAULTS = {
+    "deepseek-v3": dict(n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, n_shared_experts=1, q_lora_rank=1536),
+    "deepseek-v2": dict(n_group=None, topk_group=None, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                        norm_topk_prob=False, n_shared_experts=2, q_lora_rank=1536),
+}
+
+
+def _deepseek_router(fields: _Fields, family: str) -> dict:
+    """The router's fields: V3's sigmoid group-limited top-k, V2's greedy or group-limited softmax top-k.
+    Keys whose value selects something not computed here are errors naming key and value."""
+    defaults = _DEEPSEEK_DEFAULTS[family]
+    method, scoring = fields.get("topk_method"), fields.get("scoring_func")
+    scale = fields.get("routed_scaling_factor", defaults["routed_scaling_factor"])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise fields.fail(f"routed_scaling_factor {scale!r} is not a number > 0", "fix config.json")
+    norm = fields.get("norm_topk_prob", defaults["norm_topk_prob"])
+    groups = {key: fields.get(key, defaults[key]) for key in ("n_group", "topk_group")}
+    if family == "deepseek-v3":
+        if method not in (None, "noaux_tc"):
+            raise fields.fail(f"topk_method {method!r} is not implemented for DeepseekV3ForCausalLM",
+                              "DeepSeek-V3 routes with noaux_tc (sigmoid scores, correction bias, group-limited top-k)")
+        if scoring not in (None, "sigmoid"):
+            raise fields.fail(f"scoring_func {scoring!r} is not implemented for DeepseekV3ForCausalLM",
+                              "DeepSeek-V3 scores experts with sigmoid")
+        kind = "sigmoid_group_topk"
+    else:
+        method = method or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise fields.fail(f"topk_method {method!r} is not implemented for DeepseekV2ForCausalLM",
+                              "DeepSeek-V2 routes with greedy or group_limited_greedy")
+        if scoring not in (None, "softmax"):
+            raise fields.fail(f"scoring_func {scoring!r} is not implemented for DeepseekV2ForCausalLM",
+                              "DeepSeek-V2 scores experts with softmax")
+        if norm:
+            raise fields.fail("norm_topk_prob true is not implemented for DeepseekV2ForCausalLM (transformers "
+                              "ignores it, DeepSeek's own code renormalises instead of scaling)",
+                              "DeepSeek-V2 checkpoints set it false")
+        if method == "greedy":
+            return dict(router="softmax_topk", norm_topk_prob=False, routed_scaling_factor=float(scale))
+        kind = "softmax_group_topk"
+    for key, value in groups.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise fields.fail(f"{key} {value!r} is not an integer >= 1", f"{kind} routing needs n_group and topk_group")
+    return dict(router=kind, norm_topk_prob=bool(norm), routed_scaling_factor=float(scale), **groups)
+
+
+def _latent_attention(fields: _Fields, family: str, heads: int) -> LatentAttention:
+    q_lora_rank = fields.values.get("q_lora_rank", _DEEPSEEK_DEFAULTS[family]["q_lora_rank"])
+    if q_lora_rank is not None:
+        q_lora_rank = fields.integer("q_lora_rank")
+        if q_lora_rank == 0:
+            raise fields.fail("q_lora_rank is 0", "give null for one q projection, or the rank")
+    if fields.get("attention_bias", False):
+        raise fields.fail("attention_bias true is not implemented with multi-head latent attention",
+                          "DeepSeek checkpoints have no attention biases")
+    if fields.integer("num_key_value_heads", heads) != heads:
+        raise fields.fail(f"num_key_value_heads {fields.get('num_key_value_heads')} differs from num_attention_heads "
+                          f"{heads}: latent attention decompresses one K and V per query head", "fix config.json")
+    interleave = fields.get("rope_interleave", True) if family == "deepseek-v3" else True  # V2: complex RoPE pairs
+    nope, rope = fields.integer("qk_nope_head_dim", 128), fields.integer("qk_rope_head_dim", 64)
+    scale = (nope + rope) ** -0.5
+    parameters = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or parameters.get("type") or "default"
+    if kind != "default" and parameters.get("mscale_all_dim"):  # as DeepSeek's yarn_get_mscale, squared
+        factor = float(parameters["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(parameters["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    try:
+        return LatentAttention(kv_lora_rank=fields.integer("kv_lora_rank", 512), qk_nope_head_dim=nope,
+                               qk_rope_head_dim=rope, v_head_dim=fields.integer("v_head_dim", 128),
+                               q_lora_rank=q_lora_rank, rope_interleave=bool(interleave), softmax_scale=scale)
+    except ValueError as error:
+        raise fields.fail(str(error), "fix config.json") from None
+
+
+def _deepseek_config(fields: _Fields, name: str, family: str) -> ModelConfig:
+    _require_silu(fields)
+    if fields.get("mlp_bias", False):
+        raise fields.fail("mlp_bias true is not implemented", "DeepSeek checkpoints have no MLP biases")
+    common = _common(fields, name, "n_routed_experts", "moe_intermediate_size", shared=True)
+    n_layers = common["n_layers"]
+    latent = _latent_attention(fields, family, common["n_heads"])
+    common.update(head_dim=latent.qk_head_dim, n_kv_heads=common["n_heads"])
+    first_dense = fields.integer("first_k_dense_replace", _DEEPSEEK_DEFAULTS[family]["first_k_dense_replace"])
+    frequency = fields.integer("moe_layer_freq", 1)
+    if frequency < 1:
+        raise fields.fail("moe_layer_freq is 0", "give 1 (every layer after the dense ones is MoE)")
+    # as DeepSeek's code: layer L is MoE when L >= first_k_dense_replace and L % moe_layer_freq == 0
+    dense = tuple(layer for layer in range(n_layers) if layer < first_dense or layer % frequency)
+    shared_count = fields.integer("n_shared_experts", _DEEPSEEK_DEFAULTS[family]["n_shared_experts"])
+    theta, yarn = _rope(fields, 10000.0)
+    return ModelConfig(
+        **common, layer_masks=_uniform_masks(fields, n_layers, None), rope_theta=theta, rope_scaling=yarn,
+        sinks=False, latent_attention=latent, **_deepseek_router(fields, family),
+        shared_experts=SharedExperts(shared_count, shared_count * common["intermediate"]) if shared_count else None,
+        dense_layers=dense, dense_intermediate=fields.integer("intermediate_size") if dense else 0,
+    )
+
+
 _FAMILY_CONFIGS = {"gpt-oss": _gpt_oss_config, "qwen3-moe": _qwen3_moe_config, "mixtral": _mixtral_config,
-                   "olmoe": _olmoe_config}
+                   "olmoe": _olmoe_config, "qwen2-moe": _qwen2_moe_config,
+                   "deepseek-v3": lambda fields, name: _deepseek_config(fields, name, "deepseek-v3"),
+                   "deepseek-v2": lambda fields, name: _deepseek_config(fields, name, "deepseek-v2")}
+
+
+def _unread_layers(directory: Path, family: str) -> int:
+    """Layers a checkpoint may hold past num_hidden_layers that the forward does not run: DeepSeek-V3's
+    multi-token-prediction modules (num_nextn_predict_layers). 0 for every other family."""
+    if family != "deepseek-v3":
+        return 0
+    values = json.loads((directory / "config.json").read_text())  # read_config parsed it already: valid JSON
+    count = values.get("num_nextn_predict_layers") or 0
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -326,6 +505,14 @@ class _PerExpert:
     """One checkpoint tensor per expert and part: engine[e] = cat(part_0[e], part_1[e], ...) along rows."""
 
     patterns: tuple[str, ...]  # each with {e}
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """2-D checkpoint tensors stacked along rows: engine = cat(part_0, part_1, ...) (a dense MLP's
+    [gate; up]), each part an equal share of the engine tensor's rows."""
+
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -357,9 +544,14 @@ def _layer_sources(config: ModelConfig, family: str, checkpoint: Checkpoint, lay
         p + "wq": _Direct(attention + "q_proj.weight"), p + "wk": _Direct(attention + "k_proj.weight"),
         p + "wv": _Direct(attention + "v_proj.weight"), p + "wo": _Direct(attention + "o_proj.weight"),
     }
+    if family in LATENT_FAMILIES:
+        return _latent_layer_sources(config, layer)
     if config.attention_bias:
         sources.update({p + "bq": _Direct(attention + "q_proj.bias"), p + "bk": _Direct(attention + "k_proj.bias"),
                         p + "bv": _Direct(attention + "v_proj.bias"), p + "bo": _Direct(attention + "o_proj.bias")})
+    elif config.qkv_bias:
+        sources.update({p + "bq": _Direct(attention + "q_proj.bias"), p + "bk": _Direct(attention + "k_proj.bias"),
+                        p + "bv": _Direct(attention + "v_proj.bias")})
     if config.qk_norm != "none":
         sources.update({p + "q_norm": _Direct(attention + "q_norm.weight"),
                         p + "k_norm": _Direct(attention + "k_norm.weight")})
@@ -382,12 +574,58 @@ def _layer_sources(config: ModelConfig, family: str, checkpoint: Checkpoint, lay
         sources.update({p + "router": _Direct(moe + "gate.weight"),
                         p + "w13": _PerExpert((moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight")),
                         p + "w2": _PerExpert((moe + "experts.{e}.w2.weight",))})
-    else:  # qwen3-moe, olmoe
-        moe = hf + "mlp."
-        sources.update({p + "router": _Direct(moe + "gate.weight"),
-                        p + "w13": _PerExpert((moe + "experts.{e}.gate_proj.weight",
-                                                moe + "experts.{e}.up_proj.weight")),
-                        p + "w2": _PerExpert((moe + "experts.{e}.down_proj.weight",))})
+    elif layer in config.dense_layers:  # qwen2-moe
+        sources.update(_dense_mlp_sources(hf, p))
+    else:  # qwen3-moe, olmoe, qwen2-moe
+        sources.update(_expert_sources(hf, p))
+        if family == "qwen2-moe":
+            shared = hf + "mlp.shared_expert."
+            sources.update({p + "shared_gate_up": _Rows((shared + "gate_proj.weight", shared + "up_proj.weight")),
+                            p + "shared_down": _Direct(shared + "down_proj.weight"),
+                            p + "shared_gate": _Direct(hf + "mlp.shared_expert_gate.weight")})
+    return sources
+
+
+def _expert_sources(hf: str, p: str) -> dict[str, object]:
+    moe = hf + "mlp."
+    return {p + "router": _Direct(moe + "gate.weight"),
+            p + "w13": _PerExpert((moe + "experts.{e}.gate_proj.weight", moe + "experts.{e}.up_proj.weight")),
+            p + "w2": _PerExpert((moe + "experts.{e}.down_proj.weight",))}
+
+
+def _dense_mlp_sources(hf: str, p: str) -> dict[str, object]:
+    mlp = hf + "mlp."
+    return {p + "mlp_gate_up": _Rows((mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+            p + "mlp_down": _Direct(mlp + "down_proj.weight")}
+
+
+def _latent_layer_sources(config: ModelConfig, layer: int) -> dict[str, object]:
+    """A DeepSeek-V2/V3 layer: latent attention, then a dense MLP or the routed + shared experts."""
+    hf, p = f"model.layers.{layer}.", f"layers.{layer}."
+    attention = hf + "self_attn."
+    sources: dict[str, object] = {
+        p + "attn_norm": _Direct(hf + "input_layernorm.weight"),
+        p + "moe_norm": _Direct(hf + "post_attention_layernorm.weight"),
+        p + "wkv_a": _Direct(attention + "kv_a_proj_with_mqa.weight"),
+        p + "kv_a_norm": _Direct(attention + "kv_a_layernorm.weight"),
+        p + "wkv_b": _Direct(attention + "kv_b_proj.weight"), p + "wo": _Direct(attention + "o_proj.weight"),
+    }
+    if config.latent_attention.q_lora_rank is None:
+        sources[p + "wq"] = _Direct(attention + "q_proj.weight")
+    else:
+        sources.update({p + "wq_a": _Direct(attention + "q_a_proj.weight"),
+                        p + "q_a_norm": _Direct(attention + "q_a_layernorm.weight"),
+                        p + "wq_b": _Direct(attention + "q_b_proj.weight")})
+    if layer in config.dense_layers:
+        sources.update(_dense_mlp_sources(hf, p))
+        return sources
+    sources.update(_expert_sources(hf, p))
+    if config.router == "sigmoid_group_topk":
+        sources[p + "router_correction"] = _Direct(hf + "mlp.gate.e_score_correction_bias")
+    if config.shared_experts is not None:
+        shared = hf + "mlp.shared_experts."
+        sources.update({p + "shared_gate_up": _Rows((shared + "gate_proj.weight", shared + "up_proj.weight")),
+                        p + "shared_down": _Direct(shared + "down_proj.weight")})
     return sources
 
 
@@ -435,6 +673,12 @@ def _fill(destination: torch.Tensor, engine_name: str, source, checkpoint: Check
         checkpoint.expect(source.name, shape, why=why)
         _copy(destination, checkpoint.read(source.name))
         return [source.name]
+    if isinstance(source, _Rows):
+        rows = shape[0] // len(source.names)
+        for part, name in enumerate(source.names):
+            checkpoint.expect(name, (rows, shape[1]), why=why)
+            _copy(destination[part * rows:(part + 1) * rows], checkpoint.read(name))
+        return list(source.names)
     if isinstance(source, _PerExpert):
         experts, rows = shape[0], shape[1] // len(source.patterns)
         names = []
@@ -489,28 +733,72 @@ def _fill(destination: torch.Tensor, engine_name: str, source, checkpoint: Check
     raise TypeError(f"unknown weight source {source!r}")
 
 
+def _expected(source, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[str, ...] | None]]:
+    """(checkpoint name, shape, dtypes or None for the float ones) of every tensor `_fill` reads for `source`."""
+    if isinstance(source, _Direct):
+        return [(source.name, shape, None)]
+    if isinstance(source, _Rows):
+        return [(name, (shape[0] // len(source.names), shape[1]), None) for name in source.names]
+    if isinstance(source, _PerExpert):
+        rows = shape[1] // len(source.patterns)
+        return [(pattern.format(e=expert), (rows, shape[2]), None)
+                for expert in range(shape[0]) for pattern in source.patterns]
+    if isinstance(source, _GptOssFused):
+        return [(source.name, shape if source.kind == "gate_up_bias" else (shape[0], shape[2], shape[1]), None)]
+    if isinstance(source, _Mxfp4):
+        if shape[2] % MXFP4_BLOCK:
+            return []  # `_fill` refuses it, naming the block size
+        groups = shape[2] // MXFP4_BLOCK
+        return [(source.prefix + "_blocks", (shape[0], shape[1], groups, MXFP4_BLOCK // 2), ("U8",)),
+                (source.prefix + "_scales", (shape[0], shape[1], groups), ("U8",))]
+    raise TypeError(f"unknown weight source {source!r}")
+
+
+def _unread(name: str, n_layers: int, unread_layers: int) -> bool:
+    """A tensor of the layers past the last that the forward does not run (`_unread_layers`)."""
+    if not unread_layers or not name.startswith("model.layers."):
+        return False
+    layer = name.split(".")[2]
+    return layer.isdigit() and n_layers <= int(layer) < n_layers + unread_layers
+
+
 def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
-                  device: torch.device, dtype: torch.dtype, stream: TextIO | None) -> dict[str, torch.Tensor]:
+                  device: torch.device, dtype: torch.dtype, stream: TextIO | None,
+                  unread_layers: int = 0) -> dict[str, torch.Tensor]:
     sources = weight_sources(config, family, checkpoint)
     shapes = tensor_shapes(config)
+    # Every tensor's presence, shape and dtype first, and no tensor left over: a bad checkpoint loads nothing.
     used: set[str] = set()
+    for engine_name, source in sources.items():
+        for name, shape, dtypes in _expected(source, shapes[engine_name]):
+            if dtypes is None:
+                checkpoint.expect(name, shape, why=f"engine tensor {engine_name}")
+            else:
+                checkpoint.expect(name, shape, dtypes, why=f"engine tensor {engine_name}")
+            used.add(name)
+    _refuse_unused(config, family, checkpoint, used, unread_layers)
     weights: dict[str, torch.Tensor] = {}
     progress = Progress(len(sources), f"loading {checkpoint.directory.name}",
                         stream=sys.stderr if stream is None else stream)
     try:
         for engine_name, source in sources.items():
-            destination = torch.empty(shapes[engine_name], dtype=dtype, device=device)
+            destination = torch.empty(shapes[engine_name], dtype=tensor_dtype(config, engine_name, dtype), device=device)
             used.update(_fill(destination, engine_name, source, checkpoint))
             weights[engine_name] = destination
             progress.advance(note=engine_name)
     finally:
         progress.close()
+    return weights
+
+
+def _refuse_unused(config: ModelConfig, family: str, checkpoint: Checkpoint, used: set[str],
+                   unread_layers: int) -> None:
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()  # some tied checkpoints store it anyway
-    unused = sorted(name for name in checkpoint.names() - used - ignorable if not name.endswith(_IGNORABLE_SUFFIXES))
+    unused = sorted(name for name in checkpoint.names() - used - ignorable
+                    if not name.endswith(_IGNORABLE_SUFFIXES) and not _unread(name, config.n_layers, unread_layers))
     if unused:
         entry = checkpoint.entries[unused[0]]
         raise UserError(f"{entry.file}: tensor {unused[0]}"
                         f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} is not used by the {family} "
                         f"mapping of config.json: the checkpoint has a feature config.json does not declare, or one "
-                        f"this engine does not support; nothing was run")
-    return weights
+                        f"this engine does not support; nothing was loaded")

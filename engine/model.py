@@ -17,7 +17,11 @@ The Hugging Face families (engine.hf_loader) switch on features of the config, e
 presets: q/k/v/o biases, q/k RMSNorm (per head or over the full projection), clip_qkv, no sinks,
 YaRN RoPE, a router bias and softmax-then-top-k routing, tied embeddings, and gpt-oss experts
 (biases and the clamped SwiGLU), which only the reference arm computes: `forward` hands them to the
-hooks as `FamilyExperts`.
+hooks as `FamilyExperts`. DeepSeek-V2/V3 and Qwen2-MoE add: multi-head latent attention
+(engine.mla; the cache holds latents, the hooks' `latent_attention` picks the arm), the group-limited
+routers (engine.routing), routed_scaling_factor, shared experts beside the routed ones (handed to the
+hooks' `moe` as `shared`: always on, outside the arm decision) and dense SwiGLU layers (`dense_layers`,
+no experts, no MoE record).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from typing import Protocol
 
 import torch
 
-from engine import decode_fused
-from engine.config import ModelConfig
+from engine import decode_fused, mla, routing
+from engine.config import GROUPED_ROUTERS, ModelConfig, SharedExperts
 from engine.rope import rope_inverse_frequency
 from kernels.reference import moe_reference_gpt_oss
 
@@ -39,37 +43,64 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's name and shape; the checkpoint layout."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab_size, c.hidden)}
+    dense = set(c.dense_layers)
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        shapes.update({
-            p + "attn_norm": (c.hidden,),
-            p + "wq": (c.n_heads * c.head_dim, c.hidden),
-            p + "wk": (c.n_kv_heads * c.head_dim, c.hidden),
-            p + "wv": (c.n_kv_heads * c.head_dim, c.hidden),
-            p + "wo": (c.hidden, c.n_heads * c.head_dim),
-            p + "sinks": (c.n_heads,),
-            p + "moe_norm": (c.hidden,),
-            p + "router": (c.n_experts, c.hidden),
-            p + "w13": (c.n_experts, 2 * c.intermediate, c.hidden),
-            p + "w2": (c.n_experts, c.hidden, c.intermediate),
-        })
-        if not c.sinks:
-            del shapes[p + "sinks"]
+        shapes[p + "attn_norm"] = (c.hidden,)
+        if c.latent_attention is not None:
+            shapes.update(mla.tensor_shapes(c, p))
+        else:
+            shapes.update({
+                p + "wq": (c.n_heads * c.head_dim, c.hidden),
+                p + "wk": (c.n_kv_heads * c.head_dim, c.hidden),
+                p + "wv": (c.n_kv_heads * c.head_dim, c.hidden),
+                p + "wo": (c.hidden, c.n_heads * c.head_dim),
+            })
+        if c.sinks:
+            shapes[p + "sinks"] = (c.n_heads,)
+        shapes[p + "moe_norm"] = (c.hidden,)
+        if layer in dense:  # a dense SwiGLU MLP (gate rows then up rows), no router, no experts
+            shapes.update({p + "mlp_gate_up": (2 * c.dense_intermediate, c.hidden),
+                           p + "mlp_down": (c.hidden, c.dense_intermediate)})
+        else:
+            shapes.update({
+                p + "router": (c.n_experts, c.hidden),
+                p + "w13": (c.n_experts, 2 * c.intermediate, c.hidden),
+                p + "w2": (c.n_experts, c.hidden, c.intermediate),
+            })
+            if c.router == "sigmoid_group_topk":
+                shapes[p + "router_correction"] = (c.n_experts,)
+            if c.shared_experts is not None:  # named apart from w13/w2: they are not routed (bench counts those k/E)
+                shared = c.shared_experts.intermediate
+                shapes.update({p + "shared_gate_up": (2 * shared, c.hidden), p + "shared_down": (c.hidden, shared)})
+                if c.shared_experts.gated:
+                    shapes[p + "shared_gate"] = (1, c.hidden)
         if c.attention_bias:
             shapes.update({p + "bq": (c.n_heads * c.head_dim,), p + "bk": (c.n_kv_heads * c.head_dim,),
                            p + "bv": (c.n_kv_heads * c.head_dim,), p + "bo": (c.hidden,)})
+        elif c.qkv_bias:
+            shapes.update({p + "bq": (c.n_heads * c.head_dim,), p + "bk": (c.n_kv_heads * c.head_dim,),
+                           p + "bv": (c.n_kv_heads * c.head_dim,)})
         if c.qk_norm == "per_head":
             shapes.update({p + "q_norm": (c.head_dim,), p + "k_norm": (c.head_dim,)})
         elif c.qk_norm == "full":
             shapes.update({p + "q_norm": (c.n_heads * c.head_dim,), p + "k_norm": (c.n_kv_heads * c.head_dim,)})
-        if c.router_bias:
+        if c.router_bias and layer not in dense:
             shapes[p + "router_bias"] = (c.n_experts,)
-        if c.expert_bias:
+        if c.expert_bias and layer not in dense:
             shapes.update({p + "b13": (c.n_experts, 2 * c.intermediate), p + "b2": (c.n_experts, c.hidden)})
     shapes["norm"] = (c.hidden,)
     if not c.tie_embeddings:
         shapes["lm_head"] = (c.vocab_size, c.hidden)
     return shapes
+
+
+def tensor_dtype(config: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight is kept in: `dtype`, except DeepSeek-V3's router and its correction bias, which
+    stay float32 (as transformers keeps them: the bias decides near ties of the sigmoid scores)."""
+    if config.router == "sigmoid_group_topk" and name.endswith(("router", "router_correction")):
+        return torch.float32
+    return dtype
 
 
 def _init_std(name: str, shape: tuple[int, ...]) -> float | None:
@@ -87,7 +118,9 @@ def random_weights(config: ModelConfig, seed: int, device: torch.device, dtype: 
     every machine, whatever the order of creation. Large tensors are drawn one expert at a time
     so the host never holds more than one expert in float32 beyond the destination."""
     weights: dict[str, torch.Tensor] = {}
+    requested = dtype
     for name, shape in tensor_shapes(config).items():
+        dtype = tensor_dtype(config, name, requested)
         std = _init_std(name, shape)
         if std is None:
             weights[name] = torch.ones(shape, dtype=dtype, device=device)
@@ -111,9 +144,17 @@ class LayerHooks(Protocol):
                   length: int) -> torch.Tensor: ...
 
     def moe(self, layer: int, h: torch.Tensor, w13, w2, topk_ids, topk_weights,
-            experts: "FamilyExperts | None" = None, woken: torch.Tensor | None = None) -> torch.Tensor:
+            experts: "FamilyExperts | None" = None, woken: torch.Tensor | None = None,
+            shared: "SharedMLP | None" = None) -> torch.Tensor:
         """`experts` is passed only for layers whose experts are not plain SwiGLU (see FamilyExperts);
-        `woken`, the distinct experts in topk_ids, only when the caller's routing kernel counted them."""
+        `woken`, the distinct experts in topk_ids, only when the caller's routing kernel counted them;
+        `shared`, the layer's shared experts, only for families that have them: the hooks add shared(h)
+        to the routed sum, whatever arm they pick for the routed experts."""
+
+    def latent_attention(self, layer: int, q: torch.Tensor, latent_cache: torch.Tensor, kv_b: torch.Tensor,
+                         q_start: "int | torch.Tensor", length: int) -> torch.Tensor:
+        """Multi-head latent attention (engine.mla): q [B, T, Hq, qk_nope + r], latent_cache [B, S, 1, R + r]
+        (keys 0..length-1 read), kv_b [Hq * (qk_nope + v), R] -> [B, T, Hq, v]."""
 
 
 @dataclass
@@ -125,6 +166,12 @@ class KVCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, device, dtype) -> "KVCache":
+        """Latent attention layers hold one [B, S, 1, R + r] tensor (the latent, then the RoPE key) in
+        k[layer]; v[layer] is a view of its first R columns (the values are the latents themselves)."""
+        if config.latent_attention is not None:
+            shape = (batch, capacity, 1, config.latent_attention.cache_elements_per_token())
+            latents = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+            return cls(latents, [latent[..., :config.latent_attention.kv_lora_rank] for latent in latents])
         shape = (batch, capacity, config.n_kv_heads, config.head_dim)
         return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)],
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)])
@@ -137,6 +184,12 @@ class KVCache:
             return self.k[layer][:batch], self.v[layer][:batch]
         return (self.k[layer][:, :key_length].index_select(0, slots),
                 self.v[layer][:, :key_length].index_select(0, slots))
+
+    def latent_rows(self, layer: int, batch: int, key_length: int, slots: torch.Tensor | None) -> torch.Tensor:
+        """A latent attention layer's rows [B, Tk, 1, R + r], as `rows` reads them (the values are in them)."""
+        if slots is None:
+            return self.k[layer][:batch]
+        return self.k[layer][:, :key_length].index_select(0, slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,7 +210,7 @@ def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[tor
     frequencies agree to the last bit: dimensions that turn fewer than `beta_slow` times over the
     original context are interpolated (divided by `factor`), more than `beta_fast` times kept, a
     linear ramp between; cos and sin carry the attention factor."""
-    yarn, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    yarn, dim, base = config.rope_scaling, config.rotary_dim, config.rope_theta
 
     def correction_dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -241,7 +294,7 @@ def _attention_inputs(config: ModelConfig, weights: dict[str, torch.Tensor], p: 
     clip_qkv and the q/k RMSNorm as the config asks."""
     c = config
     q, k, v = h @ weights[p + "wq"].t(), h @ weights[p + "wk"].t(), h @ weights[p + "wv"].t()  # [B, T, H*hd]
-    if c.attention_bias:
+    if c.attention_bias or c.qkv_bias:
         q, k, v = q + weights[p + "bq"], k + weights[p + "bk"], v + weights[p + "bv"]
     if c.qk_norm == "full":  # OLMoE: over the whole projection, before clipping and the head split
         q, k = rms_norm(q, weights[p + "q_norm"], c.norm_eps), rms_norm(k, weights[p + "k_norm"], c.norm_eps)
@@ -263,13 +316,58 @@ def _attention_output(config: ModelConfig, weights: dict[str, torch.Tensor], p: 
     return out + weights[p + "bo"] if config.attention_bias else out
 
 
+def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP: h [N, D], gate_up [2F, D] (gate rows, then up rows), down [D, F] -> [N, D]."""
+    gate, up = (h @ gate_up.t()).chunk(2, dim=-1)  # [N, F] each
+    return (torch.nn.functional.silu(gate) * up) @ down.t()
+
+
+@dataclass(frozen=True)
+class SharedMLP:
+    """A layer's shared experts (config.SharedExperts) with their weights: every token runs them. `forward`
+    hands them to the hooks' `moe` as `shared=`; the dispatcher adds shared(h) to whichever routed arm ran."""
+
+    spec: SharedExperts
+    gate_up: torch.Tensor  # [2Fs, D]
+    down: torch.Tensor  # [D, Fs]
+    gate: torch.Tensor | None  # [1, D]: Qwen2-MoE scales the output by sigmoid(h . gate)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
+        out = swiglu(h, self.gate_up, self.down)
+        return out if self.gate is None else torch.sigmoid(h @ self.gate.t()) * out
+
+
+def _route(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, h: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [N, D] -> topk_ids [N, k] int32, topk_weights [N, k] float32, routed_scaling_factor applied."""
+    c = config
+    if c.router in GROUPED_ROUTERS:
+        topk_ids, topk_weights = routing.group_limited_topk(h, weights[p + "router"], c.top_k, c.n_group,
+                                                            c.topk_group, c.router, weights.get(p + "router_correction"),
+                                                            c.norm_topk_prob)
+    else:
+        topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k, weights.get(p + "router_bias"), c.router,
+                                       c.norm_topk_prob)
+    if c.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * c.routed_scaling_factor
+    return topk_ids, topk_weights
+
+
 def _experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, h: torch.Tensor,
              hooks: "LayerHooks") -> torch.Tensor:
-    """h [N, D] (normed) -> the routed experts' sum [N, D], computed by whatever arm the hooks pick."""
+    """h [N, D] (normed) -> the layer's feed-forward output [N, D]: the routed experts' sum, computed by
+    whatever arm the hooks pick, plus the shared experts where the family has them; or, in a dense layer,
+    its SwiGLU MLP (no routing, no hook)."""
     c, p = config, f"layers.{layer}."
-    topk_ids, topk_weights = route(h, weights[p + "router"], c.top_k, weights.get(p + "router_bias"), c.router,
-                                   c.norm_topk_prob)
+    if layer in c.dense_layers:
+        return swiglu(h, weights[p + "mlp_gate_up"], weights[p + "mlp_down"])
+    topk_ids, topk_weights = _route(c, weights, p, h)
     extras = family_experts(c, weights, layer)
+    if c.shared_experts is not None:
+        shared = SharedMLP(c.shared_experts, weights[p + "shared_gate_up"], weights[p + "shared_down"],
+                           weights.get(p + "shared_gate"))
+        return hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids, topk_weights.to(h.dtype),
+                         shared=shared)
     if extras is None:
         return hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids, topk_weights.to(h.dtype))
     return hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], topk_ids, topk_weights.to(h.dtype),
@@ -328,13 +426,20 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
-        q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[layer][:, start:start + steps] = k
-        cache.v[layer][:, start:start + steps] = v
-        attended = hooks.attention(layer, q, cache.k[layer], cache.v[layer], weights.get(p + "sinks"),
-                                   start, start + steps)  # [B, T, Hq, hd]
-        x = x + _attention_output(c, weights, p, attended)
+        if c.latent_attention is not None:  # the cache holds latents; the arm reads them
+            q, entry = mla.inputs(c, weights, p, h, cos, sin)  # [B, T, Hq, qk_nope + r], [B, T, 1, R + r]
+            cache.k[layer][:, start:start + steps] = entry
+            attended = hooks.latent_attention(layer, q, cache.k[layer], weights[p + "wkv_b"], start,
+                                              start + steps)  # [B, T, Hq, v]
+            x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+        else:
+            q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.k[layer][:, start:start + steps] = k
+            cache.v[layer][:, start:start + steps] = v
+            attended = hooks.attention(layer, q, cache.k[layer], cache.v[layer], weights.get(p + "sinks"),
+                                       start, start + steps)  # [B, T, Hq, hd]
+            x = x + _attention_output(c, weights, p, attended)
 
         h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [N, D]
         expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
@@ -360,18 +465,29 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
-        q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_new = k.reshape(batch * steps, c.n_kv_heads, c.head_dim)  # [B*T, Hkv, hd]
-        v_new = v.reshape(batch * steps, c.n_kv_heads, c.head_dim)
-        if layout.token_index is not None:
-            k_new, v_new = k_new[layout.token_index], v_new[layout.token_index]  # [N, Hkv, hd]
-        cache.k[layer].index_put_((cache_rows, cache_positions), k_new)
-        cache.v[layer].index_put_((cache_rows, cache_positions), v_new)
-        k_rows, v_rows = cache.rows(layer, batch, layout.key_length, layout.slots)  # [B, Tk, Hkv, hd]
-        attended = hooks.attention(layer, q, k_rows, v_rows, weights.get(p + "sinks"), layout.start,
-                                   layout.key_length)  # [B, T, Hq, hd]
-        x = x + _attention_output(c, weights, p, attended)
+        if c.latent_attention is not None:  # the cache holds latents; the arm reads them
+            q, entry = mla.inputs(c, weights, p, h, cos, sin)  # [B, T, Hq, qk_nope + r], [B, T, 1, R + r]
+            entry = entry.reshape(batch * steps, 1, -1)
+            if layout.token_index is not None:
+                entry = entry[layout.token_index]  # [N, 1, R + r]
+            cache.k[layer].index_put_((cache_rows, cache_positions), entry)
+            latent_rows = cache.latent_rows(layer, batch, layout.key_length, layout.slots)  # [B, Tk, 1, R + r]
+            attended = hooks.latent_attention(layer, q, latent_rows, weights[p + "wkv_b"], layout.start,
+                                              layout.key_length)  # [B, T, Hq, v]
+            x = x + attended.reshape(batch, steps, -1) @ weights[p + "wo"].t()
+        else:
+            q, k, v = _attention_inputs(c, weights, p, h, batch, steps)  # [B, T, Hq|Hkv, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_new = k.reshape(batch * steps, c.n_kv_heads, c.head_dim)  # [B*T, Hkv, hd]
+            v_new = v.reshape(batch * steps, c.n_kv_heads, c.head_dim)
+            if layout.token_index is not None:
+                k_new, v_new = k_new[layout.token_index], v_new[layout.token_index]  # [N, Hkv, hd]
+            cache.k[layer].index_put_((cache_rows, cache_positions), k_new)
+            cache.v[layer].index_put_((cache_rows, cache_positions), v_new)
+            k_rows, v_rows = cache.rows(layer, batch, layout.key_length, layout.slots)  # [B, Tk, Hkv, hd]
+            attended = hooks.attention(layer, q, k_rows, v_rows, weights.get(p + "sinks"), layout.start,
+                                       layout.key_length)  # [B, T, Hq, hd]
+            x = x + _attention_output(c, weights, p, attended)
 
         h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [B*T, D]
         if layout.token_index is not None:

@@ -205,3 +205,58 @@ def attention_reference(
         probs = torch.where(denominator > 0, weights / denominator.clamp_min(1e-30), 0.0)
         out[b] = (probs[..., :Tk] @ vb).transpose(0, 1)  # [Tq, Hq, hd]
     return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-head latent attention (MLA)
+# --------------------------------------------------------------------------------------------
+
+def _causal_visible(q_start: torch.Tensor | int, batch: int, query_len: int, key_len: int,
+                    device: torch.device) -> torch.Tensor:  # [B, 1, Tq, Tk] bool
+    starts = torch.as_tensor(q_start, device=device).reshape(-1).expand(batch).long()  # [B]
+    positions = starts[:, None] + torch.arange(query_len, device=device)[None, :]  # [B, Tq]
+    keys = torch.arange(key_len, device=device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+
+def mla_latent_reference(
+    q: torch.Tensor,  # [B, Tq, Hq, R + r] absorbed queries: q_nope W_UK, then the rotated q_rope
+    cache: torch.Tensor,  # [B, Tk, 1, R + r] latents c, then rotated RoPE keys k_r
+    kv_lora_rank: int,  # R
+    scale: float,
+    q_start: torch.Tensor | int = 0,  # [B] or int: position of each sequence's first query
+) -> torch.Tensor:  # [B, Tq, Hq, R]
+    """Causal attention over the latent cache, in float32: s = (q[:R] . c + q[R:] . k_r) * scale,
+    out = softmax(s) @ c (the values are the latents). Every row sees key 0 at least (causal, q_start >= 0).
+    What kernels.attention_mla computes."""
+    batch, query_len, _, _ = q.shape
+    q32, cache32 = q.float(), cache[:, :, 0].float()  # [B, Tq, Hq, R + r], [B, Tk, R + r]
+    scores = torch.einsum("bthd,bkd->bhtk", q32, cache32) * scale  # [B, Hq, Tq, Tk]
+    visible = _causal_visible(q_start, batch, query_len, cache.shape[1], q.device)
+    probabilities = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = torch.einsum("bhtk,bkr->bthr", probabilities, cache32[..., :kv_lora_rank])
+    return out.to(q.dtype)
+
+
+def mla_decompressed_reference(
+    q: torch.Tensor,  # [B, Tq, Hq, n + r] queries: no-RoPE part, then the rotated RoPE part
+    cache: torch.Tensor,  # [B, Tk, 1, R + r] latents c, then rotated RoPE keys k_r
+    w_uk: torch.Tensor,  # [Hq, n, R] the key rows of kv_b per head
+    w_uv: torch.Tensor,  # [Hq, v, R] the value rows of kv_b per head
+    scale: float,
+    q_start: torch.Tensor | int = 0,  # [B] or int
+) -> torch.Tensor:  # [B, Tq, Hq, v]
+    """The naive form of latent attention, in float32: every head's keys [c W_UK_h^T ; k_r] and values
+    c W_UV_h^T decompressed from the cache (Hq * (n + r + v) values per token), then causal softmax
+    attention. No host synchronisation (a CUDA graph may capture it)."""
+    batch, query_len, _, _ = q.shape
+    nope, kv_lora_rank = w_uk.shape[1], w_uk.shape[2]
+    latent, k_rope = cache[:, :, 0, :kv_lora_rank].float(), cache[:, :, 0, kv_lora_rank:].float()  # [B, Tk, R], [B, Tk, r]
+    k_nope = torch.einsum("bkr,hnr->bkhn", latent, w_uk.float())  # [B, Tk, Hq, n]
+    values = torch.einsum("bkr,hvr->bkhv", latent, w_uv.float())  # [B, Tk, Hq, v]
+    q32 = q.float()
+    scores = (torch.einsum("bthn,bkhn->bhtk", q32[..., :nope], k_nope)
+              + torch.einsum("bthr,bkr->bhtk", q32[..., nope:], k_rope)) * scale  # [B, Hq, Tq, Tk]
+    visible = _causal_visible(q_start, batch, query_len, cache.shape[1], q.device)
+    probabilities = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("bhtk,bkhv->bthv", probabilities, values).to(q.dtype)

@@ -1,0 +1,302 @@
+"""Latent attention over an MLA cache (the absorbed form of DeepSeek's multi-head latent attention):
+causal softmax attention of Hq query heads against ONE shared key/value stream per sequence, the
+cache of R latent + r RoPE dims per token, split over the keys (split-KV) and merged by a second
+launch. Its reference is `kernels.reference.mla_latent_reference`.
+
+Shapes (R = kv_lora_rank, r = RoPE dims, M = Tq * Hq query rows, t-major: row m is query m // Hq of
+head m % Hq):
+    q          [B, Tq, Hq, R + r]    the absorbed query: q_nope W_UK, then the rotated q_rope
+    cache      [B, Tk, 1, R + r]     the latent c (also the value) then the rotated k_r; any batch and
+                                     token strides (views of the KV cache), stride 1 along R + r
+    q_start    int or [B]            position of each sequence's first query: row m sees keys
+                                     j <= q_start + m // Hq
+    partials   [S, B, M, R] float32  each split's normalised output
+    lse        [S, B, M] float32     each split's log2-sum-exp2 of its scaled scores (-inf: saw nothing)
+    out        [B, Tq, Hq, R]        q's dtype; = sum_s 2^(lse_s - L) partials_s, L = log2 sum_s 2^lse_s
+
+    score(m, j) = (q[m, :R] . c_j + q[m, R:] . k_r_j) * scale;  out[m] = sum_j softmax_j(score) c_j
+
+Grid of the split kernel: (cdiv(M, BLOCK_M), S, B): a program takes BLOCK_M query rows (heads of one
+query, at decode) and walks split s of the key tiles, so each latent byte it loads serves BLOCK_M
+heads: at 128 heads and BLOCK_M 64 a key tile is read by two programs (L2 serves the second), against
+Hq reads of decompressed K and V. A row's walk stops at its causal bound (read on the device from
+q_start), so a graph that reads the whole cache still walks only the visible keys.
+The combine kernel: grid (cdiv(M, BLOCK_M_COMBINE), B, R // BLOCK_D), splits merged in order 0..S-1
+(deterministic). With one split the split kernel writes `out` itself: one launch.
+
+Block sizes at R = 512, r = 64, bf16 (the H200 shape; `MLA_CONFIGS`): q 64 x 576 x 2 B = 72 KB, per
+stage a key tile 32 x 576 x 2 B = 36 KB, 2 stages: about 144 KB of shared memory; the accumulator
+64 x 512 fp32 is 128 registers per thread at 8 warps. Not measured yet: bench/mla_bench.py sweeps
+the alternatives on the GPU and prints the compiler's registers, spills and shared memory.
+Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
+(S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles, at most MAX_SPLITS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches
+from kernels.attention_common import LOG2_E, is_power_of_two, remember_compiled
+
+# Latent ranks and RoPE widths the kernel takes: powers of two (tl.arange), at least tl.dot's 16, the
+# latent at most 512 (the accumulator's registers). engine.attention_dispatch keeps a copy of these
+# bounds (it must import without triton); tests/test_attention_mla.py asserts they agree.
+MIN_DIM, MAX_LATENT, MAX_ROPE = 16, 512, 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SPLITS = 64
+# Each split walks at least this many key tiles: a split costs its q tile, its pipeline's prologue and
+# M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about four 32-key tiles of 36 KB). Predicted.
+MIN_TILES_PER_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    block_m: int  # query rows per program (heads x queries), a power of two >= 16
+    block_n: int  # keys per step of the walk
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or not is_power_of_two(value):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+def supports(kv_lora_rank: int, rope_dim: int) -> str:
+    """"" when the kernel takes this latent shape, else why not (for a decline's record)."""
+    if not (is_power_of_two(kv_lora_rank) and MIN_DIM <= kv_lora_rank <= MAX_LATENT):
+        return f"kv_lora_rank {kv_lora_rank} is not a power of two in {MIN_DIM}..{MAX_LATENT}"
+    if not (is_power_of_two(rope_dim) and MIN_DIM <= rope_dim <= MAX_ROPE):
+        return f"qk_rope_head_dim {rope_dim} is not a power of two in {MIN_DIM}..{MAX_ROPE}"
+    return ""
+
+
+def default_config(kv_lora_rank: int, rows: int) -> MlaConfig:
+    """The launch config for `rows` query rows per sequence (M = Tq x Hq) at latent rank R: BLOCK_M the
+    rows rounded up to a power of two, at most 64; 8 warps once the accumulator is 64 x 512 fp32."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    warps = 8 if block_m * kv_lora_rank >= 64 * 512 else 4
+    block_n = 32 if kv_lora_rank >= 256 else 64
+    return MlaConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2)
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr,  # [B, M, R + r] rows t-major (q viewed [B, Tq * Hq, R + r])
+    cache_ptr,  # [B, Tk, R + r]
+    out_ptr,  # [B, M, R] (OUTPUT "direct")
+    partial_ptr,  # [S, B, M, R] float32 (OUTPUT "partials")
+    lse_ptr,  # [S, B, M] float32 (OUTPUT "partials")
+    q_start_ptr,  # [B] int32
+    heads,  # Hq
+    rows,  # M
+    key_len,  # Tk
+    num_splits,  # S
+    walk_tiles,  # cdiv(Tk, BLOCK_N): split s walks tiles [s*T//S, (s+1)*T//S), stopped at its causal bound
+    qk_scale_log2,  # softmax scale * log2(e)
+    stride_qb, stride_qm,
+    stride_cb, stride_ct,
+    stride_ob, stride_om,
+    LATENT: tl.constexpr,  # R
+    ROPE: tl.constexpr,  # r
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUTPUT: tl.constexpr,  # "direct" (S == 1) or "partials"
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one sequence, split pid_split of its key walk."""
+    pid_m, pid_split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = row < rows
+    position = tl.load(q_start_ptr + batch) + row // heads  # [BLOCK_M] each row's last visible key
+    latent_dims = tl.arange(0, LATENT)
+    rope_dims = tl.arange(0, ROPE)
+
+    q_rows = q_ptr + batch.to(tl.int64) * stride_qb + row.to(tl.int64)[:, None] * stride_qm
+    q_latent = tl.load(q_rows + latent_dims[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, R]
+    q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, r]
+
+    # The walk ends at the last row's causal bound (rows are t-major, so the block's largest position).
+    last_key = tl.minimum(tl.max(tl.where(row_valid, position, 0), 0) + 1, key_len)
+    walk_begin = (pid_split * walk_tiles // num_splits) * BLOCK_N
+    walk_end = tl.minimum(((pid_split + 1) * walk_tiles // num_splits) * BLOCK_N, last_key)
+
+    cache_base = cache_ptr + batch.to(tl.int64) * stride_cb
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    accumulator = tl.zeros([BLOCK_M, LATENT], dtype=tl.float32)
+    for start in range(walk_begin, walk_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_valid = keys < walk_end
+        key_rows = cache_base + keys.to(tl.int64)[:, None] * stride_ct
+        latent = tl.load(key_rows + latent_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, R]
+        key_rope = tl.load(key_rows + LATENT + rope_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, r]
+        scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_rope, tl.trans(key_rope), scores, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
+        scores = tl.where(visible, scores * qk_scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing visible yet: no NaN from -inf - -inf
+        rescale = tl.math.exp2(running_max - safe_max)
+        probabilities = tl.math.exp2(scores - safe_max[:, None])  # [BLOCK_M, BLOCK_N]
+        running_sum = running_sum * rescale + tl.sum(probabilities, 1)
+        accumulator = accumulator * rescale[:, None]
+        accumulator = tl.dot(probabilities.to(latent.dtype), latent, accumulator, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    seen = running_sum > 0.0
+    normalised = accumulator / tl.where(seen, running_sum, 1.0)[:, None]  # [BLOCK_M, R]; 0 where nothing was seen
+    if OUTPUT == "direct":
+        out_rows = out_ptr + batch.to(tl.int64) * stride_ob + row.to(tl.int64)[:, None] * stride_om
+        tl.store(out_rows + latent_dims[None, :], normalised.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        flat_row = (pid_split * tl.num_programs(2) + batch).to(tl.int64) * rows + row  # [BLOCK_M] of [S, B, M]
+        tl.store(partial_ptr + flat_row[:, None] * LATENT + latent_dims[None, :], normalised, mask=row_valid[:, None])
+        lse = tl.where(seen, running_max + tl.math.log2(tl.where(seen, running_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + flat_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    partial_ptr,  # [S, B, M, R] float32
+    lse_ptr,  # [S, B, M] float32
+    out_ptr,  # [B, M, R]
+    rows,  # M
+    batches,  # B
+    num_splits,  # S
+    stride_ob, stride_om,
+    LATENT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out = sum_s 2^(lse_s - L) partial_s with L the log2-sum of the lse_s, splits in order 0..S-1."""
+    pid_m, batch, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = row < rows
+    columns = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):  # the reference point first: every weight is then <= 1
+        lse = tl.load(lse_ptr + (split * batches + batch).to(tl.int64) * rows + row, mask=row_valid,
+                      other=float("-inf"))
+        total_max = tl.maximum(total_max, lse)
+    safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+    weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(num_splits):
+        flat_row = (split * batches + batch).to(tl.int64) * rows + row
+        weight = tl.math.exp2(tl.load(lse_ptr + flat_row, mask=row_valid, other=float("-inf")) - safe_max)
+        partial = tl.load(partial_ptr + flat_row[:, None] * LATENT + columns[None, :], mask=row_valid[:, None],
+                          other=0.0)
+        out += partial * weight[:, None]
+        weight_sum += weight
+    out = out / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    out_rows = out_ptr + batch.to(tl.int64) * stride_ob + row.to(tl.int64)[:, None] * stride_om
+    tl.store(out_rows + columns[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def _device_sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, sms: int | None) -> int:
+    """Splits of the key walk (host-side, shapes only): one wave of programs on `sms` SMs, each split
+    >= MIN_TILES_PER_SPLIT tiles; under the interpreter (sms None) up to 4 splits of >= 1 tile, enough to
+    exercise the merge."""
+    tiles = max(1, triton.cdiv(key_len, config.block_n))
+    if sms is None:
+        return max(1, min(4, tiles))
+    programs_per_split = batch * triton.cdiv(rows, config.block_m)
+    return max(1, min(MAX_SPLITS, sms // programs_per_split, tiles // MIN_TILES_PER_SPLIT))
+
+
+def mla_decode(
+    q: torch.Tensor,  # [B, Tq, Hq, R + r] absorbed queries
+    cache: torch.Tensor,  # [B, Tk, 1, R + r] latents then RoPE keys
+    kv_lora_rank: int,  # R
+    scale: float,
+    q_start: torch.Tensor | int = 0,  # [B] or int
+    *,
+    out: torch.Tensor | None = None,  # [B, Tq, Hq, R] to write into
+    num_splits: int | None = None,  # None: `default_num_splits`
+    config: MlaConfig | None = None,  # None: `default_config` (benchmark sweeps pass others)
+) -> torch.Tensor:  # [B, Tq, Hq, R]
+    """Causal attention of the absorbed queries over the latent cache; equal to `mla_latent_reference`."""
+    if q.dim() != 4 or cache.dim() != 4 or cache.shape[2] != 1:
+        raise ValueError(f"q must be [B, Tq, Hq, R + r] and cache [B, Tk, 1, R + r]; got {tuple(q.shape)}, "
+                         f"{tuple(cache.shape)}")
+    batch, query_len, heads, width = q.shape
+    if cache.shape[0] != batch or cache.shape[3] != width:
+        raise ValueError(f"cache must be [B={batch}, Tk, 1, {width}], got {tuple(cache.shape)}")
+    why = supports(kv_lora_rank, width - kv_lora_rank)
+    if why:
+        raise ValueError(f"mla_decode does not take this latent shape: {why}")
+    if q.dtype not in SUPPORTED_DTYPES or cache.dtype != q.dtype or q.device != cache.device:
+        raise ValueError(f"q and cache must share a dtype of {SUPPORTED_DTYPES} and a device; got {q.dtype} on "
+                         f"{q.device}, {cache.dtype} on {cache.device}")
+    if cache.stride(3) != 1:
+        raise ValueError(f"cache must be contiguous along R + r, got strides {cache.stride()}")
+    if isinstance(q_start, torch.Tensor):
+        if q_start.numel() not in (1, batch):
+            raise ValueError(f"q_start must be an int or have B={batch} entries; got shape {tuple(q_start.shape)}")
+        q_start = q_start.to(device=q.device, dtype=torch.int32).reshape(-1).expand(batch).contiguous()
+    else:
+        if q_start < 0:
+            raise ValueError(f"q_start must be >= 0, got {q_start}")
+        q_start = torch.full((batch,), int(q_start), dtype=torch.int32, device=q.device)
+    rows, key_len = query_len * heads, cache.shape[1]
+    q_rows = q.reshape(batch, rows, width)
+    if q_rows.stride(2) != 1:
+        q_rows = q_rows.contiguous()
+    if out is None:
+        out = torch.empty(batch, query_len, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (batch, query_len, heads, kv_lora_rank) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} [{batch}, {query_len}, {heads}, {kv_lora_rank}]")
+    if rows == 0 or batch == 0:
+        return out
+    out_rows = out.view(batch, rows, kv_lora_rank)
+    config = config or default_config(kv_lora_rank, rows)
+    tiles = max(1, triton.cdiv(key_len, config.block_n))
+    if num_splits is None:
+        num_splits = default_num_splits(batch, rows, key_len, config, _device_sms(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    num_splits = min(num_splits, tiles)
+    output = "direct" if num_splits == 1 else "partials"
+    if output == "direct":
+        partials = lse = out_rows  # never dereferenced
+    else:
+        partials = torch.empty(num_splits, batch, rows, kv_lora_rank, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, batch, rows, dtype=torch.float32, device=q.device)
+    cache_rows = cache[:, :, 0]  # [B, Tk, R + r]
+    grid = (triton.cdiv(rows, config.block_m), num_splits, batch)
+    compiled = _mla_split_kernel[grid](
+        q_rows, cache_rows, out_rows, partials, lse, q_start,
+        heads, rows, key_len, num_splits, tiles, float(scale) * LOG2_E,
+        q_rows.stride(0), q_rows.stride(1),
+        cache_rows.stride(0), cache_rows.stride(1),
+        out_rows.stride(0), out_rows.stride(1),
+        LATENT=kv_lora_rank, ROPE=width - kv_lora_rank, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        OUTPUT=output, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    launches.record("mla_split")
+    remember_compiled(f"mla_split R{kv_lora_rank} r{width - kv_lora_rank} {q.dtype} {output} {config}", compiled)
+    if output == "direct":
+        return out
+    block_d = min(kv_lora_rank, 128)
+    combine_rows = 16
+    compiled = _mla_combine_kernel[(triton.cdiv(rows, combine_rows), batch, kv_lora_rank // block_d)](
+        partials, lse, out_rows, rows, batch, num_splits, out_rows.stride(0), out_rows.stride(1),
+        LATENT=kv_lora_rank, BLOCK_M=combine_rows, BLOCK_D=block_d, num_warps=4,
+    )
+    launches.record("mla_combine")
+    remember_compiled(f"mla_combine R{kv_lora_rank} {q.dtype}", compiled)
+    return out
