@@ -11,6 +11,14 @@ n = tokens in the step, k = experts per token, E = routed experts, TILE_M = grou
 Host scalars only, so a decision is safe inside CUDA-graph capture. Uniform routing is the
 conservative assumption: a skewed router wakes fewer experts and fills tiles more than this
 predicts. Knows nothing about tensors, kernels or flags parsing; callers pass plain values.
+
+Group-limited routing (DeepSeek: E experts in G groups, each token's k experts from its best
+topk_group groups) predicts the same woken experts: with exchangeable expert scores a group is kept
+with probability topk_group / G and an expert of a kept group chosen with k / (topk_group * E / G),
+so each expert's per-token probability is still k / E and the formula above holds unchanged
+(tests/test_dispatch.py checks it against engine.routing on random logits). What grouping adds is
+the groups a step wakes, G * (1 - (1 - topk_group / G)^n) (`RoutingShape.woken_groups`). Shared
+experts run on every token and are not part of these counts or of the GEMV/grouped decision.
 """
 
 from __future__ import annotations
@@ -65,14 +73,65 @@ def min_tokens(k: int, n_experts: int, tile_m: int) -> int:
     return high
 
 
-def curve_row(n_tokens: int, k: int, n_experts: int, tile_m: int) -> dict:
-    return {
+def curve_row(n_tokens: int, k: int, n_experts: int, tile_m: int, routing: "RoutingShape | None" = None) -> dict:
+    row = {
         "n": n_tokens,
         "woken": woken_experts(n_tokens, k, n_experts),
         "pairs_per_woken": pairs_per_woken_expert(n_tokens, k, n_experts),
         "fill": tile_fill(n_tokens, k, n_experts, tile_m),
         "amortizes": tiles_amortize(n_tokens, k, n_experts, tile_m),
     }
+    if routing is not None and routing.grouped:
+        row["woken_groups"] = routing.woken_groups(n_tokens)
+    return row
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What the prediction knows of a model's router: k of E routed experts, optionally from the best
+    `topk_group` of `n_group` groups; `shared` experts beside them, always on (not counted)."""
+
+    k: int
+    n_experts: int
+    n_group: int = 1
+    topk_group: int = 1
+    shared: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= self.n_experts:
+            raise ValueError(f"need 1 <= k <= E, got k={self.k}, E={self.n_experts}")
+        if self.n_group < 1 or self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"need 1 <= topk_group <= n_group dividing E, got {self.topk_group} of {self.n_group} "
+                             f"groups, E={self.n_experts}")
+        if self.k > self.topk_group * (self.n_experts // self.n_group):
+            raise ValueError(f"top-{self.k} does not fit in {self.topk_group} groups of "
+                             f"{self.n_experts // self.n_group} experts")
+
+    @property
+    def grouped(self) -> bool:
+        return self.topk_group < self.n_group
+
+    def woken(self, n_tokens: int) -> float:
+        """Expected distinct routed experts: the ungrouped formula (the module docstring says why)."""
+        return woken_experts(n_tokens, self.k, self.n_experts)
+
+    def woken_groups(self, n_tokens: int) -> float:
+        """Expected distinct groups a step's tokens keep: G * (1 - (1 - topk_group / G)^n)."""
+        return woken_experts(n_tokens, self.topk_group, self.n_group)
+
+    def describe(self) -> str:
+        text = f"top-{self.k} of {self.n_experts} experts"
+        if self.grouped:
+            text += f" within the best {self.topk_group} of {self.n_group} groups of {self.n_experts // self.n_group}"
+        if self.shared:
+            text += f", + {self.shared} shared (always on, not routed)"
+        return text
+
+
+def routing_shape(config) -> RoutingShape:
+    """The RoutingShape of an engine.config.ModelConfig (duck-typed: this module imports no engine code)."""
+    shared = config.shared_experts.count if config.shared_experts is not None else 0
+    return RoutingShape(config.top_k, config.n_experts, config.n_group, config.topk_group, shared)
 
 
 # --------------------------------------------------------------------------------------------

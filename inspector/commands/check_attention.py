@@ -4,6 +4,10 @@ against the masked, causal and unmasked references (engine.compare), as a table 
 Exit 0 when the fused output sits on the masked reference (and every sink of the sweep does);
 1 when it sits elsewhere; 2 for bad options, or when the mask does not discriminate at the chosen
 sizes (the measurement could not tell honouring the mask from dropping it).
+
+`--mla`: the same check for multi-head latent attention (engine.compare_mla): the absorbed kernel over
+the latent cache against the decompressed references (causal, unmasked, without the RoPE key); exit 0
+when it sits on the causal one.
 """
 
 from __future__ import annotations
@@ -36,13 +40,32 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                         help="working dtype (default bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    mla = parser.add_argument_group("latent attention (--mla)")
+    mla.add_argument("--mla", action="store_true",
+                     help="check the absorbed MLA kernel over the latent cache against the decompressed reference")
+    mla.add_argument("--kv-lora-rank", type=int, default=None, help="latent rank R (default 64 cpu / 512 cuda)")
+    mla.add_argument("--rope-dim", type=int, default=None, help="RoPE key dims r (default 16 cpu / 64 cuda)")
+    mla.add_argument("--nope-dim", type=int, default=None, help="per-head no-RoPE q/k dims (default 32 cpu / 128 cuda)")
+    mla.add_argument("--v-dim", type=int, default=None, help="per-head value dims (default 32 cpu / 128 cuda)")
     parser.set_defaults(run=run)
+
+
+MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")
+SINKS_ONLY = ("head_dim", "kv_heads", "window", "block", "pad")
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.compare import DEFAULTS, check_attention, resolve_device  # torch only when run
+    from engine.errors import UserError
 
     device = resolve_device(getattr(args, "device", "auto"))
+    given = [name for name in (SINKS_ONLY if args.mla else MLA_ONLY) if getattr(args, name) is not None]
+    if given:
+        option = "--" + given[0].replace("_", "-")
+        raise UserError(f"{option} is an option of the {'sinks' if args.mla else 'latent (--mla)'} check: "
+                        + ("drop it, or drop --mla" if args.mla else "add --mla, or drop it"))
+    if args.mla:
+        return _run_mla(args, device)
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
         for name, default in DEFAULTS[device].items()
@@ -61,6 +84,47 @@ def run(args: argparse.Namespace) -> int:
     if result["ok"]:
         return 0
     return 2 if not result["discrimination"]["fires"] else 1
+
+
+def _run_mla(args: argparse.Namespace, device: str) -> int:
+    from engine.compare_mla import DEFAULTS, check_mla
+
+    options = {name: getattr(args, name) if getattr(args, name) is not None else default
+               for name, default in DEFAULTS[device].items()}
+    result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
+                       seed=getattr(args, "seed", 0))
+    print(json.dumps(_json_safe(result), indent=2) if args.json else format_mla_result(result))
+    if result["ok"]:
+        return 0
+    return 2 if not result["discrimination"]["fires"] else 1
+
+
+def format_mla_result(result: dict) -> str:
+    config, control, discrimination = result["config"], result["control"], result["discrimination"]
+    cache = result["cache_bytes_per_token"]
+    lines = [
+        f"check-attention --mla  seq {config['seq_len']}  heads {config['heads']}  latent {config['kv_lora_rank']} + "
+        f"rope {config['rope_dim']}  nope {config['nope_dim']}  v {config['v_dim']}  {config['dtype']}  "
+        f"{config['device']}  mode {config['mode']}  seed {config['seed']}",
+        f"kernel: {config['kernel']}; cache per token per layer: {cache['latent']} B latent against "
+        f"{cache['decompressed']} B decompressed",
+        "",
+        f"control: 1 {config['dtype']} ULP of the causal reference output = {control:.3g} (relative)",
+        f"discrimination: |causal - unmasked| / |causal| = {discrimination['causal_vs_unmasked']:.3g} = "
+        f"{discrimination['ratio']:.3g}x control (needs > {discrimination['threshold']:g}x): "
+        + ("fires" if discrimination["fires"] else "DOES NOT FIRE"),
+        "",
+        f"{'fused vs reference':<24}{'relative error':>16}{'x control':>12}",
+    ]
+    for name, error in result["errors"].items():
+        marker = "  <- sits here" if name == result["verdict"] else ""
+        lines.append(f"  {name:<22}{error:>16.3g}{error / control if control > 0 else 0.0:>11.3g}x{marker}")
+    worst = result["worst"]
+    lines += ["", f"worst row: query {worst['query']} head {worst['head']} (row error {worst['row_error']:.3g} of the "
+                  f"RMS row norm)",
+              "launches: " + (", ".join(f"{name} x{count}" for name, count in result["launches"].items()) or "none"),
+              "", f"verdict: {result['verdict']}", result["sentence"]]
+    return "\n".join(lines)
 
 
 def _json_safe(value):

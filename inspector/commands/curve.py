@@ -1,4 +1,5 @@
-"""`moe-inspector curve`: the uniform-routing tile-fill curve and the exact amortization point."""
+"""`moe-inspector curve`: the uniform-routing tile-fill curve and the exact amortization point, for a
+routing shape given by hand or read from a model (`--model`: a preset or a checkpoint's config.json)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,57 @@ DEFAULT_TOKENS = "1,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("curve", help="pairs per woken expert and m-tile fill against tokens")
-    parser.add_argument("--k", type=int, default=6, help="experts per token (default 6)")
-    parser.add_argument("--experts", type=int, default=256, help="routed experts E (default 256)")
+    parser.add_argument("--k", type=int, default=None, help="experts per token (default 6, or the model's)")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts E (default 256, or the model's)")
+    parser.add_argument("--model", default=None,
+                        help="read k, E and the expert groups from a preset or a checkpoint directory's config.json")
     parser.add_argument("--tile-m", type=int, default=16, help="grouped-GEMM m-tile rows (default 16)")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"token counts (default {DEFAULT_TOKENS})")
     add_json_argument(parser)
     parser.set_defaults(run=run)
 
 
-def curve(k: int, experts: int, tile_m: int, tokens: list[int]) -> dict:
-    if experts < 1 or not 1 <= k <= experts:
-        raise UserError(f"--k {k} --experts {experts}: need 1 <= k <= experts")
+def routing_from(model: str | None, k: int | None, experts: int | None) -> tuple[dispatch.RoutingShape, str | None]:
+    """The routing shape to draw and the model it came from (None: by hand, 6 of 256 by default)."""
+    if model is None:
+        k, experts = 6 if k is None else k, 256 if experts is None else experts
+        if experts < 1 or not 1 <= k <= experts:
+            raise UserError(f"--k {k} --experts {experts}: need 1 <= k <= experts")
+        return dispatch.RoutingShape(k, experts), None
+    if k is not None or experts is not None:
+        raise UserError("--model reads k and E from the model: give --model or --k/--experts, not both")
+    from engine.config import config_for  # a directory's config.json goes through engine.hf_loader (torch)
+
+    config = config_for(model)
+    return dispatch.routing_shape(config), config.name
+
+
+def curve(k: int | None, experts: int | None, tile_m: int, tokens: list[int], model: str | None = None) -> dict:
+    routing, name = routing_from(model, k, experts)
     if tile_m < 1:
         raise UserError(f"--tile-m {tile_m}: must be >= 1")
-    return {"k": k, "experts": experts, "tile_m": tile_m, "min_tokens": dispatch.min_tokens(k, experts, tile_m),
-            "rows": [dispatch.curve_row(n, k, experts, tile_m) for n in tokens]}
+    result = {"k": routing.k, "experts": routing.n_experts, "tile_m": tile_m,
+              "min_tokens": dispatch.min_tokens(routing.k, routing.n_experts, tile_m),
+              "rows": [dispatch.curve_row(n, routing.k, routing.n_experts, tile_m, routing) for n in tokens]}
+    if name is not None:
+        result.update(model=name, routing=routing.describe(), n_group=routing.n_group, topk_group=routing.topk_group,
+                      shared_experts=routing.shared)
+    return result
 
 
 def run(args) -> int:
-    result = curve(args.k, args.experts, args.tile_m, positive_int_list(args.tokens, "--tokens"))
+    result = curve(args.k, args.experts, args.tile_m, positive_int_list(args.tokens, "--tokens"), args.model)
     if args.json:
         print_json(result)
         return 0
-    print(f"top-{result['k']} of {result['experts']} experts, TILE_M={result['tile_m']}: "
-          f"m-tiles amortize from {result['min_tokens']} tokens (uniform routing)")
-    print(f"{'n':>7} {'woken':>9} {'pairs/woken':>12} {'fill':>8}  amortizes")
+    grouped = any("woken_groups" in row for row in result["rows"])
+    shape = result.get("routing", f"top-{result['k']} of {result['experts']} experts")
+    print((f"{result['model']}: " if "model" in result else "") + f"{shape}, TILE_M={result['tile_m']}: "
+          f"m-tiles amortize from {result['min_tokens']} tokens (uniform routing"
+          + ("; group-limited routing wakes the same experts on average" if grouped else "") + ")")
+    print(f"{'n':>7} {'woken':>9} {'pairs/woken':>12} {'fill':>8}  amortizes" + ("  groups" if grouped else ""))
     for row in result["rows"]:
         print(f"{row['n']:>7} {row['woken']:>9.1f} {row['pairs_per_woken']:>12.2f} {100 * row['fill']:>7.1f}%  "
-              f"{'yes' if row['amortizes'] else 'no'}")
+              + (f"{'yes' if row['amortizes'] else 'no':<9}  {row['woken_groups']:.1f}" if grouped
+                 else ('yes' if row['amortizes'] else 'no')))
     return 0

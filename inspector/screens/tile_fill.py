@@ -154,7 +154,7 @@ class TileFillScreen(Screen):
 
     def _summary(self) -> str:
         points = len(self.observations)
-        return (f"top-{self.k} of {self.experts} experts, TILE_M={self.tile_m}: m-tiles amortize "
+        return (f"{dispatch.routing_shape(self.engine.config).describe()}, TILE_M={self.tile_m}: m-tiles amortize "
                 f"(pairs per woken expert ≥ TILE_M) from n={self.min_tokens} tokens under uniform routing. "
                 f"{self.boundary_reason}. "
                 + (f"{points} observed (n, pairs per woken expert) points from the last run."

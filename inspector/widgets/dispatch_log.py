@@ -2,8 +2,8 @@
 
 MoE lines: step, phase, n tokens, layer, decided→executed arm and variant, woken experts
 predicted/observed, pairs per woken expert predicted/observed, m-tile fill, µs (when timed),
-reason. Attention lines: decided→executed arm, the layer's mask → the mask applied, µs, reason
-(a fused arm that declined says so). The full reason of the newest line of each kind is shown
+reason. Attention lines: decided→executed arm, the layer's mask → the mask applied (latent attention:
+its cache bytes per token against the decompressed cache's), µs, reason (a fused arm that declined says so). The full reason of the newest line of each kind is shown
 under the log, since reasons are longer than a line.
 
 A RichLog, not a DataTable: lines are rendered once when written, so a streaming run costs the
@@ -25,14 +25,14 @@ from textual.widgets import RichLog, Select, Static
 from engine.dispatch import MOE_ARMS
 from inspector.events import A, B
 
-ATTENTION_ARMS = ("fused", "unfused")
+ATTENTION_ARMS = ("fused", "unfused", "mla_fused", "mla_reference")
 PHASES = ("prefill", "decode", "mixed")
 # (title, width, align) — the reason follows, unpadded.
 COLUMNS = (("", 1, "<"), ("step", 5, ">"), ("phase", 7, "<"), ("n", 5, ">"), ("L", 2, "<"),
            ("arm decided→executed", 22, "<"), ("woken p/o pairs/woken p/o fill | attn mask", 42, "<"),
            ("µs", 8, ">"))
 ARM_STYLE = {"gemv": "cyan", "grouped": "magenta", "torch_grouped_mm": "blue", "reference": "yellow",
-             "fused": "green", "unfused": "yellow"}
+             "fused": "green", "unfused": "yellow", "mla_fused": "green", "mla_reference": "yellow"}
 
 
 def _cell(value: str, width: int, align: str) -> str:
@@ -71,7 +71,10 @@ class LogEntry:
             return (f"{r['woken_predicted']:.1f}/{'-' if observed is None else observed}".ljust(10)
                     + f"{r['pairs_per_woken']:.2f}/{'-' if pairs_observed is None else f'{pairs_observed:.2f}'}".ljust(17)
                     + f"{100 * r['fill']:.1f}%")
-        return "mask " + (r["mask"] if r["mask"] == r["applied_mask"] else f"{r['mask']} → {r['applied_mask']}")
+        mask = "mask " + (r["mask"] if r["mask"] == r["applied_mask"] else f"{r['mask']} → {r['applied_mask']}")
+        if "kv_cache_bytes_per_token" in r:  # latent attention: its cache against the decompressed one, per layer
+            mask += f" · KV {r['kv_cache_bytes_per_token']}/{r['naive_kv_cache_bytes_per_token']} B/tok"
+        return mask
 
     def reason(self) -> str:
         r = self.record
