@@ -1,0 +1,188 @@
+"""kernels.attention_mla (the absorbed MLA walk over the latent cache) against its torch reference, the
+two MLA arms against each other, and the arm decision. CPU tests run the kernel under the Triton
+interpreter in fp32 and fp16 (its bf16 tl.dot is wrong); `-m gpu` runs bf16 on CUDA at DeepSeek's shape,
+odd sizes and under CUDA-graph capture. Fresh random inputs for every check, outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import attention_dispatch
+from kernels.reference import mla_decompressed_reference, mla_latent_reference
+
+triton = pytest.importorskip("triton")
+from kernels import attention_mla  # noqa: E402
+from kernels.attention_mla import MlaConfig, default_num_splits, mla_decode  # noqa: E402
+
+# Relative max error against the float32 reference of the same (rounded) inputs. fp32: the walk's exp2 and
+# tile-wise rescaling round differently from torch's softmax, a few ULPs; fp16: the probabilities and the
+# output are rounded once each (2^-11 relative), summed over R columns; bf16 the same at 2^-8.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(batch, query_len, heads, rank, rope, keys, dtype, device="cpu", seed=0):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, query_len, heads, rank + rope, generator=generator, device=device).to(dtype)
+    cache = torch.randn(batch, keys, 1, rank + rope, generator=generator, device=device).to(dtype)
+    return q, cache
+
+
+def _relative(ours, theirs) -> float:
+    return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+
+
+CASES = [
+    # (B, Tq, Hq, R, r, Tk, q_start, splits): the edge each covers
+    (1, 1, 1, 16, 16, 1, 0, None),  # one head, one key: the smallest shape
+    (2, 1, 3, 64, 16, 37, [36, 11], None),  # decode, odd heads and keys, ragged rows (row 1 sees 12 of 37)
+    (3, 1, 5, 32, 32, 70, [69, 0, 40], 3),  # a row that sees only key 0; three splits, one of them empty for it
+    (1, 5, 4, 64, 16, 23, 10, 2),  # a chunk of 5 queries at positions 10..14 (rows of different bounds)
+    (2, 7, 3, 32, 16, 7, 0, 4),  # a prefill from 0 (causal), 21 rows over two 16-row blocks, 4 splits of 1 tile
+    (1, 1, 17, 128, 64, 129, 128, None),  # 17 heads: one row past a 16-row block; the DeepSeek RoPE width
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}T{c[1]}H{c[2]}R{c[3]}r{c[4]}K{c[5]}" for c in CASES])
+def test_kernel_matches_the_reference_under_the_interpreter(case, dtype):
+    batch, query_len, heads, rank, rope, keys, start, splits = case
+    q, cache = _inputs(batch, query_len, heads, rank, rope, keys, dtype, seed=sum(case[:6]))
+    q_start = torch.tensor(start) if isinstance(start, list) else start
+    out = torch.full((batch, query_len, heads, rank), float("nan"), dtype=dtype)  # poisoned
+    mla_decode(q, cache, rank, 0.17, q_start, out=out, num_splits=splits)
+    expected = mla_latent_reference(q.float(), cache.float(), rank, 0.17, q_start)
+    assert torch.isfinite(out).all()
+    assert _relative(out, expected) <= TOLERANCE[dtype]
+
+
+def test_strided_cache_views_and_block_configs():
+    """A cache row read through a view (every other batch row of a larger cache, keys up to a length), and
+    each block shape the benchmark sweeps: the same output."""
+    q, _ = _inputs(2, 1, 6, 64, 16, 1, torch.float32, seed=5)
+    big = torch.randn(4, 50, 1, 80)
+    cache = big[::2, :41]  # [2, 41, 1, 80], batch stride 2 x 50 x 80
+    expected = mla_latent_reference(q, cache, 64, 0.2, 40)
+    for config in (None, MlaConfig(16, 16, 4, 1), MlaConfig(32, 64, 4, 2)):
+        assert _relative(mla_decode(q, cache, 64, 0.2, 40, config=config), expected) <= TOLERANCE[torch.float32]
+
+
+def test_the_absorbed_arm_equals_the_decompressed_reference():
+    """The identity the fused arm rests on: (q W_UK) . c = q . (c W_UK^T), and P c W_UV^T = P (c W_UV^T)."""
+    from engine.config import LatentAttention, LayerMask, ModelConfig
+    from engine.arms import ARMS
+
+    heads, nope, rope, rank, v = 3, 24, 16, 32, 20
+    config = ModelConfig(name="mla", n_layers=1, hidden=16, intermediate=8, n_experts=4, top_k=2, n_heads=heads,
+                         n_kv_heads=heads, head_dim=nope + rope, vocab_size=8, max_seq_len=64,
+                         layer_masks=(LayerMask("causal"),), sinks=False,
+                         latent_attention=LatentAttention(rank, nope, rope, v, softmax_scale=0.15))
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 3, heads, nope + rope, generator=generator)
+    cache = torch.randn(2, 29, 1, rank + rope, generator=generator)
+    kv_b = torch.randn(heads * (nope + v), rank, generator=generator) / rank ** 0.5
+    starts = torch.tensor([26, 4])
+    fused = ARMS["mla_fused"].launch(config, q, cache, kv_b, starts)  # the interpreter here
+    reference = ARMS["mla_reference"].launch(config, q, cache, kv_b, starts)
+    assert fused.shape == reference.shape == (2, 3, heads, v)
+    assert _relative(fused, reference) <= TOLERANCE[torch.float32]
+    w_uk = kv_b.view(heads, nope + v, rank)[:, :nope]
+    w_uv = kv_b.view(heads, nope + v, rank)[:, nope:]
+    assert torch.equal(reference, mla_decompressed_reference(q, cache, w_uk, w_uv, 0.15, starts))
+
+
+def test_bad_arguments_name_the_problem():
+    q, cache = _inputs(1, 1, 2, 32, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="kv_lora_rank 24 is not a power of two"):
+        mla_decode(q[..., :40], cache[..., :40], 24, 0.1)
+    with pytest.raises(ValueError, match="cache must be"):
+        mla_decode(q, cache[:, :, :, :40], 32, 0.1)
+    with pytest.raises(ValueError, match="share a dtype"):
+        mla_decode(q, cache.half(), 32, 0.1)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q, cache, 32, 0.1, num_splits=0)
+
+
+def test_the_dispatch_copy_of_the_kernels_shape_bounds_agrees():
+    assert (attention_dispatch.MLA_MIN_DIM, attention_dispatch.MLA_MAX_LATENT, attention_dispatch.MLA_MAX_ROPE) == \
+        (attention_mla.MIN_DIM, attention_mla.MAX_LATENT, attention_mla.MAX_ROPE)
+    for rank, rope in [(512, 64), (16, 16), (24, 16), (1024, 64), (512, 8), (512, 256), (256, 48)]:
+        assert bool(attention_dispatch.mla_kernel_declines(rank, rope)) == bool(attention_mla.supports(rank, rope))
+
+
+def test_decisions_of_latent_layers():
+    fused = attention_dispatch.decide_latent_attention(512, 64, flash_512=True)
+    assert (fused.arm, fused.declined) == ("mla_fused", False) and "512 + 64" in fused.reason
+    off = attention_dispatch.decide_latent_attention(512, 64, flash_512=False)
+    assert (off.arm, off.declined) == ("mla_reference", False) and "flash_512=off" in off.reason
+    declined = attention_dispatch.decide_latent_attention(384, 64, flash_512=True)
+    assert (declined.arm, declined.declined) == ("mla_reference", True) and "kv_lora_rank 384" in declined.reason
+
+
+def test_split_count_fills_one_wave_of_the_h200():
+    """Host-side, shapes only (graph-safe). The bench's shape: 64 rows x 128 heads in 64-row blocks is 128
+    programs already: one split. Batch 1 at V2-Lite's 16 heads: the walk is split over the SMs."""
+    config = attention_mla.default_config(512, 128)
+    assert (config.block_m, config.block_n, config.num_warps) == (64, 32, 8)
+    assert default_num_splits(64, 128, 8192, config, sms=132) == 1
+    small = attention_mla.default_config(512, 16)
+    assert small.block_m == 16 and small.num_warps == 4
+    assert default_num_splits(1, 16, 4096, small, sms=132) == 32  # 128 tiles / 4 per split
+    assert default_num_splits(1, 16, 160, small, sms=132) == 1  # 5 tiles: one split, no combine launch
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    (64, 1, 128, 512, 64, 4096, None),  # the benchmark's shape (one split)
+    (1, 1, 16, 512, 64, 4099, None),  # V2-Lite decode at batch 1: a split walk, an odd key count
+    (3, 1, 128, 512, 64, 1001, [1000, 3, 517]),  # ragged rows, one seeing 4 keys
+    (2, 37, 16, 512, 64, 300, [263, 0]),  # a 37-query chunk (592 rows) at two offsets
+    (5, 1, 20, 256, 32, 77, None),  # a smaller latent, 20 heads (odd block fill)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"B{c[0]}T{c[1]}H{c[2]}R{c[3]}K{c[5]}" for c in GPU_CASES])
+def test_gpu_kernel_matches_the_reference_in_bf16(case):
+    batch, query_len, heads, rank, rope, keys, start = case
+    q, cache = _inputs(batch, query_len, heads, rank, rope, keys, torch.bfloat16, "cuda", seed=keys)
+    q_start = keys - 1 if start is None else torch.tensor(start, device="cuda")
+    out = torch.full((batch, query_len, heads, rank), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_decode(q, cache, rank, 192 ** -0.5, q_start, out=out)
+    expected = mla_latent_reference(q.float(), cache.float(), rank, 192 ** -0.5, q_start)
+    assert torch.isfinite(out).all()
+    assert _relative(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_replays_under_a_cuda_graph():
+    """Captured once, replayed with new cache contents and positions: the replay's outputs follow."""
+    q, cache = _inputs(2, 1, 128, 512, 64, 2048, torch.bfloat16, "cuda", seed=1)
+    q_start = torch.tensor([2047, 900], device="cuda", dtype=torch.int32)
+    out = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode(q, cache, 512, 0.07, q_start, out=out)  # warm-up: compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(q, cache, 512, 0.07, q_start, out=out)
+    fresh_q, fresh_cache = _inputs(2, 1, 128, 512, 64, 2048, torch.bfloat16, "cuda", seed=2)
+    q.copy_(fresh_q), cache.copy_(fresh_cache), q_start.copy_(torch.tensor([1500, 12], device="cuda"))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = mla_latent_reference(q.float(), cache.float(), 512, 0.07, q_start)
+    assert _relative(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_check_attention_mla_sits_on_the_causal_reference():
+    from engine.compare_mla import DEFAULTS, check_mla
+
+    honor = check_mla(**DEFAULTS["cuda"], device="cuda")
+    assert honor["ok"] and honor["verdict"] == "causal", honor["sentence"]
+    drop = check_mla(**DEFAULTS["cuda"], mode="drop", device="cuda")
+    assert drop["verdict"] == "unmasked" and not drop["ok"], drop["sentence"]
