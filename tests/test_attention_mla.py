@@ -186,3 +186,26 @@ def test_gpu_check_attention_mla_sits_on_the_causal_reference():
     assert honor["ok"] and honor["verdict"] == "causal", honor["sentence"]
     drop = check_mla(**DEFAULTS["cuda"], mode="drop", device="cuda")
     assert drop["verdict"] == "unmasked" and not drop["ok"], drop["sentence"]
+
+
+def test_mla_bench_runs_every_path_on_a_cpu_stub(monkeypatch):
+    """bench/mla_bench.py's rows at a small shape on the interpreter with a stub timer (one call, a fixed
+    1 us: no timing meaning), so a GPU run cannot die on a typo; the sweep keeps a failing config as a row."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("mla_bench", Path(__file__).parents[1] / "bench" / "mla_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SWEEP", [(16, 16, 4, 1), (16, 8, 4, 1)])  # block_n 8: refused by MlaConfig
+
+    def stub_timer(fn, calls):
+        fn()
+        return 1.0
+
+    row = bench.bench_cache(2, 4, 40, True, stub_timer, {"flops_per_s": 1e12}, device="cpu", latent=64, rope=16)
+    assert row["kernel"]["error"] <= TOLERANCE[torch.float32] and row["ratio_to_bytes_bound"] > 0
+    assert row["cache_bytes"] == 2 * 40 * 80 * 4 and "us" in row["arm"] and "kernel_speedup" in row["sdpa"]
+    assert [("us" in entry, "failed" in entry) for entry in row["sweep"]] == [(True, False)] * 3 + [(False, True)] * 3
+    table = bench.format_rows([row], {"flops_per_s": 1e12})
+    assert "<= 1.2x bytes" in table and "FAILED ValueError: block_n must be a power of two" in table

@@ -480,3 +480,21 @@ def test_gpu_bf16_error_is_at_most_twice_transformers_own(family, built):
             own = _relative_error(theirs[step], reference[step])
             ours_error = _relative_error(ours, reference[step])
             assert ours_error <= 2 * own + 1e-3, f"{family} step {step}: {ours_error:.3e} vs transformers {own:.3e}"
+
+
+def test_the_v2_lite_bench_config_is_the_released_shape():
+    """bench/configs/deepseek-v2-lite/config.json (the `tg128 @ b1` row's model, weights drawn on the GPU):
+    27 layers, 64 routed + 2 shared experts, top-6, latent attention 512 + 64; 15.7 B parameters, 2.45 B
+    active per token (4.9 GB in bf16: the bound engine.bench divides by the copy bandwidth)."""
+    from pathlib import Path
+
+    from engine.bench import active_weight_bytes
+    from engine.config import config_for
+    from engine.model import tensor_shapes
+
+    config = config_for(str(Path(__file__).parents[1] / "bench" / "configs" / "deepseek-v2-lite"))
+    assert (config.n_layers, config.n_experts, config.top_k, config.shared_experts.count) == (27, 64, 6, 2)
+    assert (config.latent_attention.kv_lora_rank, config.latent_attention.qk_rope_head_dim) == (512, 64)
+    assert config.latent_attention.q_lora_rank is None and config.dense_layers == (0,)
+    assert sum(math.prod(shape) for shape in tensor_shapes(config).values()) == pytest.approx(15.7e9, rel=0.01)
+    assert active_weight_bytes(config, 2)["total"] == pytest.approx(4.90e9, rel=0.01)

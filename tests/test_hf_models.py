@@ -425,14 +425,6 @@ def test_missing_shard_tensor_exits_2(built, tmp_path, capsys):
     assert code == 2 and shard in err and "missing" in err
 
 
-def test_unsupported_mla_architecture_exits_2_naming_it(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
-        "kv_lora_rank": 32, "q_lora_rank": 48, "n_routed_experts": 8, "num_experts_per_tok": 2}))
-    code, err = _run_cli(tmp_path, capsys)
-    assert code == 2 and "config.json" in err and "DeepseekV3ForCausalLM" in err and "kv_lora_rank" in err
-
-
 def test_dense_model_and_missing_files_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
     code, err = _run_cli(tmp_path, capsys)
