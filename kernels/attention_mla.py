@@ -287,7 +287,7 @@ def mla_decode(
         OUTPUT=output, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    launches.record("mla_split")
+    launches.record("mla_split", kernel=_mla_split_kernel)
     remember_compiled(f"mla_split R{kv_lora_rank} r{width - kv_lora_rank} {q.dtype} {output} {config}", compiled)
     if output == "direct":
         return out
@@ -297,6 +297,6 @@ def mla_decode(
         partials, lse, out_rows, rows, batch, num_splits, out_rows.stride(0), out_rows.stride(1),
         LATENT=kv_lora_rank, BLOCK_M=combine_rows, BLOCK_D=block_d, num_warps=4,
     )
-    launches.record("mla_combine")
+    launches.record("mla_combine", kernel=_mla_combine_kernel)
     remember_compiled(f"mla_combine R{kv_lora_rank} {q.dtype}", compiled)
     return out
