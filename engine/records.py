@@ -35,6 +35,10 @@ class MoeRecord(TypedDict, total=False):
     us_method: str | None
     arm_kernels: list[str]  # the device kernels the arm launched, in order (a GPU's; [] on a CPU)
     graph: str  # "replay" on a replayed step's copy of its capture's record
+    # only for the families that have them (engine.routing.record_fields):
+    routing: str  # a group-limited router, in words
+    shared_experts: str  # the shared experts: always on, outside the arm's decision and timing
+    forward: str  # why the step ran engine.model's torch forward, not engine.decode_fused's glue
 
 
 class AttentionRecord(TypedDict, total=False):
@@ -54,6 +58,11 @@ class AttentionRecord(TypedDict, total=False):
     us_method: str | None
     arm_kernels: list[str]
     graph: str
+    # latent attention (MLA) layers only:
+    attention: str  # "latent"
+    kv_cache_bytes_per_token: int  # the latent cache's bytes per token per layer (R + r values)
+    naive_kv_cache_bytes_per_token: int  # K and V decompressed per head: Hq * (n + r + v) values
+    forward: str  # as MoeRecord's
 
 
 class RowRecord(TypedDict):

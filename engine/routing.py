@@ -69,10 +69,8 @@ def record_fields(config) -> dict:
     if config.shared_experts is not None:
         fields["shared_experts"] = (f"{config.shared_experts.describe()}: always on, every token; torch dense "
                                     f"SwiGLU added after the routed arm, outside the GEMV/grouped decision")
-    missing = [name for name, present in (("latent attention", config.latent_attention is not None),
-                                          ("shared experts", config.shared_experts is not None),
-                                          ("dense layers", bool(config.dense_layers))) if present]
-    if missing:
-        fields["forward"] = (f"torch forward: engine.decode_fused's decode glue has no {', '.join(missing)} yet "
-                             f"(the arms are still the dispatcher's)")
+    if config.latent_attention is not None or config.shared_experts is not None or config.dense_layers:
+        from engine.decode_fused import ineligible
+
+        fields["forward"] = f"torch forward: engine.decode_fused's decode glue lacks {ineligible(config)}"
     return fields

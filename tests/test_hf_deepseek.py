@@ -277,7 +277,7 @@ def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):
     assert record["kv_cache_bytes_per_token"] == (32 + 16) * 4  # float32 on the CPU
     assert record["naive_kv_cache_bytes_per_token"] == 4 * (16 + 16 + 12) * 4
     assert "cannot run on cpu" in record["execution_note"]
-    assert "decode glue has no latent attention, shared experts, dense layers" in record["forward"]
+    assert "latent attention, shared experts, dense layers" in record["forward"] and "YaRN" in record["forward"]
     assert moe[0]["forward"] == record["forward"]
     off = engine.generate("latent attention", 1, flags.resolve(["flash_512=off"], environ={}), timed=False)
     assert off.steps[0]["attention"][0]["decided_arm"] == "mla_reference"
