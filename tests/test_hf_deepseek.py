@@ -263,6 +263,9 @@ def test_loaded_configs_carry_each_familys_features(built):
     assert (v2_grouped.router, v2_grouped.routed_scaling_factor) == ("softmax_group_topk", 1.5)
     assert qwen.qkv_bias and not qwen.attention_bias and qwen.shared_experts.gated and qwen.dense_layers == (1,)
     assert "layers.0.bo" not in built["qwen2-moe"][3].weights
+    from engine.decode_fused import ineligible  # the fused decode glue computes none of these: each says why
+
+    assert "shared experts" in ineligible(qwen) and "latent attention" in ineligible(v3_plain)
 
 
 def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):
