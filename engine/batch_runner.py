@@ -89,7 +89,6 @@ Knows nothing of scheduling policy, clocks beyond the step's own, or benchmarks.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -99,6 +98,7 @@ import torch
 
 from engine import graphs as graph_capture
 from engine.decode_fused import StepOutputs
+from engine.flags import from_environment
 from engine.graphs import DecodeGraph
 from engine.model import KVCache, StepLayout, forward
 from engine.scheduler import DECODE, Batch
@@ -111,8 +111,9 @@ _perf_counter = time.perf_counter  # the host path's clock, one global lookup pe
 
 
 def run_ahead_default() -> bool:
-    """Run-ahead unless MOEI_RUN_AHEAD=0 (the benchmark's A/B); a runner may still be told either way."""
-    return os.environ.get("MOEI_RUN_AHEAD", "1") != "0"
+    """The flag run_ahead where no run's flags are at hand (its default, or MOEI_RUN_AHEAD through the
+    registry); a runner may still be told either way."""
+    return from_environment()["run_ahead"]
 
 @dataclass(slots=True)
 class StepTiming:

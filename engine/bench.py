@@ -586,7 +586,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     rows, profiled = [], []
     for spec in specs:
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
-        runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs)
+        runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs, run_ahead=flags["run_ahead"])
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
         tokens_crc = 0
         run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
@@ -624,7 +624,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
     del profiled
     targets = _targets(engine, rows)
     return Report(engine.config.name, engine.device_label, rows,
-                  footer(engine, flags, graphs_note(engine, graphs), weights_note), targets)
+                  footer(engine, flags, graphs_note(engine, graphs, flags), weights_note), targets)
 
 
 def _run_once(engine, flags, spec: RowSpec, runner, token_budget, clock, repetition: int):
@@ -665,7 +665,7 @@ def profile_note(note: str, device: torch.device) -> str:
     note = f"{note} of one extra repetition under torch.profiler (not in the timings)"
     if pdl.enabled(device):
         note += ("; programmatic dependent launch on: a kernel launches while the one before it runs and its time "
-                 "includes that wait, so the times overlap and add up to more than the step (MOEI_PDL=0: without)")
+                 "includes that wait, so the times overlap and add up to more than the step (pdl=off: without)")
     return note
 
 
@@ -700,30 +700,32 @@ def _targets(engine, rows: list[Row]) -> dict:
     return targets
 
 
-def graphs_note(engine, graphs: bool | None) -> str:
+def graphs_note(engine, graphs: bool | None, flags=None) -> str:
+    """How the decode steps launched, in words, as `flags` (None: the registry's defaults and environment) decide."""
     if engine.device.type != "cuda":
         return "off (CPU: no CUDA graphs)"
     if graphs is False:
         return "off (--graphs off)"
-    from engine.batch_runner import run_ahead_default
+    from engine.flags import from_environment, launch_settings
     from kernels import pdl
 
-    run_ahead = run_ahead_default()
+    flags = flags if flags is not None else from_environment()
+    launch = launch_settings(flags)
     return ("on for decode steps" + ("; run-ahead on: a steady cohort's next replay launches before the step's "
-                                      "sync, two in flight (MOEI_RUN_AHEAD=0 turns it off)" if run_ahead
+                                      "sync, two in flight (run_ahead=off turns it off)" if flags["run_ahead"]
                                       else "; run-ahead off")
-            + ("; programmatic dependent launch on (MOEI_PDL=0 turns it off)" if pdl.enabled(engine.device)
+            + ("; programmatic dependent launch on (pdl=off turns it off)" if pdl.enabled(engine.device, launch)
                else "")
-            + (f"; {_preloading(engine.device)} load their first weight tile before that wait (MOEI_PDL_PRELOAD=0 "
-               "turns it off)" if pdl.preload(engine.device) else ""))
+            + (f"; {_preloading(engine.device, launch)} load their first weight tile before that wait (pdl_preload=off "
+               "turns it off)" if pdl.preload(engine.device, launch=launch) else ""))
 
 
-def _preloading(device) -> str:
+def _preloading(device, launch) -> str:
     """Which kernels preload under PDL (kernels.pdl.preload), in words."""
     from kernels import pdl
 
     names = {"gemv": "the dense GEMVs", "down": "MoE down", "fused": "the router's and the LM head's fused GEMVs"}
-    chosen = [names[kernel] for kernel in pdl.PRELOADERS if pdl.preload(device, kernel)]
+    chosen = [names[kernel] for kernel in pdl.PRELOADERS if pdl.preload(device, kernel, launch)]
     return ", ".join(chosen[:-1]) + (" and " if len(chosen) > 1 else "") + chosen[-1]
 
 

@@ -62,7 +62,6 @@ experts, dense layers): the other families keep the torch forward. Knows nothing
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -110,12 +109,6 @@ class StepOutputs:
     carry: tuple[torch.Tensor, torch.Tensor] | None = None
     carried: tuple[torch.Tensor, torch.Tensor] | None = None
     carried_out: bool = False
-
-
-def carry_default() -> bool:
-    """Whether a graph of several steps carries each step's first norm from the step before (StepOutputs.carry):
-    unless MOEI_CARRY_NORM=0 (the benchmark's A/B)."""
-    return os.environ.get("MOEI_CARRY_NORM", "1") != "0"
 
 
 def carried_launches(launched: dict[str, int], carried_in: bool, carried_out: bool) -> dict[str, int]:

@@ -18,10 +18,10 @@ from engine import calibration, dispatch, mla, routing
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import MLA_REFERENCE, UNFUSED, decide_attention, decide_layer_attention
 from engine.devices import device_label
-from engine.flags import ResolvedFlags
+from engine.flags import ResolvedFlags, launch_settings
 from engine.records import AttentionRecord, MoeRecord
 from engine.trace import layer_range_name, nvtx
-from kernels import launches
+from kernels import launches, settings as kernel_settings
 from kernels.reference import MaskSpec
 
 log = logging.getLogger("moe_inspector.engine")
@@ -71,6 +71,7 @@ class Dispatcher:
 
     def __init__(self, engine, flags: ResolvedFlags, timed: bool, keep_logits: bool = False) -> None:
         self.engine, self.flags, self.timed = engine, flags, timed
+        kernel_settings.apply(launch_settings(flags))  # the kernels launch as this run's flags say
         # Whether the run keeps each step's logits (compare, the TUI's side-by-side error): the runner copies
         # them to the host at the step's sync (graphs copy them out themselves), else they never leave the device.
         self.keep_logits = keep_logits

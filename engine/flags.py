@@ -1,9 +1,17 @@
-"""Dispatch flags: specs, validation, and the precedence rule.
+"""Every switch of a run: specs, validation, and the precedence rule.
 
 Precedence: command line > session > environment (`MOEI_<FLAG>`) > default. A bad value on the
 command line or in a session is a `UserError` naming the flag and its allowed values; a bad
 environment value warns and keeps the default. Every run records the resolved value and where
-it came from. Knows nothing of argparse or TOML: callers pass strings or plain values.
+it came from (results headers, bench footers, reports). Knows nothing of argparse or TOML:
+callers pass strings or plain values.
+
+Two kinds of flag: those that decide what a run computes (the MoE gate, the attention arm and
+mask, the grouped variant and tile), and those that only change how fast it runs (run-ahead, PDL
+and its preload, the carried norm, streamed weights, graphs of several steps): the second kind
+gives the same tokens. The kernels take the launch switches through `launch_settings`
+(kernels/ never imports engine/). `ENVIRONMENT_ONLY` lists the variables read outside this
+registry and why each is not a flag.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from engine.errors import UserError
+from kernels.settings import PRELOADERS, LaunchSettings
 
 DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE = "default", "environment", "session", "command line"
 SOURCES = (DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE)
@@ -83,6 +92,29 @@ def _parse_switch(value: Any) -> bool:
     raise ValueError
 
 
+def _parse_preload(value: Any) -> str:
+    """on / off, or the kernels that preload joined by + (or commas, as the environment may give them):
+    kept in PRELOADERS order, all of them as on."""
+    try:
+        return "on" if _parse_switch(value) else "off"
+    except ValueError:
+        pass
+    if not isinstance(value, str):
+        raise ValueError
+    names = {part.strip() for part in re.split(r"[+,]", value)}
+    if not names or not names <= set(PRELOADERS):
+        raise ValueError
+    chosen = [name for name in PRELOADERS if name in names]
+    return "on" if len(chosen) == len(PRELOADERS) else "+".join(chosen)
+
+
+def _preload_choices() -> tuple[str, ...]:
+    """on, off, then every proper non-empty subset of PRELOADERS, as `_parse_preload` writes them."""
+    subsets = [[name for bit, name in enumerate(PRELOADERS) if mask >> bit & 1]
+               for mask in range(1, 2 ** len(PRELOADERS) - 1)]
+    return ("on", "off", *("+".join(subset) for subset in sorted(subsets, key=len)))
+
+
 def _parse_gate(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError
@@ -122,7 +154,39 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              LAYER_TIMINGS, "how a record's per-layer us are measured: profile = graphs on, replayed steps' kernels "
              "read from a CUPTI profile; events = graphs off, CUDA events around each call; off = none "
              "(the CPU's wall clock for profile and events)"),
+    FlagSpec("run_ahead", True, "on or off", _parse_switch, "bool", (True, False),
+             "launch a steady cohort's next graph replay before this step's sync (batched runs; timing only)"),
+    FlagSpec("carry_norm", True, "on or off", _parse_switch, "bool", (True, False),
+             "inside a graph of several steps, the LM head's pick norms the next step's first rows (timing only)"),
+    FlagSpec("pdl", True, "on or off", _parse_switch, "bool", (True, False),
+             "programmatic dependent launch of the decode kernels on Hopper GPUs (timing only)"),
+    FlagSpec("pdl_preload", "on", f"on, off, or some of {', '.join(PRELOADERS)} joined by +", _parse_preload,
+             "select", _preload_choices(),
+             "with PDL, these kernels load their first weight tile before the wait (timing only)"),
+    FlagSpec("stream_weights", True, "on or off", _parse_switch, "bool", (True, False),
+             "streamed weights load with L2 evict_first, so the step's small data stays in L2 (timing only)"),
 )}
+
+# Variables read outside the registry, and why each is not a flag: each names a place (a file, a
+# directory, a commit) or belongs to another tool; none is a choice of how a run computes.
+ENVIRONMENT_ONLY = {
+    "MOEI_CALIBRATION": "the calibration file moe_gate=measured reads and sweep writes: a path, not a "
+                        "setting (every measured decision's reason names the crossover it read)",
+    "MOEI_COMMIT": "the commit a results header names when the tree has no git (a copied checkout)",
+    "MOEI_SESSION_DIR": "where the TUI autosaves sessions",
+    "TRITON_INTERPRET": "Triton's own: run kernels in its CPU interpreter (the tests set it)",
+}
+
+
+# The flags `launch_settings` hands to the kernels (what a sweep, which times arms outside a run, records).
+LAUNCH_FLAGS = ("pdl", "pdl_preload", "stream_weights")
+
+
+def launch_settings(flags: "ResolvedFlags") -> LaunchSettings:
+    """The kernels' launch switches these flags decide (kernels.settings)."""
+    preload = flags["pdl_preload"]
+    chosen = PRELOADERS if preload == "on" else () if preload == "off" else tuple(preload.split("+"))
+    return LaunchSettings(pdl=flags["pdl"], pdl_preload=frozenset(chosen), stream_weights=flags["stream_weights"])
 
 
 def format_value(name: str, value: Any) -> str:

@@ -25,7 +25,7 @@ import torch
 from engine import dispatch
 from engine.arms import ARMS
 from engine.attention_dispatch import UNFUSED, decide_layer_attention
-from engine.decode_fused import StepOutputs, carried_launches, carry_default
+from engine.decode_fused import StepOutputs, carried_launches
 from engine.dispatcher import Dispatcher
 from engine.model import StepLayout, forward
 from engine.scheduler import DECODE, Batch
@@ -157,7 +157,7 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
         # step are checked against the one-step graph's.
         carry = tuple((torch.empty((size, config.hidden), dtype=runner.engine.dtype, device=runner.device),
                        torch.empty((size, config.hidden), dtype=runner.engine.dtype, device=runner.device))
-                      for _ in range(2)) if carry_default() else (None, None)
+                      for _ in range(2)) if dispatcher.flags["carry_norm"] else (None, None)
         blocks = []
         while steps > 1:
             block = _capture_block(runner, batch, dispatcher, key, inputs, tokens, layout, staging, template, counted,

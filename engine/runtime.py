@@ -319,17 +319,21 @@ class Engine:
                             f"{self.config.name} context of {context}: ask for at most "
                             f"{context - len(prompt_tokens)} tokens")
 
-    def runner_for(self, slots: int, capacity: int, graphs: bool | None = None) -> BatchRunner:
+    def runner_for(self, slots: int, capacity: int, graphs: bool | None = None,
+                   run_ahead: bool | None = None) -> BatchRunner:
         """A batch runner with at least `slots` KV-cache rows of `capacity` positions: the last one made when it
         is large enough (its captured graphs are reused: the TUI's next prompt replays at once), else a new one
-        sized with room to spare (capacity rounded up to a power of two, within the context)."""
+        sized with room to spare (capacity rounded up to a power of two, within the context). `run_ahead`: the
+        run's flag run_ahead (None: the runner's default)."""
         runner = self._runner
         if (runner is not None and runner.max_slots >= slots and runner.capacity >= capacity
                 and runner.graphs_requested == graphs):
+            if run_ahead is not None:
+                runner.run_ahead = runner.graphs_enabled and run_ahead
             return runner
         rounded = min(max(256, 1 << max(0, capacity - 1).bit_length()), max(capacity, self.config.max_seq_len))
         self._runner = None  # its cache is freed before the next is allocated
-        self._runner = BatchRunner(self, slots, rounded, graphs)
+        self._runner = BatchRunner(self, slots, rounded, graphs, run_ahead=run_ahead)
         return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int, flags: ResolvedFlags,
@@ -390,7 +394,8 @@ class Engine:
         if cuda and mode == "events":  # every call timed by events around it: the eager path, no graphs
             graphs = False
         if runner is None:
-            runner = self.runner_for(max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs)
+            runner = self.runner_for(max_slots or len(sequences), max(s.positions_needed for s in sequences), graphs,
+                                     run_ahead=flags["run_ahead"])
         chunk = flags["prefill_chunk"]
         scheduler = Scheduler(runner.max_slots, runner.capacity, token_budget or max(chunk, 2048), chunk,
                               mixed=flags["mixed_steps"])

@@ -334,12 +334,16 @@ def _arm_functions(arms, tile_m: int):
     return {arm: table[arm] for arm in arms}
 
 
-def run_sweep(config: SweepConfig, progress=None) -> dict:
-    """Measure everything `config` asks for; returns the JSON-ready result. Needs CUDA."""
+def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
+    """Measure everything `config` asks for; returns the JSON-ready result. Needs CUDA. The arms launch as
+    `flags` (engine.flags.ResolvedFlags; None: the defaults and the environment) set the launch switches,
+    which the result records."""
     require_cuda()
     import torch
 
     from engine import calibration
+    from engine.flags import LAUNCH_FLAGS, from_environment, launch_settings
+    from kernels import settings as kernel_settings
     from kernels import launches
     from kernels.moe_align import moe_align
     from kernels.moe_grouped import ROWS_PER_PROGRAM
@@ -350,6 +354,8 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
         if progress is not None:
             progress.advance(note=note)
 
+    flags = flags if flags is not None else from_environment()
+    kernel_settings.apply(launch_settings(flags))
     device = torch.device("cuda", torch.cuda.current_device())
     shape = config.shape
     generator = torch.Generator(device=device)
@@ -484,6 +490,7 @@ def run_sweep(config: SweepConfig, progress=None) -> dict:
         "check_failed": check_failed,
         "commit": commit,
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
+        "flags": {name: entry for name, entry in flags.to_json().items() if name in LAUNCH_FLAGS},
     }
 
 

@@ -11,7 +11,8 @@ def test_defaults_match_the_design():
     assert resolved.values == {"moe_gate": "measured", "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2,
                                "tile_m": 16, "flash_512": True, "fused_mask": "honor",
                                "prefill_chunk": 512, "steps_per_graph": 8, "mixed_steps": True,
-                               "layer_timing": "profile"}
+                               "layer_timing": "profile", "run_ahead": True, "carry_norm": True,
+                               "pdl": True, "pdl_preload": "on", "stream_weights": True}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 
 
@@ -41,6 +42,9 @@ def test_bad_environment_value_warns_and_keeps_the_default():
     ("steps_per_graph=0", "from 1 to 64"),
     ("steps_per_graph=65", "from 1 to 64"),
     ("steps_per_graph=two", "from 1 to 64"),
+    ("run_ahead=sometimes", "on or off"),
+    ("pdl_preload=gemv+rope", "joined by +"),
+    ("pdl_preload=", "joined by +"),
     ("no_such_flag=1", "unknown flag"),
     ("tile_m", "FLAG=VALUE"),
 ])
@@ -68,3 +72,47 @@ def test_the_attention_decision_knows_the_head_dims_the_fused_kernels_take():
     decision = attention_dispatch.decide_attention(96, "causal", "causal", True, "honor")
     assert decision.arm == attention_dispatch.UNFUSED and "head_dim 96" in decision.reason
     assert attention_dispatch.decide_attention(128, "causal", "causal", True, "honor").arm == attention_dispatch.FUSED
+
+
+def test_the_launch_switches_reach_the_kernels_settings():
+    from kernels.settings import PRELOADERS, LaunchSettings
+
+    assert flags.launch_settings(flags.resolve(environ={})) == LaunchSettings()
+    resolved = flags.resolve(["pdl=off", "pdl_preload=down+gemv", "stream_weights=off"], environ={})
+    assert resolved["pdl_preload"] == "gemv+down"  # kept in the kernels' order
+    assert flags.launch_settings(resolved) == LaunchSettings(False, frozenset({"gemv", "down"}), False)
+    assert flags.launch_settings(flags.resolve(["pdl_preload=off"], environ={})).pdl_preload == frozenset()
+    assert flags.parse_value("pdl_preload", "+".join(PRELOADERS), "x") == "on"
+    # every value the TUI offers parses to itself
+    assert all(flags.parse_value("pdl_preload", choice, "x") == choice for choice in flags.SPECS["pdl_preload"].choices)
+
+
+def test_the_environment_names_the_launch_switches_as_before():
+    """MOEI_RUN_AHEAD=0 and the others, which the GPU scripts set, now go through the registry."""
+    resolved = flags.resolve(environ={"MOEI_RUN_AHEAD": "0", "MOEI_PDL": "0", "MOEI_PDL_PRELOAD": "gemv,down",
+                                      "MOEI_CARRY_NORM": "0", "MOEI_STREAM_WEIGHTS": "0"})
+    assert resolved.values["run_ahead"] is resolved.values["pdl"] is resolved.values["carry_norm"] is False
+    assert resolved["stream_weights"] is False and resolved["pdl_preload"] == "gemv+down"
+    assert {resolved.sources[name] for name in ("run_ahead", "pdl", "pdl_preload", "carry_norm", "stream_weights")} \
+        == {flags.ENVIRONMENT}
+    assert "pdl_preload=gemv+down" in resolved.describe() and "run_ahead=off" in resolved.describe()
+
+
+def test_every_variable_read_by_hand_is_a_flag_or_says_why_it_is_not():
+    """A MOEI_ name in engine/, kernels/ or inspector/ is a flag's (the registry reads it) or in ENVIRONMENT_ONLY
+    with its reason; kernels/ reads no environment variable but Triton's own."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    flag_variables = {f"MOEI_{name.upper()}" for name in flags.SPECS}
+    assert not flag_variables & set(flags.ENVIRONMENT_ONLY)
+    for package in ("engine", "kernels", "inspector"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            for name in set(re.findall(r"MOEI_[A-Z0-9_]+", text)) - {"MOEI_"}:
+                assert name in flag_variables or name in flags.ENVIRONMENT_ONLY, f"{path.relative_to(root)}: {name}"
+            for name in re.findall(r"os\.environ(?:\.get)?\(?\[?\s*[\"']([A-Z0-9_]+)", text):
+                assert name in flags.ENVIRONMENT_ONLY, f"{path.relative_to(root)} reads {name} by hand"
+            if package == "kernels":
+                assert "os.environ" not in text.replace('os.environ.get("TRITON_INTERPRET")', ""), path.name

@@ -3,7 +3,8 @@
 
 import torch
 
-from kernels import streaming
+from engine import flags
+from kernels import settings, streaming
 from kernels.attention_decode import CONFIGS, SHORT_WALK_CONFIG, SHORT_WALK_KEYS, _config
 from kernels.gemv_fused import _row_block
 from kernels.reference import MaskSpec
@@ -11,12 +12,14 @@ from kernels.reference import MaskSpec
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
 
-def test_streamed_weights_are_evicted_first_on_a_gpu_unless_switched_off(monkeypatch):
-    monkeypatch.delenv("MOEI_STREAM_WEIGHTS", raising=False)
+def test_streamed_weights_are_evicted_first_on_a_gpu_unless_switched_off():
     assert streaming.weight_eviction(CUDA) == "evict_first"
     assert streaming.weight_eviction(torch.device("cpu")) == ""  # the interpreter: no hint
-    monkeypatch.setenv("MOEI_STREAM_WEIGHTS", "0")
-    assert streaming.weight_eviction(CUDA) == ""
+    off = flags.launch_settings(flags.resolve(["stream_weights=off"], environ={}))
+    assert streaming.weight_eviction(CUDA, off) == ""
+    with settings.using(off):
+        assert streaming.weight_eviction(CUDA) == ""
+    assert streaming.weight_eviction(CUDA) == "evict_first"
 
 
 def test_one_row_folds_take_two_outputs_and_the_whole_k_per_program_on_a_gpu():
