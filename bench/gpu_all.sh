@@ -103,7 +103,6 @@ elif [ "$mode" = step ]; then  # issues 4 and 7 together: GPU tests of the step 
     TAIL=40 stage 120 attention_bench python3 bench/attention_bench.py
     stage 45 check_honor python3 -m inspector check-attention --device cuda
     stage 45 check_drop python3 -m inspector check-attention --device cuda --mode drop
-    TAIL=14 stage 60 gemv_fused_bench python3 bench/gemv_fused_bench.py
     TAIL=40 stage 120 bench_v4 python3 -m inspector bench --model v4-shape --pp 512 --tg 128 --batch 1 --reps 3 \
         --gpu-weights --profile --format md --json-out "$WORK/bench_v4.json"
     TAIL=12 MOEI_RUN_AHEAD=0 stage 90 bench_v4_no_run_ahead python3 -m inspector bench --model v4-shape --pp 512 \

@@ -1,63 +1,22 @@
 """The decode step on a GPU with its glue fused: the same function as engine.model's torch forward
-for one new token per sequence, in a few launches per layer instead of ~90 small torch kernels
-(casts, the fp32 copies of the router and LM head, RoPE pieces, index_put, topk, softmax).
+for one new token per sequence, in a few launches per layer instead of about 90 small torch kernels.
 
-Per step (B sequences, one token each; shapes as in engine.model). At B <= GEMV_ROWS (batch 1) the
-dense products are GEMVs with the glue folded in (kernels.gemv_fused) where that measured faster: the
-RMSNorm into the router's and the LM head's GEMV (a program sums x^2 along K, scales, and writes its
-slice of the new x and h), and the top-k routing into the router's GEMV (done by the last of the
-programs to arrive, kernels.arrivals). The fold of the norm and of RoPE + the cache write into the
-qkv GEMV exists (FOLD_QKV) but is off: slower on the H200 than its three launches (see FOLD_QKV).
-Above GEMV_ROWS the products are torch matmuls (cuBLAS) between kernels.rms_norm, rope_cache and
-router launches.
+`forward_decode(config, weights, tokens [B, 1], start [B], key_length, slots, cache, hooks)` returns
+the logits [B, V] float32 and writes each layer's keys and values into the cache. At B <= GEMV_ROWS
+the dense products are GEMVs (kernels.gemv) and the RMSNorm in front of the router and of the LM
+head, the top-k routing and the argmax fold into their GEMVs (kernels.gemv_fused); above it they are
+torch matmuls between kernels.rms_norm, rope_cache and router launches. With the hooks' `outputs`
+(`StepOutputs`, set by engine.batch_runner around a graphed step) the folds write the step's next
+tokens and woken counts straight into the step's host buffer. Rounding happens where the torch
+forward rounds: the two differ only in the order of fp32 sums (tests/test_decode_fused.py).
 
-                                                       launches at B = 1            B > GEMV_ROWS
-    x       = embed[tokens]
-    per layer:
-      qkv   = RMSNorm(x) @ [wq; wk; wv]^T              rms_norm, kernels.gemv  2    rms_norm, matmul, 3
-      q     = RoPE(q); cache[k, v] <- RoPE(k), v       rope_cache              1    rope_cache
-                                                       (FOLD_QKV: gemv_fused
-                                                       gather + rope, 1)
-      a     = attention(q, cache)                      the dispatcher's attention arm
-      o     = a @ wo^T                                 kernels.gemv            1    matmul            1
-      x, h  = x + o, RMSNorm(x + o)                    gemv_fused (residual    1    rms_norm, matmul, 3
-      ids, w = topk-softmax(h @ router^T in fp32)      + route: its last            topk_softmax
-               and the count of woken experts          program routes)
-      e     = experts(h, ids, w)                       the dispatcher's MoE arm
-      x     = x + e                                    (into the next norm's GEMV)
-    logits  = RMSNorm(x) @ head^T in fp32              gemv_fused (residual    1    rms_norm, matmul  2
-              and, in a graphed step, each row's        + pick: its last program
-              next token (argmax)                       takes the argmax)
-
-  * between layers the norm's input is x + e, a residual add: folded only into a product of at most
-    FOLD_RESIDUAL_MAX_N outputs (the router, the LM head), else rms_norm + gemv_fused (2 launches).
-
-Step outputs (`StepOutputs`, the hooks' `outputs`: set by engine.batch_runner around a decode step): the
-router's fold writes each layer's woken count into the step's output buffer, and the LM head's fold takes
-each row's next token into it (and feeds the next replay's inputs), so a graphed step at B = 1 needs no
-next_tokens launch and no copy gathering the counts.
-
-v4-shape at B = 1 (one layer; attention 2 launches, the MoE arm 2): 10 Triton launches per graphed step (8
-with FOLD_QKV) and no copy; 9 in a later step of a graph of several steps, whose first norm the step before's
-LM head wrote (StepOutputs.carry); 14 launches and 2 copies before the folds (the norms in front of the router
-and the LM head, topk_softmax and the graph's next_tokens had launches of their own; the woken count was
-copied into the output buffer, and that buffer to the host).
-Without a packed qkv weight the three projections are separate products between an rms_norm and a
-rope_cache launch.
-
-Which kernel computes attention and the experts is still the dispatcher's decision: this module
-only replaces the glue around the arms. Rounding happens where the torch forward rounds, so the two
-differ only in the order of fp32 sums, except that the norm folded into qkv multiplies g * x unrounded
-where the torch forward rounds h = RMSNorm(x) * g to the dtype first: about one rounding of each
-output (tests/test_decode_fused.py bounds both). The router and the LM head feed a top-k and an
-argmax, which jump at near ties, so their folds round h first (kernels.gemv_fused's exact norm, a
-second read of x): their logits are gemv(h) of the h they write, the same roundings as the torch
-forward, in a different order of fp32 sums only.
-
-Eligible: a CUDA device (or `force` for the interpreter tests), one token per row, and an architecture
-the glue computes (`ineligible` lists what it lacks: biases, a full-projection q/k norm, clipping, YaRN, a
-router bias, unrenormalised softmax-top-k, group-limited routing, routed scaling, latent attention, shared
-experts, dense layers): the other families keep the torch forward. Knows nothing of flags or scheduling.
+Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
+and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
+interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
+it lacks: biases, a full-projection q/k norm, clipping, YaRN, a router bias, unrenormalised
+softmax-top-k, group-limited routing, routed scaling, latent attention, shared experts, dense layers;
+per-head q/k norms fold into rope_cache); the other families keep the torch forward. The launch table
+per step, and why each fold is where it is: docs/decode-step.md.
 """
 
 from __future__ import annotations
@@ -71,24 +30,13 @@ from engine.rope import rope_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 _SINKS: dict[int, tuple] = {}
-# Rows up to which the dense products take kernels.gemv; above it cuBLAS. On the H200 at D = 4096
-# (bench/gemv_bench.py, bench/results/2026-11-29-h200-run7-fused) one row: gemv 11.0-12.5 us vs cuBLAS
-# 12.9-13.2 us for the projections, 2.9-3.1 vs 10.8-17.6 us for the fp32 logits; from two rows
-# cuBLAS's tensor-core kernels are faster than the FMA path.
+# Rows up to which the dense products take kernels.gemv; above it cuBLAS, whose tensor-core kernels are
+# faster from two rows (bench/RESULTS.md, "The dense GEMV").
 GEMV_ROWS = 1
 # Widest product (N) a residual-add RMSNorm is folded into (kernels.gemv_fused): every program of the
-# fold reads the whole x, residual and norm weight from L2, 24 KB at D = 4096 in bf16 (40 KB with the
-# exact norm's second read), so the router and the LM head (N = 256: 10 MB of L2 reads for 2 MB of
-# weights) take it and the qkv projection
-# between layers (N = 5120, 2560 programs: 63 MB against 42 MB) keeps its own rms_norm launch until
-# a GPU run shows the fold paying there. A gather is folded at any width (one vector fewer).
+# fold reads the whole x, residual and norm weight from L2, so the router and the LM head (N = 256) take
+# it and the qkv projection (N = 5120) keeps its own rms_norm (docs/decode-step.md).
 FOLD_RESIDUAL_MAX_N = 1024
-# Whether the qkv GEMV takes its RMSNorm (gather or residual) and RoPE + cache write at one row. Off:
-# on the H200 (bench/gemv_fused_bench.py, run 17) the fold took 17.9 us per call steady against 16.2
-# for rms_norm + gemv + rope_cache (single call 16.4 vs 13.8; in the v4 step 18.4 us): its 2560
-# programs each read the embedding row and the norm weight and arrive on one counter per head. The
-# router's fold (7.0 vs 8.1 us) and the LM head's (4.0 vs 4.9 us) pay and stay.
-FOLD_QKV = False
 
 
 @dataclass
@@ -242,7 +190,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels.gemv_fused import NextNorm, Norm, Pick, Rope, Route, gemv_fused, next_norm_fits
+    from kernels.gemv_fused import NextNorm, Norm, Pick, Route, gemv_fused, next_norm_fits
     from kernels.rope_cache import rope_cache
     from kernels.router import topk_softmax
 
@@ -256,28 +204,13 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     carried = None if outputs is None else outputs.carried  # x and h of this step's first norm, computed already
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        packed = packed_qkv(weights, p)
-        normed = layer == 0 and carried is not None
-        if normed:
-            x, h = carried
-        if packed is not None and FOLD_QKV and c.qk_norm == "none" and _fused_rows(batch):  # qkv, RoPE, cache write
-            rope = Rope(inv_freq, start, slots, cache.k[layer], cache.v[layer], c.n_heads)
-            if normed:
-                folded = gemv_fused(h, packed, rope=rope)
-            elif _folds(norm, packed, batch):
-                folded = gemv_fused(x if norm.table is None else None, packed, norm=replace(norm, write_x=True),
-                                    rope=rope)
-                x = folded.x
-            else:
-                x, h = _rms_norm(x, norm)
-                folded = gemv_fused(h, packed, rope=rope)
-            q, start32 = folded.q, folded.position32
+        if layer == 0 and carried is not None:
+            x, h = carried  # this step's first norm, written by the step before's LM head
         else:
-            if not normed:
-                x, h = _rms_norm(x, norm)
-            qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
-                                    c.n_heads, qk_norm)
+            x, h = _rms_norm(x, norm)
+        qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
+        q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
+                                c.n_heads, qk_norm)
         # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
         k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
         attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
@@ -302,9 +235,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         pick = None
         if outputs is not None:
             following = None
-            # the next step's first norm, as its own rms_norm launch would compute it (not under FOLD_QKV, whose
-            # first norm is no launch of its own)
-            if outputs.carry is not None and not FOLD_QKV and next_norm_fits(c.hidden):
+            # the next step's first norm, as its own rms_norm launch would compute it
+            if outputs.carry is not None and next_norm_fits(c.hidden):
                 following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]

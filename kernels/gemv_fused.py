@@ -1,7 +1,6 @@
-"""Decode GEMV with its neighbours folded in: the RMSNorm in front, and behind it either the top-k
-routing (router logits) or RoPE plus the KV-cache write (the packed q/k/v projection). One launch
-where the decode step had two or three (kernels.rms_norm, kernels.gemv, kernels.router /
-kernels.rope_cache).
+"""Decode GEMV with its neighbours folded in: the RMSNorm in front, and behind it the top-k routing
+(router logits) or the argmax (LM-head logits). One launch where the decode step had two or three
+(kernels.rms_norm, kernels.gemv, kernels.router / kernels.next_tokens).
 
     out[m, n] = sum_k w[n, k] * a[m, k]                     a = x (no norm), or
     out[m, n] = r[m] * sum_k w[n, k] * (g[k] * x[m, k])     RMSNorm folded: r = rsqrt(mean_k(x^2) + eps)
@@ -42,12 +41,6 @@ Epilogues (one per launch):
                 kernels.next_tokens does in a launch of its own); with `next_norm` it also gathers that
                 token's embedding row and norms it (kernels.rms_norm's jit function, at its warps: the
                 same bits) into the next step's x[m] and h[m], the rms_norm launch a chained step skips
-    rope        out = q|k|v rounded to the dtype ([M, (Hq + 2 Hkv) * hd], the packed projection);
-                BLOCK_N divides hd, so a program lies in one head. Value heads go straight into
-                v_cache[slot, position]; for a query or key head the last of its hd / BLOCK_N programs
-                to arrive reads the head's hd outputs past L1 and rotates them as kernels.rope_cache
-                does (the same jit function) into q [M, Hq, hd] or k_cache[slot, position]; program
-                0 writes the positions as int32 (what rope_cache returns for the attention kernels)
 
 Grid (cdiv(N, BLOCK_N),), the block sizes of kernels.gemv for one row (FMA path only: rows are
 looped over, never padded to a tensor-core tile, so MAX_ROWS is below gemv's TENSOR_CORE_ROWS).
@@ -56,11 +49,9 @@ What a program reads (L2 traffic beside its BLOCK_N x K weights from DRAM): per 
 of the activation (one vector in plain and gather modes, two -- x_prev and residual -- in residual
 mode) and, with a norm, the K elements of g; at the end its slice (cdiv(K, programs) columns) of
 those again; an exact norm reads the activation once more. At the v4 shape (K = 4096, bf16, one row)
-that is 16 KB per program for a gather into qkv (2560 programs: 42 MB of L2 reads against 42 MB of
-weights; the plain GEMV reads 21 MB of h) and 24 KB per program for a residual fold into the router or
-LM head (40 KB exact; 256 programs: 6 or 10 MB against 2 MB). A residual fold into a wide GEMV (qkv at
-N = 5120: 63 MB) is the caller's choice (engine.decode_fused folds residuals only into narrow
-products). Not measured yet.
+that is 24 KB per program for a residual fold into the router or LM head (40 KB exact; 256 programs:
+6 or 10 MB against 2 MB). A residual fold into a wide GEMV is the caller's choice (engine.decode_fused
+folds residuals only into narrow products).
 """
 
 from __future__ import annotations
@@ -77,7 +68,6 @@ from kernels.next_tokens import BLOCK as PICK_BLOCK
 from kernels.next_tokens import _argmax_row, _feed
 from kernels.rms_norm import _normed
 from kernels.rms_norm import num_warps as norm_warps
-from kernels.rope_cache import _rotate
 from kernels.router import MAX_EXPERTS, _count_ids, _topk_softmax_row
 
 MAX_ROWS = TENSOR_CORE_ROWS - 1  # the FMA path of kernels.gemv
@@ -140,31 +130,16 @@ class Pick:
     next_norm: NextNorm | None = None
 
 
-@dataclass(frozen=True)
-class Rope:
-    """RoPE on the q and k heads of the packed projection, k and v written into the cache at
-    (slot[m] or m, position[m]), as kernels.rope_cache."""
-
-    inv_freq: torch.Tensor  # [hd / 2] float32
-    position: torch.Tensor  # [M] int
-    slot: torch.Tensor | None  # [M] int, None: row m
-    k_cache: torch.Tensor  # [rows, S, Hkv, hd]
-    v_cache: torch.Tensor
-    query_heads: int
-
-
 @dataclass
 class Fused:
     """What one launch produced; fields a mode does not produce are None."""
 
-    out: torch.Tensor  # [M, N]: the product (the logits for Route, q|k|v before RoPE for Rope)
+    out: torch.Tensor  # [M, N]: the product (the logits for Route and Pick)
     x: torch.Tensor | None = None  # [M, K] the new residual stream (Norm.write_x)
     h: torch.Tensor | None = None  # [M, K] the normed activations (Norm.write_h)
     ids: torch.Tensor | None = None  # [M, k] int32 (Route)
     weights: torch.Tensor | None = None  # [M, k] (Route)
     woken: torch.Tensor | None = None  # 0-d int64 (Route with woken)
-    q: torch.Tensor | None = None  # [M, Hq, hd] rotated (Rope)
-    position32: torch.Tensor | None = None  # [M] int32 (Rope)
 
 
 @triton.jit
@@ -216,19 +191,16 @@ def _gemv_fused_kernel(
     x_out_ptr, h_ptr,  # [M, K] slices written (WRITE_X / WRITE_H)
     w_ptr, out_ptr,  # [N, K], [M, N]
     ids_ptr, weights_ptr, woken_ptr,  # ROUTE
-    inv_freq_ptr, position_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr, position32_ptr,  # ROPE
     tokens_ptr, feed_ptr, stride_feed,  # PICK
     next_table_ptr, next_norm_ptr, next_x_ptr, next_h_ptr, next_eps, stride_next_t, stride_next_x, stride_next_h,
-    arrivals_ptr,  # ROUTE, PICK: 1 counter; ROPE: one per query and key head
-    rows, n_out, k_in, eps, slice_cols, query_heads, kv_heads,
+    arrivals_ptr,  # ROUTE, PICK: 1 counter
+    rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om, stride_ids, stride_weights,
-    stride_qb, stride_qh, stride_kc_s, stride_kc_t, stride_kc_h, stride_vc_s, stride_vc_t, stride_vc_h,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
     WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr,
     COUNT_BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SLOTS: tl.constexpr,
     PICK: tl.constexpr, FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     NEXT_NORM: tl.constexpr, NEXT_BLOCK: tl.constexpr,  # PICK: the next step's norm on the tokens picked
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
@@ -331,44 +303,6 @@ def _gemv_fused_kernel(
                     tl.store(next_h_ptr + tl.cast(row, tl.int64) * stride_next_h + cols,
                              _normed(x, next_norm_ptr, cols, lanes, k_in, next_eps), mask=lanes)
             tl.atomic_xchg(arrivals_ptr, 0)
-    if ROPE:
-        if pid == 0:
-            tl.store(position32_ptr + offs_m, tl.load(position_ptr + offs_m, mask=m_mask, other=0).to(tl.int32),
-                     mask=m_mask)
-        head = (pid * BLOCK_N) // HEAD_DIM
-        if head >= query_heads + kv_heads:  # a value head: its columns straight into the cache
-            positions = tl.load(position_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            if HAS_SLOTS:
-                slots = tl.load(slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            else:
-                slots = offs_m.to(tl.int64)
-            columns = offs_n - head * HEAD_DIM
-            destination = v_cache_ptr + slots[:, None] * stride_vc_s + positions[:, None] * stride_vc_t \
-                + (head - query_heads - kv_heads) * stride_vc_h + columns[None, :]
-            tl.store(destination, values, mask=out_mask)
-        else:  # the last of the head's programs rotates the whole head
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel")
-            if arrived == HEAD_DIM // BLOCK_N - 1:
-                half = tl.arange(0, HEAD_DIM // 2)
-                for row in range(rows):
-                    source = out_ptr + tl.cast(row, tl.int64) * stride_om + head * HEAD_DIM
-                    first = tl.load(source + half, cache_modifier=".cg")
-                    second = tl.load(source + HEAD_DIM // 2 + half, cache_modifier=".cg")
-                    position = tl.load(position_ptr + row)
-                    rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, half)
-                    if head < query_heads:
-                        destination = q_ptr + tl.cast(row, tl.int64) * stride_qb + head * stride_qh
-                    else:
-                        if HAS_SLOTS:
-                            slot = tl.load(slot_ptr + row).to(tl.int64)
-                        else:
-                            slot = tl.cast(row, tl.int64)
-                        destination = k_cache_ptr + slot * stride_kc_s + position.to(tl.int64) * stride_kc_t \
-                            + (head - query_heads) * stride_kc_h
-                    tl.store(destination + half, rotated_first)
-                    tl.store(destination + HEAD_DIM // 2 + half, rotated_second)
-                tl.atomic_xchg(arrivals_ptr + head, 0)
 
 
 # Elements of a program's one weight tile at one row: 2 outputs x the whole K (4096 at v4-shape: 32 registers a
@@ -380,24 +314,24 @@ def _gemv_fused_kernel(
 ROW_TILE_ELEMENTS = 8192
 
 
-def _row_block(rows: int, k_in: int, device: torch.device, plain: bool) -> tuple[int, int] | None:
-    """(2, K) for a one-row fold on a GPU whose K fits ROW_TILE_ELEMENTS / 2 (not RoPE's: a program lies in one
-    head there), else None (kernels.gemv's block sizes)."""
+def _row_block(rows: int, k_in: int, device: torch.device) -> tuple[int, int] | None:
+    """(2, K) for a one-row fold on a GPU whose K fits ROW_TILE_ELEMENTS / 2, else None (kernels.gemv's block
+    sizes)."""
     k_pad = triton.next_power_of_2(k_in)
-    if rows != 1 or not plain or device.type != "cuda" or 2 * k_pad > ROW_TILE_ELEMENTS:
+    if rows != 1 or device.type != "cuda" or 2 * k_pad > ROW_TILE_ELEMENTS:
         return None
     return 2, k_pad
 
 
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-               norm: Norm | None = None, route: Route | None = None, rope: Rope | None = None,
+               norm: Norm | None = None, route: Route | None = None,
                pick: Pick | None = None, block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
     """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one
-    launch; with `route` the top-k routing of the logits, with `rope` q rotated and k, v in the cache,
-    with `pick` each row's argmax (and the next replay's inputs). `preload`: load the first weight tile before
-    the PDL wait (None: as kernels.pdl.preload says for the device; the same result either way)."""
-    if (route is not None) + (rope is not None) + (pick is not None) > 1:
-        raise ValueError("gemv_fused: one epilogue per launch (route, rope or pick)")
+    launch; with `route` the top-k routing of the logits, with `pick` each row's argmax (and the next
+    replay's inputs). `preload`: load the first weight tile before the PDL wait (None: as kernels.pdl.preload
+    says for the device; the same result either way)."""
+    if route is not None and pick is not None:
+        raise ValueError("gemv_fused: one epilogue per launch (route or pick)")
     gather = norm is not None and norm.table is not None
     residual = norm.residual if norm is not None else None
     if gather:
@@ -451,8 +385,7 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         raise ValueError("gemv_fused: route.into must be one int64 element")
     out = scratch.empty((rows, n_out), out_dtype or dtype, device)
     result = Fused(out)
-    block_n, block_k = (block or _row_block(rows, k_in, device, rope is None)
-                        or block_sizes(n_out, k_in, w.element_size(), device, rows))
+    block_n, block_k = block or _row_block(rows, k_in, device) or block_sizes(n_out, k_in, w.element_size(), device, rows)
     dummy = out
     write_x = norm is not None and norm.write_x
     write_h = norm is not None and norm.write_h
@@ -475,37 +408,6 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
         top_k, e_pad = route.top_k, triton.next_power_of_2(n_out)
         count_block = max(1, min(64, 16384 // e_pad, triton.next_power_of_2(rows * top_k)))
         counters = arrivals.counters(device, 1)
-    head_dim = query_heads = kv_heads = 1
-    cache = {"inv_freq": dummy, "position": dummy, "slot": dummy, "q": dummy, "k": dummy, "v": dummy,
-             "position32": dummy, "strides": (0,) * 6}
-    if rope is not None:
-        k_cache, v_cache = rope.k_cache, rope.v_cache
-        kv_heads, head_dim, query_heads = k_cache.shape[2], k_cache.shape[3], rope.query_heads
-        half = head_dim // 2
-        if n_out != (query_heads + 2 * kv_heads) * head_dim or (out_dtype or dtype) != dtype:
-            raise ValueError(f"gemv_fused: rope needs w [(Hq + 2 Hkv) * hd, K] = "
-                             f"[{(query_heads + 2 * kv_heads) * head_dim}, K] and the output in x's dtype, "
-                             f"got {tuple(w.shape)}")
-        if head_dim % 2 or half & (half - 1):
-            raise ValueError(f"gemv_fused: head_dim / 2 must be a power of two, got head_dim {head_dim}")
-        if rope.inv_freq.shape != (half,) or rope.inv_freq.dtype != torch.float32:
-            raise ValueError(f"gemv_fused: inv_freq must be float32 [{half}]")
-        if rope.position.shape != (rows,) or (rope.slot is not None and rope.slot.shape != (rows,)):
-            raise ValueError(f"gemv_fused: position and slot must be [{rows}]")
-        if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or v_cache.shape != k_cache.shape \
-                or k_cache.dtype != dtype or v_cache.dtype != dtype:
-            raise ValueError("gemv_fused: the caches must be [rows, S, Hkv, hd] in x's dtype, unit stride along hd")
-        block_n = min(block_n, head_dim)  # a program lies in one head (both powers of two)
-        programs = triton.cdiv(n_out, block_n)
-        slice_cols = triton.cdiv(k_in, programs)
-        result.q = scratch.empty((rows, query_heads, head_dim), dtype, device)
-        result.position32 = scratch.empty((rows,), torch.int32, device)
-        cache = {"inv_freq": rope.inv_freq, "position": rope.position,
-                 "slot": rope.position if rope.slot is None else rope.slot, "q": result.q, "k": k_cache,
-                 "v": v_cache, "position32": result.position32,
-                 "strides": (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))}
-        counters = arrivals.counters(device, query_heads + kv_heads)
     if pick is not None:
         counters = arrivals.counters(device, 1)
     feed = pick.inputs if pick is not None and pick.inputs is not None else dummy
@@ -513,33 +415,30 @@ def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype |
     next_args = (dummy,) * 4 + (0.0, 0, 0, 0) if following is None else (
         following.table, following.weight, following.x, following.h, following.eps, following.table.stride(0),
         following.x.stride(0), following.h.stride(0))
-    q_strides = (result.q.stride(0), result.q.stride(1)) if rope is not None else (0, 0)
     _gemv_fused_kernel[(programs,)](
         x if x is not None else dummy, residual if residual is not None else dummy,
         norm.table if gather else dummy, norm.index if gather else dummy,
         norm.weight if norm is not None else dummy,
         result.x if write_x else dummy, result.h if write_h else dummy,
         w, out, routing["ids"], routing["weights"], routing["woken"],
-        cache["inv_freq"], cache["position"], cache["slot"], cache["q"], cache["k"], cache["v"], cache["position32"],
         pick.tokens if pick is not None else dummy, feed, feed.stride(0) if feed is not dummy else 0,
         *next_args, counters,
-        rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols, query_heads, kv_heads,
+        rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols,
         x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
         norm.table.stride(0) if gather else 0, result.x.stride(0) if write_x else 0,
         result.h.stride(0) if write_h else 0, w.stride(0), out.stride(0),
-        routing["stride_ids"], routing["stride_weights"], *q_strides, *cache["strides"],
+        routing["stride_ids"], routing["stride_weights"],
         M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         SLICE=triton.next_power_of_2(slice_cols),
         NORM=norm is not None, EXACT=norm is not None and norm.exact, GATHER=gather, RESIDUAL=residual is not None,
         WRITE_X=write_x, WRITE_H=write_h,
         ROUTE=route is not None, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
         WOKEN=route is not None and route.woken, COUNT_BLOCK=count_block,
-        ROPE=rope is not None, HEAD_DIM=head_dim, HAS_SLOTS=rope is not None and rope.slot is not None,
         PICK=pick is not None, FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(n_out)),
         NEXT_NORM=following is not None, NEXT_BLOCK=triton.next_power_of_2(k_in),
         num_warps=4, **pdl.launch_options(device), PRELOAD=pdl.preload(device, "fused") if preload is None else preload,
     )
-    launches.record("gemv_route" if route is not None else "gemv_rope" if rope is not None
+    launches.record("gemv_route" if route is not None
                     else ("gemv_pick_norm" if following is not None else "gemv_pick") if pick is not None
                     else "gemv_norm" if norm is not None else "gemv")
     return result

@@ -33,8 +33,7 @@ from kernels import launches, pdl, scratch
 
 @triton.jit
 def _rotate(first, second, position, inv_freq_ptr, offs):
-    """rope(x, position) of one head from its halves [HALF] (x's dtype): float32 math, rounded back.
-    Shared with kernels.gemv_fused's qkv epilogue, so both rotate to the same bits."""
+    """rope(x, position) of one head from its halves [HALF] (x's dtype): float32 math, rounded back."""
     angle = position.to(tl.float32) * tl.load(inv_freq_ptr + offs)
     cos, sin = tl.cos(angle), tl.sin(angle)
     first32, second32 = first.to(tl.float32), second.to(tl.float32)

@@ -188,10 +188,9 @@ def _decode_logits(engine, fused: bool, tokens, start, slots=None):
     (1, torch.tensor([2]), True, True), (1, torch.tensor([1]), False, False)])
 def test_fused_decode_step_matches_the_torch_forward(rows, slots, fold_wide, packed, monkeypatch):
     """Three rows: cuBLAS-style torch products and rms_norm launches; one row: kernels.gemv and the glue
-    folded into the GEMVs (kernels.gemv_fused), the norms between layers too with fold_wide; unpacked
-    q/k/v: three GEMVs between rms_norm and rope_cache. Same tolerance: the fold's difference (two
+    folded into the GEMVs (kernels.gemv_fused), with fold_wide under any width; unpacked q/k/v: three
+    GEMVs between rms_norm and rope_cache. Same tolerance: the fold's difference (two
     roundings of h per term) is fp32 rounding, far inside 2e-5."""
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine = Engine.load("tiny", "cpu", seed=0)
@@ -267,22 +266,15 @@ def _one_row_after_prefill():
 @pytest.mark.parametrize("fold_wide", [False, True])
 def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
     """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
-    and experts take torch arms on a CPU): no topk_softmax or rope_cache, no rms_norm but between
-    layers, where qkv is wider than FOLD_RESIDUAL_MAX_N."""
+    and experts take torch arms on a CPU): no topk_softmax, the norms in front of the router and the
+    head folded, qkv as rms_norm, gemv, rope_cache (whatever the widest fold)."""
     from kernels import launches
 
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", True)  # the qkv fold, off by default (run 17), still served
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine, config, cache, dispatcher = _one_row_after_prefill()
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
-                                dispatcher)
-    expected = {"gemv_rope": 2, "gemv": 2, "gemv_route": 2, "gemv_norm": 1, "rms_norm": 0 if fold_wide else 1}
-    assert launches.since(before) == {name: count for name, count in expected.items() if count}
-    monkeypatch.setattr(decode_fused, "FOLD_QKV", False)  # the default: qkv as rms_norm, gemv, rope_cache
-    before = launches.snapshot()
-    decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([6]), 24, None, cache,
                                 dispatcher)
     assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 1}
 
@@ -676,44 +668,6 @@ def test_gemv_fused_route_into_writes_the_count_where_asked():
     assert observed[2] == torch.unique(result.ids).numel() and result.woken.data_ptr() == observed[2].data_ptr()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, slots, mode, block", [
-    (1, None, "gather", None), (3, [2, 0, 1], "residual", (4, 16)), (3, None, "none", (2, 16)),
-    (2, [1, 3], "gather", (16, 32))])
-def test_gemv_fused_rope_writes_what_rope_cache_writes(dtype, rows, slots, mode, block):
-    from kernels import arrivals, launches
-    from kernels.gemv_fused import Rope, gemv_fused
-
-    heads, kv_heads, head_dim, capacity, k_in = 4, 2, 16, 40, 50
-    n_out = (heads + 2 * kv_heads) * head_dim
-    x, norm, x_new = _norm_inputs("gather" if mode == "none" else mode, rows, k_in, dtype, seed=80 + rows)
-    if mode == "none":
-        x, norm = x_new.contiguous(), None
-    w = _draw(n_out, k_in, dtype=dtype, seed=81)
-    positions = torch.tensor([0, 17, 39][:rows]) if rows <= 3 else None
-    slot = None if slots is None else torch.tensor(slots)
-    half = head_dim // 2
-    inv_freq = PRESETS["tiny"].rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
-    k_cache = _draw(4, capacity, kv_heads, head_dim, dtype=dtype, seed=82)
-    v_cache = _draw(4, capacity, kv_heads, head_dim, dtype=dtype, seed=83)
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    before = launches.snapshot()
-    with scratch.poison_new_buffers():
-        result = gemv_fused(x, w, norm=norm, rope=Rope(inv_freq, positions, slot, k_cache, v_cache, heads),
-                            block=block)
-    assert launches.since(before) == {"gemv_rope": 1}
-    h = x_new if norm is None else rms_norm(x_new, norm.weight, norm.eps)
-    _close(result.out, (h.float() @ w.float().t()).to(dtype), dtype)
-    # the epilogue does what rope_cache does with the same projection: the same bits
-    q, position32 = rope_cache(result.out, inv_freq, positions, slot, k_expected, v_expected, heads)
-    assert torch.equal(result.q, q) and torch.equal(result.position32, position32)
-    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
-    assert position32.dtype == torch.int32 and torch.equal(position32.long(), positions)
-    if norm is not None and norm.write_x:
-        assert torch.equal(result.x, x_new)
-    assert int(arrivals.counters(w.device, heads + kv_heads).abs().sum()) == 0
-
-
 @pytest.mark.parametrize("rows, n_out, k_in, block", [(1, 37, 70, None), (3, 45, 100, (4, 16)), (2, 9, 33, (2, 16))])
 def test_gemv_preloaded_first_tile_gives_the_same_bits(rows, n_out, k_in, block):
     """kernels.pdl.preload (on by default on Hopper with PDL) loads the first weight tile before the PDL wait and
@@ -724,43 +678,37 @@ def test_gemv_preloaded_first_tile_gives_the_same_bits(rows, n_out, k_in, block)
 
 
 @pytest.mark.parametrize("mode, exact, epilogue", [
-    ("plain", False, None), ("residual", True, "route"), ("gather", True, "pick"), ("residual", False, None),
-    ("gather", False, "rope")])
+    ("plain", False, None), ("residual", True, "route"), ("gather", True, "pick"), ("residual", False, None)])
 @pytest.mark.parametrize("rows, block", [(1, None), (3, (4, 16))])
 def test_gemv_fused_preloaded_first_tile_gives_the_same_bits(mode, exact, epilogue, rows, block):
-    from kernels.gemv_fused import Pick, Rope, Route, gemv_fused
+    from kernels.gemv_fused import Pick, Route, gemv_fused
 
     k_in, dtype = 70, torch.float16
     x, norm, _ = _norm_inputs(mode, rows, k_in, dtype, seed=97 + rows)
     norm = replace(norm, exact=exact)
-    heads, kv_heads, head_dim = 2, 1, 16
-    n_out = {"route": 40, "pick": 37, "rope": (heads + 2 * kv_heads) * head_dim, None: 45}[epilogue]
+    n_out = {"route": 40, "pick": 37, None: 45}[epilogue]
     w = _draw(n_out, k_in, dtype=dtype, seed=98)
     results = []
     for preload in (False, True):
-        extra, caches = {}, None
+        extra = {}
         if epilogue == "route":
             extra = {"route": Route(3, torch.float32)}
         elif epilogue == "pick":
             extra = {"pick": Pick(torch.full((rows,), -1, dtype=torch.int64), None)}
-        elif epilogue == "rope":
-            caches = [_draw(rows, 8, kv_heads, head_dim, dtype=dtype, seed=99 + index) for index in range(2)]
-            inv_freq = 10000.0 ** (-torch.arange(head_dim // 2, dtype=torch.float32) / (head_dim // 2))
-            extra = {"rope": Rope(inv_freq, torch.arange(rows) + 2, None, caches[0], caches[1], heads)}
         out_dtype = torch.float32 if epilogue in ("route", "pick") else None
         with scratch.poison_new_buffers():
             result = gemv_fused(x, w, out_dtype, norm=norm, block=block, preload=preload, **extra)
-        outputs = [result.out.clone()] + [value.clone() for value in (result.h, result.x, result.ids, result.weights,
-                                                                        result.q) if value is not None]
+        outputs = [result.out.clone()] + [value.clone() for value in (result.h, result.x, result.ids, result.weights)
+                                          if value is not None]
         if epilogue == "pick":
             outputs.append(extra["pick"].tokens)
-        results.append(outputs + (caches or []))
+        results.append(outputs)
     for off, on in zip(*results):
         assert torch.equal(off, on)
 
 
 def test_gemv_fused_rejects_bad_inputs():
-    from kernels.gemv_fused import Norm, Pick, Route, Rope, gemv_fused
+    from kernels.gemv_fused import Norm, Pick, Route, gemv_fused
 
     x, w, weight = torch.ones(1, 8), torch.ones(4, 8), torch.ones(8)
     with pytest.raises(ValueError, match="rows"):
@@ -769,8 +717,6 @@ def test_gemv_fused_rejects_bad_inputs():
         gemv_fused(x, w, norm=Norm(weight, 1e-5, write_x=True))
     with pytest.raises(ValueError, match="gather"):
         gemv_fused(x, w, norm=Norm(weight, 1e-5, table=torch.ones(3, 8), index=torch.tensor([0])))
-    with pytest.raises(ValueError, match="one epilogue"):
-        gemv_fused(x, w, route=Route(2, torch.float32), rope=Rope(None, None, None, None, None, 1))
     with pytest.raises(ValueError, match="k <= E"):
         gemv_fused(x, w, route=Route(5, torch.float32))
     with pytest.raises(ValueError, match="one epilogue"):
@@ -813,30 +759,14 @@ def test_gpu_pick_norms_the_next_step_to_the_bit_of_rms_norm(hidden):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gpu_gemv_fused_bf16_v4_widths(rows):
-    """The three folds of a v4-shape step in bf16 at its widths: gather + qkv + RoPE/cache, residual +
-    router + top-k, residual + fp32 LM head; against rms_norm then the torch product."""
-    from kernels.gemv_fused import Norm, Route, Rope, gemv_fused
+    """The two folds of a v4-shape step in bf16 at its widths: residual + router + top-k, residual + fp32
+    LM head; against rms_norm then the torch product."""
+    from kernels.gemv_fused import Norm, Route, gemv_fused
 
-    dtype, device, hidden, heads, head_dim = torch.bfloat16, "cuda", 4096, 8, 512
+    dtype, device, hidden = torch.bfloat16, "cuda", 4096
     weight = (1 + 0.1 * _draw(hidden, device=device, seed=90)).to(dtype)
     table = _draw(300, hidden, dtype=dtype, device=device, seed=91)
     index = torch.tensor([5, 299, 0][:rows], device=device)
-    wqkv = (_draw((heads + 2) * head_dim, hidden, dtype=dtype, device=device, seed=92) / 64).to(dtype)
-    half = head_dim // 2
-    inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
-    positions = torch.tensor([0, 70, 159][:rows], device=device)
-    k_cache = torch.zeros(rows, 160, 1, head_dim, dtype=dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    result = gemv_fused(None, wqkv, norm=Norm(weight, 1e-5, table=table, index=index, write_x=True),
-                        rope=Rope(inv_freq, positions, None, k_cache, v_cache, heads))
-    h = rms_norm(table[index], weight, 1e-5)
-    _close(result.out, (h.float() @ wqkv.float().t()).to(dtype), dtype)
-    assert torch.equal(result.x, table[index])
-    q, position32 = rope_cache(result.out, inv_freq, positions, None, k_expected, v_expected, heads)
-    assert torch.equal(result.q, q) and torch.equal(result.position32, position32)
-    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
-
     x, residual = table[index], _draw(rows, hidden, dtype=dtype, device=device, seed=93)
     router = (_draw(256, hidden, dtype=dtype, device=device, seed=94) / 64).to(dtype)
     routed = gemv_fused(x, router, norm=Norm(weight, 1e-5, residual=residual, write_x=True, write_h=True),

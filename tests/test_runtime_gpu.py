@@ -174,22 +174,13 @@ def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
     # 3 per layer (q/k/v, o, router) plus the LM head, whatever the batch, in one kernel or the other;
     # and the glue the one-row GEMVs fold in (kernels.gemv_fused): the top-k into the router, the norms
     # in front of the router and the LM head, the step's next tokens (kernels.next_tokens) into the LM
-    # head; with FOLD_QKV (off by default) also RoPE + cache into q/k/v and its norm, but between layers
-    # only where q/k/v is no wider than FOLD_RESIDUAL_MAX_N.
-    from engine import decode_fused
-
+    # head. q/k/v keeps its rms_norm and rope_cache launches.
     layers = demo.config.n_layers
     single_launches, wide_launches = dict(single[-1]["kernel_launches"]), dict(wide[-1]["kernel_launches"])
-    products = {name: single_launches.pop(name, 0)
-                for name in ("gemv", "gemv_rope", "gemv_route", "gemv_norm", "gemv_pick")}
-    fold_qkv = decode_fused.FOLD_QKV
-    assert products == {"gemv": layers if fold_qkv else 2 * layers, "gemv_rope": layers if fold_qkv else 0,
-                        "gemv_route": layers, "gemv_norm": 0, "gemv_pick": 1}
+    products = {name: single_launches.pop(name, 0) for name in ("gemv", "gemv_route", "gemv_norm", "gemv_pick")}
+    assert products == {"gemv": 2 * layers, "gemv_route": layers, "gemv_norm": 0, "gemv_pick": 1}
     assert not wide_launches.keys() & products.keys()
-    qkv_width = decode_fused.packed_qkv(demo.weights, "layers.0.").shape[0]
-    unfolded_norms = layers if not fold_qkv else 0 if qkv_width <= decode_fused.FOLD_RESIDUAL_MAX_N else layers - 1
-    folded = {"rms_norm": 2 * layers + 1 - unfolded_norms, "rope_cache": layers if fold_qkv else 0,
-              "topk_softmax": layers, "next_tokens": 1}
+    folded = {"rms_norm": layers + 1, "topk_softmax": layers, "next_tokens": 1}
     for name, count in folded.items():
         wide_launches[name] -= count
     assert single_launches == {name: count for name, count in wide_launches.items() if count}

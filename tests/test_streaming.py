@@ -23,12 +23,11 @@ def test_streamed_weights_are_evicted_first_on_a_gpu_unless_switched_off():
 
 
 def test_one_row_folds_take_two_outputs_and_the_whole_k_per_program_on_a_gpu():
-    assert _row_block(1, 4096, CUDA, plain=True) == (2, 4096)
-    assert _row_block(1, 3000, CUDA, plain=True) == (2, 4096)  # K padded to a power of two
-    assert _row_block(1, 8192, CUDA, plain=True) is None  # 16384 elements: too many registers
-    assert _row_block(2, 4096, CUDA, plain=True) is None  # two rows: kernels.gemv's blocks
-    assert _row_block(1, 4096, CUDA, plain=False) is None  # RoPE: a program lies in one head
-    assert _row_block(1, 4096, torch.device("cpu"), plain=True) is None  # the interpreter's few wide programs
+    assert _row_block(1, 4096, CUDA) == (2, 4096)
+    assert _row_block(1, 3000, CUDA) == (2, 4096)  # K padded to a power of two
+    assert _row_block(1, 8192, CUDA) is None  # 16384 elements: too many registers
+    assert _row_block(2, 4096, CUDA) is None  # two rows: kernels.gemv's blocks
+    assert _row_block(1, 4096, torch.device("cpu")) is None  # the interpreter's few wide programs
 
 
 def test_short_gqa_walks_at_head_dim_512_take_16_key_tiles():
