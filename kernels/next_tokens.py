@@ -7,8 +7,8 @@ where the next replay reads its inputs, with the position moved one on.
     inputs[1, b] = inputs[1, b] + 1           its position
 
 Replaces torch.argmax, a copy and an add (three launches, plus a reduce kernel's ramp) at the tail of
-every CUDA-graph decode step (at one row the LM head's GEMV does it instead: kernels.gemv_fused's pick
-epilogue, the same jit functions). Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
+every CUDA-graph decode step (at one row the LM head's GEMV does it instead: kernels.gemv_pick, with
+the same jit functions from kernels.parts). Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
 int64. Grid: (B,); a program walks its row in BLOCK chunks keeping the running best.
 """
 
@@ -19,32 +19,9 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl
-from kernels.order_keys import drop, key_of, none_chosen, reversed_index_of
+from kernels.parts import argmax_row, feed_next
 
 BLOCK = 2048
-
-
-@triton.jit
-def _argmax_row(row_ptr, vocab, BLOCK: tl.constexpr):
-    """The index of a float32 row's largest value, the lowest on ties, NaN ranking first (torch.argmax), as
-    int64: walked in BLOCK chunks keeping the running best. Loads go past L1 (".cg"), so a program may read
-    a row other programs of its own launch wrote (kernels.gemv_fused's pick epilogue, kernels.arrivals)."""
-    offs = tl.arange(0, BLOCK)
-    best = none_chosen(BLOCK)  # each lane's running best key (kernels.order_keys): one block reduction at the end
-    for start in range(0, vocab, BLOCK):
-        index = start + offs
-        values = tl.load(row_ptr + index, mask=index < vocab, other=float("-inf"), cache_modifier=".cg")
-        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
-        best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= vocab))
-    return (0x7FFFFFFF - reversed_index_of(tl.max(best, axis=0))).to(tl.int64)
-
-
-@triton.jit
-def _feed(inputs_ptr, stride_inputs, row, token):
-    """The next replay's inputs for a row: its token, and its position one on."""
-    tl.store(inputs_ptr + row, token)
-    position = tl.load(inputs_ptr + stride_inputs + row)
-    tl.store(inputs_ptr + stride_inputs + row, position + 1)
 
 
 @triton.jit
@@ -53,10 +30,10 @@ def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, s
     if USE_GDC:  # programmatic dependent launch (kernels.pdl)
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
-    token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK)
+    token = argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK)
     tl.store(observed_ptr + row, token)
     if FEED:
-        _feed(inputs_ptr, stride_inputs, row, token)
+        feed_next(inputs_ptr, stride_inputs, row, token)
 
 
 def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

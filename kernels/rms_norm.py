@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch
+from kernels.parts import norm_row
 
 MAX_HIDDEN = 16384
 
@@ -58,18 +59,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_out_ptr.dtype.element_ty)
     if HAS_RESIDUAL or GATHER:
         tl.store(x_out_ptr + row.to(tl.int64) * stride_xo + offs, x, mask=mask)
-    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, _normed(x, weight_ptr, offs, mask, hidden, eps), mask=mask)
-
-
-@triton.jit
-def _normed(x, weight_ptr, offs, mask, hidden, eps):
-    """h = RMSNorm(x) * weight of one whole row x [BLOCK_D] (x's dtype), rounded where torch rounds. Shared with
-    kernels.gemv_fused's pick (the next step's norm), which launches with this kernel's warps: the same bits."""
-    x32 = x.to(tl.float32)
-    mean_square = tl.sum(x32 * x32, axis=0) / hidden
-    normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    return (normed.to(tl.float32) * weight.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, norm_row(x, weight_ptr, offs, mask, hidden, eps), mask=mask)
 
 
 def num_warps(hidden: int) -> int:

@@ -6,7 +6,8 @@ What engine.model's `route` (kind `topk_softmax`) does with torch.topk, a softma
     top_logits, top_ids = topk(logits, k);  weights = softmax(top_logits).to(dtype)
 
 Shapes: N tokens, E experts, k chosen.  logits [N, E] float32 -> ids [N, k] int32, weights [N, k].
-Grid: (N,); a program holds its token's E logits (E <= MAX_EXPERTS).
+Grid: (N,); a program holds its token's E logits (E <= MAX_EXPERTS). The per-token work is
+kernels.parts.topk_softmax_row, which the router's fused GEMV (kernels.gemv_route) calls too.
 """
 
 from __future__ import annotations
@@ -16,50 +17,9 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
-from kernels.order_keys import drop, key_of, reversed_index_of, value_of
+from kernels.parts import count_ids, topk_softmax_row
 
 MAX_EXPERTS = 4096
-
-
-@triton.jit
-def _count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """How many of 0..experts-1 appear among ids[0:count] (int32 scalar)."""
-    offs_e = tl.arange(0, E_PAD)
-    seen = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, count, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < count, other=-1, cache_modifier=".cg")
-        hits = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
-        seen = tl.maximum(seen, tl.max(hits, axis=0))
-    return tl.sum(tl.where(offs_e < experts, seen, 0), axis=0)
-
-
-@triton.jit
-def _topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
-                      E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-    """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
-    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype).
-    Shared by the kernel below and kernels.gemv_fused's router epilogue, so both do the same thing."""
-    # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
-    # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
-    values = tl.where(values == values, values, float("-inf"))
-    keys = drop(key_of(values, E_PAD - 1 - offs), offs >= experts)  # padding lanes never chosen
-    slots = tl.arange(0, K_PAD)
-    chosen_ids = tl.zeros([K_PAD], dtype=tl.int32)
-    chosen_logits = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        best_id = (E_PAD - 1 - reversed_index_of(best)).to(tl.int32)
-        chosen_ids = tl.where(slots == j, best_id, chosen_ids)
-        chosen_logits = tl.where(slots == j, value_of(best), chosen_logits)
-        keys = drop(keys, offs == best_id)  # taken
-    valid = slots < TOP_K
-    top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
-    weights = exponent / tl.sum(exponent, axis=0)
-    tl.store(ids_row_ptr + slots, chosen_ids, mask=valid)
-    tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -74,13 +34,13 @@ def _topk_softmax_kernel(
     token = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
-    _topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
-                      weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD)
+    topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
+                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD)
     if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
         if arrived == tokens - 1:
-            tl.store(woken_ptr, _count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
+            tl.store(woken_ptr, count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
             tl.atomic_xchg(arrivals_ptr, 0)
 
 
@@ -116,7 +76,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
 
 @triton.jit
 def _count_distinct_kernel(ids_ptr, out_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    tl.store(out_ptr, _count_ids(ids_ptr, count, experts, E_PAD, BLOCK).to(tl.int64))
+    tl.store(out_ptr, count_ids(ids_ptr, count, experts, E_PAD, BLOCK).to(tl.int64))
 
 
 def count_distinct(ids: torch.Tensor, experts: int) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """The decode kernels' launch policies that only a GPU run can time: streamed weights' L2 hint
-(kernels.streaming), the one-row fold's block (kernels.gemv_fused), attention decode's short-walk tiles."""
+(kernels.streaming), the one-row fold's block (kernels.gemv_norm), attention decode's short-walk tiles."""
 
 import torch
 
 from engine import flags
 from kernels import settings, streaming
 from kernels.attention_decode import CONFIGS, SHORT_WALK_CONFIG, SHORT_WALK_KEYS, _config
-from kernels.gemv_fused import _row_block
+from kernels.gemv_norm import row_block as _row_block
 from kernels.reference import MaskSpec
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
