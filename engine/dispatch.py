@@ -28,7 +28,9 @@ from typing import Callable
 
 GEMV, GROUPED, REFERENCE, TORCH_GROUPED_MM = "gemv", "grouped", "reference", "torch_grouped_mm"
 MOE_ARMS = (GEMV, GROUPED, TORCH_GROUPED_MM, REFERENCE)
-FALLBACK_THRESHOLD = 16  # `measured` without a calibration falls back to threshold:16 (DESIGN.md)
+# `measured` without a calibration falls back to threshold:16, the crossover the H200's sweep measured
+# (bench/RESULTS.md, "MoE arms sweep").
+FALLBACK_THRESHOLD = 16
 
 
 def woken_experts(n_tokens: int, k: int, n_experts: int) -> float:
@@ -132,6 +134,7 @@ def routing_shape(config) -> RoutingShape:
     """The RoutingShape of an engine.config.ModelConfig (duck-typed: this module imports no engine code)."""
     shared = config.shared_experts.count if config.shared_experts is not None else 0
     return RoutingShape(config.top_k, config.n_experts, config.n_group, config.topk_group, shared)
+
 
 
 # --------------------------------------------------------------------------------------------

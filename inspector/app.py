@@ -120,7 +120,7 @@ class InspectorApp(App):
     def open_session(self, text: str) -> None:
         """ctrl+o: opens a session for this engine; a malformed one raises UserError (the parser's
         message, shown in place) and leaves the current session untouched."""
-        from inspector.tui import TuiSession
+        from inspector.tui_session import TuiSession
 
         path = Path(text.strip()).expanduser()
         if not text.strip():

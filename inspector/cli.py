@@ -11,6 +11,7 @@ import sys
 
 from engine.errors import UserError
 from inspector.commands import COMMAND_MODULES
+from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,12 +24,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto (the GPU if there is one)")
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                         help="set a flag (repeatable); see `moe-inspector flags`")
     parser.add_argument("--session", default=None, metavar="FILE", help="open (or start) this session file")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed for random presets (default 0)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed for random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: the shipped or the directory's weights; random: random weights of the model's "
                              "shape (a directory's from its config.json, drawn on the device)")

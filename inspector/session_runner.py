@@ -20,8 +20,9 @@ A bench step's numbers are engine.bench's JSON report (rows, targets, footer); r
 its rows' token counts, state and launch counters, never its rates.
 
 Before anything runs, `preflight` checks what can be known without running (model, device,
-prompt lengths, GPU-only steps, steps whose engine code is not in this build) so a bad session
-fails in a second with exit 2 rather than half-way. Timings are recorded, never diffed.
+prompt lengths, GPU-only steps) so a bad session fails in a second with exit 2 rather than
+half-way. Each kind of step's preflight, run and results line is its action's, in
+inspector.session_steps (the TUI records the same lines). Timings are recorded, never diffed.
 
 Knows nothing of argument parsing or report layout.
 """
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import importlib.util
 import json
-import math
 import os
 import platform
 import time
@@ -44,12 +43,11 @@ from engine import flags as flag_registry
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
-from engine.tokenizer import ByteTokenizer
-from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CompareStep,
-                               CurveStep, PromptStep, Session, Step, SweepStep, atomic_write_text, step_to_plain)
+from inspector.session import Session, Step, atomic_write_text, step_to_plain
+from inspector.session_steps import (CHECK_FAILED, OK, RunContext, action_for, base_flags, make_context,  # noqa: F401
+                                     token_at)
 
 RESULTS_SCHEMA = 1
-OK, CHECK_FAILED = "ok", "check failed"
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -115,101 +113,12 @@ def environment_header(session: Session, where: str, device_label: str, device_s
 
 
 # --------------------------------------------------------------------------------------------
-# Flags per configuration
-# --------------------------------------------------------------------------------------------
-
-def base_flags(session: Session) -> flag_registry.ResolvedFlags:
-    """Defaults < environment < the session's [flags] (already validated)."""
-    return flag_registry.from_environment().with_overrides(session.flags, flag_registry.SESSION)
-
-
-def config_flags(session: Session, base: flag_registry.ResolvedFlags, name: str | None) -> flag_registry.ResolvedFlags:
-    if name in (None, BASE):
-        return base
-    overrides = next(config.flags for config in session.configs if config.name == name)
-    return base.with_overrides(overrides, flag_registry.SESSION)
-
-
-# --------------------------------------------------------------------------------------------
 # Preflight: everything knowable before running
 # --------------------------------------------------------------------------------------------
 
-def check_attention_function() -> Callable[..., dict] | None:
-    """`engine.compare.check_attention` when this build has it (it lands from another branch)."""
-    if importlib.util.find_spec("engine.compare") is None:
-        return None
-    module = importlib.import_module("engine.compare")
-    return getattr(module, "check_attention", None)
-
-
-def sweep_function() -> Callable[..., dict] | None:
-    """`engine.sweep.sweep` when this build has it (the measurement issue)."""
-    if importlib.util.find_spec("engine.sweep") is None:
-        return None
-    return getattr(importlib.import_module("engine.sweep"), "sweep", None)
-
-
-def _composite_mask(model: ModelConfig):
-    return next((mask for mask in model.layer_masks if mask.kind == "composite"), None)
-
-
-def attention_shape(step: CheckAttentionStep, model: ModelConfig) -> dict[str, Any]:
-    """The step's shape with the model's values filled in where the step leaves them out."""
-    mask = _composite_mask(model)
-    return {
-        "seq_len": step.seq_len, "head_dim": step.head_dim or model.head_dim, "heads": step.heads or model.n_heads,
-        "kv_heads": step.kv_heads or model.n_kv_heads,
-        "window": step.window or (mask.window if mask else None), "block": step.block or (mask.block if mask else None),
-        "pad": step.pad, "mode": step.mode,
-    }
-
-
-def bench_specs(step: BenchStep) -> list:
-    """The step's llama-bench rows (engine.bench.RowSpec), in the order `moe-inspector bench` runs them."""
-    from engine.bench import row_specs
-
-    return row_specs(step.pp or [], step.tg or [], step.batch or list(BENCH_DEFAULT_BATCH), BENCH_TG_PROMPT)
-
-
-def preflight_step(where: str, index: int, step: Step, model: ModelConfig, device: Any) -> None:
-    """What can be known about one step before running it (model, device, lengths, this build); raises UserError."""
-    tokenizer = ByteTokenizer()
-    here = f"{where}: step {index} ({step.action})"
-    if isinstance(step, (PromptStep, CompareStep)):
-        length, context = len(tokenizer.encode(step.prompt)), model.max_seq_len
-        if length + step.max_tokens > context:
-            raise UserError(f"{here}: the prompt ({length} tokens) plus max_tokens {step.max_tokens} exceeds "
-                            f"the {model.name} context of {context}; shorten the prompt or lower max_tokens")
-    elif isinstance(step, CurveStep):
-        k, experts = step.k or model.top_k, step.experts or model.n_experts
-        if k > experts:
-            raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
-    elif isinstance(step, SweepStep):
-        if device.type != "cuda":
-            raise UserError(f"{here}: sweep times kernels and needs a CUDA GPU, and this run is on "
-                            f"{device.type}; run the session on a GPU machine, or remove the step")
-        if sweep_function() is None:
-            raise UserError(f"{here}: sweep is not available in this build (engine.sweep is missing); "
-                            f"update moe-inspector, or remove the step")
-    elif isinstance(step, CheckAttentionStep):
-        if check_attention_function() is None:
-            raise UserError(f"{here}: check-attention is not available in this build (engine.compare."
-                            f"check_attention is missing); update moe-inspector, or remove the step")
-        shape = attention_shape(step, model)
-        if shape["window"] is None or shape["block"] is None:
-            raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "
-                            f"from; set window = ... and block = ... in the step")
-        if shape["heads"] % shape["kv_heads"]:
-            raise UserError(f"{here}: heads {shape['heads']} is not a multiple of kv_heads {shape['kv_heads']}")
-        if shape["pad"] >= shape["seq_len"]:
-            raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
-                            f"use pad < seq_len")
-    elif isinstance(step, BenchStep):
-        for spec in bench_specs(step):
-            needed = spec.prompt_len + spec.max_tokens
-            if needed > model.max_seq_len:
-                raise UserError(f"{here}: row {spec.name} needs {needed} positions, more than the {model.name} "
-                                f"context of {model.max_seq_len}; choose shorter pp/tg")
+def preflight_step(where: str, index: int, step: Step, model: ModelConfig, device) -> None:
+    """What can be known about one step before running it (its action's preflight); raises UserError."""
+    action_for(step).preflight(f"{where}: step {index} ({step.action})", step, model, device)
 
 
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:
@@ -239,182 +148,14 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
 # Running steps
 # --------------------------------------------------------------------------------------------
 
-def _json_safe(value: Any) -> Any:
-    """Plain JSON values from what an engine function returns (tensors, numpy scalars, dtypes)."""
-    if isinstance(value, dict):
-        return {str(key): _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if hasattr(value, "tolist"):  # torch tensors and numpy values
-        return _json_safe(value.tolist())
-    return str(value)
-
-
-def summarize_generation(generation, config_name: str, wall_s: float) -> dict:
-    """One configuration's run: tokens, per step per layer what was decided and what executed."""
-    decisions = []
-    for step in generation.steps:
-        moe = {record["layer"]: record for record in step["moe"]}
-        attention = {record["layer"]: record for record in step["attention"]}
-        for layer in sorted(set(moe) | set(attention)):
-            entry: dict[str, Any] = {"step": step["step"], "layer": layer, "phase": step["phase"],
-                                     "n_tokens": step["n_tokens"]}
-            if layer in moe:
-                record = moe[layer]
-                entry["moe"] = {"decided": record["decided_arm"], "executed": record["executed_arm"],
-                                "variant": record["variant"]}
-            if layer in attention:
-                record = attention[layer]
-                entry["attention"] = {"decided": record["decided_arm"], "executed": record["executed_arm"],
-                                      "mask": record["mask"], "applied_mask": record["applied_mask"]}
-            decisions.append(entry)
-    records = [record for step in generation.steps for record in step["moe"] + step["attention"]]
-    notes = sorted({record["execution_note"] for record in records if record.get("execution_note")})
-    reasons = list(dict.fromkeys(record["reason"] for record in records))  # first-seen order, once each
-
-    def microseconds(family: str) -> float | None:
-        values = [record["us"] for step in generation.steps for record in step[family] if record["us"] is not None]
-        return round(sum(values), 1) if values else None
-
-    return {
-        "config": config_name, "flags": dict(generation.flags.values), "prompt_tokens": len(generation.prompt_tokens),
-        "tokens": list(generation.tokens), "text": generation.text, "decisions": decisions,
-        "counters": generation.counters, "reasons": reasons, "notes": notes,
-        "timings": {"wall_s": round(wall_s, 4), "moe_us": microseconds("moe"),
-                    "attention_us": microseconds("attention")},
-    }
-
-
-def match_check(expect_match: bool | None, tokens_a: list[int], tokens_b: list[int],
-                divergence: int | None, max_error: float | None) -> dict | None:
-    if expect_match is None:
-        return None
-    if expect_match:
-        held = divergence is None
-        detail = ("identical tokens, as expected" if held else
-                  f"expected identical tokens; diverged at generated token {divergence} "
-                  f"({_token_at(tokens_a, divergence)} vs {_token_at(tokens_b, divergence)})")
-    else:
-        held = divergence is not None
-        detail = (f"diverged at generated token {divergence}, as expected" if held else
-                  f"expected the configurations to diverge; tokens identical "
-                  f"(max logit rel err {max_error:.2e})" if max_error is not None else
-                  "expected the configurations to diverge; tokens identical")
-    return {"expect": "match" if expect_match else "diverge", "held": held, "detail": detail}
-
-
-def _token_at(tokens: list[int], index: int) -> str:
-    return str(tokens[index]) if index < len(tokens) else "end"
-
-
-@dataclass
-class RunContext:
-    session: Session
-    where: str
-    engine: Any  # engine.runtime.Engine
-    base: flag_registry.ResolvedFlags
-    bench_progress: Any = None  # an object with advance(note=...), passed to engine.bench.run_bench
-    trace: Any = None  # an engine.trace.Trace that receives every generation's and bench row's steps (--trace)
-
-
-def bench_numbers(report: dict) -> dict:
-    """A bench step's numbers: engine.bench's JSON report (rows with counters and timings, targets, footer)."""
-    return _json_safe(report)
-
-
-def make_context(session: Session, where: str, engine) -> RunContext:
-    """For the TUI's replay screen: run one step at a time on its own engine with
-    `run_step(context, index, step)` and diff it with `diff_step(recorded, result)`."""
-    return RunContext(session, where, engine, base_flags(session))
-
-
-def _generate(context: RunContext, prompt: str, max_tokens: int, config_name: str | None):
-    flags = config_flags(context.session, context.base, config_name)
-    started = time.perf_counter()
-    clock = None
-    if context.trace is not None:
-        from engine.trace import StepClock
-
-        clock = StepClock()
-    generation = context.engine.generate(prompt, max_tokens, flags, on_step=clock)
-    if clock is not None:
-        context.trace.add_run(config_name or BASE, f"{len(generation.tokens)} tokens: {prompt[:40]!r}",
-                              clock.stamped(generation.steps))
-    return generation, summarize_generation(generation, config_name or BASE, time.perf_counter() - started)
-
-
-def _run_generation_step(context: RunContext, prompt: str, max_tokens: int, config_a: str | None,
-                         config_b: str | None, expect_match: bool | None) -> tuple[list[dict], dict, dict | None]:
-    from engine.sidebyside import compare
-
-    generation_a, run_a = _generate(context, prompt, max_tokens, config_a)
-    if config_b is None:
-        return [run_a], {}, None
-    generation_b, run_b = _generate(context, prompt, max_tokens, config_b)
-    summary = compare(generation_a, generation_b)
-    errors = summary["logit_rel_err"]
-    numbers = {"first_divergence": summary["first_divergence"], "max_logit_rel_err": max(errors) if errors else None,
-               "logit_rel_err": errors}
-    check = match_check(expect_match, run_a["tokens"], run_b["tokens"], numbers["first_divergence"],
-                        numbers["max_logit_rel_err"])
-    return [run_a, run_b], numbers, check
-
-
 def run_step(context: RunContext, index: int, step: Step) -> dict:
-    """One step's result line."""
+    """One step's result line: its action's run, then its result line (inspector.session_steps), with the
+    step's wall time."""
+    action = action_for(step)
     started = time.perf_counter()
-    runs: list[dict] = []
-    numbers: dict = {}
-    check: dict | None = None
-    model = context.engine.config
-    if isinstance(step, PromptStep):
-        runs, numbers, check = _run_generation_step(context, step.prompt, step.max_tokens, step.config, step.compare,
-                                                    step.expect_match)
-    elif isinstance(step, CompareStep):
-        runs, numbers, check = _run_generation_step(context, step.prompt, step.max_tokens, step.a, step.b,
-                                                    step.expect_match)
-    elif isinstance(step, CurveStep):
-        from inspector.commands.curve import DEFAULT_TOKENS, curve
-
-        tokens = step.tokens or [int(n) for n in DEFAULT_TOKENS.split(",")]
-        tile_m = step.tile_m or config_flags(context.session, context.base, step.config)["tile_m"]
-        numbers = curve(step.k or model.top_k, step.experts or model.n_experts, tile_m, tokens)
-    elif isinstance(step, SweepStep):
-        sweep = sweep_function()
-        flags = config_flags(context.session, context.base, step.config)
-        numbers = _json_safe(sweep(engine=context.engine, tokens=list(step.tokens),
-                                   arms=list(step.arms or ("gemv", "grouped")), flags=flags))
-    elif isinstance(step, CheckAttentionStep):
-        import torch
-
-        dtype = getattr(torch, step.dtype) if step.dtype else context.engine.dtype
-        numbers = _json_safe(check_attention_function()(
-            **attention_shape(step, model), device=context.engine.device, dtype=dtype,
-            seed=context.session.engine.seed))
-        numbers["dtype"] = str(dtype).replace("torch.", "")
-        if step.expect is not None:
-            verdict = numbers.get("verdict")
-            held = verdict == step.expect
-            check = {"expect": step.expect, "held": held,
-                     "detail": (f"verdict {verdict}, as expected" if held else
-                                f"expected verdict {step.expect}, got {verdict}: {numbers.get('sentence', '')}")}
-    elif isinstance(step, BenchStep):
-        from engine.bench import run_bench
-
-        report = run_bench(context.engine, config_flags(context.session, context.base, step.config),
-                           bench_specs(step), step.reps, progress=context.bench_progress, trace=context.trace)
-        numbers = bench_numbers(report.to_json())
-    else:  # pragma: no cover - the parser admits only the types above
-        raise AssertionError(step)
-    return {
-        "kind": "step", "step": index, "action": step.action, "definition": step_to_plain(step),
-        "status": CHECK_FAILED if check is not None and not check["held"] else OK,
-        "runs": runs, "numbers": numbers, "check": check, "wall_s": round(time.perf_counter() - started, 4),
-    }
+    outcome = action.run(context, step)
+    outcome["wall_s"] = time.perf_counter() - started
+    return action.result(context, index, step, outcome)
 
 
 @dataclass
@@ -563,7 +304,7 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
 
             index = first_divergence(tokens_recorded, tokens_now)
             differences.append(f"{where}: generated token {index} differs: recorded "
-                               f"{_token_at(tokens_recorded, index)}, now {_token_at(tokens_now, index)}")
+                               f"{token_at(tokens_recorded, index)}, now {token_at(tokens_now, index)}")
         if run_recorded["counters"] != run_now["counters"]:
             changed = []
             for family in ("arms", "kernels"):

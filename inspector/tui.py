@@ -2,7 +2,7 @@
 
 Every action the user takes is recorded into a session (`--session FILE`, else a timestamped
 autosave under ~/.cache/moe-inspector/sessions/) and saved atomically after each one, together
-with what the TUI saw (`TuiSession`): the sibling results file holds, per step, the same line
+with what the TUI saw (`inspector.tui_session.TuiSession`): the sibling results file holds, per step, the same line
 `moe-inspector run` would write (tokens, decisions, counters, numbers, timings), so the replay
 screen and `moe-inspector replay` can diff a re-run against what the user saw.
 
@@ -12,248 +12,27 @@ the screen is taken over (exit 2), never as a traceback inside the app. Knows no
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
 
 from engine import flags as flag_registry
 from engine.config import from_name
 from engine.errors import UserError
 from engine.runtime import Engine
-from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep, CurveStep, PromptStep, Session,
-                               Step, load_session, step_to_plain)
-from inspector.session_recorder import SessionRecorder, default_session_path
-# _json_safe: the runner's own conversion of engine results (tensors, numpy values) to JSON, so a step
-# recorded here reads back exactly as one `moe-inspector run` wrote.
-from inspector.session_runner import (CHECK_FAILED, OK, _json_safe as json_safe, base_flags, bench_numbers,
-                                      environment_header, make_context, match_check, read_results,
-                                      results_path_for, run_step, summarize_generation, write_results)
-
-AUTOSAVE_DIRECTORY = Path.home() / ".cache" / "moe-inspector" / "sessions"
-
-
-def autosave_path() -> Path:
-    """A fresh timestamped file under $MOEI_SESSION_DIR or ~/.cache/moe-inspector/sessions/."""
-    path = default_session_path(os.environ.get("MOEI_SESSION_DIR") or AUTOSAVE_DIRECTORY)
-    candidate, suffix = path, 2
-    while candidate.exists():  # two inspectors started in the same second
-        candidate, suffix = path.with_name(f"{path.stem}-{suffix}.toml"), suffix + 1
-    return candidate
-
-
-def shown_path(path: str | os.PathLike) -> str:
-    """A path as a person would type it: ~ for the home directory."""
-    text, home = str(path), str(Path.home())
-    return "~" + text[len(home):] if text.startswith(home + os.sep) else text
-
-
-class TuiSession:
-    """The session the TUI records into and the results of each recorded step, both saved atomically.
-
-    `record(action, outcome)` appends a step (through the recorder) and its results line, built
-    from what the TUI already computed (`outcome`: the generations, the check's dict, the bench
-    report), so the recording is what the user saw, not a second run.
-    """
-
-    def __init__(self, recorder: SessionRecorder, engine: Engine, lines: dict[int, dict] | None = None,
-                 note: str = "") -> None:
-        self.recorder, self.engine = recorder, engine
-        self.lines: dict[int, dict] = dict(lines or {})  # step number -> its results line
-        self.note = note  # why loaded results were set aside, if they were
-        self._header: dict | None = None
-        self._curves = {self._curve_state(step.k, step.experts, step.tile_m, step.config)
-                        for step in self.session.steps if isinstance(step, CurveStep)}
-
-    # -- opening ------------------------------------------------------------------------------------
-
-    @classmethod
-    def start(cls, path: str | os.PathLike, engine: Engine, engine_info: Mapping[str, Any],
-              flags: flag_registry.ResolvedFlags) -> "TuiSession":
-        """--session FILE: continue it if it exists, else start it (nothing is written before an action)."""
-        if Path(path).exists():
-            return cls.open(path, engine)
-        return cls(SessionRecorder(path, engine_info, flags), engine)
-
-    @classmethod
-    def open(cls, path: str | os.PathLike, engine: Engine) -> "TuiSession":
-        """An existing session for this engine; UserError (the parser's message) when it is not one."""
-        recorder = SessionRecorder.load(path)
-        spec = recorder.session.engine
-        if spec.model not in (engine.model_spec, engine.config.name) or spec.seed != engine.seed:
-            raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
-                            f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {path}`")
-        lines, note = cls._recorded_lines(Path(path), recorder.session, engine)
-        return cls(recorder, engine, lines, note)
-
-    @staticmethod
-    def _recorded_lines(path: Path, session: Session, engine: Engine) -> tuple[dict[int, dict], str]:
-        """The results lines that still describe this session's steps on this device, and why others were dropped."""
-        results = results_path_for(path)
-        if not results.exists():
-            return {}, ""
-        try:
-            header, lines = read_results(results, str(path))
-        except UserError as error:
-            return {}, f"recorded results not used: {error}"
-        if header.get("device") != engine.device_label:
-            return {}, (f"recorded results not used: recorded on {header.get('device')}, this inspector runs on "
-                        f"{engine.device_label}; tokens are only comparable on the same device")
-        recorded_flags = {name: entry.get("value") for name, entry in header.get("flags", {}).items()}
-        if recorded_flags != dict(base_flags(session).values):
-            return {}, "recorded results not used: they were recorded under other [flags]; replay re-runs only"
-        kept = {}
-        for line in lines:
-            index = line.get("step")
-            if (isinstance(index, int) and 1 <= index <= len(session.steps)
-                    and line.get("definition") == step_to_plain(session.steps[index - 1])):
-                kept[index] = line
-        dropped = len(lines) - len(kept)
-        return kept, (f"{dropped} recorded result(s) no longer match their steps and were set aside" if dropped else "")
-
-    # -- state ----------------------------------------------------------------------------------------
-
-    @property
-    def path(self) -> Path:
-        return self.recorder.path
-
-    @property
-    def results_path(self) -> Path:
-        return results_path_for(self.path)
-
-    @property
-    def session(self) -> Session:
-        return self.recorder.session
-
-    def starting_flags(self, command_line: list[str] | None = None) -> flag_registry.ResolvedFlags:
-        """Configuration A where the session left off (its last step's flags), then --set on top."""
-        flags = flag_registry.from_environment().with_overrides(self.recorder.current_flags, flag_registry.SESSION)
-        if command_line:
-            flags = flags.with_overrides(flag_registry.parse_assignments(command_line), flag_registry.COMMAND_LINE)
-        return flags
-
-    def b_overrides(self) -> dict[str, Any] | None:
-        """Configuration B as the last side-by-side step had it (its differences from A), if there was one."""
-        for step in reversed(self.session.steps):
-            sides = ((step.config, step.compare) if isinstance(step, PromptStep) and step.compare else
-                     (step.a, step.b) if isinstance(step, CompareStep) else None)
-            if sides is not None:
-                flags_a, flags_b = (self.session.config_flags(side) for side in sides)
-                return {name: value for name, value in flags_b.items() if flags_a.get(name) != value}
-        return None
-
-    def describe(self) -> str:
-        steps = len(self.session.steps)
-        return f"{shown_path(self.path)} ({steps} step{'s' if steps != 1 else ''})"
-
-    # -- recording ------------------------------------------------------------------------------------
-
-    def _curve_state(self, k: int | None, experts: int | None, tile_m: int | None, config: str | None = None) -> tuple:
-        """What a curve step shows: the same (k, experts, tile_m) is the same curve."""
-        model = self.engine.config
-        if tile_m is None:
-            tile_m = self.session.config_flags(config).get("tile_m", flag_registry.SPECS["tile_m"].default)
-        return (k or model.top_k, experts or model.n_experts, tile_m)
-
-    def record(self, action: Mapping[str, Any], outcome: Mapping[str, Any] | None = None) -> Step | None:
-        """Append the action (a step, or a flag/config change that is not one) and save; returns the step.
-
-        A curve is recorded once per distinct (k, experts, tile_m), not each time its screen opens."""
-        curve = None
-        if action.get("action") == "curve":
-            curve = self._curve_state(action.get("k"), action.get("experts"), action.get("tile_m"))
-            if curve in self._curves:
-                return None
-        step = self.recorder.append(action)
-        if step is None:
-            return None
-        if curve is not None:
-            self._curves.add(curve)
-        index = len(self.session.steps)
-        line = self._result_line(index, step, outcome or {})
-        if line is not None:
-            self.lines[index] = line
-        self.write_results()
-        return step
-
-    def _result_line(self, index: int, step: Step, outcome: Mapping[str, Any]) -> dict | None:
-        """The results line `moe-inspector run` would write for this step, from what the TUI computed."""
-        runs: list[dict] = []
-        numbers: dict = {}
-        check = None
-        wall_s = float(outcome.get("wall_s") or 0.0)
-        if isinstance(step, (PromptStep, CompareStep)):
-            generations, walls = outcome.get("generations"), outcome.get("walls") or (0.0, 0.0)
-            if not generations:
-                return None
-            names = (step.config or BASE, step.compare) if isinstance(step, PromptStep) else (step.a, step.b)
-            runs = [summarize_generation(generation, name, wall or 0.0)
-                    for generation, name, wall in zip(generations, names, walls) if name is not None]
-            wall_s = sum(wall or 0.0 for wall in walls)
-            comparison = outcome.get("comparison")
-            if comparison is not None and len(runs) == 2:
-                errors = list(comparison["logit_rel_err"])
-                numbers = {"first_divergence": comparison["first_divergence"],
-                           "max_logit_rel_err": max(errors) if errors else None, "logit_rel_err": errors}
-                check = match_check(step.expect_match, runs[0]["tokens"], runs[1]["tokens"],
-                                    numbers["first_divergence"], numbers["max_logit_rel_err"])
-        elif isinstance(step, CurveStep):  # arithmetic: the runner's own line costs nothing
-            return run_step(make_context(self.session, str(self.path), self.engine), index, step)
-        elif isinstance(step, CheckAttentionStep):
-            if outcome.get("result") is None:
-                return None
-            numbers = json_safe(outcome["result"])
-            numbers["dtype"] = step.dtype or str(self.engine.dtype).replace("torch.", "")
-            if step.expect is not None:
-                verdict = numbers.get("verdict")
-                check = {"expect": step.expect, "held": verdict == step.expect,
-                         "detail": f"verdict {verdict}" + (", as expected" if verdict == step.expect else
-                                                           f", expected {step.expect}")}
-        elif isinstance(step, BenchStep):
-            if outcome.get("report") is None:
-                return None
-            numbers = bench_numbers(outcome["report"])
-        else:  # a sweep: the TUI does not run one
-            return None
-        return {"kind": "step", "step": index, "action": step.action, "definition": step_to_plain(step),
-                "status": CHECK_FAILED if check is not None and not check["held"] else OK,
-                "runs": runs, "numbers": numbers, "check": check, "wall_s": round(wall_s, 4)}
-
-    def header(self) -> dict:
-        """The results header: the environment once (git is asked once), the session's state now."""
-        session = self.session
-        if self._header is None:
-            self._header = environment_header(session, str(self.path), self.engine.device_label,
-                                              str(self.engine.device), base_flags(session),
-                                              self.engine.weights_source)
-        self._header.update(session=session.name, session_file=str(self.path), model=session.engine.model,
-                            seed=session.engine.seed, flags=base_flags(session).to_json(),
-                            configs={config.name: dict(config.flags) for config in session.configs})
-        return self._header
-
-    def write_results(self) -> None:
-        if self.lines:
-            write_results(self.results_path, self.header(), [self.lines[index] for index in sorted(self.lines)])
-
-    def save_as(self, path: str | os.PathLike) -> Path:
-        """ctrl+s: the session and its results under the new name; autosaves go there from now on."""
-        saved = self.recorder.save_as(path)
-        self.write_results()
-        return saved
+from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
+from inspector.session import load_session
+from inspector.tui_session import TuiSession, autosave_path
 
 
 def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     """Model, seed and device for an existing session: the session's, unless the command line disagrees."""
-    from inspector.cli import build_parser
-
-    defaults = build_parser()
     notes = []
     model, seed = spec.model, spec.seed
-    if args.model not in (defaults.get_default("model"), spec.model):
+    if args.model not in (DEFAULT_MODEL, spec.model):
         raise UserError(f"--session {args.session} records model {spec.model}, and --model says {args.model}: drop "
                         f"--model (the session decides), or start a new session file")
-    if args.seed not in (defaults.get_default("seed"), spec.seed):
+    if args.seed not in (DEFAULT_SEED, spec.seed):
         raise UserError(f"--session {args.session} records seed {spec.seed}, and --seed says {args.seed}: drop --seed, "
                         f"or start a new session file")
     if args.model != spec.model:

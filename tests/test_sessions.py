@@ -21,7 +21,7 @@ from inspector.session import (TEMP_SUFFIX, CompareStep, PromptStep, dumps_sessi
 from inspector.session_recorder import SessionRecorder
 from inspector.session_report import render
 from engine.config import PRESETS
-from inspector.session_runner import check_attention_function, read_results, results_path_for, run_session
+from inspector.session_runner import read_results, results_path_for, run_session
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SESSIONS = REPOSITORY / "sessions"
@@ -215,7 +215,7 @@ def test_check_attention_steps_call_engine_compare_with_the_model_shape(monkeypa
     verdict is checked against `expect`."""
     import torch
 
-    from inspector import session_runner
+    from engine import compare
 
     calls = []
 
@@ -225,7 +225,7 @@ def test_check_attention_steps_call_engine_compare_with_the_model_shape(monkeypa
         return {"verdict": verdict, "sentence": f"the fused output sits on the {verdict} reference",
                 "errors": {"masked": torch.tensor(1e-7), "causal": 0.3}, "control": 4e-3}
 
-    monkeypatch.setattr(session_runner, "check_attention_function", lambda: check_attention)
+    monkeypatch.setattr(compare, "check_attention", check_attention)
     session = load_session(SESSIONS / "flash512-mask.toml")
     checks = dataclasses.replace(session, steps=session.steps[1:])
     outcome = run_session(checks, "flash512-mask.toml", "cpu")

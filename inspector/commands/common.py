@@ -9,11 +9,14 @@ import sys
 
 from engine.errors import UserError
 
+DEFAULT_MODEL, DEFAULT_SEED = "demo", 0  # the TUI's and the engine commands' --model and --seed
+
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed of random presets (default 0)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed of random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: a preset's shipped checkpoint where there is one (the trained demo), else "
                              "random from --seed; random: always random")

@@ -3,11 +3,10 @@ routing shape given by hand or read from a model (`--model`: a preset or a check
 
 from __future__ import annotations
 
-from engine import dispatch
-from engine.errors import UserError
+from engine.curve import CURVE_TOKENS, curve
 from inspector.commands.common import add_json_argument, positive_int_list, print_json
 
-DEFAULT_TOKENS = "1,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
+DEFAULT_TOKENS = ",".join(map(str, CURVE_TOKENS))
 
 
 def add_parser(subparsers) -> None:
@@ -20,34 +19,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"token counts (default {DEFAULT_TOKENS})")
     add_json_argument(parser)
     parser.set_defaults(run=run)
-
-
-def routing_from(model: str | None, k: int | None, experts: int | None) -> tuple[dispatch.RoutingShape, str | None]:
-    """The routing shape to draw and the model it came from (None: by hand, 6 of 256 by default)."""
-    if model is None:
-        k, experts = 6 if k is None else k, 256 if experts is None else experts
-        if experts < 1 or not 1 <= k <= experts:
-            raise UserError(f"--k {k} --experts {experts}: need 1 <= k <= experts")
-        return dispatch.RoutingShape(k, experts), None
-    if k is not None or experts is not None:
-        raise UserError("--model reads k and E from the model: give --model or --k/--experts, not both")
-    from engine.config import config_for  # a directory's config.json goes through engine.hf_loader (torch)
-
-    config = config_for(model)
-    return dispatch.routing_shape(config), config.name
-
-
-def curve(k: int | None, experts: int | None, tile_m: int, tokens: list[int], model: str | None = None) -> dict:
-    routing, name = routing_from(model, k, experts)
-    if tile_m < 1:
-        raise UserError(f"--tile-m {tile_m}: must be >= 1")
-    result = {"k": routing.k, "experts": routing.n_experts, "tile_m": tile_m,
-              "min_tokens": dispatch.min_tokens(routing.k, routing.n_experts, tile_m),
-              "rows": [dispatch.curve_row(n, routing.k, routing.n_experts, tile_m, routing) for n in tokens]}
-    if name is not None:
-        result.update(model=name, routing=routing.describe(), n_group=routing.n_group, topk_group=routing.topk_group,
-                      shared_experts=routing.shared)
-    return result
 
 
 def run(args) -> int:

@@ -316,7 +316,7 @@ class MainScreen(Screen):
                                 "flags": dict(message.flags.values)})
 
     def on_session_changed(self, message: events.SessionChanged) -> None:
-        from inspector.tui import shown_path
+        from inspector.tui_session import shown_path
 
         self.query_one(StatusBar).set_session(f"{shown_path(message.path)} · {message.steps} "
                                               f"step{'s' if message.steps != 1 else ''}")
