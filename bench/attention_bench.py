@@ -1,4 +1,4 @@
-"""Benchmark the fused sinks attention kernels on an H200 against their peers, on issue 4's problem.
+"""Benchmark the fused sinks attention kernels on an H200 against their peers, on the problem of docs/attention-kernels.md.
 
 Prefill: head_dim 512, 8 query heads over 8 kv heads, 8192 tokens, composite mask W=1024, B=64,
 sinks, bf16. Rows, all in this one run and each checked against the reference before it is

@@ -1,7 +1,7 @@
 """Resource report of the compiled MoE kernels on this GPU: registers, spills, shared memory,
 warps, pipeline stages, what that allows per SM, and which MMA instructions the PTX uses.
 
-Run on the GPU machine (bench/gpu_moe.sh does): `python3 bench/moe_compile_report.py`. It runs
+Run on the GPU machine (bench/gpu_all.sh tests does): `python3 bench/moe_compile_report.py`. It runs
 each arm once at v4-shape widths (D=4096, F=2048, k=6; 8 experts suffice, the expert count is not
 a compile-time specialisation) so the kernels compile exactly as in the sweep, then reads the
 handles Triton cached for each launch. A miss in the sweep can then be read against the numbers:

@@ -1,5 +1,5 @@
 """Compact summary of a v4-shape sweep (the JSON of `moe-inspector sweep --json`) against the
-issue-3 targets; the last thing bench/gpu_moe.sh prints.
+MoE targets (bench/RESULTS.md); bench/gpu_all.sh tests prints it after the sweep.
 
     python3 bench/moe_summary.py SWEEP.json [--tests-rc N]
 

@@ -10,7 +10,7 @@ A long spin (torch.cuda._sleep) before each repetition keeps the host's launches
 Medians of REPS repetitions.
 Also the prefetch kernel's own device time, and the copy bandwidth (a device-to-device copy of 1 GiB).
 
-    python3 bench/probe_l2.py [--json PATH]
+    python3 bench/experiments/probe_l2.py [--json PATH]
 
 H200, run 26 (bench/results/2026-11-29-h200-run26-l2-probe-one-launch): L2 60 MiB, copy 4.27 TB/s. wo: 12.96 us cold,
 11.23 us after the prefetch (8 programs; 11.7-12.0 with 32 or 132; no gain at 1 MB per instruction), 9.23 us
@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

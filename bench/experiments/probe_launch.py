@@ -1,4 +1,4 @@
-"""GPU probe of the host costs around a decode step's graph launch (issue 7's host time per step).
+"""GPU probe of the host costs around a decode step's graph launch (the host time per decode step).
 
 Four questions, each answered by a measurement in one process (run on a GPU; prints one table):
   1. launch of a graph while a replay of the SAME graph is still queued, against alternating two
@@ -11,7 +11,7 @@ Four questions, each answered by a measurement in one process (run on a GPU; pri
   6. the host cost of an event record and a graph launch through torch's C methods, against the CUDA
      driver's cuEventRecord / cuGraphLaunch called through ctypes on the same handles.
 
-    python3 bench/probe_launch.py
+    python3 bench/experiments/probe_launch.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ distinct experts per token). The module constants of kernels.moe_gemv are set pe
 launcher reads them at call time); the table entry in use is marked. Bound: w13 and w2 bytes of
 the distinct experts touched, over the device-to-device copy bandwidth measured in this run.
 
-    python3 bench/moe_gemv_blocks.py          # prints a table; JSON to $OUT/moe_gemv_blocks.json
+    python3 bench/experiments/moe_gemv_blocks.py          # prints a table; JSON to $OUT/moe_gemv_blocks.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
