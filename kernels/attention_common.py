@@ -9,7 +9,7 @@ Shape legend (as in `kernels.reference`):
 
 The visible-key walk
 --------------------
-visible(i, j) = j <= i  and  not pad(j)  and  (i - j < W  or  j % blk == 0)      (DESIGN.md)
+visible(i, j) = j <= i  and  not pad(j)  and  (i - j < W  or  j % blk == 0)
 
 For a set of query positions [p_first, p_last] (one program's rows) the keys that can be visible
 are a contiguous *band* [max(0, p_first - W + 1), min(Tk, p_last + 1)) plus, for the composite

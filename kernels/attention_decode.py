@@ -1,6 +1,6 @@
-"""Flash-decoding: a few queries per sequence against a long KV, the KV walk split across programs
-(split-K) and merged in the same launch by the last split of each group to finish. Same math,
-layout and masks as `kernels.attention`; its reference is `kernels.reference.attention_reference`.
+"""Flash-decoding: a few queries per sequence against a long KV, the walk over keys split across
+programs (split-KV) and merged. Same math, layout and masks as `kernels.attention`; its reference is
+`kernels.reference.attention_reference`.
 
 Shapes:
     q           [B, Tq, Hq, hd]   Tq small (decode: 1; speculative / tiny chunks: a few)
@@ -11,60 +11,23 @@ Shapes:
     counters    [B * Hkv] int32               arrivals per (sequence, kv head), `kernels.arrivals`
     out         [B, Tq, Hq, hd]   q's dtype
 
-Why split: one query row is too little work to fill an H200 (132 SMs) from one program per
-(sequence, head); splitting the walk over keys gives S programs per (sequence, kv head) and every
-SM a share of the KV stream. The splits start from max = -inf and sum = 0 — no sink — and the
-merge starts from the sink: sigma_h enters the denominator exactly once, however many splits there
-are. A split that saw no visible key leaves (max -inf, sum 0) and weighs 0.
+One program per (split, sequence, kv head); its rows are the group's Hq / Hkv query heads times Tq,
+padded to 16 (tl.dot's minimum), so each K/V byte is read once per split. Splits start from no sink;
+the merge adds the sink once. How the splits are merged (`combine`; None: `default_combine`):
+    "last"    one launch: the last split of each (sequence, kv head) to arrive merges every split's
+              partials in the fixed order 0..S-1 and resets its counter (the default for one row per
+              group);
+    "kernel"  a second launch, `_flash_decode_combine_kernel`, merges them, one program per merge tile
+              (the default for a GQA group of several rows, whose partials are more than one program
+              reads quickly).
+One split writes `out` directly, without partials. Both merges run `_merge_rows` on the same tiles in
+the same split order. The split count (`default_num_splits`) keeps one wave of programs and enough key
+tiles per split; a GQA group takes one tile per split. Why each of these: docs/attention-kernels.md;
+the measurements: bench/RESULTS.md. As with every user of `kernels.arrivals`, two streams must not run
+it at once (shared counters).
 
-Why one launch (combine="last", the default): a second combine kernel cost a launch gap plus its
-own ramp, several microseconds against a ~32 us KV stream (1.38x the bandwidth bound on the H200
-with two launches). Now every split stores its partials, `tl.debug_barrier()` (all of the CTA's
-stores issued), then one `atomic_add(counter, 1, sem="acq_rel")` per program on its group's
-counter; the program that sees S - 1 is the last of its group: it merges every split's partials
-(`.cg`, past L1) in the fixed order 0..S-1, so the output does not depend on which program
-finished last, writes `out` and stores 0 back into the counter (every counter is 0 again when the
-kernel ends: repeated calls and CUDA-graph replays need no memset). With S == 1 the single program
-merges its registers with the sink and writes `out` directly. As with every user of
-`kernels.arrivals`, two streams must not run it at once (shared counters). combine="kernel" keeps
-the two-launch path (split kernel, then `_flash_decode_combine_kernel`, one program per merge tile)
-for comparison; both run `_merge_rows` on the same tiles in the same split order: equal to the bit
-under the interpreter, to rounding on a GPU (the two kernels' warp counts, hence the order inside
-a tile's sum, may differ).
-
-The merge (`_merge_rows`): the last program merges all rows of its GQA group at once, not row by
-row: one [MERGE_ROWS, SPLITS] load of each stats array, then [MERGE_ROWS, SPLITS, BLOCK_D] loads of
-partials (<= MERGE_ELEMENTS = 8192 fp32, 64 registers per thread at 4 warps), the first issued with
-the stats and each next one as soon as the previous chunk is stored: about one L2 round trip per
-tile, at the v4 shape (8 rows, 5 splits -> SPLITS 8, hd 512) 4 tiles of [8, 8, 128]. Before, a loop
-over rows and over [SPLITS, BLOCK_D] column chunks made 8 x (1 + 4) = 40 dependent round trips at
-21 splits, likely most of the 10.6 us the H200 profile measured for ~1.3 MB of KV (predicted, not
-yet measured: ~1-2 us for this merge).
-
-Split count (`choose_splits`, `default_num_splits`): at most one wave (splits x B x Hkv <= SMs) and
-MAX_SPLITS, and also
-  - each split walks >= MIN_TILES_PER_SPLIT key tiles (the kernel balances the walk: split s takes
-    tiles [s*T//S, (s+1)*T//S)), so a short walk gets few programs instead of one tile each;
-  - S <= sqrt(T / r), r = (rows x 4 B) / (2 x BLOCK_N x elem B), the partial bytes one split adds to
-    the merging program's read over the KV bytes of one tile: the serial merge then reads no more
-    than one split walks (S x rows x hd x 4 <= (T / S) x tile bytes). It binds at wide GQA groups on
-    long walks: v4 at 8192 causal keys, 32 splits instead of 64 of the 4-tile rule.
-H200 (132 SMs), hd 512, bf16: v4 (Hq 8 / Hkv 1) at 640 keys -> 21 tiles -> 5 splits of 4-5 tiles
-(the plain one-wave rule: 21 splits of one tile); 8192 keys composite -> 9, causal -> 32; issue 4
-(Hq = Hkv = 8, 8192 causal keys) -> 16 splits of 16 tiles, as before. A walk under 2 x 4 tiles
-is one split, written directly: no partials, no merge.
-
-Grouped-query heads: the Hq / Hkv query heads of one kv head, times Tq, are the rows of one
-program's tile, so each K/V byte is read once per split, not once per query head. BLOCK_M is that
-row count rounded up to 16 (tl.dot's minimum); at one query and one head per group, 15 of 16
-rows are padding, which costs tensor-core time a bandwidth-bound kernel has to spare.
-
-Block sizes at head_dim 512: Q 16 x 512 x 2 B = 16 KB; per stage K and V tiles of 32 x 512 x 2 B
-= 32 KB each: 16 + 2 x 64 = 144 KB of shared memory at 2 stages (3 stages = 208 KB fits too, with
-little to spare; the benchmark sweeps it). The accumulator 16 x 512 fp32 is 64 registers per
-thread at 4 warps. The merge's tile (<= 8192 fp32, 64 registers per thread at 4 warps) is live
-only after the walk's accumulator is dead; its loops run with num_stages=1 so the pipeliner gives
-them no shared-memory buffers beside the walk's.
+Does not: take more than MAX_ROWS rows per program (longer chunks are `kernels.attention`'s), autotune
+(the configs are fixed per head dim), or read the device (shapes only: graph-safe).
 """
 
 from __future__ import annotations
@@ -91,17 +54,10 @@ from kernels.reference import MaskSpec
 
 MAX_SPLITS = 128
 MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
-# Each split walks at least this many key tiles (a walk shorter than 2 x this is one split, no merge).
-# A split pays a fixed cost whatever it walks: its Q tile; its pipeline's prologue (three stages at hd
-# 512: two 64 KB K+V tiles in flight before the first dot, so a split of <= 2 tiles never reaches a
-# steady state); its partials, stored and then read back by the merging program (2 x rows x hd x 4 B:
-# 32 KB at the v4 group of 8 rows, half of one 32 x 512 bf16 K+V tile); the barrier and the atomic.
-# At 4 tiles a split's partials cost <= 1/8 of its KV bytes and half its tiles are past the prologue;
-# at 1 tile (the one-wave rule's choice at the v4 shape: 21 splits for 640 keys) the partials cost
-# half the KV bytes and the whole split is prologue. A larger minimum leaves more SMs idle on short
-# walks (5 of 132 stream the v4 step's 1.3 MB already). Predicted, not measured: the bench's v4 rows
-# time the default against one tile per split. The rule does not bind where a wave has enough keys
-# (issue 4: 8192 keys over 16 splits, 16 tiles each).
+# Each split walks at least this many key tiles (a walk shorter than 2 x this is one split, no merge): a
+# split pays a fixed cost whatever it walks (its Q tile, its pipeline's prologue, its partials stored and
+# read back, the barrier and the atomic); at 4 tiles its partials cost <= 1/8 of its KV bytes
+# (docs/attention-kernels.md, "Decode at the v4 shape").
 MIN_TILES_PER_SPLIT = 4
 # fp32 elements per merge load ([MERGE_ROWS, SPLITS, BLOCK_D]): 64 registers per thread at 4 warps,
 # the walk accumulator's size; the accumulator is dead when the merge runs.
@@ -124,7 +80,7 @@ class DecodeConfig:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
 
 
-# Head dim -> config; shared memory per program = Q + stages x (K + V tiles), see the docstring.
+# Head dim -> config; shared memory per program = Q + stages x (K + V tiles) (docs/attention-kernels.md, "Block sizes").
 CONFIGS = {
     64: DecodeConfig(block_n=64, num_stages=3),
     128: DecodeConfig(block_n=64, num_stages=3),
@@ -404,9 +360,8 @@ def _flash_decode_combine_kernel(
 
 # A GQA group's short walk at head dim 512 (a decode step early in its sequence: the bench's tg rows) takes 16-key
 # tiles at 2 stages: twice the one-tile splits of 32-key tiles, each half the KV bytes and latency (shared memory
-# 16 + 2 x 32 KB). On the H200 (run 41, v4 tg128 @ b1, a 160-key cache: 11 splits instead of 6) the step took
-# 117.3 / 117.4 / 117.3 us against 118.7 / 119.0 / 118.8 (16 keys at 3 stages: 117.5 / 117.5 / 117.4). Longer walks
-# and one row per group keep CONFIGS (runs 9-15, not measured against this).
+# 16 + 2 x 32 KB); measured faster in the v4 step (bench/RESULTS.md, "Attention decode in the step"). Longer walks
+# and one row per group keep CONFIGS (not measured against this).
 SHORT_WALK_CONFIG = DecodeConfig(block_n=16, num_stages=2)
 SHORT_WALK_KEYS = 256
 
@@ -430,8 +385,8 @@ def _walk_upper_bound(spec: MaskSpec, key_len: int, query_len: int) -> int:
 
 
 def choose_splits(walk_tiles: int, wave: int, merge_ratio: float = 0.0, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
-    """Splits per (sequence, kv head) for a walk of `walk_tiles` key tiles (pure; see the module
-    docstring, "Split count"): at most `wave` (the programs per group that fit one wave) and
+    """Splits per (sequence, kv head) for a walk of `walk_tiles` key tiles (pure; why:
+    docs/attention-kernels.md, "Decode at the v4 shape"): at most `wave` (the programs per group that fit one wave) and
     MAX_SPLITS; few enough that each split walks >= `min_tiles` tiles (the kernel balances them:
     floor or ceil of walk_tiles / S each); and at most sqrt(walk_tiles / merge_ratio), where
     merge_ratio = bytes one split adds to the merging program's read / KV bytes of one tile, so that
@@ -457,9 +412,8 @@ def _default_splits(
     wave = sms * config.programs_per_sm // programs_per_split
     if default_combine(rows) == "kernel":
         # GQA groups: one key tile per split (up to GQA_MAX_SPLITS), merged by the combine kernel in
-        # parallel. Run 13 (H200, Hq 8 over Hkv 1, hd 512, composite): 160 keys 8.2 us steady against
-        # 13.0 us for one split of 5 tiles; 640 keys 8.6 us (21 splits) against 14.7 us (5 splits, one
-        # launch): a program's walk costs ~2.5 us per tile here, so more programs beat fewer, longer ones.
+        # parallel: a program's walk costs about 2.5 us per tile at the v4 shape, so more programs beat
+        # fewer, longer ones (bench/RESULTS.md, "Attention decode in the step").
         return choose_splits(walk_tiles, min(wave, GQA_MAX_SPLITS), min_tiles=1)
     # Per split the merging program reads rows x hd x 4 B of partials; a key tile is 2 x BLOCK_N x hd x e B.
     merge_ratio = (rows * 4) / (2 * block_n * element_size)
@@ -505,11 +459,10 @@ GQA_MAX_SPLITS = 32  # splits per group when a GQA group's rows are merged by th
 
 
 def default_combine(rows: int) -> str:
-    """How splits are merged when the caller does not say: with one query row per (sequence, kv
-    head) the last split merges in the same launch (issue 4's problem, 1.26-1.40x the bound against
-    1.30-1.39x with two launches, runs 9-12); a group of several rows (GQA) has more partials to merge
-    than one program reads quickly, so the combine kernel spreads them (run 13: 8.2-8.6 us against
-    13.0-14.7 us at the v4 shape)."""
+    """How splits are merged when the caller does not say: "last" (the last split merges, one launch) for
+    one query row per (sequence, kv head); "kernel" (a second launch spreads the merge) for a group of
+    several rows (GQA), which has more partials than one program reads quickly. Both measured so on the
+    H200 (bench/RESULTS.md, "Attention decode in the step")."""
     return "last" if rows == 1 else "kernel"
 
 
@@ -527,7 +480,7 @@ def flash_decode(
     num_splits: int | None = None,  # None: one wave of programs on this device
     config: DecodeConfig | None = None,  # overrides the head-dim table (benchmark sweeps)
     combine: str | None = None,  # "last": one launch, the last split merges; "kernel": a second combine
-    # launch; None: `default_combine` (measured: "last" for one row per group, "kernel" for GQA groups)
+    # launch; None: `default_combine` ("last" for one row per group, "kernel" for GQA groups)
 ) -> torch.Tensor:  # [B, Tq, Hq, hd]
     """Split-KV attention with sinks, equal to `attention_reference` with the same arguments."""
     if combine is not None and combine not in COMBINES:

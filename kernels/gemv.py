@@ -117,9 +117,8 @@ def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device,
     if device.type != "cuda":  # the interpreter pays per program: few, wide ones
         return min(64, max(16 if dot else 1, triton.next_power_of_2(n_out))), min(128, triton.next_power_of_2(k_in))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # One row: 2 x 2048 (or 1 x 4096) per program measured fastest on the H200 at K = 4096
-    # (bench/gemv_bench.py, run 7: 12.5 vs 13.3 us for [5120, 4096] at 8 x 512); a few rows reuse a
-    # wider tile across them.
+    # One row: 2 x 2048 (or 1 x 4096) per program measured fastest on the H200 at K = 4096 (bench/gemv_bench.py;
+    # bench/RESULTS.md, "The dense GEMV"); a few rows reuse a wider tile across them.
     block_n = 16 if dot else 2 if rows == 1 else 8
     while block_n > (16 if dot else 1) and triton.cdiv(n_out, block_n) < 4 * sms:
         block_n //= 2

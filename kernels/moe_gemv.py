@@ -32,14 +32,7 @@ a GPU gives 96 and 56 registers at 4 warps (5 and 9 programs per SM).
     n = 1 at D=4096, F=2048, k=6:  gate-up 6 x 128 = 768 programs (1.2 waves of 660 slots), 2 x 8 steps
                                    down    512 programs (one wave), 6 x 2 steps of 16 KB each
     n = 16:                        gate-up 12288, down 8192 programs
-Measured on the H200 (bench/moe_gemv_blocks.py; results under bench/results/):
-  - down, one program per (pair, output block) with the last of a token's k programs summing their
-    partials (arrival counters): 78.9-79.5 us for the arm at n = 1, 116.8 us per v4 decode step;
-    the walk above: 76.4-77.3 us and 114.6 us (runs 47, 48). Its pipelined variants (tl.range with
-    2-4 stages through shared memory) and other blocks (4, 2 or 16 rows, 512 or 2048 columns) lost;
-  - gate-up: other blocks (run 10) and 2-4 pipelined stages (run 45) gained nothing at n = 1; two blocks
-    of 8 hidden units per program in turn (768 programs instead of 1536 in 1.9 waves): 112.6 against
-    113.8 us per v4 step, four (384 programs): 127.3 (run 49).
+Why these blocks and schedules, and what else was measured: docs/moe-kernels.md, bench/RESULTS.md.
 With PDL, down loads its first pair's first tile before its wait (the ids are the router's, two
 grids back), so the whole grid has a tile in flight as gate-up drains.
 Scratch: hidden [N, F] in x's dtype.
@@ -58,7 +51,7 @@ GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
 GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B per thread x 64
 DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2 (D / 8 = 512 programs per token)
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
-GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in turn (run 49: 2 against 1 and 4)
+GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in turn (measured: 2 beat 1 and 4)
 NUM_WARPS = 4
 
 
