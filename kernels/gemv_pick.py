@@ -141,5 +141,5 @@ def gemv_pick(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | 
         NEXT_NORM=following is not None, NEXT_BLOCK=triton.next_power_of_2(k_in),
         **fold.constexprs,
     )
-    launches.record("gemv_pick_norm" if following is not None else "gemv_pick")
+    launches.record("gemv_pick_norm" if following is not None else "gemv_pick", kernel=_gemv_pick_kernel)
     return result

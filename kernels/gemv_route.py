@@ -101,5 +101,5 @@ def gemv_route(x: torch.Tensor | None, w: torch.Tensor, *, route: Route, norm: N
         COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(rows * route.top_k))),
         **fold.constexprs,
     )
-    launches.record("gemv_route")
+    launches.record("gemv_route", kernel=_gemv_route_kernel)
     return result
