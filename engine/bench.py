@@ -9,7 +9,7 @@ Rows (one per test and batch size B; `@ bB` is left off at B = 1):
 Each row runs a warm-up repetition (compilation, graph capture) that is excluded, then `reps`
 timed ones: t/s is their mean +- sample stddev, llama-bench style.
 
-The rules (DESIGN.md, issue 7), each enforced here rather than trusted:
+The rules, each enforced here rather than trusted:
 - Refusal: a repetition with zero prompt tokens, fewer tokens than asked, zero time or a
   non-finite rate raises MeasurementError (exit 2) before anything is printed.
 - Stamps: each step is stamped before it runs (engine.runtime), so a request that finishes inside
@@ -476,7 +476,7 @@ def _profile_events(prof) -> tuple[list[tuple[str, float, float]], dict[int, tup
 
 
 # --------------------------------------------------------------------------------------------
-# The bound and the copy bandwidth (targets of issue 7)
+# The bound and the copy bandwidth (the decode targets)
 # --------------------------------------------------------------------------------------------
 
 def active_weight_bytes(config, element_bytes: int) -> dict:
@@ -670,7 +670,7 @@ def profile_note(note: str, device: torch.device) -> str:
 
 
 def _targets(engine, rows: list[Row]) -> dict:
-    """The issue-7 targets, printed for the batch-1 decode rows: the ratio to the weight-bandwidth
+    """The decode targets, printed for the batch-1 decode rows: the ratio to the weight-bandwidth
     bound, and host time per decode step as a share of its device time."""
     singles = [row for row in rows if row.spec.kind == "tg" and row.spec.batch == 1 and not row.admitting]
     if not singles:
@@ -835,7 +835,7 @@ def format_markdown(report: Report) -> str:
     targets = payload["targets"]
     if targets:
         weights, bandwidth = targets["active_weight_bytes_per_token"], targets["copy_bandwidth"]
-        lines += ["", "Targets (issue 7):"]
+        lines += ["", "Targets:"]
         for entry in targets["rows"]:
             lines.append(
                 f"- {entry['test']} @ b1: {entry['tps']:.1f} t/s against a bound of {entry['bound_tps']:.1f} t/s "

@@ -6,7 +6,7 @@ distances do. Every distance here is relative, ‖a − b‖ / ‖b‖ in float3
 control: the relative change from perturbing the masked reference's OUTPUT by one ULP of the
 working dtype. (Perturbing a shared input would move both sides together and never fire.)
 
-Order of the check (DESIGN.md, "Masks and sinks"; the incident it settled is in the seeds):
+Order of the check (each part rules out a way the verdict could mislead):
 1. discrimination — ‖masked_ref − causal_ref‖ / ‖masked_ref‖ must be ≫ the control, or no
    verdict can tell honouring the mask from dropping it;
 2. the fused output's distance to the masked, causal and unmasked references;

@@ -19,7 +19,8 @@ from engine.errors import UserError
 
 @dataclass(frozen=True)
 class LayerMask:
-    """The attention mask of one layer: `causal`, `window` or `composite` (see DESIGN.md)."""
+    """The attention mask of one layer: `causal`, `window` or `composite` (kernels.attention_common draws the
+    visible-key rule of each)."""
 
     kind: str = "causal"
     window: int = 0

@@ -1,5 +1,5 @@
 """Which commit produced a result: MOEI_COMMIT when set (a copy of the tree without git history,
-as on the lent GPU machines), else `git rev-parse HEAD` with a dirty marker. One place for every
+as a GPU machine may get it), else `git rev-parse HEAD` with a dirty marker. One place for every
 results file, table footer and calibration entry."""
 
 from __future__ import annotations

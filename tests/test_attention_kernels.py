@@ -32,7 +32,7 @@ from kernels.reference import MaskSpec, attention_reference
 #   still 4 orders below what a wrong mask costs (0.1 .. 1).
 # - float16: probabilities and the output are rounded to fp16 (2^-11 relative each); measured
 #   ~5e-4. 4e-3 leaves 8x.
-# - bfloat16 (GPU only): 8x coarser than fp16 (2^-8), the issue's bound.
+# - bfloat16 (GPU only): 8x coarser than fp16 (2^-8).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1e-2}
 
 COMPOSITE = MaskSpec("composite", window=8, block=4)
@@ -374,7 +374,7 @@ def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat1
         # v4 at 8192 keys: composite walks 1024 + 128 keys (36 tiles), causal 256: capped at 32.
         (1, 8, 1, 8192, V4_COMPOSITE, 32),
         (1, 8, 1, 8192, MaskSpec("causal"), 32),
-        # Issue 4's decode problem (Hq = Hkv = 8, 8192 keys): one wave, 132 // 8 = 16 splits of 16
+        # The attention benchmark's decode problem (Hq = Hkv = 8, 8192 keys): one wave, 132 // 8 = 16 splits of 16
         # tiles, as before.
         (1, 8, 8, 8192, MaskSpec("causal"), 16),
         # A batch of 32 sequences: 132 // 32 = 4 programs per sequence fit one wave.
@@ -382,7 +382,7 @@ def shapes_only(batch, heads, kv_heads, k_len, head_dim=512, dtype=torch.bfloat1
         # bench tg128's 160-key cache at v4: a short walk (SHORT_WALK_CONFIG's 16-key tiles): 11 tiles (160 + 3
         # block starts), one split each.
         (1, 8, 1, 160, V4_COMPOSITE, 11),
-        # One row per group (issue 4's shape) under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written
+        # One row per group (the benchmark's shape) under 2 x MIN_TILES_PER_SPLIT tiles: one split, out written
         # directly (no merge); a single tile is one split for a GQA group too.
         (1, 8, 8, 200, V4_COMPOSITE, 1),
         (1, 8, 1, 5, MaskSpec("causal"), 1),
@@ -411,7 +411,7 @@ def test_decode_choose_splits_rules():
 
 def test_decode_merge_tile_sizes():
     assert merge_tile(8, 5, 512) == (8, 8, 128)  # v4: the group's 8 rows x 8 splits, 4 column chunks
-    assert merge_tile(1, 16, 512) == (1, 16, 512)  # issue 4: one load per kv head
+    assert merge_tile(1, 16, 512) == (1, 16, 512)  # the benchmark's shape: one load per kv head
     assert merge_tile(8, 128, 512) == (2, 128, 32)  # many splits: 2 rows at a time
     for rows in (1, 3, 8, 64):
         for splits in (2, 5, 33, 128):

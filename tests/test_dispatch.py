@@ -1,4 +1,4 @@
-"""Dispatch math and gate policies: pinned values of DESIGN.md and the exact flip point."""
+"""Dispatch math and gate policies: pinned values of the closed forms and the exact flip point."""
 
 import itertools
 

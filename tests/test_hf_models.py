@@ -30,8 +30,8 @@ from engine.runtime import PREFILL, Dispatcher, Engine  # noqa: E402
 from inspector import cli  # noqa: E402
 
 # gpt-oss experts (biases, clamped SwiGLU) run only on the reference arm: the dispatcher takes them as
-# `experts=` (engine.model.FamilyExperts). Until engine.runtime.Dispatcher.moe accepts it (the change is
-# described in issue 8's report), the gpt-oss engine tests are skipped, not failed.
+# `experts=` (engine.model.FamilyExperts). Where Dispatcher.moe does not accept it, the gpt-oss engine tests
+# are skipped, not failed.
 GPT_OSS_EXPERTS = pytest.mark.skipif(
     "experts" not in inspect.signature(Dispatcher.moe).parameters,
     reason="engine.runtime.Dispatcher.moe has no `experts` argument yet (gpt-oss experts need its reference fallback)")

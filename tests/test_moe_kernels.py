@@ -592,7 +592,7 @@ def _v4_decode_inputs(tokens, experts, hidden, generator):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_gpu_gemv_v4_shape_decode_bit_reproducible(v4_weights, tokens):
-    # issue 7's shape: 512 down programs per token, each summing its 6 pairs in a fixed order; programs
+    # the v4 decode shape: 512 down programs per token, each summing its 6 pairs in a fixed order; programs
     # run in a different order from call to call, the output bits must not change
     w13, w2 = v4_weights
     generator = torch.Generator().manual_seed(70 + tokens)

@@ -251,7 +251,7 @@ def test_a_failed_check_exits_1(capsys, tmp_path):
 
 
 def test_bench_step_runs_on_cpu_and_replays(capsys, tmp_path):
-    """The bench step (issue 7): llama-bench rows in the results, token counts and counters diffed on
+    """The bench step: llama-bench rows in the results, token counts and counters diffed on
     replay, timings not; a tampered counter is found."""
     session_path = tmp_path / "bench_tiny.toml"
     session_path.write_text((FIXTURES / "bench_tiny.toml").read_text())

@@ -161,7 +161,7 @@ async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
         assert f"diverges at token {index}" in str(main.query_one("#divergence-line").render())
         flag_actions = [action for action in app.actions if action["action"] == "flag"]
         assert flag_actions[-1]["flag"] == "fused_mask" and flag_actions[-1]["value"] == "drop"
-    # The session hook's payloads are what the session recorder (issue 6) reads.
+    # The session hook's payloads are what the session recorder reads.
     recorder_module = pytest.importorskip("inspector.session_recorder")
     recorder = recorder_module.SessionRecorder(tmp_path / "recorded.toml", {"model": "tiny", "seed": 0},
                                                flag_registry.resolve([], environ={}))

@@ -1,8 +1,8 @@
 """Sessions and the bench in the TUI, driven through Pilot on `tiny` (CPU, seconds).
 
-The round trip of issue 6 (record in the TUI -> save as -> `run` headless -> `replay` headless),
+The round trip of a session (record in the TUI -> save as -> `run` headless -> `replay` headless),
 opening a session (a malformed one refused in place), the replay screen (steps, both sides, a
-verdict per step, a tampered recording found), and the bench screen of issue 7 (rows and the
+verdict per step, a tampered recording found), and the bench screen (rows and the
 progress bar, a refused measurement).
 """
 
