@@ -614,7 +614,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         if on_row is not None:
             on_row(row)
     # Every profiled repetition after every timed one: a torch.profiler session leaves the process's CUDA
-    # calls slower for good (bench/probe_launch.py, H200: a graph launch 4.0 us before one, 13.9 us after),
+    # calls slower for good (bench/experiments/probe_launch.py; bench/RESULTS.md, "Host time per decode step"),
     # so a row timed after another row's profile would carry that cost in its host time.
     for row, runner, run_once, floor in profiled:
         traced = {} if trace is None else {"traced": partial(trace.add_profiled, flags.describe())}

@@ -133,7 +133,7 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
     # next tokens, then each MoE layer's woken-expert count (what `end_step_batch` concatenates on an eager
     # step). The folds write there where they run (engine.decode_fused.StepOutputs: the router's count,
     # the LM head's argmax, which also feeds the next replay its inputs); what they did not write is
-    # copied or written there after the forward. A launch then copies nothing (bench/probe_launch.py:
+    # copied or written there after the forward. A launch then copies nothing (bench/experiments/probe_launch.py:
     # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
     landing = tuple(torch.empty(size + config.n_moe_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
     logits = _logit_landings(runner, dispatcher, 1, size)

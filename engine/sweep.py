@@ -190,7 +190,7 @@ def require_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise UserError("sweep needs a CUDA GPU; this machine has none (torch.cuda.is_available() is "
-                        "False). Run it on the GPU machine, e.g. `bash bench/gpu_moe.sh`")
+                        "False). Run it on the GPU machine, e.g. `bash bench/gpu_all.sh tests`")
 
 
 class _Timer:

@@ -344,7 +344,7 @@ def test_host_time_quantiles_come_from_the_windows_steps():
 
 
 def test_every_profiled_repetition_runs_after_every_timed_one(tiny, monkeypatch):
-    # A torch.profiler session leaves the process's CUDA calls slower (bench/probe_launch.py), so no row may be
+    # A torch.profiler session leaves the process's CUDA calls slower (bench/experiments/probe_launch.py), so no row may be
     # timed after another row's profile: the timed repetitions of both rows come first, then both profiles.
     order = []
     run_once = bench._run_once

@@ -466,7 +466,7 @@ def test_launchers_reject_bad_inputs():
 
 GPU_SHAPES = [
     # (T, k, E, D, F, tile_m values), each named for what it covers. Few shapes on purpose: each
-    # new width or k is a fresh Triton compile of every kernel, and bench/gpu_moe.sh has minutes.
+    # new width or k is a fresh Triton compile of every kernel, and bench/gpu_all.sh has minutes.
     pytest.param(1, 6, 16, 4096, 2048, (16,), id="decode-one-token-v4-width"),
     pytest.param(33, 4, 13, 2048, 1024, (16,), id="33-tokens-prime-E-13"),
     pytest.param(700, 6, 64, 1024, 512, TILE_M_CHOICES, id="several-m-tiles-per-expert-every-tile_m"),

@@ -1,5 +1,5 @@
 """The sweep's arithmetic, argument checks, table and progress bar (CPU); the measurement itself
-runs on the GPU machine (bench/gpu_moe.sh)."""
+runs on the GPU machine (bench/gpu_all.sh tests)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def _us(value) -> str:
 
 
 def render_table(result: dict) -> str:
-    """The human table of a sweep result (also used on saved JSON by bench/gpu_moe.sh)."""
+    """The human table of a sweep result (also usable on a saved sweep JSON)."""
     rows = result["rows"]
     arms = list(rows[0]["arms"]) if rows else []
     shape = result["shape"]
