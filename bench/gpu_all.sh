@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# The GPU runs the project uses, each stage under its own time limit (bench/README.md says what each prints).
+# The GPU runs the project uses, each stage under its own time limit (bench/README.md says what each prints;
+# A/B runs of flag values or source trees are `moe-inspector ab`'s).
 #
 #   bash bench/gpu_all.sh tests     every GPU test, check-attention honoured and dropped, the attention bench,
 #                                   the MoE compile report, a short v4 sweep and its summary against the targets
 #   bash bench/gpu_all.sh decode    the decode step's GPU tests, v4 tg128 @ b1 three times (the headline figure),
 #                                   a profiled v4 row (kernel shares), the host step, the demo table
-#   bash bench/gpu_all.sh ab        v4 tg128 @ b1 under each named flag setting of AB, interleaved ROUNDS times
-#                                   (default: the defaults and each launch switch off)
-#   bash bench/gpu_all.sh versus    v4 tg128 @ b1 and the host step, this tree against an older one in $OLD
-#                                   (e.g. `mkdir ab_old && git archive REV engine kernels inspector bench
-#                                   pyproject.toml | tar -x -C ab_old`), interleaved ROUNDS times (default 3)
 #   bash bench/gpu_all.sh train     train the demo checkpoint (engine/weights/demo/), sample it, drop vs honor
 #
 # Logs go under $WORK (default /tmp/moei-gpu), then into $OUT as one tarball. Each log's footer names the
@@ -73,32 +69,6 @@ elif [ "$mode" = decode ]; then
     TAIL=30 stage 100 bench_demo python3 -m inspector bench --model demo --pp 128,512 --tg 128 --batch 1,8,32 \
         --reps 3 --format md --json-out "$WORK/bench_demo.json"
     summary
-elif [ "$mode" = ab ]; then  # AB: "name:FLAG=VALUE+FLAG=VALUE name:..." ("base:" runs the defaults)
-    AB=${AB:-"base: nopdl:pdl=off nopreload:pdl_preload=off nostream:stream_weights=off nocarry:carry_norm=off \
-norunahead:run_ahead=off onestep:steps_per_graph=1"}
-    for round in $(seq "${ROUNDS:-2}"); do
-        for setting in $AB; do
-            name=${setting%%:*}; assignments=${setting#*:}
-            arguments=()
-            IFS=+ read -r -a pairs <<< "$assignments"
-            for pair in "${pairs[@]}"; do [ -n "$pair" ] && arguments+=(--set "$pair"); done
-            TAIL=6 v4 "v4_${name}_$round" "${arguments[@]}"
-        done
-    done
-    summary
-elif [ "$mode" = versus ]; then
-    OLD=${OLD:-ab_old}
-    [ -d "$OLD/engine" ] || { echo "no older tree in $OLD"; exit 2; }
-    for round in $(seq 1 "${ROUNDS:-3}"); do
-        for tree in new old; do
-            dir=.; [ $tree = old ] && dir=$OLD
-            TAIL=4 stage 100 "v4_${tree}_$round" bash -c "cd '$dir' && python3 -m inspector bench --model v4-shape \
-                --pp 128 --tg 128 --batch 1 --reps 3 --gpu-weights --format md --json-out '$WORK/v4_${tree}_$round.json'"
-            TAIL=4 stage 60 "host_step_${tree}_$round" bash -c "cd '$dir' && python3 bench/host_step.py --device cuda \
-                --model v4-shape --steps 2000"
-        done
-    done
-    summary
 elif [ "$mode" = train ]; then
     TAIL=8 stage 330 train_demo python3 train/train_demo.py --minutes "${MINUTES:-4}" --out engine/weights/demo/model.safetensors
     cp engine/weights/demo/model.safetensors engine/weights/demo/training.json "$OUT"/ 2>/dev/null
@@ -108,7 +78,7 @@ elif [ "$mode" = train ]; then
     TAIL=3 stage 60 drop_vs_honor python3 -m inspector compare --model demo --prompt "$LONG" --max-tokens 64 \
         --a fused_mask=drop --b fused_mask=honor --json
 else
-    echo "unknown mode $mode: tests, decode, ab, versus or train"; exit 2
+    echo "unknown mode $mode: tests, decode or train"; exit 2
 fi
 
 echo "total $((SECONDS - started))s"

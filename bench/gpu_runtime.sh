@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU runs of the one runtime (the H200 through the device tool, or any CUDA machine):
+# GPU runs of the one runtime (an H200, or any CUDA machine):
 #   bash bench/gpu_runtime.sh runtime   the GPU tests of the runtime, the fused step, the MoE arms and every HF
 #                                        family; v4-shape and demo tg128 @ b1 (their figures must hold)
 #   bash bench/gpu_runtime.sh models    the Qwen3-30B-A3B shape (48 layers, random weights from config.json):

@@ -210,7 +210,7 @@ def test_gpu_bench_trace_attributes_every_replayed_kernel(tmp_path):
     try:
         from perfetto.trace_processor import TraceProcessor
     except ImportError:
-        return  # the format check above stands in (the processor's binary cannot be fetched on the lent machines)
+        return  # the format check above stands in (the processor's binary cannot be fetched on the GPU machines)
     processor = TraceProcessor(trace=str(out))
     count = next(iter(processor.query("select count(*) as n from slice where category = 'kernel'"))).n
     assert count == sum(entry["kernels"] for entry in attributions)
