@@ -344,7 +344,8 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
                                    start, start + steps)  # [B, T, Hq, hd]
         x = x + _attention_output(c, weights, p, attended)
 
-        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once).reshape(batch * steps, c.hidden)  # [N, D]
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once)
+        h = h.reshape(batch * steps, c.hidden)  # [N, D]
         expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
         x = x + expert_out.view(batch, steps, c.hidden)
     last = rms_norm(x[:, -1], weights["norm"], c.norm_eps, c.norm_rounds_once)  # [B, D]
@@ -381,7 +382,8 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
                                    layout.key_length)  # [B, T, Hq, hd]
         x = x + _attention_output(c, weights, p, attended)
 
-        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once).reshape(batch * steps, c.hidden)  # [B*T, D]
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once)
+        h = h.reshape(batch * steps, c.hidden)  # [B*T, D]
         if layout.token_index is not None:
             h = h[layout.token_index]  # [N, D]: padding never reaches the router or the experts
         expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
