@@ -156,6 +156,9 @@ class ModelConfig:
     layer_masks: tuple[LayerMask, ...] = field(default=())
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # RMSNorm's rounding: False (presets, Llama-style families) rounds the normalised value to the dtype and
+    # multiplies by the weight in it, two roundings; True (gpt-oss) multiplies in float32, one rounding.
+    norm_rounds_once: bool = False
     # Architecture features of the Hugging Face families (engine.hf_loader). The defaults are the
     # presets' own architecture, so every preset computes bit-identically with or without them.
     sinks: bool = True  # learned per-head attention sinks (gpt-oss); False: no sink column at all

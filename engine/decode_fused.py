@@ -79,6 +79,7 @@ def ineligible(config: ModelConfig) -> str:
         ("q/k/v/o biases", config.attention_bias), ("a q/k norm over the whole projection", config.qk_norm == "full"),
         ("clip_qkv", config.clip_qkv is not None), ("YaRN RoPE", config.rope_scaling is not None),
         ("a router bias", config.router_bias),
+        ("an RMSNorm rounded once (gpt-oss)", config.norm_rounds_once),  # kernels.rms_norm rounds twice
         ("softmax-top-k routing without renormalisation", config.router == "softmax_topk" and not config.norm_topk_prob),
         ("group-limited routing", config.router in ("softmax_group_topk", "sigmoid_group_topk")),
         ("routed_scaling_factor", config.routed_scaling_factor != 1.0), ("q/k/v biases", config.qkv_bias),

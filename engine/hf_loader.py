@@ -109,12 +109,19 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
-    checkpoint = Checkpoint.open(directory)
+    weights = load_weights(directory, config, family, device, dtype, stream)
+    return LoadedCheckpoint(config, weights, tokenizer, family)
+
+
+def load_weights(directory: str | Path, config: ModelConfig, family: str, device: torch.device, dtype: torch.dtype,
+                 stream: TextIO | None = None) -> dict[str, torch.Tensor]:
+    """The engine's weights of the checkpoint in `directory` (its `read_config`), without the tokenizer:
+    for callers that feed token ids (bench/family_numerics.py, where `tokenizers` may be absent)."""
+    checkpoint = Checkpoint.open(Path(directory))
     try:
-        weights = _load_weights(config, family, checkpoint, device, dtype, stream, _unread_layers(directory, family))
+        return _load_weights(config, family, checkpoint, device, dtype, stream, _unread_layers(directory, family))
     finally:
         checkpoint.close()
-    return LoadedCheckpoint(config, weights, tokenizer, family)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,6 +298,7 @@ def _gpt_oss_config(fields: _Fields, name: str) -> ModelConfig:
     return ModelConfig(
         **common, layer_masks=tuple(masks), rope_theta=theta, rope_scaling=yarn, sinks=True,
         attention_bias=bool(fields.get("attention_bias", True)), router="topk_softmax", router_bias=True,
+        norm_rounds_once=True,
         expert_activation="gpt_oss_clamped", expert_bias=True,
         activation_alpha=float(fields.get("swiglu_alpha", 1.702)),
         activation_limit=float(fields.get("swiglu_limit", 7.0)),

@@ -192,9 +192,15 @@ class KVCache:
         return self.k[layer][:, :key_length].index_select(0, slots)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rounds_once: bool = False) -> torch.Tensor:
+    """x [..., D] normalised in float32, times weight [D], in x's dtype. Where it rounds follows the family
+    (ModelConfig.norm_rounds_once): the normalised value to x's dtype, then its product with the weight
+    (Llama-style, the presets), or only the float32 product (gpt-oss: `(weight * normed).to(dtype)`)."""
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if rounds_once:
+        return (normed * weight.float()).to(x.dtype)
+    return normed.to(x.dtype) * weight
 
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,14 +303,16 @@ def _attention_inputs(config: ModelConfig, weights: dict[str, torch.Tensor], p: 
     if c.attention_bias or c.qkv_bias:
         q, k, v = q + weights[p + "bq"], k + weights[p + "bk"], v + weights[p + "bv"]
     if c.qk_norm == "full":  # OLMoE: over the whole projection, before clipping and the head split
-        q, k = rms_norm(q, weights[p + "q_norm"], c.norm_eps), rms_norm(k, weights[p + "k_norm"], c.norm_eps)
+        q = rms_norm(q, weights[p + "q_norm"], c.norm_eps, c.norm_rounds_once)
+        k = rms_norm(k, weights[p + "k_norm"], c.norm_eps, c.norm_rounds_once)
     if c.clip_qkv is not None:
         q, k, v = (tensor.clamp(-c.clip_qkv, c.clip_qkv) for tensor in (q, k, v))
     q = q.view(batch, steps, c.n_heads, c.head_dim)  # [B, T, Hq, hd]
     k = k.view(batch, steps, c.n_kv_heads, c.head_dim)  # [B, T, Hkv, hd]
     v = v.view(batch, steps, c.n_kv_heads, c.head_dim)
     if c.qk_norm == "per_head":  # Qwen3-MoE: each head on its own
-        q, k = rms_norm(q, weights[p + "q_norm"], c.norm_eps), rms_norm(k, weights[p + "k_norm"], c.norm_eps)
+        q = rms_norm(q, weights[p + "q_norm"], c.norm_eps, c.norm_rounds_once)
+        k = rms_norm(k, weights[p + "k_norm"], c.norm_eps, c.norm_rounds_once)
     return q, k, v
 
 
@@ -425,7 +433,7 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
     cos, sin = rope_tables(c, torch.arange(start, start + steps, device=tokens.device))
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
+        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps, c.norm_rounds_once)
         if c.latent_attention is not None:  # the cache holds latents; the arm reads them
             q, entry = mla.inputs(c, weights, p, h, cos, sin)  # [B, T, Hq, qk_nope + r], [B, T, 1, R + r]
             cache.k[layer][:, start:start + steps] = entry
@@ -441,10 +449,11 @@ def forward(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch
                                        start, start + steps)  # [B, T, Hq, hd]
             x = x + _attention_output(c, weights, p, attended)
 
-        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [N, D]
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once)
+        h = h.reshape(batch * steps, c.hidden)  # [N, D]
         expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
         x = x + expert_out.view(batch, steps, c.hidden)
-    last = rms_norm(x[:, -1], weights["norm"], c.norm_eps)  # [B, D]
+    last = rms_norm(x[:, -1], weights["norm"], c.norm_eps, c.norm_rounds_once)  # [B, D]
     return last.float() @ output_head(c, weights).float().t()  # [B, V]
 
 
@@ -464,7 +473,7 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
     x = weights["embed"][tokens]  # [B, T, D]
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps)
+        h = rms_norm(x, weights[p + "attn_norm"], c.norm_eps, c.norm_rounds_once)
         if c.latent_attention is not None:  # the cache holds latents; the arm reads them
             q, entry = mla.inputs(c, weights, p, h, cos, sin)  # [B, T, Hq, qk_nope + r], [B, T, 1, R + r]
             entry = entry.reshape(batch * steps, 1, -1)
@@ -489,7 +498,8 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
                                        layout.key_length)  # [B, T, Hq, hd]
             x = x + _attention_output(c, weights, p, attended)
 
-        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps).reshape(batch * steps, c.hidden)  # [B*T, D]
+        h = rms_norm(x, weights[p + "moe_norm"], c.norm_eps, c.norm_rounds_once)
+        h = h.reshape(batch * steps, c.hidden)  # [B*T, D]
         if layout.token_index is not None:
             h = h[layout.token_index]  # [N, D]: padding never reaches the router or the experts
         expert_out = _experts(c, weights, layer, h, hooks)  # [N, D]
@@ -499,5 +509,5 @@ def _forward_ragged(config: ModelConfig, weights: dict[str, torch.Tensor], token
             x = x.reshape(batch * steps, c.hidden).index_add(0, layout.token_index, expert_out)
             x = x.view(batch, steps, c.hidden)
     last = x[:, -1] if layout.last_index is None else x[torch.arange(batch, device=device), layout.last_index]
-    last = rms_norm(last, weights["norm"], c.norm_eps)  # [B, D]
+    last = rms_norm(last, weights["norm"], c.norm_eps, c.norm_rounds_once)  # [B, D]
     return last.float() @ output_head(c, weights).float().t()  # [B, V]
