@@ -45,6 +45,7 @@ from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
 from engine.tokenizer import ByteTokenizer
+from engine.triton_support import missing_message, triton_installed
 from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CompareStep,
                                CurveStep, PromptStep, Session, Step, SweepStep, atomic_write_text, step_to_plain)
 
@@ -195,6 +196,8 @@ def preflight_step(where: str, index: int, step: Step, model: ModelConfig, devic
         if check_attention_function() is None:
             raise UserError(f"{here}: check-attention is not available in this build (engine.compare."
                             f"check_attention is missing); update moe-inspector, or remove the step")
+        if not triton_installed():
+            raise UserError(f"{here}: {missing_message('check-attention')}")
         shape = attention_shape(step, model)
         if shape["window"] is None or shape["block"] is None:
             raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "

@@ -46,7 +46,10 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.progress import Progress
     from engine.sweep import SweepConfig, parse_arms, parse_tokens, require_cuda, run_sweep
+    from engine.triton_support import require_triton
 
+    require_cuda()  # first: on a CPU the kernel modules below may not even import
+    require_triton("sweep")
     tile_m = args.tile_m
     if tile_m is None:
         from kernels.moe_grouped import DEFAULT_TILE_M
@@ -62,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
         calibration=Path(args.calibration) if args.calibration else None,
         timing=args.timing,
     )
-    require_cuda()
     progress = Progress(2 + len(config.tokens) * (len(config.arms) + 1), f"sweep {config.model}")
     try:
         result = run_sweep(config, progress)
