@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -265,9 +264,7 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
 def launch(args) -> int:
     notes: list[str] = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            flags = flag_registry.resolve(args.set_flags)
+        flags = flag_registry.resolve(args.set_flags)  # a bad MOEI_ value: one line on stderr, and a note below
         model, seed, device = args.model, args.seed, args.device
         session_path = getattr(args, "session", None)
         existing = bool(session_path) and Path(session_path).exists()
@@ -289,7 +286,7 @@ def launch(args) -> int:
     except UserError as error:
         print(f"moe-inspector: error: {error}", file=sys.stderr)
         return error.exit_code
-    notes += [str(warning.message) for warning in caught]
+    notes += flag_registry.environment_problems()
     if session.note:  # recorded results set aside: the replay screen will say "no recording" for those steps
         notes.append(session.note)
 
