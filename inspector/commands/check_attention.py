@@ -12,6 +12,8 @@ import argparse
 import json
 import math
 
+from inspector.commands.output import add_format_arguments, output_format
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -35,13 +37,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                         help="working dtype (default bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_format_arguments(parser, ("text", "json"), "text")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.compare import DEFAULTS, check_attention, resolve_device  # torch only when run
 
+    fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=None if args.dtype == "auto" else args.dtype,
         seed=getattr(args, "seed", 0),
     )
-    if args.json:
+    if fmt == "json":
         print(json.dumps(_json_safe(result), indent=2))
     else:
         print(format_result(result))
