@@ -33,3 +33,12 @@ def timing_method(record: dict, device_type: str) -> str:
                 f"sync (device time of the layer)")
     return (f"{replay}wall clock (time.perf_counter) around the layer's call; a CPU runs it synchronously, so "
             f"this is the layer's compute")
+
+
+def changed_flags(flags) -> str:
+    """The flags of a ResolvedFlags not at their defaults, with where each came from; or that all are."""
+    from engine.flags import DEFAULT, format_value
+
+    changed = [f"{name}={format_value(name, flags[name])} ({source})" for name, source in flags.sources.items()
+               if source != DEFAULT]
+    return ", ".join(changed) if changed else "all at their defaults"

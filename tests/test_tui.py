@@ -99,7 +99,7 @@ async def test_run_fills_both_panes_and_the_log(engine):
         assert main.query_one("#pane-b", OutputPane).tokens == run.tokens[events.B]
         layers = engine.config.n_layers
         log = main.query_one(DispatchLog)
-        assert len(log.entries) == log.shown == 2 * 6 * 2 * layers  # 2 sides x 6 steps x (MoE + attention) x layers
+        assert len(log.entries) == len(log.shown) == 2 * 6 * 2 * layers  # 2 sides x 6 steps x (MoE + attention) x layers
         # Messages: one start, batched steps, both sides finished, one end; never one message per token.
         assert len(of_type(app, events.RunStarted)) == 1
         batches = of_type(app, events.StepsArrived)
@@ -119,10 +119,10 @@ async def test_run_fills_both_panes_and_the_log(engine):
         # Filters rewrite the log from the kept records; follow mode stops on scrolling up, f5 resumes.
         main.query_one("#filter-arm").value = "fused"
         await pilot.pause()
-        assert log.shown == 6 * layers  # A's attention layers only: B runs unfused
+        assert len(log.shown) == 6 * layers  # A's attention layers only: B runs unfused
         main.query_one("#filter-arm").clear()
         await pilot.pause()
-        assert log.shown == len(log.entries) and log.follow
+        assert len(log.shown) == len(log.entries) and log.follow
         await wait_until(pilot, lambda: log.lines.scroll_y == log.lines.max_scroll_y > 0)  # settled at the end
         log.lines.scroll_to(y=0, animate=False)
         await pilot.pause()

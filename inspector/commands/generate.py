@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 
 from engine import flags as flag_registry
-from engine.flags import DEFAULT, format_value
 from engine.progress import Progress
 from engine.runtime import Engine, Generation
 from inspector import records
 from inspector.commands.common import add_engine_arguments, show_engagements
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json, stop_on_interrupt
+from inspector.describe import changed_flags
 from inspector.prompt_file import read_prompt_file
 
 FORMATS = ("text", "json", "jsonl", "csv")
@@ -48,13 +48,6 @@ def add_parser(subparsers) -> None:
 
 def prompt_of(args: argparse.Namespace) -> str:
     return read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
-
-
-def changed_flags(flags: flag_registry.ResolvedFlags) -> str:
-    """The flags not at their defaults, with where each came from; or that all are."""
-    changed = [f"{name}={format_value(name, flags[name])} ({source})" for name, source in flags.sources.items()
-               if source != DEFAULT]
-    return ", ".join(changed) if changed else "all at their defaults"
 
 
 def token_words(engine: Engine, tokens: list[int], index: int | None) -> str:

@@ -44,7 +44,8 @@ def output_format(args: argparse.Namespace) -> str:
     return "json" if args.json else (args.format or args.default_format)
 
 
-def format_for_path(path: str, explicit: str | None, allowed: tuple[str, ...], option: str) -> str:
+def format_for_path(path: str, explicit: str | None, allowed: tuple[str, ...], option: str,
+                    alternative: str = ", or give --format") -> str:
     """The format a file named `path` gets: its extension's, or `explicit` (--format). A name that says
     another format than --format, or an ending no format has without --format, is refused."""
     suffix = Path(path).suffix.lower().lstrip(".")
@@ -57,8 +58,8 @@ def format_for_path(path: str, explicit: str | None, allowed: tuple[str, ...], o
         return explicit
     if named is None or named not in allowed:
         shown = f"'.{suffix}'" if suffix else "no extension"
-        raise UserError(f"{option} {path}: {shown} names no format this command writes; end the name in {endings}, "
-                        f"or give --format")
+        raise UserError(f"{option} {path}: {shown} names no format this command writes; end the name in "
+                        f"{endings}{alternative}")
     return named
 
 

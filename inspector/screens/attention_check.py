@@ -203,7 +203,7 @@ class AttentionCheckScreen(Screen):
                          id="check-mode")
         with VerticalScroll(id="check-result"):
             yield Static(self.unavailable or "f7 (or Enter in a box) runs the check", id="check-output")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
