@@ -115,6 +115,9 @@ def run(args) -> int:
     config = model_config(args.model)
     directory = args.model not in PRESETS
     device = resolve_device(args.device)
+    if args.profile and device.type != "cuda":  # known now, not after every row is timed
+        raise UserError("--profile: a CPU run records no device kernels in torch.profiler, so there would be no "
+                        "shares to show; drop --profile, or run on a GPU")
     for spec in specs:  # before drawing weights: a bad row costs nothing
         needed = spec.prompt_len + spec.max_tokens
         if needed > config.max_seq_len:

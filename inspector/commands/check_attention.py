@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from inspector.commands.output import add_format_arguments, output_format
 
@@ -42,7 +43,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.compare import DEFAULTS, check_attention, resolve_device  # torch only when run
+    from engine.compare import DEFAULTS, CheckConfig, check_attention, resolve_device  # torch only when run
 
     fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
@@ -50,11 +51,19 @@ def run(args: argparse.Namespace) -> int:
         name: getattr(args, name) if getattr(args, name) is not None else default
         for name, default in DEFAULTS[device].items()
     }
+    dtype = None if args.dtype == "auto" else args.dtype
+    CheckConfig(**{**options, "kv_heads": options["kv_heads"] or options["heads"]}, mode=args.mode, device=device,
+                dtype=dtype or ("bf16" if device == "cuda" else "fp32"), seed=getattr(args, "seed", 0))  # bad options: now
+    # One call of tens of seconds under the interpreter: say what runs, on stderr (stdout stays the result).
+    print(f"check-attention: the fused kernel and its references at seq {options['seq_len']}, head_dim "
+          f"{options['head_dim']}, {options['heads']} heads on {device}"
+          + (" (the Triton interpreter: tens of seconds)" if device == "cpu" else "") + " …",
+          file=sys.stderr, flush=True)
     result = check_attention(
         **options,
         mode=args.mode,
         device=device,
-        dtype=None if args.dtype == "auto" else args.dtype,
+        dtype=dtype,
         seed=getattr(args, "seed", 0),
     )
     if fmt == "json":
