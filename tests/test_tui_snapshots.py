@@ -29,8 +29,11 @@ def make_app(engine: Engine) -> InspectorApp:
 
 
 async def steady(pilot) -> None:
+    """No blinking cursor, and every scroll (focus scrolls a widget into view) finished."""
     for widget in pilot.app.screen.query("Input, TextArea"):
         widget.cursor_blink = False
+    await pilot.pause(0.2)
+    await pilot.wait_for_scheduled_animations()
     await pilot.pause()
 
 
@@ -83,7 +86,7 @@ def test_help_at_the_smallest_size(snap_compare, engine):
     async def open_help(pilot) -> None:
         await pilot.pause()
         await pilot.press("f1")
-        await pilot.pause(0.2)
+        await steady(pilot)
 
     assert snap_compare(make_app(engine), terminal_size=SIZES["80x24"], run_before=open_help)
 

@@ -222,7 +222,7 @@ class BenchScreen(Screen):
                 yield Label("profile")
                 yield Switch(False, id="bench-profile")
         with Horizontal(id="bench-progress-row"):
-            yield ProgressBar(id="bench-progress", show_eta=False)
+            yield ProgressBar(total=1, id="bench-progress", show_eta=False)  # 0 % until a run: no idle animation
             yield Static("ctrl+r (or Enter in a box) runs the bench", id="bench-status")
         with VerticalScroll(id="bench-body"):
             yield Static("", id="bench-refusal")
