@@ -180,9 +180,14 @@ def test_a_report_is_written_in_the_format_its_name_says(capsys, tmp_path):
     assert (tmp_path / "out.txt").read_text().startswith("# session")
 
 
-def test_bench_json_out_refuses_a_name_of_another_format(capsys, tmp_path):
-    assert main(["bench", "--json-out", str(tmp_path / "rows.csv")]) == 2
-    assert "name it .json" in capsys.readouterr().err and not (tmp_path / "rows.csv").exists()
+@pytest.mark.parametrize("argv, name, fragment", [
+    (["bench", "--json-out"], "rows.csv", "name it .json"),
+    (["ab", "--json-out"], "rows.md", "name it .json"),
+    (["ab", "--report"], "report.json", "name it .md"),
+])
+def test_a_named_output_of_another_format_is_refused(capsys, tmp_path, argv, name, fragment):
+    assert main([*argv, str(tmp_path / name)]) == 2
+    assert fragment in capsys.readouterr().err and not (tmp_path / name).exists()
 
 
 # --------------------------------------------------------------------------------------------

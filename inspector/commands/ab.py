@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
-from inspector.commands.output import add_format_arguments, output_format
+from inspector.commands.output import EXTENSIONS, add_format_arguments, output_format
 
 _DEFAULT_ROUNDS = 8
 
@@ -175,6 +175,11 @@ def run(args) -> int:
     from inspector.session import atomic_write_text
 
     fmt = output_format(args)  # --json with another --format: refused before any round runs
+    for option, path, wanted in (("--report", args.report, "md"), ("--json-out", args.json_out, "json")):
+        named = EXTENSIONS.get(Path(path).suffix.lower().lstrip(".")) if path else None
+        if named not in (None, wanted):  # a file gets the format its name says, or none at all
+            raise UserError(f"{option} {path}: the name says {named}, and this file gets the {wanted} report; "
+                            f"name it .{wanted}")
 
     try:
         rule = ab_stats.Rule(tolerance=args.tolerance / 100, resamples=args.resamples, min_rounds=args.min_rounds,
