@@ -212,6 +212,7 @@ class Repetition:
     trajectory: list[float] = field(default_factory=list)
     window_steps: list[int] = field(default_factory=list)  # step numbers inside the window
     phases: dict[str, int] = field(default_factory=dict)  # the repetition's steps by phase (prefill, mixed, decode)
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # request_latencies of its sequences
 
     @property
     def device_rate(self) -> float | None:
@@ -229,6 +230,33 @@ def _quantile(values: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms")
+
+
+def request_latencies(sequences) -> dict[str, list[float]]:
+    """vllm bench's three latencies in ms, from the sequences' time stamps: per request its TTFT (arrival to
+    first token) and TPOT (first to last token over the tokens after the first), and every inter-token gap
+    (ITL). A request with one generated token has no TPOT and no gaps."""
+    ttft, tpot, itl = [], [], []
+    for sequence in sequences:
+        times = sequence.token_times
+        ttft.append((sequence.first_token_at - sequence.arrived_at) * 1e3)
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+            itl += [(later - earlier) * 1e3 for earlier, later in zip(times, times[1:])]
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl}
+
+
+def latency_summary(values: list[float]) -> dict | None:
+    """mean ± sample stddev and p50/p90/p99 (linear between ranks) of one latency over every request of
+    every timed repetition; None when there is none (a pp row has no TPOT or ITL)."""
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9), "p99": _quantile(values, 0.99),
+            "count": len(values)}
 
 
 def events_of(steps: list[dict]) -> list[StepEvent]:
@@ -257,6 +285,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         if None in (sequence.arrived_at, sequence.first_scheduled_at, sequence.first_token_at):
             _refuse(spec, label, f"request {sequence.request_id} has no time stamp for its first step or token")
     ttft = statistics.fmean(sequence.first_token_at - sequence.arrived_at for sequence in sequences)
+    latencies = request_latencies(sequences)
     events = events_of(steps)
     origin = min(sequence.arrived_at for sequence in sequences)
     bins = trajectory(events, origin, bin_s)
@@ -271,7 +300,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         request_ids = [sequence.request_id for sequence in sequences]
         steady = steady_window(events, request_ids, depth_floor)
         if steady is None:
-            return Repetition(0.0, None, 0, ttft, None, trajectory=bins, phases=phases)
+            return Repetition(0.0, None, 0, ttft, None, trajectory=bins, phases=phases, latencies=latencies)
         window = steps[steady.first:steady.last + 1]
         tokens, wall = steady.tokens, steady.seconds
     if tokens <= 0:
@@ -292,7 +321,7 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         host_us_p90=_quantile(host_values, 0.9), device_us=None if device_s is None else device_s * 1e6 / len(window),
         graph_steps=sum(step["graph"] == "replay" for step in window),
         graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window),
-        trajectory=bins, window_steps=[step["step"] for step in window], phases=phases)
+        trajectory=bins, window_steps=[step["step"] for step in window], phases=phases, latencies=latencies)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +365,9 @@ class Row:
                    "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
                    "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory,
                                   "phases": reps[-1].phases},
-                   "tokens_crc32": self.tokens_crc32}
+                   "tokens_crc32": self.tokens_crc32,
+                   "latency": {name: latency_summary([value for rep in reps for value in rep.latencies.get(name, ())])
+                               for name in LATENCIES}}
         if self.admitting:
             payload.update(state="admitting", tps_wall=None, tps_device=None, clock_disagreement=None,
                            clock_flag=False, ms_per_token=None, ms_per_step=None)
@@ -821,6 +852,7 @@ def format_markdown(report: Report) -> str:
                  "time per step in the window. Δclock: worst |wall - device| / wall over the repetitions, ⚠ over "
                  f"{100 * CLOCK_TOLERANCE:.0f} %. Arm columns: launches of each arm over the timed repetitions "
                  "(CUDA-graph replays counted); kernels: Triton launches.")
+    lines += latency_markdown(payload["rows"])
     for data in payload["rows"]:
         for note in data["counters"].get("graph_notes", []):
             lines.append(f"{data['test']}: {note}; its steps replayed one per launch")
@@ -910,6 +942,29 @@ def format_markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def latency_cell(stats: dict | None) -> str:
+    return "—" if stats is None else f"{stats['mean']:.2f} ± {stats['std']:.2f}"
+
+
+def latency_markdown(rows: list[dict]) -> list[str]:
+    """The latency table (vllm bench's): TTFT, TPOT and ITL in ms, mean ± stddev beside p50/p90/p99, over
+    every request (ITL: every gap) of the timed repetitions."""
+    names = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"))
+    header = ["test"] + [f"{label} {column}" for _, label in names for column in ("ms", "p50", "p90", "p99")]
+    lines = ["", f"| {' | '.join(header)} |", "|:---|" + "---:|" * (len(header) - 1)]
+    for data in rows:
+        cells = [data["test"]]
+        for name, _ in names:
+            stats = (data.get("latency") or {}).get(name)
+            cells += [latency_cell(stats)] + (["—"] * 3 if stats is None else
+                                               [f"{stats[q]:.2f}" for q in ("p50", "p90", "p99")])
+        lines.append(f"| {' | '.join(cells)} |")
+    lines.append("TTFT: arrival to first token per request; TPOT: first to last token over the tokens after the "
+                 "first, per request; ITL: every gap between a request's tokens (a graph of several steps hands "
+                 "its tokens over together); ms mean ± stddev, pNN percentiles, over the timed repetitions.")
+    return lines
+
+
 def describe_weights(source: dict) -> str:
     """A checkpoint's weights source (engine.model_source.describe_checkpoint) in a few words."""
     if source["source"] == "random":
@@ -930,7 +985,8 @@ def format_csv(report: Report) -> str:
     columns = ["test", "kind", "tokens", "batch", "state", "tps_wall_mean", "tps_wall_std", "tps_device_mean",
                "tps_device_std", "clock_disagreement", "clock_flag", "ttft_ms", "ms_per_token", "ms_per_step",
                "host_us_per_step", "device_us_per_step"] + [name for name, _ in ARM_COLUMNS] + [
-               "graph_replays", "graph_launches", "kernel_launches", "commit", "device"]
+               "graph_replays", "graph_launches", "kernel_launches", "commit", "device"] + [
+               f"{name}_{stat}" for name in LATENCIES for stat in ("mean", "std", "p50", "p90", "p99")]
     writer.writerow(columns)
     payload = report.to_json()
     for data in payload["rows"]:
@@ -942,7 +998,9 @@ def format_csv(report: Report) -> str:
                         + [data["counters"]["arms"].get(name, 0) for name, _ in ARM_COLUMNS]
                         + [data["counters"]["graph_replays"], data["counters"].get("graph_launches"),
                            sum(data["counters"]["kernels"].values()),
-                           payload["footer"]["commit"], payload["footer"]["device"]])
+                           payload["footer"]["commit"], payload["footer"]["device"]]
+                        + [((data.get("latency") or {}).get(name) or {}).get(stat) for name in LATENCIES
+                           for stat in ("mean", "std", "p50", "p90", "p99")])
     return buffer.getvalue()
 
 

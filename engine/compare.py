@@ -32,6 +32,7 @@ import torch
 
 from engine.errors import UserError
 from engine.runtime import resolve_device as resolve_engine_device
+from engine.triton_support import require_triton
 from kernels import launches
 from kernels.reference import MaskSpec, attention_reference, visible_mask
 
@@ -124,6 +125,7 @@ def _fused_attention(device: str):
             os.environ.setdefault("TRITON_INTERPRET", "1")
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise UserError("--device cpu runs the Triton kernel under its interpreter: start with TRITON_INTERPRET=1")
+    require_triton("check-attention")
     from kernels.attention import flash_attention
 
     return flash_attention

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -245,21 +245,51 @@ class ResolvedFlags:
         return ", ".join(f"{name}={format_value(name, self.values[name])}" for name in SPECS)
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> ResolvedFlags:
-    """Defaults overlaid with valid `MOEI_<FLAG>` values; a bad one warns and keeps the default."""
-    environ = os.environ if environ is None else environ
+def environment_name(name: str) -> str:
+    """The environment variable that sets flag `name`."""
+    return f"MOEI_{name.upper()}"
+
+
+def _read_environment(environ: Mapping[str, str]) -> tuple[dict, dict, list[str]]:
+    """(values, sources, problems): defaults overlaid with the valid `MOEI_<FLAG>` values, and one
+    line per value that is not allowed (that flag keeps its default)."""
     values = {name: spec.default for name, spec in SPECS.items()}
     sources = {name: DEFAULT for name in SPECS}
+    problems = []
     for name, spec in SPECS.items():
-        variable = f"MOEI_{name.upper()}"
+        variable = environment_name(name)
         if variable not in environ:
             continue
         try:
             values[name] = spec.parse(environ[variable])
             sources[name] = ENVIRONMENT
         except ValueError:
-            warnings.warn(f"{variable}={environ[variable]!r} is not allowed ({spec.allowed}); "
-                          f"keeping the default {format_value(name, spec.default)}", stacklevel=2)
+            problems.append(f"{variable}={environ[variable]!r} is not allowed ({spec.allowed}); "
+                            f"keeping the default {format_value(name, spec.default)}")
+    return values, sources, problems
+
+
+def environment_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per `MOEI_<FLAG>` value that is not allowed: what the TUI shows as notes."""
+    return _read_environment(os.environ if environ is None else environ)[2]
+
+
+_WARNED: set[str] = set()  # each bad environment value is reported once per process, however often it is read
+
+
+def _warn_once(message: str) -> None:
+    """One line on stderr, not Python's warnings (their two-line form names this file and line)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"moe-inspector: warning: {message}", file=sys.stderr, flush=True)
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> ResolvedFlags:
+    """Defaults overlaid with valid `MOEI_<FLAG>` values; a bad one warns (one line on stderr, once per
+    process) and keeps the default."""
+    values, sources, problems = _read_environment(os.environ if environ is None else environ)
+    for problem in problems:
+        _warn_once(problem)
     return ResolvedFlags(values, sources)
 
 

@@ -17,6 +17,7 @@ from engine.flags import ResolvedFlags
 from engine.runtime import Engine
 from inspector import events
 from inspector.screens.main import MainScreen
+from inspector.prompt_history import PromptHistory
 from inspector.screens.palette import InspectorCommands
 from inspector.widgets.config_b_row import DEFAULT_B_OVERRIDES
 from inspector.widgets.prompt_bar import DEFAULT_MAX_TOKENS
@@ -39,8 +40,15 @@ class InspectorApp(App):
 
     def __init__(self, engine: Engine, flags: ResolvedFlags, *, b_overrides: dict[str, Any] | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, timed: bool = True, sweep_path: str | None = None,
-                 startup_notes: list[str] | None = None, session=None) -> None:
+                 startup_notes: list[str] | None = None, session=None, history_path: str | None = None,
+                 prompt: str = "") -> None:
+        """`history_path`: where the prompt history is kept between runs (None: for this run only);
+        `prompt`: the prompt box's text at start (--prompt-file)."""
         super().__init__()
+        self.history = PromptHistory(history_path)
+        self.initial_prompt = prompt
+        # What the bench screen showed when it was left, shown again on the next visit (BenchScreen.memory).
+        self.bench_memory: dict | None = None
         self.engine, self.flags, self.timed = engine, flags, timed
         self.b_overrides = dict(DEFAULT_B_OVERRIDES if b_overrides is None else b_overrides)
         self.max_tokens, self.sweep_path = max_tokens, sweep_path
@@ -59,7 +67,8 @@ class InspectorApp(App):
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(self.SWITCH_INTERVAL)
-        self.push_screen(MainScreen(self.engine, self.flags, self.b_overrides, self.max_tokens, self.timed))
+        self.push_screen(MainScreen(self.engine, self.flags, self.b_overrides, self.max_tokens, self.timed,
+                                    self.history, self.initial_prompt))
         self._session_changed()
         for note in self.startup_notes:
             self.notify(note, severity="warning", timeout=10)

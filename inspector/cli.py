@@ -1,6 +1,7 @@
 """`moe-inspector`: the TUI when no subcommand is given, else one headless command.
 
-Exit codes: 0 ok, 1 a check failed, 2 bad input or an invalid environment/measurement.
+Exit codes: 0 ok, 1 a check failed, 2 bad input or an invalid environment/measurement, 130 stopped by
+Ctrl-C (a long command prints what it had done first).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: the shipped or the directory's weights; random: random weights of the model's "
                              "shape (a directory's from its config.json, drawn on the device)")
     parser.add_argument("--sweep", default=None, metavar="FILE", help="sweep JSON for the tile-fill µs-per-arm plot")
+    parser.add_argument("--prompt-file", default=None, metavar="FILE",
+                        help="start with the prompt box holding FILE's text (newlines kept)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"moe-inspector: error: {error}", file=sys.stderr)
         return error.exit_code
-    except KeyboardInterrupt:
-        print("moe-inspector: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one where a command has nothing to print yet
+        print("\nmoe-inspector: interrupted", file=sys.stderr)
         return 130

@@ -101,6 +101,8 @@ class BenchDoneEvent:
     error: str | None = None
     cancelled: bool = False
     wall_s: float = 0.0
+    config: str = "A"  # which configuration's bench this was (A, or B)
+    last: bool = True  # False when another configuration's bench follows (A against B)
 
 
 class EngineQueue:
@@ -149,7 +151,7 @@ class EngineQueue:
                 messages.append(BenchProfileArrived(event.row))
             elif isinstance(event, BenchDoneEvent):
                 messages.append(BenchFinished(event.report, event.refused, event.error, event.cancelled,
-                                              event.wall_s))
+                                              event.wall_s, event.config, event.last))
             else:  # a bug in a producer: fail loudly rather than drop it
                 raise TypeError(f"unknown engine event {event!r}")
 
@@ -246,9 +248,10 @@ class BenchProfileArrived(Message, bubble=False):
 
 class BenchFinished(Message, bubble=False):
     def __init__(self, report: dict | None, refused: str | None, error: str | None, cancelled: bool,
-                 wall_s: float) -> None:
+                 wall_s: float, config: str = "A", last: bool = True) -> None:
         super().__init__()
         self.report, self.refused, self.error, self.cancelled, self.wall_s = report, refused, error, cancelled, wall_s
+        self.config, self.last = config, last
 
 
 class SessionChanged(Message):

@@ -13,17 +13,9 @@ import json
 from collections import Counter
 from typing import Any, Iterable
 
+from inspector.describe import fill_text
+
 FORMATS = ("md", "json", "jsonl", "csv")
-
-
-def format_for(report_path: str | None, explicit: str | None) -> str:
-    """--format if given, else the --report file's extension, else markdown."""
-    if explicit:
-        return explicit
-    if report_path:
-        suffix = report_path.rsplit(".", 1)[-1].lower() if "." in report_path else ""
-        return {"markdown": "md", "md": "md", "json": "json", "jsonl": "jsonl", "csv": "csv"}.get(suffix, "md")
-    return "md"
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +125,8 @@ def generation_rows(header: dict, steps: list[dict]) -> list[dict]:
 
 def curve_rows(step: dict) -> list[dict]:
     return [{"step": step["step"], "n": row["n"], "woken": f"{row['woken']:.1f}",
-             "pairs/woken": f"{row['pairs_per_woken']:.2f}", "fill": f"{100 * row['fill']:.1f}%",
+             "pairs/woken": f"{row['pairs_per_woken']:.2f}",
+             "fill": fill_text(row["pairs_per_woken"], step["numbers"]["tile_m"]),
              "amortizes": "yes" if row["amortizes"] else "no"} for row in step["numbers"]["rows"]]
 
 
@@ -224,10 +217,13 @@ def footer(header: dict) -> str:
     return "\n".join(["---", build_line(header), "", f"flags: {flags_line(header)}"])
 
 
-def render_markdown(header: dict, steps: list[dict], description: str | None = None) -> str:
+def render_markdown(header: dict, steps: list[dict], description: str | None = None, cancelled: bool = False) -> str:
     held, failed = check_counts(steps)
     checks = (f"{held} check{'s' if held != 1 else ''} held, {failed} failed" if held or failed else "no checks")
     out = [f"# session `{header.get('session')}`: {len(steps)} steps, {checks}", ""]
+    if cancelled:
+        out += [f"**Cancelled** (Ctrl-C) after {len(steps)} step{'s' if len(steps) != 1 else ''}: the steps "
+                "after them did not run.", ""]
     if description:
         out += [description, ""]
     rows = [{**row, "text": _text(row["text"])} for row in generation_rows(header, steps)]
@@ -299,14 +295,14 @@ def render_csv(header: dict, steps: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def render(header: dict, steps: list[dict], fmt: str, description: str | None = None) -> str:
+def render(header: dict, steps: list[dict], fmt: str, description: str | None = None, cancelled: bool = False) -> str:
     if fmt == "md":
-        return render_markdown(header, steps, description)
+        return render_markdown(header, steps, description, cancelled)
     if fmt == "json":
         held, failed = check_counts(steps)
         return json.dumps({"header": header, "steps": steps,
-                           "summary": {"steps": len(steps), "checks_held": held, "checks_failed": failed}},
-                          indent=2, ensure_ascii=False) + "\n"
+                           "summary": {"steps": len(steps), "checks_held": held, "checks_failed": failed},
+                           "cancelled": cancelled}, indent=2, ensure_ascii=False) + "\n"
     if fmt == "jsonl":
         from inspector.session_runner import dumps_results
 
@@ -353,12 +349,26 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
     return rows
 
 
+def replay_json(recorded_header: dict, recorded: list[dict], rerun_header: dict, rerun: list[dict],
+                differences: list[str], cancelled: bool = False) -> dict:
+    """The replay for machines: whether it matches, every difference in words, a row per step and
+    configuration (tokens, counters, decisions: match or DIFFERS), the checks, both headers and the re-run."""
+    held, failed = check_counts(rerun)
+    return {"session": recorded_header.get("session"), "matches": not differences and not cancelled,
+            "differences": differences, "rows": replay_rows(recorded, rerun),
+            "checks": {"held": held, "failed": failed}, "steps_recorded": len(recorded), "steps_rerun": len(rerun),
+            "cancelled": cancelled, "recorded_header": recorded_header, "rerun_header": rerun_header,
+            "rerun": rerun}
+
+
 def render_replay(recorded_header: dict, recorded: list[dict], rerun_header: dict, rerun: list[dict],
-                  differences: list[str]) -> str:
+                  differences: list[str], cancelled: bool = False) -> str:
     verdict = ("matches the recording" if not differences else
                f"{len(differences)} difference{'s' if len(differences) != 1 else ''} from the recording")
-    out = [f"# replay of `{recorded_header.get('session')}`: {verdict}", "",
-           "Tokens, counters and decisions must match; timings are shown, not compared.", "",
+    out = [f"# replay of `{recorded_header.get('session')}`: {verdict}", ""]
+    if cancelled:
+        out += [f"**Cancelled** (Ctrl-C) after {len(rerun)} of {len(recorded)} steps: only those are compared.", ""]
+    out += ["Tokens, counters and decisions must match; timings are shown, not compared.", "",
            markdown_table(replay_rows(recorded, rerun),
                           right=("step", "wall s recorded", "wall s now")), ""]
     if differences:

@@ -34,6 +34,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,7 @@ def run_step(context: RunContext, index: int, step: Step) -> dict:
 class RunOutcome:
     header: dict
     steps: list[dict] = field(default_factory=list)
+    cancelled: bool = False  # stopped (Ctrl-C) before every chosen step ran: `steps` holds the finished ones
 
     @property
     def failed_checks(self) -> list[dict]:
@@ -174,9 +176,11 @@ class RunOutcome:
 
 def run_session(session: Session, where: str, device: str | None = None,
                 progress: Callable[[int, int, Step, dict | None], None] | None = None,
-                only_steps: list[int] | None = None, trace=None) -> RunOutcome:
+                only_steps: list[int] | None = None, trace=None,
+                cancel: threading.Event | None = None) -> RunOutcome:
     """Run every step (or the 1-based `only_steps`) on `device` (default: the session's); `trace` (an
-    engine.trace.Trace) receives the steps of every generation and bench row."""
+    engine.trace.Trace) receives the steps of every generation and bench row; once `cancel` is set, no
+    further step starts (the outcome says `cancelled`)."""
     from engine.runtime import Engine
 
     model, torch_device = preflight(session, where, device or session.engine.device)
@@ -194,6 +198,9 @@ def run_session(session: Session, where: str, device: str | None = None,
     chosen = [(index, step) for index, step in enumerate(session.steps, start=1)
               if only_steps is None or index in only_steps]
     for index, step in chosen:
+        if cancel is not None and cancel.is_set():
+            outcome.cancelled = True
+            break
         if progress is not None:
             progress(index, len(session.steps), step, None)
         result = run_step(context, index, step)
@@ -374,7 +381,8 @@ class ReplayOutcome:
 
 
 def replay_session(session: Session, where: str, results_path: str | os.PathLike, device: str | None = None,
-                   progress: Callable[[int, int, Step, dict | None], None] | None = None) -> ReplayOutcome:
+                   progress: Callable[[int, int, Step, dict | None], None] | None = None,
+                   cancel: threading.Event | None = None) -> ReplayOutcome:
     """Re-run on the recording's device (unless `device` says otherwise) and diff."""
     header, recorded = read_results(results_path, where)
     check_replayable(session, header, recorded, str(results_path), base_flags(session))
@@ -397,7 +405,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
         raise UserError(f"{results_path}: recorded on {header.get('device')}, this replay would run on "
                         f"{device_label(torch_device)}; tokens are only comparable on the same device: replay "
                         f"there (--device), or re-record here with `moe-inspector run {where}`")
-    rerun = run_session(session, where, device, progress)
+    rerun = run_session(session, where, device, progress, cancel=cancel)
     if header.get("weights") is not None and header["weights"] != rerun.header["weights"]:
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "
                         f"'{rerun.header['weights']}'; tokens are only comparable with the same weights: "

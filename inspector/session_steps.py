@@ -340,6 +340,10 @@ class CheckAttentionAction(Action):
     step_type = CheckAttentionStep
 
     def preflight(self, here, step, model, device) -> None:
+        from engine.triton_support import missing_message, triton_installed
+
+        if not triton_installed():
+            raise UserError(f"{here}: {missing_message('check-attention')}")
         shape = attention_shape(step, model)
         if shape["window"] is None or shape["block"] is None:
             raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "

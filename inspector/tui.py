@@ -12,17 +12,18 @@ the screen is taken over (exit 2), never as a traceback inside the app. Knows no
 
 from __future__ import annotations
 
+import os
 import sys
-import warnings
 from pathlib import Path
 
 from engine import flags as flag_registry
-from engine.config import from_name
+from engine.config import PRESETS
 from engine.errors import UserError
 from engine.runtime import Engine
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
+from inspector.prompt_file import read_prompt_file
 from inspector.session import load_session
-from inspector.tui_session import TuiSession, autosave_path
+from inspector.tui_session import AUTOSAVE_DIRECTORY, TuiSession, autosave_path
 
 
 def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
@@ -41,19 +42,25 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     return model, seed, device, notes
 
 
+def history_path() -> Path:
+    """The prompt history, beside the autosaved sessions ($MOEI_SESSION_DIR or ~/.cache/moe-inspector/sessions/)."""
+    return Path(os.environ.get("MOEI_SESSION_DIR") or AUTOSAVE_DIRECTORY) / "prompt-history.jsonl"
+
+
 def launch(args) -> int:
     notes: list[str] = []
+    prompt = ""
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            flags = flag_registry.resolve(args.set_flags)
+        if getattr(args, "prompt_file", None):
+            prompt = read_prompt_file(args.prompt_file)
+        flags = flag_registry.resolve(args.set_flags)  # a bad MOEI_ value: one line on stderr, and a note below
         model, seed, device = args.model, args.seed, args.device
         session_path = getattr(args, "session", None)
         existing = bool(session_path) and Path(session_path).exists()
         if existing:  # a malformed session is refused here, before anything is loaded
             model, seed, device, notes = _session_engine(args, load_session(session_path).engine)
-        if not Path(model).is_dir() and not existing:
-            from_name(model)  # an unknown preset is refused before anything is loaded
+        if not existing and model not in PRESETS and not Path(model).is_dir():
+            Engine.load(model, device, seed)  # refuses it in generate's words, before anything is loaded
         print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
         weights = getattr(args, "weights", "auto")
         if existing:
@@ -68,7 +75,7 @@ def launch(args) -> int:
     except UserError as error:
         print(f"moe-inspector: error: {error}", file=sys.stderr)
         return error.exit_code
-    notes += [str(warning.message) for warning in caught]
+    notes += flag_registry.environment_problems()
     if session.note:  # recorded results set aside: the replay screen will say "no recording" for those steps
         notes.append(session.note)
 
@@ -76,6 +83,6 @@ def launch(args) -> int:
 
     # `--sweep FILE` (optional) preloads the tile-fill screen's µs-per-arm plot.
     app = InspectorApp(engine, flags, startup_notes=notes, sweep_path=getattr(args, "sweep", None), session=session,
-                       b_overrides=session.b_overrides())
+                       b_overrides=session.b_overrides(), history_path=str(history_path()), prompt=prompt)
     app.run()
     return app.return_code or 0

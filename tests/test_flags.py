@@ -24,10 +24,18 @@ def test_precedence_command_line_over_session_over_environment():
     assert resolved["tile_m"] == 64 and resolved.sources["tile_m"] == flags.COMMAND_LINE
 
 
-def test_bad_environment_value_warns_and_keeps_the_default():
-    with pytest.warns(UserWarning, match="MOEI_TILE_M"):
-        resolved = flags.resolve(environ={"MOEI_TILE_M": "17"})
+def test_bad_environment_value_warns_once_in_one_line_and_keeps_the_default(capsys, recwarn, monkeypatch):
+    monkeypatch.setattr(flags, "_WARNED", set())  # what earlier tests in this process were told
+    environ = {"MOEI_TILE_M": "17", "MOEI_DECODE_FLOOR": "3"}
+    resolved = flags.resolve(environ=environ)
+    flags.resolve(environ=environ)  # read again (every command reads it several times): not said again
     assert resolved["tile_m"] == 16 and resolved.sources["tile_m"] == flags.DEFAULT
+    assert resolved["decode_floor"] == 3 and resolved.sources["decode_floor"] == flags.ENVIRONMENT
+    error = capsys.readouterr().err
+    assert error == ("moe-inspector: warning: MOEI_TILE_M='17' is not allowed (16, 32 or 64); "
+                     "keeping the default 16\n")
+    assert not recwarn.list  # not Python's warning machinery, whose two lines name engine/flags.py
+    assert flags.environment_problems(environ) == [error.removeprefix("moe-inspector: warning: ").strip()]
 
 
 @pytest.mark.parametrize("assignment, fragment", [

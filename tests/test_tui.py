@@ -99,7 +99,7 @@ async def test_run_fills_both_panes_and_the_log(engine):
         assert main.query_one("#pane-b", OutputPane).tokens == run.tokens[events.B]
         layers = engine.config.n_layers
         log = main.query_one(DispatchLog)
-        assert len(log.entries) == log.shown == 2 * 6 * 2 * layers  # 2 sides x 6 steps x (MoE + attention) x layers
+        assert len(log.entries) == len(log.shown) == 2 * 6 * 2 * layers  # 2 sides x 6 steps x (MoE + attention) x layers
         # Messages: one start, batched steps, both sides finished, one end; never one message per token.
         assert len(of_type(app, events.RunStarted)) == 1
         batches = of_type(app, events.StepsArrived)
@@ -119,10 +119,10 @@ async def test_run_fills_both_panes_and_the_log(engine):
         # Filters rewrite the log from the kept records; follow mode stops on scrolling up, f5 resumes.
         main.query_one("#filter-arm").value = "fused"
         await pilot.pause()
-        assert log.shown == 6 * layers  # A's attention layers only: B runs unfused
+        assert len(log.shown) == 6 * layers  # A's attention layers only: B runs unfused
         main.query_one("#filter-arm").clear()
         await pilot.pause()
-        assert log.shown == len(log.entries) and log.follow
+        assert len(log.shown) == len(log.entries) and log.follow
         await wait_until(pilot, lambda: log.lines.scroll_y == log.lines.max_scroll_y > 0)  # settled at the end
         log.lines.scroll_to(y=0, animate=False)
         await pilot.pause()
@@ -383,3 +383,289 @@ def test_launch_refuses_bad_input_before_the_app_starts(capsys):
     assert launch(bad_model) == 2
     error = capsys.readouterr().err
     assert "unknown model 'huge'" in error and "loading" not in error
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt: several lines, pasted text, history, a file
+# --------------------------------------------------------------------------------------------
+
+@synchronously
+async def test_the_prompt_takes_several_lines_and_enter_runs_them(engine):
+    from textual import events as textual_events
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = app.main_screen
+        main.query_one("#max-tokens").value = "2"
+        await pilot.press(*"first", "ctrl+j", *"second")
+        area = main.query_one("#prompt")
+        assert area.text == "first\nsecond" and main.current_run is None  # ctrl+j: a new line, no run
+        app.post_message(textual_events.Paste("\nthird\nfourth"))  # as a terminal's bracketed paste arrives
+        await pilot.pause()
+        assert area.text == "first\nsecond\nthird\nfourth"  # a pasted prompt keeps every line
+        bindings = {binding.key: binding.description for _, binding, _, _ in main.active_bindings.values()}
+        assert bindings["enter"] == "Run" and bindings["ctrl+j"] == "Newline"  # both in the footer
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: main.current_run is not None and not main.current_run.running)
+        assert main.current_run.prompt == "first\nsecond\nthird\nfourth"
+        assert main.current_run.generations[events.A].prompt_tokens == list(b"first\nsecond\nthird\nfourth")
+        # History: up on the first line recalls it; down on the last returns to what was being typed.
+        area.value = "draft"
+        area.move_cursor((0, 0))
+        await pilot.press("up")
+        assert area.text == "first\nsecond\nthird\nfourth"
+        area.move_cursor(area.document.end)
+        await pilot.press("down")
+        assert area.text == "draft"
+
+
+def test_prompt_history_is_kept_in_its_file(tmp_path):
+    from inspector.prompt_history import MAX_ENTRIES, PromptHistory
+
+    path = tmp_path / "history" / "prompt-history.jsonl"
+    history = PromptHistory(path)
+    for prompt in ("one", "two\nlines", "one"):
+        history.add(prompt)
+    assert history.entries == ["two\nlines", "one"]  # once each, the newest last
+    again = PromptHistory(path)
+    assert again.entries == ["two\nlines", "one"]
+    assert again.previous("typing") == "one" and again.previous("") == "two\nlines" and again.previous("") is None
+    assert again.next() == "one" and again.next() == "typing" and again.next() is None
+    for index in range(MAX_ENTRIES + 5):
+        again.add(f"p{index}")
+    assert len(PromptHistory(path).entries) == MAX_ENTRIES  # bounded
+    path.write_text("{not json\n\"kept\"\n")
+    assert PromptHistory(path).entries == ["kept"]  # a damaged line is skipped, never an error
+
+
+@synchronously
+async def test_a_prompt_file_loads_into_the_box_and_a_bad_one_is_refused_in_place(engine, tmp_path):
+    from inspector.screens.session_path import SessionPathScreen
+
+    prompt_file = tmp_path / "incident.txt"
+    prompt_file.write_text("The \"if\" statement\n*****\n\nIt selects one suite.\n")
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        dialog = app.screen
+        assert isinstance(dialog, SessionPathScreen)
+        dialog.query_one("#session-path").value = str(tmp_path / "missing.txt")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is dialog and "no such file" in str(dialog.query_one("#session-refusal").render())
+        dialog.query_one("#session-path").value = str(prompt_file)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is app.main_screen
+        assert app.main_screen.query_one("#prompt").text == prompt_file.read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatch log: a row's whole decision, find, go to step, export
+# --------------------------------------------------------------------------------------------
+
+@synchronously
+async def test_a_log_row_opens_its_whole_decision(engine):
+    from inspector.screens.record import RecordScreen, render_entry
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await run_prompt(pilot, app, LONGER_THAN_TINY_WINDOW, max_tokens=3)
+        log = main.query_one(DispatchLog)
+        log.lines.focus()
+        log.lines.move_cursor(row=0)
+        await pilot.pause()
+        assert not log.follow  # moved up: the log stays there
+        await pilot.press("enter")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, RecordScreen) and screen.index == 0
+        entry = log.shown[0]
+        console = Console(record=True, width=300, file=io.StringIO())
+        console.print(render_entry(entry, screen.flags_of(entry.side), "cpu"))
+        shown = console.export_text()
+        assert entry.op == "moe" and entry.record["reason"] in shown  # whole, not cut
+        assert screen.flags_of("A")["moe_gate"] == "measured"
+        for words in ("decided arm", "executed arm", "what the gate read", "pairs per woken expert", "policy boundary",
+                      "how it was timed", "not timed", "the record, every key"):
+            assert words in shown, words
+        bindings = {binding.description for _, binding, _, _ in screen.active_bindings.values() if binding.show}
+        assert {"Close", "Next row"} <= bindings and "Fill" not in bindings  # the modal's keys, not the main's
+        await pilot.press("right")
+        await pilot.pause()
+        assert screen.index == 1
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is main
+
+
+@synchronously
+async def test_find_go_to_step_and_the_reason_line_under_a_filter(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await run_prompt(pilot, app, LONGER_THAN_TINY_WINDOW, max_tokens=5)
+        log = main.query_one(DispatchLog)
+        await pilot.press("ctrl+f")
+        await pilot.pause()
+        await pilot.press(*"composite")
+        await pilot.pause()
+        first = log.lines.cursor_row
+        assert "composite" in log.shown[first].searchable() and not log.follow
+        total = sum("composite" in entry.searchable() for entry in log.shown)
+        assert f"match 1 of {total}" in str(log.query_one("#log-bar-status").render())
+        await pilot.press("enter")
+        await pilot.pause()
+        assert log.lines.cursor_row > first and "composite" in log.shown[log.lines.cursor_row].searchable()
+        await pilot.press("escape")
+        await pilot.pause()
+        assert log.bar_mode is None and app.focused is log.lines
+        await pilot.press("ctrl+g")
+        await pilot.pause()
+        await pilot.press("9", "enter")
+        await pilot.pause()
+        assert "no step 9: steps 0–4 are shown" in str(log.query_one("#log-bar-status").render())
+        log.query_one("#log-bar-input").value = ""
+        await pilot.press("3", "enter")
+        await pilot.pause()
+        assert log.cursor_entry.record["step"] == 3 and log.bar_mode is None
+        # A filter keeps the reason line: it is the cursor row's, whichever rows pass.
+        main.query_one("#filter-arm").value = "fused"
+        await pilot.pause()
+        assert len(log.shown) == 5 * engine.config.n_layers  # A's attention layers (B decides unfused)
+        assert "why (A step 4 L1 attn)" in str(log.query_one("#log-why").render())
+
+
+@synchronously
+async def test_the_log_exports_the_rows_it_shows(engine, tmp_path):
+    from engine.errors import UserError
+    from inspector.records import COLUMNS
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await run_prompt(pilot, app, "hello", max_tokens=3)
+        with pytest.raises(UserError, match="'.html' names no format"):
+            main.export_log(str(tmp_path / "log.html"))
+        main.export_log(str(tmp_path / "log.csv"))
+        lines = (tmp_path / "log.csv").read_text().splitlines()
+        assert lines[0].split(",") == list(COLUMNS) and len(lines) == 1 + 2 * 3 * 2 * engine.config.n_layers
+        main.query_one("#filter-side").value = "A"
+        await pilot.pause()
+        main.export_log(str(tmp_path / "log.json"))
+        exported = json.loads((tmp_path / "log.json").read_text())
+        assert exported["filters"] == {"side": "A"} and len(exported["rows"]) == 3 * 2 * engine.config.n_layers
+        assert {row["config"] for row in exported["rows"]} == {"A"} and exported["flags"]["B"]["moe_gate"] == "reference"
+        main.export_log(str(tmp_path / "log.jsonl"))
+        assert len((tmp_path / "log.jsonl").read_text().splitlines()) == len(exported["rows"])
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes, footers, the palette
+# --------------------------------------------------------------------------------------------
+
+@synchronously
+async def test_narrow_screens_fold_the_flags_and_the_counters(engine):
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        main = app.main_screen
+        flags = main.query_one(FlagsPanel)
+        assert main.narrow and not flags.display and main.query_one("#counters").compact
+        assert main.query_one("#log").size.width >= 76  # the log gets the width
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        assert flags.display and app.focused.id == "control-moe_gate"
+        await pilot.press("f6")
+        await pilot.pause()
+        assert not flags.display and app.focused.id == "prompt"
+    async with make_app(engine).run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        main = pilot.app.main_screen
+        assert not main.narrow and main.query_one(FlagsPanel).display and not main.query_one("#counters").compact
+
+
+@synchronously
+async def test_every_screen_has_its_own_footer_keys(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        def shown() -> set[str]:
+            return {binding.key for _, binding, _, _ in app.screen.active_bindings.values() if binding.show}
+
+        await pilot.pause()
+        assert {"f1", "f2", "f3", "f5", "f6", "f7", "f8", "ctrl+q"} <= shown()
+        assert "escape" not in shown()  # cancel: only while something runs
+        for key, expected, absent in (("f1", {"escape"}, "f2"), ("f4", {"escape"}, "f2"), ("ctrl+o", {"escape"}, "f2"), ("ctrl+t", {"escape"}, "f2"),
+                                      ("f2", {"escape"}, "f3"), ("f8", {"ctrl+r"}, "f2")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.screen is not app.main_screen, key
+            assert expected <= shown() and absent not in shown(), (key, shown())
+            assert app.screen.query("Footer"), key  # its own footer, not the main screen's
+            await pilot.press("escape")
+            await pilot.pause()
+
+
+def test_every_palette_key_hint_is_a_real_binding():
+    from inspector.screens.palette import ACTIONS
+    from inspector.widgets.prompt_bar import PromptArea
+
+    keys = set()
+    for bindings in (MainScreen.BINDINGS, InspectorApp.BINDINGS, PromptArea.BINDINGS):
+        for binding in bindings:
+            keys.update(binding.key.split(","))
+    for title, key, _, action in ACTIONS:
+        if key and "/" not in key:
+            assert key in keys or key == "enter", (title, key)
+        name = action.split(".", 1)[1]
+        owner = MainScreen if action.startswith("screen.") else InspectorApp
+        assert hasattr(owner, f"action_{name}"), action
+
+
+@synchronously
+async def test_the_attention_check_says_in_place_when_triton_is_missing(engine, monkeypatch):
+    from inspector.screens import attention_check
+
+    monkeypatch.setattr(attention_check, "triton_installed", lambda: False)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, AttentionCheckScreen)
+        shown = str(screen.query_one("#check-output").render())
+        assert "triton cannot be imported here" in shown and "pip install triton" in shown
+        await pilot.press("f7")
+        await pilot.pause()
+        assert not screen.running and app.screen is screen  # nothing ran, nothing crashed
+
+
+@synchronously
+async def test_bench_runs_a_against_b_and_is_there_on_the_next_visit(engine):
+    from inspector.screens.bench import BenchScreen
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f8")
+        await pilot.pause()
+        screen = app.screen
+        for name, value in (("pp", "8"), ("tg", "6"), ("batch", "1"), ("reps", "1")):
+            screen.query_one(f"#bench-{name}").value = value
+        screen.query_one("#bench-config").value = "A,B"
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: not screen.running and len(screen.reports) == 2, timeout=60)
+        await pilot.pause()
+        assert [(row["config"], row["test"]) for row in screen.rows] == [("A", "pp8"), ("A", "tg6"), ("B", "pp8"),
+                                                                          ("B", "tg6")]
+        assert screen.query_one("#bench-latency").row_count == 4
+        assert "B / A, t/s (wall): pp8 " in str(screen.query_one("#bench-ratio").render())
+        benches = [action for action in app.actions if action["action"] == "bench"]
+        assert [action["flags"]["moe_gate"] for action in benches] == ["measured", "reference"]  # A, then B
+        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("f8")
+        await pilot.pause()
+        again = app.screen
+        assert isinstance(again, BenchScreen) and again is not screen
+        assert again.query_one("#bench-rows").row_count == 4 and len(again.rows) == 4
+        assert again.query_one("#bench-config").value == "A,B" and again.query_one("#bench-tg").value == "6"
+        assert "kept from your last visit" in str(again.query_one("#bench-status").render())

@@ -81,5 +81,5 @@ def test_palette_and_help_offer_the_ab_screen():
     from inspector.screens.help import KEYS
     from inspector.screens.palette import ACTIONS
 
-    assert any(action == "screen.ab" for _, _, action in ACTIONS)
+    assert any(action == "screen.ab" for _, _, _, action in ACTIONS)  # (title, key, help, action)
     assert any(key == "f9" for key, _ in KEYS)

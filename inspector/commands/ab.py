@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
+from inspector.commands.output import EXTENSIONS, add_format_arguments, output_format
 
 _DEFAULT_ROUNDS = 8
 
@@ -71,7 +72,7 @@ def add_parser(subparsers) -> None:
     stats.add_argument("--fail-on-regression", type=float, default=None, metavar="PCT",
                        help="exit 1 when a row is slower and B/A exceeds 1 + PCT/100")
     out = parser.add_argument_group("output")
-    out.add_argument("--format", choices=("md", "json"), default="md", help="stdout format (default md)")
+    add_format_arguments(out, ("md", "json"), "md")
     out.add_argument("--report", default=None, metavar="FILE.md", help="also write the markdown report to FILE")
     out.add_argument("--json-out", default=None, metavar="FILE.json",
                      help="also write the JSON report to FILE (the TUI's A/B screen opens it)")
@@ -173,6 +174,13 @@ def run(args) -> int:
     from engine import ab, ab_report, ab_stats
     from inspector.session import atomic_write_text
 
+    fmt = output_format(args)  # --json with another --format: refused before any round runs
+    for option, path, wanted in (("--report", args.report, "md"), ("--json-out", args.json_out, "json")):
+        named = EXTENSIONS.get(Path(path).suffix.lower().lstrip(".")) if path else None
+        if named not in (None, wanted):  # a file gets the format its name says, or none at all
+            raise UserError(f"{option} {path}: the name says {named}, and this file gets the {wanted} report; "
+                            f"name it .{wanted}")
+
     try:
         rule = ab_stats.Rule(tolerance=args.tolerance / 100, resamples=args.resamples, min_rounds=args.min_rounds,
                              seed=args.stats_seed)
@@ -197,7 +205,7 @@ def run(args) -> int:
         atomic_write_text(args.report, markdown)
     if args.json_out:
         atomic_write_text(args.json_out, ab_report.format_json(report))
-    sys.stdout.write(markdown if args.format == "md" else ab_report.format_json(report))
+    sys.stdout.write(markdown if fmt == "md" else ab_report.format_json(report))
     if report["failure"]:
         failure = report["failure"]
         raise UserError(f"side {failure['side']}: {failure['line']} (the rounds measured before it are in the report)")

@@ -4,6 +4,7 @@ options and prints. The progress bar goes to stderr, so stdout is the table (or 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from engine import bench
@@ -13,6 +14,10 @@ from engine.errors import UserError
 from engine.progress import Progress
 from engine.runtime import Engine, model_config, resolve_device
 from inspector.commands.common import positive_int_list
+from inspector.commands.output import (EXTENSIONS, INTERRUPTED, add_format_arguments, dumps, output_format,
+                                       stop_on_interrupt)
+
+FORMATS = ("md", "json", "csv")
 
 
 def _switch(text: str) -> bool:
@@ -42,8 +47,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per row, after one warm-up (default 5)")
     parser.add_argument("--tg-prompt", type=int, default=32, help="prompt tokens of each tg sequence (default 32)")
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
-                        help=f"set a flag, repeatable; flags: {', '.join(flag_registry.SPECS)}")
-    parser.add_argument("--format", choices=("md", "json", "csv"), default="md", help="output format (default md)")
+                        help="set a flag, repeatable; `moe-inspector flags` lists them")
+    add_format_arguments(parser, FORMATS, "md")
     parser.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON report to FILE")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel device time, calls, share and launches per step (torch.profiler, one extra "
@@ -65,7 +70,31 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+class _Stopped(Exception):
+    """Ctrl-C: the bench stops after its current repetition."""
+
+
+class StoppingProgress(Progress):
+    """The progress bar, which also ends the bench at the next repetition once `stop` is set."""
+
+    def __init__(self, total: int, label: str, stop, show: bool) -> None:
+        super().__init__(total, label)
+        self.stop, self.show = stop, show
+
+    def advance(self, steps: int = 1, note: str = "") -> None:
+        if self.show:
+            super().advance(steps, note)
+        if self.stop.is_set():
+            raise _Stopped
+
+
 def run(args) -> int:
+    fmt = output_format(args)
+    if args.json_out:  # the JSON report, never under a name that says another format
+        named = EXTENSIONS.get(Path(args.json_out).suffix.lower().lstrip("."))
+        if named not in (None, "json"):
+            raise UserError(f"--json-out {args.json_out}: the name says {named}, and this file gets the JSON report; "
+                            "name it .json")
     resolved = flag_registry.resolve(args.set_flags)
     pp = positive_int_list(args.pp, "--pp", allow_none=True)
     tg = positive_int_list(args.tg, "--tg", allow_none=True)
@@ -86,6 +115,9 @@ def run(args) -> int:
     config = model_config(args.model)
     directory = args.model not in PRESETS
     device = resolve_device(args.device)
+    if args.profile and device.type != "cuda":  # known now, not after every row is timed
+        raise UserError("--profile: a CPU run records no device kernels in torch.profiler, so there would be no "
+                        "shares to show; drop --profile, or run on a GPU")
     for spec in specs:  # before drawing weights: a bad row costs nothing
         needed = spec.prompt_len + spec.max_tokens
         if needed > config.max_seq_len:
@@ -112,22 +144,33 @@ def run(args) -> int:
         trace = tracing.Trace()
         tracing.enable_nvtx(device)
     profile = args.profile or (trace is not None and device.type == "cuda")
-    progress = None if args.no_progress else Progress(len(specs) * (args.reps + 1 + int(profile)),
-                                                      f"bench {config.name}")
-    try:
-        report = bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, profile=profile,
-                                 depth_floor=args.depth_floor, token_budget=args.token_budget,
-                                 progress=progress, weights_note=weights_note, trace=trace)
-    finally:
-        if progress is not None:
+    rows: list = []  # each row as its timed repetitions finish: what Ctrl-C still prints
+    cancelled = False
+    with stop_on_interrupt("stopping after the current repetition") as stop:
+        progress = StoppingProgress(len(specs) * (args.reps + 1 + int(profile)), f"bench {config.name}", stop,
+                                    show=not args.no_progress)
+        try:
+            report = bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, profile=profile,
+                                     depth_floor=args.depth_floor, token_budget=args.token_budget,
+                                     progress=progress, weights_note=weights_note, trace=trace, on_row=rows.append)
+        except _Stopped:
+            cancelled = True
+            report = bench.Report(config.name, engine.device_label, rows,
+                                  bench.footer(engine, resolved, bench.graphs_note(engine, graphs), weights_note), {})
+        finally:
             progress.close()
     if trace is not None:
-        import sys
-
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(bench.format_json(report))
-    print({"md": bench.format_markdown, "json": bench.format_json, "csv": bench.format_csv}[args.format](report),
-          end="")
+    if fmt == "json":
+        payload = report.to_json()
+        payload["cancelled"] = cancelled
+        print(dumps(payload), end="")
+    else:
+        print({"md": bench.format_markdown, "csv": bench.format_csv}[fmt](report), end="")
+    if cancelled:
+        print(f"moe-inspector: bench cancelled: {len(rows)} of {len(specs)} rows measured", file=sys.stderr)
+        return INTERRUPTED
     return 0

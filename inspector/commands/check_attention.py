@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+
+from inspector.commands.output import add_format_arguments, output_format
 
 
 def add_parser(subparsers) -> None:
@@ -39,7 +42,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                         help="working dtype (default bf16 on cuda, fp32 on cpu)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_format_arguments(parser, ("text", "json"), "text")
     mla = parser.add_argument_group("latent attention (--mla)")
     mla.add_argument("--mla", action="store_true",
                      help="check the absorbed MLA kernel over the latent cache against the decompressed reference")
@@ -55,9 +58,10 @@ SINKS_ONLY = ("head_dim", "kv_heads", "window", "block", "pad")
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.compare import DEFAULTS, check_attention, resolve_device  # torch only when run
+    from engine.compare import DEFAULTS, CheckConfig, check_attention, resolve_device  # torch only when run
     from engine.errors import UserError
 
+    fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
     given = [name for name in (SINKS_ONLY if args.mla else MLA_ONLY) if getattr(args, name) is not None]
     if given:
@@ -65,19 +69,27 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{option} is an option of the {'sinks' if args.mla else 'latent (--mla)'} check: "
                         + ("drop it, or drop --mla" if args.mla else "add --mla, or drop it"))
     if args.mla:
-        return _run_mla(args, device)
+        return _run_mla(args, device, fmt)
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
         for name, default in DEFAULTS[device].items()
     }
+    dtype = None if args.dtype == "auto" else args.dtype
+    CheckConfig(**{**options, "kv_heads": options["kv_heads"] or options["heads"]}, mode=args.mode, device=device,
+                dtype=dtype or ("bf16" if device == "cuda" else "fp32"), seed=getattr(args, "seed", 0))  # bad options: now
+    # One call of tens of seconds under the interpreter: say what runs, on stderr (stdout stays the result).
+    print(f"check-attention: the fused kernel and its references at seq {options['seq_len']}, head_dim "
+          f"{options['head_dim']}, {options['heads']} heads on {device}"
+          + (" (the Triton interpreter: tens of seconds)" if device == "cpu" else "") + " …",
+          file=sys.stderr, flush=True)
     result = check_attention(
         **options,
         mode=args.mode,
         device=device,
-        dtype=None if args.dtype == "auto" else args.dtype,
+        dtype=dtype,
         seed=getattr(args, "seed", 0),
     )
-    if args.json:
+    if fmt == "json":
         print(json.dumps(_json_safe(result), indent=2))
     else:
         print(format_result(result))
@@ -86,14 +98,14 @@ def run(args: argparse.Namespace) -> int:
     return 2 if not result["discrimination"]["fires"] else 1
 
 
-def _run_mla(args: argparse.Namespace, device: str) -> int:
+def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
     from engine.compare_mla import DEFAULTS, check_mla
 
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
                for name, default in DEFAULTS[device].items()}
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
-    print(json.dumps(_json_safe(result), indent=2) if args.json else format_mla_result(result))
+    print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_mla_result(result))
     if result["ok"]:
         return 0
     return 2 if not result["discrimination"]["fires"] else 1

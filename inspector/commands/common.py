@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -22,15 +21,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "random from --seed; random: always random")
 
 
-def add_json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
-
-
-def print_json(payload: dict) -> None:
-    json.dump(payload, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-
-
 class _CurrentStderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at emit time (tests and the TUI swap it)."""
 
@@ -44,6 +34,11 @@ class _CurrentStderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:
         pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(sys.stderr, "isatty", lambda: False)():
+            sys.stderr.write("\r\x1b[K")  # over a progress bar's line, which redraws on its next step
+        super().emit(record)
 
 
 def show_engagements() -> None:

@@ -1,19 +1,41 @@
-"""`moe-inspector generate`: greedy decoding at temperature 0 with every decision recorded."""
+"""`moe-inspector generate`: greedy decoding at temperature 0 with every decision recorded.
+
+By default a summary: the text, and an arm table aggregated over layers and steps (what was
+decided, what executed, how often, the µs and the reasons); `--records` adds the per-layer
+rows, `--format jsonl|csv` gives them alone (the dispatch log, one row per layer per step), and
+`--json` the whole generation. Progress goes to stderr; Ctrl-C stops at the next token and
+prints what was generated (exit 130, "cancelled": true in JSON).
+"""
 
 from __future__ import annotations
 
+import argparse
+
 from engine import flags as flag_registry
+from engine.progress import Progress
 from engine.runtime import Engine, Generation
-from inspector.commands.common import add_engine_arguments, add_json_argument, print_json, show_engagements
+from inspector import records
+from inspector.commands.common import add_engine_arguments, show_engagements
+from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json, stop_on_interrupt
+from inspector.describe import changed_flags
+from inspector.prompt_file import read_prompt_file
+
+FORMATS = ("text", "json", "jsonl", "csv")
 
 
-def add_generation_arguments(parser) -> None:
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="FILE",
+                        help="read the prompt from FILE ('-': standard input): its text exactly, newlines kept")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
-                        help=f"set a flag, repeatable; flags: {', '.join(flag_registry.SPECS)}")
-    add_json_argument(parser)
+                        help="set a flag, repeatable; `moe-inspector flags` lists them")
+    parser.add_argument("--records", action="store_true",
+                        help="text output: also one row per MoE and attention layer per step")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_format_arguments(parser, FORMATS, "text", "jsonl and csv: the dispatch log, one row per layer per step")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="also write a Chrome/Perfetto trace of the steps, layers and decisions (engine.trace)")
 
@@ -24,25 +46,64 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def print_generation(result: Generation, label: str = "") -> None:
+def prompt_of(args: argparse.Namespace) -> str:
+    return read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+
+
+def token_words(engine: Engine, tokens: list[int], index: int | None) -> str:
+    if index is None:
+        return ""
+    return repr(engine.tokenizer.decode([tokens[index]])) if index < len(tokens) else "(ended)"
+
+
+def print_records(result: Generation, label: str = "") -> None:
+    """One row per MoE and attention layer per step."""
     heading = f"[{label}] " if label else ""
-    print(f"{heading}{result.model} ({result.weights}) on {result.device}; flags: {result.flags.describe()}")
-    print(f"{heading}text: {result.text!r}")
-    print(f"{'step':>4} {'phase':<8} {'n':>5} {'layer':>5}  {'decided':<9} {'executed':<10} {'woken':>11} "
-          f"{'fill':>7} {'us':>9}  reason")
+    print(f"{heading}{'step':>4} {'phase':<8} {'n':>5} {'layer':>5}  {'decided':<9} {'executed':<10} {'woken':>11} "
+          f"{'fill':>12} {'us':>9}  reason")
     for step in result.steps:
         for record in step["moe"]:
             woken = f"{record['woken_predicted']:.1f}/{record['woken_observed']}"
             decided = record["decided_arm"] + (f" v{record['variant']}" if record["variant"] is not None else "")
             us = "" if record["us"] is None else f"{record['us']:.1f}"
-            print(f"{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  {decided:<9} "
-                  f"{record['executed_arm']:<10} {woken:>11} {100 * record['fill']:>6.1f}% {us:>9}  {record['reason']}")
+            fill = records.fill_text(record["pairs_per_woken"], record["tile_m"])
+            print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
+                  f"{decided:<9} {record['executed_arm']:<10} {woken:>11} {fill:>12} {us:>9}  {record['reason']}")
         for record in step["attention"]:
-            print(f"{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
-                  f"{record['decided_arm']:<9} {record['executed_arm']:<10} {'':>11} {'':>7} "
-                  f"{'' if record['us'] is None else format(record['us'], '.1f'):>9}  attention: {record['reason']}")
+            us = "" if record["us"] is None else f"{record['us']:.1f}"
+            print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
+                  f"{record['decided_arm']:<9} {record['executed_arm']:<10} {'':>11} {'':>12} {us:>9}  "
+                  f"attention: {record['reason']}")
+
+
+def counters_line(result: Generation) -> str:
     counts = ", ".join(f"{name} {count}" for name, count in result.counters["arms"].items() if count)
-    print(f"{heading}counters: {counts}" + (f"; kernels: {result.counters['kernels']}" if result.counters["kernels"] else ""))
+    kernels = result.counters["kernels"]
+    return counts + (f"; Triton kernels: {', '.join(f'{k} {v}' for k, v in kernels.items())}" if kernels else "")
+
+
+def print_summary(engine: Engine, result: Generation, max_tokens: int, label: str = "") -> None:
+    """The text, how much was generated, the arm table and the counters of one generation."""
+    side = f"{label}: " if label else ""
+    done = (f"cancelled after {len(result.tokens)} of {max_tokens} tokens" if result.cancelled
+            else f"{len(result.tokens)} tokens")
+    print(f"{side}flags: {changed_flags(result.flags)}")
+    print(f"{side}prompt {len(result.prompt_tokens)} tokens, generated {done}")
+    print(f"{side}text: {result.text!r}")
+    table = records.arm_table(records.rows_of(label or "", result.steps, engine.device.type))
+    print(f"\n{side}arms over {engine.config.n_layers} layers x {len(result.steps)} steps:")
+    print(records.format_arm_table(table))
+    print(f"{side}counters: {counters_line(result)}")
+
+
+def generation_json(engine: Engine, result: Generation) -> dict:
+    payload = result.to_json()
+    payload["arm_table"] = records.arm_table(records.rows_of("", result.steps, engine.device.type))
+    return payload
+
+
+def progress_for(args: argparse.Namespace, total: int, label: str) -> Progress | None:
+    return None if args.no_progress else Progress(total, label)
 
 
 def traced_clock(args, engine):
@@ -70,16 +131,44 @@ def write_trace(args, runs) -> None:
     print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
 
 
+def step_callback(clock, progress: Progress | None):
+    """Engine.generate's on_step: the trace's clock and the progress bar, each when there is one."""
+    if progress is None:
+        return clock
+
+    def on_step(record: dict, token: int) -> None:
+        if clock is not None:
+            clock(record, token)
+        progress.advance()
+    return on_step
+
+
 def run(args) -> int:
+    fmt = output_format(args)
+    prompt = prompt_of(args)
     resolved = flag_registry.resolve(args.set_flags)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
-    if not args.json:
+    engine.check_length(engine.encode_prompt(prompt), args.max_tokens)  # before the progress bar starts
+    if fmt == "text":
         show_engagements()
+        print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}")
     clock = traced_clock(args, engine)
-    result = engine.generate(args.prompt, args.max_tokens, resolved, on_step=clock)
+    progress = progress_for(args, args.max_tokens, f"generate {engine.config.name}")
+    try:
+        with stop_on_interrupt("stopping at the next token") as stop:
+            result = engine.generate(prompt, args.max_tokens, resolved, cancel=stop,
+                                     on_step=step_callback(clock, progress))
+    finally:
+        if progress is not None:
+            progress.close()
     write_trace(args, [("generate: " + resolved.describe(), result, clock)])
-    if args.json:
-        print_json(result.to_json())
+    if fmt == "json":
+        print_json(generation_json(engine, result))
+    elif fmt in records.EXPORTS:
+        print(records.EXPORTS[fmt](records.rows_of("", result.steps, engine.device.type)), end="")
     else:
-        print_generation(result)
-    return 0
+        print_summary(engine, result, args.max_tokens)
+        if args.records:
+            print()
+            print_records(result)
+    return INTERRUPTED if result.cancelled else 0

@@ -1,24 +1,29 @@
 """`moe-inspector run SESSION.toml`: run a session headless, write its results file, print a report.
 
-Exit 0 when every step ran and every check held, 1 when a check failed, 2 for an invalid
-session or environment (nothing is run and no results are written).
+The report's format is --format (or --json), else --report's extension (.md, .json, .jsonl,
+.csv); a name that says no format, or another one than --format, is refused before anything
+runs, never written in a format it does not name. Exit 0 when every step ran and every check
+held, 1 when a check failed, 2 for an invalid session, environment or report name (nothing is
+run and no results are written), 130 after Ctrl-C: the steps finished so far are reported, the
+results file is left as it was.
 """
 
 from __future__ import annotations
 
 import sys
 
+from inspector.commands.output import INTERRUPTED, add_format_arguments, format_for_path, output_format, stop_on_interrupt
 from inspector.session import atomic_write_text, load_session
-from inspector.session_report import FORMATS, format_for, render
+from inspector.session_report import FORMATS, render
 from inspector.session_runner import results_path_for, run_session, write_results
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("run", help="run a session file headless: a report, a results file, an exit code")
     parser.add_argument("session", metavar="SESSION.toml", help="the session file (see sessions/ for examples)")
-    parser.add_argument("--report", metavar="FILE", help="write the report to FILE instead of printing it")
-    parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="report format: md (default), json, jsonl or csv; default from --report's extension")
+    parser.add_argument("--report", metavar="FILE", help="write the report to FILE instead of printing it "
+                                                         "(its format from the extension unless --format says)")
+    add_format_arguments(parser, FORMATS, "md", "with --report: the extension's format")
     parser.add_argument("--results", metavar="FILE", help="results file (default: SESSION.results.jsonl beside it)")
     parser.add_argument("--device", default=None, help="override the session's [engine] device: auto, cpu or cuda")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
@@ -30,6 +35,7 @@ def progress_printer(label: str):
     """One line per finished step on stderr, so a report on stdout stays clean."""
     def progress(index: int, total: int, step, result: dict | None) -> None:
         if result is None:
+            print(f"[{label}] step {index}/{total} {step.action} …", file=sys.stderr, flush=True)
             return
         check = result.get("check")
         outcome = "" if check is None else f" — check {'held' if check['held'] else 'FAILED'}: {check['detail']}"
@@ -37,21 +43,31 @@ def progress_printer(label: str):
     return progress
 
 
+def report_format(args) -> str:
+    """The format the report is written in; a --report name that would get another one is refused."""
+    explicit = output_format(args) if (args.json or args.format) else None
+    if args.report:
+        return format_for_path(args.report, explicit, FORMATS, "--report")
+    return explicit or args.default_format
+
+
 def run(args) -> int:
+    fmt = report_format(args)  # before the session is even read: a bad name costs nothing
     session = load_session(args.session)
-    fmt = format_for(args.report, args.format)
     results_path = results_path_for(args.session, args.results)
     trace = None
     if args.trace:
         from engine.trace import Trace
 
         trace = Trace()
-    outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace)
+    with stop_on_interrupt("stopping after the current step") as stop:
+        outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace, cancel=stop)
     if trace is not None:
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
-    write_results(results_path, outcome.header, outcome.steps)
-    report = render(outcome.header, outcome.steps, fmt, session.description)
+    if not outcome.cancelled:
+        write_results(results_path, outcome.header, outcome.steps)
+    report = render(outcome.header, outcome.steps, fmt, session.description, cancelled=outcome.cancelled)
     if args.report:
         atomic_write_text(args.report, report)
         print(f"report: {args.report}", file=sys.stderr)
@@ -59,8 +75,12 @@ def run(args) -> int:
         sys.stdout.write(report)
     failed = outcome.failed_checks
     checks = sum(1 for step in outcome.steps if step["check"] is not None)
-    print(f"[run] {session.name}: {len(outcome.steps)} steps on {outcome.header['device']}, "
+    done = (f"cancelled after {len(outcome.steps)} of {len(session.steps)} steps" if outcome.cancelled
+            else f"{len(outcome.steps)} steps")
+    results = (f"results file not written (cancelled); {results_path} is as it was" if outcome.cancelled
+               else f"results in {results_path}")
+    print(f"[run] {session.name}: {done} on {outcome.header['device']}, "
           + (f"{len(failed)} of {checks} checks FAILED" if failed else
              f"all {checks} checks held" if checks else "no checks")
-          + f"; results in {results_path}", file=sys.stderr)
-    return outcome.exit_code
+          + f"; {results}", file=sys.stderr)
+    return INTERRUPTED if outcome.cancelled else outcome.exit_code

@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from inspector.commands.output import add_format_arguments, output_format
+
 _DEFAULT_TOKENS = "1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
 _ALL_ARMS = "gemv,grouped_v0,grouped_v1,grouped_v2,torch_grouped_mm"
 
@@ -34,7 +36,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tile-m", dest="tile_m", type=int, default=None,
                         help="grouped-GEMM m-tile rows: 16, 32 or 64 (default: the kernel's DEFAULT_TILE_M)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, activations and routing (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_format_arguments(parser, ("text", "json"), "text")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file to write (default MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")
     parser.add_argument("--timing", choices=("graph", "cold"), default="graph",
@@ -46,7 +48,12 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.progress import Progress
     from engine.sweep import SweepConfig, parse_arms, parse_tokens, require_cuda, run_sweep
+    from engine.triton_support import require_triton
 
+    fmt = output_format(args)
+    tokens, arms = parse_tokens(args.tokens), parse_arms(args.arms)  # bad options first, GPU or not
+    require_cuda()  # before the kernel modules below, which on a CPU may not even import
+    require_triton("sweep")
     tile_m = args.tile_m
     if tile_m is None:
         from kernels.moe_grouped import DEFAULT_TILE_M
@@ -54,21 +61,20 @@ def run(args: argparse.Namespace) -> int:
         tile_m = DEFAULT_TILE_M
     config = SweepConfig(
         model=args.model,
-        tokens=parse_tokens(args.tokens),
-        arms=parse_arms(args.arms),
+        tokens=tokens,
+        arms=arms,
         skew=args.skew,
         tile_m=tile_m,
         seed=args.seed,
         calibration=Path(args.calibration) if args.calibration else None,
         timing=args.timing,
     )
-    require_cuda()
     progress = Progress(2 + len(config.tokens) * (len(config.arms) + 1), f"sweep {config.model}")
     try:
         result = run_sweep(config, progress)
     finally:
         progress.close()
-    if args.json:
+    if fmt == "json":
         print(json.dumps(result, indent=1))
     else:
         print(render_table(result))

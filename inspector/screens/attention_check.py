@@ -31,6 +31,7 @@ from textual.widgets import Footer, Input, Label, Select, Static
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.runtime import Engine
+from engine.triton_support import missing_message, triton_installed
 from inspector import events
 from inspector.events import EngineQueue
 
@@ -171,6 +172,12 @@ class AttentionCheckScreen(Screen):
         super().__init__()
         self.engine, self.flags = engine, flags
         self.check = load_check() if check is True else check
+        # Why the check cannot run here, said in place of its result (None: it can).
+        self.unavailable: str | None = None
+        if self.check is None:
+            self.unavailable = NOT_AVAILABLE
+        elif check is True and not triton_installed():
+            self.unavailable = missing_message("the attention check")
         self.shape = attention_shape(engine)
         self.queue = EngineQueue()
         self.running = False
@@ -195,16 +202,15 @@ class AttentionCheckScreen(Screen):
             yield Select([("honor", "honor"), ("drop", "drop")], value=mode, allow_blank=False, compact=True,
                          id="check-mode")
         with VerticalScroll(id="check-result"):
-            yield Static(NOT_AVAILABLE if self.check is None else "f7 (or Enter in a box) runs the check",
-                         id="check-output")
-        yield Footer()
+            yield Static(self.unavailable or "f7 (or Enter in a box) runs the check", id="check-output")
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "run_check":
-            return None if self.check is None or self.running else True
+            return None if self.unavailable or self.running else True
         return True
 
     def parameters(self) -> dict[str, Any]:
@@ -221,8 +227,8 @@ class AttentionCheckScreen(Screen):
 
     def action_run_check(self) -> None:
         output = self.query_one("#check-output", Static)
-        if self.check is None:
-            output.update(NOT_AVAILABLE)
+        if self.unavailable:
+            output.update(self.unavailable)
             return
         if self.running:
             return

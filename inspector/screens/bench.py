@@ -1,15 +1,20 @@
-"""The bench screen: llama-bench rows (engine.bench) on the current engine under configuration A.
+"""The bench screen: llama-bench rows (engine.bench) on the current engine under configuration A, B,
+or A then B.
 
-A thread worker runs `run_bench`, holding the engine lock; each row reaches the table as its timed
-repetitions finish, and its kernel shares once every row is timed (profiles run last: a profiler
-session slows the process's later CUDA calls); its progress object only puts notes on the queue,
-which a timer drains into the progress bar. Beside the table: the steady-state trajectory (generated tokens/s in
-2-second bins) and, when profiled on a GPU, the kernel shares. A refused measurement
-(MeasurementError: zero tokens, zero time, a non-finite rate) shows its reason instead of a table.
+A thread worker runs `run_bench` once per configuration, holding the engine lock; each row reaches
+the tables as its timed repetitions finish (t/s, clocks, counters; and the latency table: TTFT, TPOT
+and ITL mean ± stddev beside p50/p90/p99), its kernel shares once every row is timed (profiles run
+last: a profiler session slows the process's later CUDA calls); its progress object only puts
+notes on the queue, which a timer drains into the progress bar. Below: the steady-state trajectory
+(generated tokens/s in 2-second bins, one coloured series per configuration and row, named in the
+legend), the kernel shares when profiled on a GPU, and B/A per row after A against B. A refused
+measurement (MeasurementError: zero tokens, zero time, a non-finite rate) shows its reason instead
+of a table.
 
 The default plan fits the device: on a CPU about ten seconds on `demo`; on a GPU the rows the
 issue asks for at a size that still finishes in a minute. Leaving the screen stops the bench
-after its current repetition. A finished bench is recorded into the session as a `bench` step.
+after its current repetition; what the screen showed is kept on the app and shown again on the
+next visit. A finished bench is recorded into the session as a `bench` step per configuration.
 """
 
 from __future__ import annotations
@@ -22,16 +27,17 @@ from typing import Callable
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Input, Label, ProgressBar, Static, Switch
+from textual.widgets import DataTable, Footer, Input, Label, ProgressBar, Select, Static, Switch
 from textual_plotext import PlotextPlot
 
 from engine import bench
 from engine.errors import MeasurementError, UserError
-from engine.flags import ResolvedFlags
+from engine.flags import ResolvedFlags, format_value
 from engine.runtime import Engine
 from inspector import events
+from inspector.describe import changed_flags
 from inspector.events import EngineQueue
 from inspector.session import BENCH_TG_PROMPT
 
@@ -123,12 +129,43 @@ def row_cells(row: dict) -> list[str]:
         ms_token, host = f"{row['ms_per_token']:.3f}", f"{row['host_us_per_step']:.0f}"
     counters = row["counters"]
     launches = ", ".join(f"{name} {count}" for name, count in counters["arms"].items() if count)
-    return [row["test"], wall, device, clocks, f"{row['ttft_ms']['mean']:.1f}", ms_token, host, launches,
-            bench.replays_cell(counters), str(sum(counters["kernels"].values()))]
+    return [row.get("config", "A"), row["test"], wall, device, clocks, f"{row['ttft_ms']['mean']:.1f}", ms_token, host,
+            launches, bench.replays_cell(counters), str(sum(counters["kernels"].values()))]
 
 
-ROW_COLUMNS = ("test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "host µs/step", "launches",
+ROW_COLUMNS = ("cfg", "test", "t/s (wall)", "t/s (device)", "Δclock", "TTFT ms", "ms/tok", "host µs/step", "launches",
                "replays", "kernels")
+LATENCY_NAMES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"))
+LATENCY_COLUMNS = ("cfg", "test") + tuple(f"{label} {column}" for _, label in LATENCY_NAMES
+                                          for column in ("ms", "p50", "p90", "p99"))
+
+
+def latency_cells(row: dict) -> list[str]:
+    """vllm bench's latencies: mean ± stddev beside p50/p90/p99, in ms (engine.bench.latency_summary)."""
+    cells = [row.get("config", "A"), row["test"]]
+    for name, _ in LATENCY_NAMES:
+        stats = (row.get("latency") or {}).get(name)
+        cells += (["—"] * 4 if stats is None else
+                  [f"{stats['mean']:.1f} ± {stats['std']:.1f}"] + [f"{stats[q]:.1f}" for q in ("p50", "p90", "p99")])
+    return cells
+
+
+CONFIGS = (("A", "A"), ("B", "B"), ("A vs B", "A,B"))
+# One colour per series of the trajectory, in order: its legend names each (configuration and row).
+SERIES_COLORS = ("cyan", "magenta", "green", "orange", "blue", "red", "yellow", "white")
+
+
+def ratio_text(rows: list[dict]) -> str:
+    """B's t/s over A's, per row both benched: one pass each, so read beside the ±."""
+    by = {(row.get("config", "A"), row["test"]): row for row in rows}
+    parts = []
+    for (config, test), row_a in by.items():
+        row_b = by.get(("B", test))
+        if config != "A" or row_b is None or row_a["tps_wall"] is None or row_b["tps_wall"] is None:
+            continue
+        parts.append(f"{test} {row_b['tps_wall']['mean'] / row_a['tps_wall']['mean']:.2f}×")
+    return ("B / A, t/s (wall): " + ", ".join(parts) + " (one pass each, one after the other in this process: "
+            "read it beside each row's ±)") if parts else ""
 
 
 class BenchScreen(Screen):
@@ -138,10 +175,13 @@ class BenchScreen(Screen):
     ]
 
     def __init__(self, engine: Engine, flags: ResolvedFlags, engine_lock: threading.Lock | None = None, *,
-                 run_bench: Callable = bench.run_bench, clock: Callable[[], float] | None = None) -> None:
-        """`run_bench` and `clock` are engine.bench's; tests pass a clock that stands still to force a refusal."""
+                 flags_b: ResolvedFlags | None = None, run_bench: Callable = bench.run_bench,
+                 clock: Callable[[], float] | None = None) -> None:
+        """`flags` is configuration A, `flags_b` B (None: the B choices are not offered). `run_bench` and `clock`
+        are engine.bench's; tests pass a clock that stands still to force a refusal. What the screen showed is
+        kept on the app (`bench_memory`) and shown again on the next visit."""
         super().__init__()
-        self.engine, self.flags = engine, flags
+        self.engine, self.flags, self.flags_b = engine, flags, flags_b
         self.engine_lock = engine_lock or threading.Lock()
         self.run_bench_function, self.clock = run_bench, clock
         self.gpu = engine.device.type == "cuda"
@@ -151,49 +191,118 @@ class BenchScreen(Screen):
         self.plan: Plan | None = None
         self.rows: list[dict] = []
         self.report: dict | None = None
+        self.reports: dict[str, dict] = {}  # configuration -> its finished report
         self.refused: str | None = None
+        self.finished_at: str | None = None
+
+    def configs_chosen(self) -> list[str]:
+        if self.flags_b is None:
+            return ["A"]
+        return self.query_one("#bench-config", Select).value.split(",")
+
+    def flags_of(self, config: str) -> ResolvedFlags:
+        return self.flags if config == "A" or self.flags_b is None else self.flags_b
 
     def compose(self) -> ComposeResult:
         c = self.engine.config
-        yield Static(f"{c.name} on {self.engine.device_label}: llama-bench rows over the batched engine under "
-                     f"configuration A ({self.flags.describe()}); a warm-up repetition per row, excluded. "
-                     f"tg rows use {BENCH_TG_PROMPT}-token prompts."
+        yield Static(f"{c.name} on {self.engine.device_label}: llama-bench rows over the batched engine, a warm-up "
+                     f"per row excluded; tg rows use {BENCH_TG_PROMPT}-token prompts."
                      + ("" if self.gpu else " On a CPU the screen shares the cores with the engine: "
                         "`moe-inspector bench` headless gives steadier numbers."), id="bench-about")
+        yield Static(self._configs_text(), id="bench-configs")
         with Horizontal(id="bench-params"):
             for name, value in zip(PLAN_BOXES, GPU_PLAN if self.gpu else CPU_PLAN):
                 yield Label(name)
                 yield Input(value, id=f"bench-{name}", restrict=r"[0-9,a-z ]*", compact=True)
+            if self.flags_b is not None:
+                yield Label("config")
+                yield Select(list(CONFIGS), value="A", allow_blank=False,
+                             compact=True, id="bench-config")
             if self.gpu:
                 yield Label("profile")
                 yield Switch(False, id="bench-profile")
         with Horizontal(id="bench-progress-row"):
-            yield ProgressBar(id="bench-progress", show_eta=False)
+            yield ProgressBar(total=1, id="bench-progress", show_eta=False)  # 0 % until a run: no idle animation
             yield Static("ctrl+r (or Enter in a box) runs the bench", id="bench-status")
-        yield Static("", id="bench-refusal")
-        yield DataTable(id="bench-rows", cursor_type="row", zebra_stripes=True)
-        with Horizontal(id="bench-lower"):
-            yield PlotextPlot(id="bench-trajectory")
-            with Vertical(id="bench-shares"):
-                yield Static("" if self.gpu else NO_PROFILE_ON_CPU, id="bench-shares-note")
-                yield DataTable(id="bench-kernels", zebra_stripes=True)
-        yield Static("", id="bench-footer")
-        yield Footer()
+        with VerticalScroll(id="bench-body"):
+            yield Static("", id="bench-refusal")
+            yield DataTable(id="bench-rows", cursor_type="row", zebra_stripes=True)
+            yield Static("latency, ms: mean ± stddev, p50 / p90 / p99 over every request (ITL: every gap) of the "
+                         "timed repetitions", id="bench-latency-title")
+            yield DataTable(id="bench-latency", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="bench-ratio")
+            with Horizontal(id="bench-lower"):
+                yield PlotextPlot(id="bench-trajectory")
+                with Vertical(id="bench-shares"):
+                    yield Static("" if self.gpu else NO_PROFILE_ON_CPU, id="bench-shares-note")
+                    yield DataTable(id="bench-kernels", zebra_stripes=True)
+            yield Static("", id="bench-footer")
+        yield Footer(compact=True)
+
+    def _configs_text(self) -> str:
+        text = f"A (the flags panel): {changed_flags(self.flags)}"
+        if self.flags_b is not None:
+            changed = [f"{name}={format_value(name, value)}" for name, value in self.flags_b.values.items()
+                       if self.flags[name] != value]
+            text += "\nB: A with " + (", ".join(changed) or "no change (B is A)")
+        return text
 
     def on_mount(self) -> None:
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
         self.query_one("#bench-rows", DataTable).add_columns(*ROW_COLUMNS)
+        self.query_one("#bench-latency", DataTable).add_columns(*LATENCY_COLUMNS)
         self.query_one("#bench-kernels", DataTable).add_columns("row", "kernel", "device µs", "calls", "share",
                                                                 "launches/step", "adds µs/step")
         self.query_one("#bench-kernels").display = False
         self.query_one("#bench-refusal").display = False
         self.query_one(f"#bench-{PLAN_BOXES[0]}", Input).focus()
+        self.restore()
         self.draw_trajectory()
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "run_bench":
             return None if self.running else True
         return True
+
+    # -- what the last visit showed ------------------------------------------------------------------------
+
+    @property
+    def memory(self) -> dict | None:
+        return getattr(self.app, "bench_memory", None)
+
+    def remember(self) -> None:
+        """Keep what the screen shows on the app, for the next visit (the rows so far, while running)."""
+        if not hasattr(self.app, "bench_memory"):
+            return
+        self.app.bench_memory = {
+            "plan": {name: self.query_one(f"#bench-{name}", Input).value for name in PLAN_BOXES},
+            "config": None if self.flags_b is None else self.query_one("#bench-config", Select).value,
+            "rows": list(self.rows), "reports": dict(self.reports), "refused": self.refused,
+            "status": str(self.query_one("#bench-status", Static).render()), "finished_at": self.finished_at}
+
+    def restore(self) -> None:
+        memory = self.memory
+        if not memory:
+            return
+        for name, value in memory["plan"].items():
+            self.query_one(f"#bench-{name}", Input).value = value
+        if memory.get("config") and self.flags_b is not None:
+            self.query_one("#bench-config", Select).value = memory["config"]
+        self.rows, self.reports, self.refused = list(memory["rows"]), dict(memory["reports"]), memory["refused"]
+        self.report = next(reversed(self.reports.values()), None)
+        self.finished_at = memory.get("finished_at")
+        for row in self.rows:
+            self._add_row(row)
+        for report in self.reports.values():
+            for row in report["rows"]:
+                if "profile" in row:
+                    self._add_profile(row)
+        if self.refused:
+            self.show_refusal(f"refused: {self.refused}")
+        self._show_footer()
+        when = f" at {self.finished_at}" if self.finished_at else ""
+        self.query_one("#bench-status", Static).update(
+            f"the last bench{when}: {len(self.rows)} rows (kept from your last visit); ctrl+r runs again")
 
     # -- running -----------------------------------------------------------------------------------------
 
@@ -211,56 +320,69 @@ class BenchScreen(Screen):
         except UserError as error:
             self.show_refusal(f"not run: {error}")
             return
-        self.plan, self.rows, self.report, self.refused = plan, [], None, None
+        configs = self.configs_chosen()
+        self.plan, self.rows, self.report, self.reports, self.refused = plan, [], None, {}, None
         self.running = True
         self.cancel.clear()
         self.refresh_bindings()
         self.query_one("#bench-refusal").display = False
-        self.query_one("#bench-rows").display = True
-        self.query_one("#bench-rows", DataTable).clear()
+        for table in ("#bench-rows", "#bench-latency"):
+            self.query_one(table).display = True
+            self.query_one(table, DataTable).clear()
         self.query_one("#bench-kernels", DataTable).clear()
         self.query_one("#bench-footer", Static).update("")
-        self.query_one("#bench-progress", ProgressBar).update(total=plan.repetitions, progress=0)
+        self.query_one("#bench-ratio", Static).update("")
+        self.query_one("#bench-progress", ProgressBar).update(total=plan.repetitions * len(configs), progress=0)
         self.query_one("#bench-status", Static).update(
             f"{len(plan.specs)} rows × ({plan.reps} reps + warm-up{' + profile' if profile else ''})"
+            + (f" × configurations {' and '.join(configs)}" if len(configs) > 1 else f" under {configs[0]}")
             + (" — waiting for the engine" if self.engine_lock.locked() else ""))
         self.draw_trajectory()
-        self.run_rows(plan)
+        self.remember()
+        self.run_rows(plan, [(config, self.flags_of(config)) for config in configs])
 
     @work(thread=True, exclusive=True, group="bench")
-    def run_rows(self, plan: Plan) -> None:
-        """On the worker thread: one run_bench, each row sent as its timed repetitions finish, then each row's
-        kernel shares (profiled after every timed row: a profiler session slows later CUDA calls); only the
-        queue is touched."""
+    def run_rows(self, plan: Plan, configs: list[tuple[str, ResolvedFlags]]) -> None:
+        """On the worker thread: one run_bench per configuration, each row sent as its timed repetitions finish,
+        then each row's kernel shares (profiled after every timed row: a profiler session slows later CUDA
+        calls); only the queue is touched."""
         progress = QueueProgress(self.queue, self.cancel)
-        started = time.perf_counter()
+        for index, (config, flags) in enumerate(configs):
+            last = index == len(configs) - 1
+            started = time.perf_counter()
 
-        def arrived(row) -> None:
-            self.queue.put(events.BenchRowEvent(row.to_json()))
+            def arrived(row, config: str = config) -> None:
+                self.queue.put(events.BenchRowEvent({**row.to_json(), "config": config}))
 
-        try:
-            with self.engine_lock:
-                report = self.run_bench_function(self.engine, self.flags, plan.specs, plan.reps, profile=plan.profile,
-                                                 progress=progress, clock=self.clock, on_row=arrived).to_json()
-            for row in report["rows"]:
-                if "profile" in row:
-                    self.queue.put(events.BenchProfileEvent(row))
-        except BenchCancelled:
-            self.queue.put(events.BenchDoneEvent(None, cancelled=True))
-            return
-        except MeasurementError as error:
-            self.queue.put(events.BenchDoneEvent(None, refused=str(error)))
-            return
-        except UserError as error:
-            self.queue.put(events.BenchDoneEvent(None, error=str(error)))
-            return
-        self.queue.put(events.BenchDoneEvent(report, wall_s=time.perf_counter() - started))
+            try:
+                with self.engine_lock:
+                    report = self.run_bench_function(self.engine, flags, plan.specs, plan.reps, profile=plan.profile,
+                                                     progress=progress, clock=self.clock, on_row=arrived).to_json()
+                for row in report["rows"]:
+                    row["config"] = config
+                    if "profile" in row:
+                        self.queue.put(events.BenchProfileEvent(row))
+            except BenchCancelled:
+                self.queue.put(events.BenchDoneEvent(None, cancelled=True, config=config))
+                return
+            except MeasurementError as error:
+                self.queue.put(events.BenchDoneEvent(None, refused=f"{config}: {error}" if len(configs) > 1
+                                                     else str(error), config=config))
+                return
+            except UserError as error:
+                self.queue.put(events.BenchDoneEvent(None, error=str(error), config=config))
+                return
+            self.queue.put(events.BenchDoneEvent(report, wall_s=time.perf_counter() - started, config=config,
+                                                 last=last))
 
     def cancel_work(self) -> None:
         self.cancel.set()
 
     def action_leave(self) -> None:
         self.cancel_work()  # a running bench stops after its current repetition
+        if self.running:
+            self.query_one("#bench-status", Static).update(f"stopped when left: {len(self.rows)} rows")
+        self.remember()
         self.app.pop_screen()
 
     def drain(self) -> None:
@@ -273,52 +395,72 @@ class BenchScreen(Screen):
         self.query_one("#bench-progress", ProgressBar).advance(len(message.notes))
         self.query_one("#bench-status", Static).update(f"done: {message.notes[-1]}")
 
+    def _add_row(self, row: dict) -> None:
+        key = f"{row.get('config', 'A')} {row['test']}"
+        self.query_one("#bench-rows", DataTable).add_row(*row_cells(row), key=key)
+        self.query_one("#bench-latency", DataTable).add_row(*latency_cells(row), key=key)
+
     def on_bench_row_arrived(self, message: events.BenchRowArrived) -> None:
-        row = message.row
-        self.rows.append(row)
-        self.query_one("#bench-rows", DataTable).add_row(*row_cells(row), key=row["test"])
+        self.rows.append(message.row)
+        self._add_row(message.row)
+        self.remember()
+
+    def _add_profile(self, row: dict) -> None:
+        kernels = self.query_one("#bench-kernels", DataTable)
+        kernels.display = True
+        label = row["test"] if row.get("config", "A") == "A" and self.flags_b is None else f"{row['config']} {row['test']}"
+        for entry in row["profile"]["kernels"][:SHARES_PER_ROW]:
+            name = entry["kernel"] if len(entry["kernel"]) <= 48 else entry["kernel"][:47] + "…"
+            kernels.add_row(label, name, f"{entry['device_us']:.1f}", str(entry["calls"]),
+                            f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}",
+                            bench.critical_cell(entry))
+        self.query_one("#bench-shares-note", Static).update(f"kernel shares, {row['profile']['note']}")
 
     def on_bench_profile_arrived(self, message: events.BenchProfileArrived) -> None:
-        row = message.row
-        if "profile" in row:
-            kernels = self.query_one("#bench-kernels", DataTable)
-            kernels.display = True
-            for entry in row["profile"]["kernels"][:SHARES_PER_ROW]:
-                name = entry["kernel"] if len(entry["kernel"]) <= 48 else entry["kernel"][:47] + "…"
-                kernels.add_row(row["test"], name, f"{entry['device_us']:.1f}", str(entry["calls"]),
-                                f"{100 * entry['share']:.1f} %", f"{entry['launches_per_step']:.2f}",
-                                bench.critical_cell(entry))
-            self.query_one("#bench-shares-note", Static).update(f"kernel shares, {row['profile']['note']}")
+        if "profile" in message.row:
+            self._add_profile(message.row)
 
     def on_bench_finished(self, message: events.BenchFinished) -> None:
+        status = self.query_one("#bench-status", Static)
+        if message.report is not None:
+            self.reports[message.config] = message.report
+            self.report = message.report
+            # Recorded with what the user saw, as the step's results: one bench step per configuration.
+            self.app.record_action(self.plan.action(self.flags_of(message.config)),
+                                   {"report": message.report, "wall_s": message.wall_s})
+            if not message.last:
+                return
         self.running = False
         self.refresh_bindings()
-        status = self.query_one("#bench-status", Static)
         if message.cancelled:
-            status.update("stopped")
-            return
-        if message.refused is not None:
+            status.update(f"stopped: {len(self.rows)} rows")
+        elif message.refused is not None:
             self.refused = message.refused
             self.show_refusal(f"refused: {message.refused}")
             status.update("refused: no table")
-            return
-        if message.error is not None:
+        elif message.error is not None:
             self.show_refusal(f"not run: {message.error}")
             status.update("not run")
-            return
-        self.report = message.report
-        self.draw_trajectory()  # once, at the end: plotting while rows are timed would take the CPU from them
-        status.update(f"done: {len(self.rows)} rows in {message.wall_s:.1f} s")
-        self.query_one("#bench-footer", Static).update(footer_text(message.report))
-        self.app.record_action(self.plan.action(self.flags), {"report": message.report, "wall_s": message.wall_s})
+        else:
+            self.finished_at = time.strftime("%H:%M:%S")
+            self.draw_trajectory()  # once, at the end: plotting while rows are timed would take the CPU from them
+            status.update(f"done: {len(self.rows)} rows in {message.wall_s:.1f} s")
+            self._show_footer()
+        self.remember()
+
+    def _show_footer(self) -> None:
+        self.query_one("#bench-footer", Static).update(
+            "\n".join(footer_text(report) for report in self.reports.values()))
+        self.query_one("#bench-ratio", Static).update(ratio_text(self.rows))
+        self.draw_trajectory()
 
     def show_refusal(self, text: str) -> None:
         """A refused measurement prints no table: the reason takes its place."""
         refusal = self.query_one("#bench-refusal", Static)
         refusal.update(text)
         refusal.display = True
-        self.query_one("#bench-rows").display = False
-        self.query_one("#bench-kernels").display = False
+        for table in ("#bench-rows", "#bench-latency", "#bench-kernels"):
+            self.query_one(table).display = False
 
     # -- the trajectory --------------------------------------------------------------------------------------
 
@@ -328,16 +470,18 @@ class BenchScreen(Screen):
         tg_rows = [row for row in self.rows if row["kind"] == "tg"]
         bin_s = bench.TRAJECTORY_BIN_S
         single = tg_rows and all(len(row["trajectory"]["tokens_per_s"]) <= 1 for row in tg_rows)
-        plt.title(f"generated tokens/s in {bin_s:g}-s bins (tg rows, last repetition)"
-                  + ("; each row fit in one bin" if single else ""))
-        for row in tg_rows:
+        plt.title(f"generated tokens/s, {bin_s:g}-s bins (tg rows, last rep)" + ("; one bin each" if single else ""))
+        for index, row in enumerate(tg_rows):
             rates = row["trajectory"]["tokens_per_s"]
-            if rates:
-                times = [bin_s * (index + 1) for index in range(len(rates))]
-                if len(rates) == 1:  # one bin: a visible point, not a braille dot
-                    plt.scatter(times, rates, label=row["test"], marker="●")
-                else:
-                    plt.plot(times, rates, label=row["test"], marker="braille")
+            if not rates:
+                continue
+            times = [bin_s * (bin_index + 1) for bin_index in range(len(rates))]
+            color = SERIES_COLORS[index % len(SERIES_COLORS)]
+            label = f"{row.get('config', 'A')} {row['test']}"  # the legend tells the series apart
+            if len(rates) == 1:  # one bin: a visible point, not a braille dot
+                plt.scatter(times, rates, label=label, marker="●", color=color)
+            else:
+                plt.plot(times, rates, label=label, marker="braille", color=color)
         if tg_rows:
             plt.xlim(0, bin_s * (max(len(row["trajectory"]["tokens_per_s"]) for row in tg_rows) + 1))
         else:

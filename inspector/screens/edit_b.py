@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Input, Static
+from textual.widgets import Footer, Input, Static
 
 from engine.errors import UserError
 from engine.flags import SPECS, format_value, parse_assignments
@@ -49,6 +49,7 @@ class EditBScreen(ModalScreen[dict | None]):
                 table.append(f"{name:<16}", style="bold")
                 table.append(f"{spec.allowed}  (default {format_value(name, spec.default)})\n")
             yield Static(table, classes="dialog-flags")
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()

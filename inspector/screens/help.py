@@ -8,10 +8,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Static
+from textual.widgets import Footer, Static
 
 KEYS = (
     ("enter", "in the prompt (or max tokens) box: run the prompt through A, then B, at temperature 0"),
+    ("ctrl+j", "in the prompt box: a new line (shift+enter too, where the terminal tells them apart); a pasted "
+               "prompt keeps all its lines"),
+    ("↑ / ↓", "in the prompt box, on its first / last line: earlier / later prompts (ctrl+↑ / ctrl+↓ anywhere)"),
+    ("ctrl+n", "load a prompt from a text file into the prompt box (`moe-inspector --prompt-file F` at start)"),
     ("escape", "main screen: cancel the running generation (the engine stops at its next step)"),
     ("f1  ?", "this help (? only outside text boxes)"),
     ("f2", "tile-fill screen: predicted pairs per woken expert against n, TILE_M, the policy's boundary, "
@@ -19,20 +23,26 @@ KEYS = (
     ("f3", "attention check screen: fused vs masked / causal / unmasked references"),
     ("f4", "edit configuration B (A's flags with overrides)"),
     ("f5", "dispatch log: follow the newest rows again"),
-    ("f6", "focus the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box)"),
+    ("f6", "the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box); on a "
+           "narrow screen it is folded away and f6 opens and closes it"),
     ("ctrl+l", "focus the prompt box (on the tile-fill screen: the sweep file box)"),
+    ("enter  (log)", "on a dispatch-log row: its whole decision (inputs, reason, arms, µs and how they were "
+                     "timed); ←/→ there walk the rows"),
+    ("ctrl+f", "find text in the dispatch log's shown rows (enter: next match, escape: close)"),
+    ("ctrl+g", "go to a step in the dispatch log"),
+    ("ctrl+t", "export the dispatch log's shown rows to .csv, .json or .jsonl"),
     ("f7", "replay screen: step through the open session's steps, each re-run beside its recording "
            "(on the attention check screen, f7 runs the check; Enter in a size box does too)"),
     ("←/p  →/n  r", "replay screen: previous / next step, re-run the step in view again"),
-    ("f8", "bench screen: llama-bench pp/tg rows on this engine under A, with a progress bar, the trajectory "
-           "and (on a GPU, profiled) kernel shares"),
+    ("f8", "bench screen: llama-bench pp/tg rows on this engine under A, B, or A against B, with latency "
+           "percentiles, a progress bar, the trajectory and (on a GPU, profiled) kernel shares"),
     ("ctrl+r", "bench screen: run the bench (Enter in a plan box does too)"),
     ("f9", "A/B screen: an `moe-inspector ab --json-out` report's rows and verdicts, each row's rounds plotted"),
     ("ctrl+s", "save the session as (a path; recording continues into the new file, results beside it)"),
     ("ctrl+o", "open a session (a malformed file is refused in place; the current session stays)"),
     ("escape", "on the tile-fill, attention check, replay, bench, help and dialog screens: back"),
     ("tab / shift+tab", "move between the prompt, the flags, the log filters and the tables"),
-    ("ctrl+p", "command palette: every action, and every flag value"),
+    ("ctrl+p", "command palette: every action with its key, and every flag value"),
     ("ctrl+q", "quit (a running generation is cancelled first)"),
 )
 
@@ -48,9 +58,11 @@ PANELS = (
                     "from the first divergent token on, reverse video"),
     ("divergence line", "the first token where A and B differ, and the per-step relative error of A's logits "
                         "against B's as a sparkline"),
-    ("dispatch log", "one row per MoE layer and attention layer per step: phase, n tokens, woken experts "
-                     "predicted/observed, pairs per woken expert predicted/observed, m-tile fill, decided→executed "
-                     "arm, variant, mask → applied mask, µs, reason. Filter by configuration, layer, arm, phase"),
+    ("dispatch log", "one row per MoE layer and attention layer per step: phase, n tokens, decided→executed "
+                     "arm and variant, woken experts predicted/observed, pairs per woken expert predicted/observed, "
+                     "m-tile fill (past one tile: the full tiles), mask → applied mask, µs, the whole reason. The "
+                     "header and the first three columns stay put when it scrolls sideways. Filter by "
+                     "configuration, layer, arm, phase; the line under it is the cursor row's reason"),
     ("launch counters", "per arm, A and B: live from the records, then the engine's own counters (and Triton "
                         "kernel launches, where kernels ran)"),
     ("session", "every finished run, curve (once per distinct k, E, TILE_M), attention check and bench is a step "
@@ -81,3 +93,4 @@ class HelpScreen(ModalScreen[None]):
             yield Static(keys)
             yield Static(panels)
             yield Static(Text("escape closes this help", style="dim"))
+        yield Footer(compact=True)

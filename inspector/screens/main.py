@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Input
+from textual.widgets import Footer
 
 from engine.errors import UserError
 from engine.flags import DEFAULT, ResolvedFlags
@@ -84,26 +85,39 @@ def describe_token(token: int) -> str:
     return token_text(token)[0]
 
 
+WIDE = 140  # columns from which the flags panel and the counters table sit beside the rest
+
+
 class MainScreen(Screen):
+    # Short words: at 80 columns the footer still shows every screen key (the palette lists them all too).
     BINDINGS = [
-        Binding("escape", "cancel", "Cancel run"),
-        Binding("f2", "tile_fill", "Tile fill"),
-        Binding("f3", "attention_check", "Attention check"),
-        Binding("f4", "edit_b", "Edit B"),
-        Binding("f5", "follow", "Follow log"),
+        Binding("escape", "cancel", "Cancel"),
+        Binding("f1", "app.help", "Help"),  # here too, so the footer shows it before the screen's keys
+        Binding("f2", "tile_fill", "Fill"),
+        Binding("f3", "attention_check", "Attn"),
+        Binding("f4", "edit_b", "Edit B", show=False),  # said where B is shown: its row and its pane's title
+        Binding("f5", "follow", "Follow"),
         Binding("f6", "focus_flags", "Flags"),
         Binding("f7", "replay", "Replay"),
         Binding("f8", "bench", "Bench"),
         Binding("f9", "ab", "A/B", show=False),  # in the help and the palette; the footer keeps its width
+        Binding("ctrl+q", "app.quit", "Quit"),
+        Binding("ctrl+n", "prompt_file", "Prompt file", show=False),
+        Binding("ctrl+f", "find_in_log", "Find", show=False),
+        Binding("ctrl+g", "go_to_step", "Go to step", show=False),
+        Binding("ctrl+t", "export_log", "Export log", show=False),
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
     ]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
 
     def __init__(self, engine: Engine, flags: ResolvedFlags, b_overrides: dict[str, Any], max_tokens: int,
-                 timed: bool) -> None:
+                 timed: bool, history=None, prompt: str = "") -> None:
         super().__init__()
         self.engine, self.initial_flags, self.timed = engine, flags, timed
         self.b_overrides = dict(b_overrides)
         self.default_max_tokens = max_tokens
+        self.history, self.initial_prompt = history, prompt
         self.queue = EngineQueue()
         self.current_run: Run | None = None
         self._next_run_id = 1
@@ -115,22 +129,32 @@ class MainScreen(Screen):
         with Horizontal(id="body"):
             yield FlagsPanel(self.initial_flags, id="flags")
             with Vertical(id="work"):
-                yield PromptBar(self.default_max_tokens, id="prompt-bar")
+                yield PromptBar(self.default_max_tokens, self.history, self.initial_prompt, id="prompt-bar")
                 yield ConfigBRow(self.b_overrides, id="b-row")
                 with Horizontal(id="outputs"):
                     yield OutputPane(A, id="pane-a")
-                    yield OutputPane(B, id="pane-b")
+                    yield OutputPane(B, id="pane-b", hint="f4 edits")
                 yield DivergenceBar(id="divergence")
                 with Horizontal(id="lower"):
                     yield DispatchLog(self.engine.config.n_layers, id="log")
                     yield CountersTable(id="counters")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#pane-a", OutputPane).reset(describe_changed(self.initial_flags))
         self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
-        self.query_one("#prompt", Input).focus()
+        self.query_one("#prompt").focus()
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
+
+    def on_resize(self, event) -> None:
+        narrow = self.size.width < WIDE
+        self.query_one(CountersTable).set_compact(narrow)
+        if not narrow:
+            self.remove_class("-flags-open")
+
+    @property
+    def narrow(self) -> bool:
+        return self.has_class("-narrow")
 
     @property
     def flags(self) -> ResolvedFlags:
@@ -158,6 +182,8 @@ class MainScreen(Screen):
             status.set_activity(f"not run: {error}", running=False)
             self.notify(str(error), title="not run", severity="error")
             return False
+        if self.history is not None:
+            self.history.add(prompt)
         if self.running:  # a new prompt replaces the running one
             self.current_run.cancel.set()
         flags_a = self.flags
@@ -345,7 +371,7 @@ class MainScreen(Screen):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "cancel":
-            return True if self.running else None  # shown dimmed when nothing runs
+            return True if self.running else False  # in the footer only while something runs
         return True
 
     def action_cancel(self) -> None:
@@ -370,12 +396,105 @@ class MainScreen(Screen):
         self.query_one(DispatchLog).resume_follow()
 
     def action_focus_prompt(self) -> None:
-        self.query_one("#prompt", Input).focus()
+        self.query_one("#prompt").focus()
 
     def action_focus_flags(self) -> None:
+        """Focus the flags panel; on a narrow screen it is folded away, and f6 opens (and closes) it."""
+        if self.narrow:
+            opened = not self.has_class("-flags-open")
+            self.set_class(opened, "-flags-open")
+            if not opened:
+                self.action_focus_prompt()
+                return
         panel = self.query_one(FlagsPanel)
         first = next(iter(panel.flags.values))
-        panel.row(first).query_one(f"#control-{first}").focus()
+        control = panel.row(first).query_one(f"#control-{first}")
+        if control.focusable:
+            control.focus()
+        else:  # just unfolded: focusable once its styles are applied, a frame later
+            self.set_timer(0.05, control.focus)
+
+    # -- the dispatch log: details, find, go to step, export -------------------------------------------
+
+    def on_dispatch_log_opened(self, message: DispatchLog.Opened) -> None:
+        from inspector.screens.record import RecordScreen
+
+        run = self.current_run
+
+        def flags_of(side: str) -> dict | None:
+            return None if run is None or side not in run.flags else dict(run.flags[side].values)
+
+        self.app.push_screen(RecordScreen(list(message.log.shown), message.index, flags_of, self.engine.device.type))
+
+    def action_find_in_log(self) -> None:
+        self.query_one(DispatchLog).open_bar("find")
+
+    def action_go_to_step(self) -> None:
+        self.query_one(DispatchLog).open_bar("step")
+
+    def log_rows(self) -> list[dict]:
+        """The dispatch log's shown rows (the filters apply), flat: inspector.records' columns."""
+        from inspector.records import record_row
+
+        device = self.engine.device.type
+        return [record_row(entry.side, {"step": entry.record["step"], "phase": entry.record["phase"],
+                                        "n_tokens": entry.record["n_tokens"]}, entry.op, entry.record, device)
+                for entry in self.query_one(DispatchLog).shown]
+
+    def export_log(self, text: str) -> str:
+        """Write the shown rows to `text` (.csv, .json or .jsonl); UserError, shown in place, for another name."""
+        from inspector import records
+        from inspector.commands.output import format_for_path
+        from inspector.session import atomic_write_text
+
+        path = text.strip()
+        if not path:
+            raise UserError("give a file name, e.g. dispatch-log.csv")
+        fmt = format_for_path(path, None, ("csv", "json", "jsonl"), "export", alternative="")
+        rows = self.log_rows()
+        if not rows:
+            raise UserError("the dispatch log is empty: run a prompt first")
+        if fmt == "json":
+            log = self.query_one(DispatchLog)
+            about = {"model": self.engine.config.name, "device": self.engine.device_label,
+                     "filters": {key: value for key, value in log.filters.items() if value is not None},
+                     "flags": {side: dict(flags.values) for side, flags in
+                               (self.current_run.flags.items() if self.current_run else ())}}
+            content = records.to_json(rows, about)
+        else:
+            content = records.EXPORTS[fmt](rows)
+        target = Path(path).expanduser()
+        if target.is_dir():
+            raise UserError(f"{path} is a directory: name a file inside it")
+        try:
+            atomic_write_text(target, content)
+        except OSError as error:
+            raise UserError(f"{path}: cannot write it ({error.strerror}); pick a writable directory") from None
+        self.notify(f"{len(rows)} rows written to {path} ({fmt})", title="export")
+        return path
+
+    def action_export_log(self) -> None:
+        from inspector.screens.session_path import SessionPathScreen
+
+        self.app.push_screen(SessionPathScreen("export", "dispatch-log.csv", self.export_log))
+
+    def load_prompt_file(self, text: str) -> str:
+        from inspector.prompt_file import read_prompt_file
+
+        path = text.strip()
+        if not path:
+            raise UserError("give the path of a text file")
+        prompt = read_prompt_file(path, "prompt file")
+        bar = self.query_one(PromptBar)
+        bar.set_prompt(prompt)
+        bar.area.focus()
+        self.notify(f"{path}: {prompt.count(chr(10)) + 1} lines in the prompt box; Enter runs it", title="prompt")
+        return path
+
+    def action_prompt_file(self) -> None:
+        from inspector.screens.session_path import SessionPathScreen
+
+        self.app.push_screen(SessionPathScreen("prompt", "", self.load_prompt_file))
 
     def action_edit_b(self) -> None:
         from inspector.screens.edit_b import EditBScreen
@@ -406,7 +525,9 @@ class MainScreen(Screen):
     def action_bench(self) -> None:
         from inspector.screens.bench import BenchScreen
 
-        self.app.push_screen(BenchScreen(self.engine, self.flags, getattr(self.app, "engine_lock", None)))
+        flags = self.flags
+        self.app.push_screen(BenchScreen(self.engine, flags, getattr(self.app, "engine_lock", None),
+                                         flags_b=self.flags_b(flags)))
 
     def action_ab(self) -> None:
         from inspector.screens.ab import AbScreen

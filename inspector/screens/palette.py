@@ -9,32 +9,55 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+from rich.text import Text
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.content import Content
 
 from engine.flags import SPECS, format_value
 
-# (title, help, action on the main screen or the app)
-ACTIONS: tuple[tuple[str, str, str], ...] = (
-    ("Run prompt", "run the prompt box's text through A and B at temperature 0", "screen.run_prompt"),
-    ("Cancel run", "stop the running generation at its next step", "screen.cancel"),
-    ("Edit configuration B", "B = A's flags with overrides (default flash_512=off, moe_gate=reference)",
+# (title, key, help, action on the main screen or the app). The key is shown beside the title.
+ACTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("Run prompt", "enter", "run the prompt box's text through A and B at temperature 0 (ctrl+j: a new line)",
+     "screen.run_prompt"),
+    ("Cancel run", "escape", "stop the running generation at its next step", "screen.cancel"),
+    ("Load prompt from a file", "ctrl+n", "put a text file's contents (newlines kept) in the prompt box",
+     "screen.prompt_file"),
+    ("Earlier / later prompt", "↑ / ↓", "in the prompt box, on its first / last line: the prompt history",
+     "screen.focus_prompt"),
+    ("Edit configuration B", "f4", "B = A's flags with overrides (default flash_512=off, moe_gate=reference)",
      "screen.edit_b"),
-    ("Tile-fill curve", "pairs per woken expert vs n, TILE_M, the policy boundary, observed points",
+    ("Tile-fill curve", "f2", "pairs per woken expert vs n, TILE_M, the policy boundary, observed points",
      "screen.tile_fill"),
-    ("Attention check", "fused attention vs masked / causal / unmasked references", "screen.attention_check"),
-    ("Replay session", "step through the open session, each step re-run beside its recording", "screen.replay"),
-    ("Bench", "llama-bench pp/tg rows on this engine, progress, trajectory, kernel shares", "screen.bench"),
-    ("A/B report", "an `moe-inspector ab --json-out` report: rows, verdicts and each row's rounds", "screen.ab"),
-    ("Save session as", "save the session (and its results) under a new path; recording continues there",
+    ("Attention check", "f3", "fused attention vs masked / causal / unmasked references", "screen.attention_check"),
+    ("Replay session", "f7", "step through the open session, each step re-run beside its recording", "screen.replay"),
+    ("Bench", "f8", "llama-bench pp/tg rows under A, B or A against B; latency percentiles, trajectory",
+     "screen.bench"),
+    ("A/B report", "f9", "an `moe-inspector ab --json-out` report: rows, verdicts and each row's rounds", "screen.ab"),
+    ("Save session as", "ctrl+s", "save the session (and its results) under a new path; recording continues there",
      "app.save_session"),
-    ("Open session", "open a session file for this model: recording continues into it", "app.open_session"),
-    ("Follow dispatch log", "scroll the log to its newest row and keep following", "screen.follow"),
-    ("Clear log filters", "show every row of the dispatch log", "screen.clear_filters"),
-    ("Focus prompt", "put the cursor in the prompt box", "screen.focus_prompt"),
-    ("Focus flags", "move to the flags panel (configuration A)", "screen.focus_flags"),
-    ("Help", "every key, and what each panel shows", "app.help"),
-    ("Quit", "cancel any run and leave", "app.quit"),
+    ("Open session", "ctrl+o", "open a session file for this model: recording continues into it", "app.open_session"),
+    ("Follow dispatch log", "f5", "move to the log's newest row and keep following", "screen.follow"),
+    ("Find in dispatch log", "ctrl+f", "text in any column of the shown rows; enter: the next match",
+     "screen.find_in_log"),
+    ("Go to step", "ctrl+g", "the dispatch log's first shown row of a step", "screen.go_to_step"),
+    ("Export dispatch log", "ctrl+t", "the shown rows to .csv, .json or .jsonl, the whole decision per row",
+     "screen.export_log"),
+    ("Clear log filters", "", "show every row of the dispatch log", "screen.clear_filters"),
+    ("Focus prompt", "ctrl+l", "put the cursor in the prompt box", "screen.focus_prompt"),
+    ("Flags (configuration A)", "f6", "move to the flags panel; on a narrow screen f6 opens and closes it",
+     "screen.focus_flags"),
+    ("Help", "f1", "every key, and what each panel shows", "app.help"),
+    ("Quit", "ctrl+q", "cancel any run and leave", "app.quit"),
 )
+# Keys that act on one row of the dispatch log, said in the help only: enter (details), ←/→ in them.
+
+
+def titled(title: str, key: str) -> Text:
+    """A palette entry's title with its key beside it, so the palette teaches the keys."""
+    text = Text(title)
+    if key:
+        text.append(f"   {key}", style="bold dim")
+    return text
 
 
 def flag_commands() -> list[tuple[str, str, str, object]]:
@@ -55,12 +78,12 @@ class InspectorCommands(Provider):
 
         return next((screen for screen in reversed(self.app.screen_stack) if isinstance(screen, MainScreen)), None)
 
-    def _commands(self) -> list[tuple[str, str, Callable]]:
-        commands: list[tuple[str, str, Callable]] = []
-        for title, help_text, action in ACTIONS:
-            commands.append((title, help_text, partial(self._run_action, action)))
+    def _commands(self) -> list[tuple[str, str, str, Callable]]:
+        commands: list[tuple[str, str, str, Callable]] = []
+        for title, key, help_text, action in ACTIONS:
+            commands.append((title, key, help_text, partial(self._run_action, action)))
         for title, help_text, name, value in flag_commands():
-            commands.append((title, help_text, partial(self._set_flag, name, value)))
+            commands.append((title, "", help_text, partial(self._set_flag, name, value)))
         return commands
 
     async def _run_action(self, action: str) -> None:
@@ -82,12 +105,15 @@ class InspectorCommands(Provider):
         main.set_flag(name, value)
 
     async def discover(self) -> Hits:
-        for title, help_text, callback in self._commands():
-            yield DiscoveryHit(title, callback, help=help_text)
+        for title, key, help_text, callback in self._commands():
+            yield DiscoveryHit(titled(title, key), callback, text=title, help=help_text)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for title, help_text, callback in self._commands():
+        for title, key, help_text, callback in self._commands():
             score = matcher.match(title)
             if score > 0:
-                yield Hit(score, matcher.highlight(title), callback, help=help_text)
+                shown = matcher.highlight(title)
+                if key:
+                    shown = shown + Content.styled(f"   {key}", "bold dim")
+                yield Hit(score, shown, callback, text=title, help=help_text)

@@ -29,6 +29,7 @@ from engine.errors import UserError
 from engine.runtime import Engine
 from engine.sidebyside import first_divergence
 from inspector import events
+from inspector.describe import fill_text
 from inspector.events import EngineQueue
 from inspector.session import Session, Step, step_to_plain
 from inspector.session_report import decided_summary, executed_summary
@@ -112,8 +113,8 @@ def render_numbers(action: str, numbers: dict) -> list:
     if action == "curve":
         head = Text(f"top-{numbers.get('k')} of {numbers.get('experts')} experts, TILE_M={numbers.get('tile_m')}: "
                     f"m-tiles amortize from {numbers.get('min_tokens')} tokens")
-        rows = [f"n={row['n']}: {row['pairs_per_woken']:.2f} pairs/woken, fill {100 * row['fill']:.1f}%"
-                for row in numbers.get("rows", [])]
+        rows = [f"n={row['n']}: {row['pairs_per_woken']:.2f} pairs/woken, fill "
+                f"{fill_text(row['pairs_per_woken'], numbers.get('tile_m') or 16)}" for row in numbers.get("rows", [])]
         return [head, Text("\n".join(rows))]
     if action == "check-attention":
         errors = numbers.get("errors") or {}
@@ -177,7 +178,7 @@ class ReplayScreen(Screen):
             with VerticalScroll(id="replay-rerun-side", classes="replay-side") as side:
                 side.border_title = "re-run now"
                 yield Static("", id="replay-rerun")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.set_interval(events.DRAIN_INTERVAL, self.drain)

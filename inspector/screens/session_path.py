@@ -1,4 +1,5 @@
-"""A small modal asking for a session path: save as (ctrl+s) or open (ctrl+o).
+"""A small modal asking for a path: save the session as (ctrl+s), open one (ctrl+o), export the
+dispatch log (ctrl+t) or load a prompt from a file (ctrl+n).
 
 Enter hands the text to `attempt` (the app's save or open); a UserError it raises is shown in
 place and the dialog stays, so a bad path or a malformed session changes nothing. Saving over
@@ -14,7 +15,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Input, Static
+from textual.widgets import Footer, Input, Static
 
 from engine.errors import UserError
 
@@ -22,11 +23,16 @@ TITLES = {
     "save": "Save the session as (a .toml file; its results go beside it as .results.jsonl). "
             "Recording continues into the new file.",
     "open": "Open a session (.toml) for this model: recording continues into it, and f7 replays its steps.",
+    "export": "Export the dispatch log's shown rows (the filters apply) to a file: .csv, .json or .jsonl, one row per "
+              "layer per step with the whole decision (the same rows as `generate --format csv`).",
+    "prompt": "Load a prompt from a text file (UTF-8; its text exactly, newlines kept) into the prompt box.",
 }
+VERBS = {"save": "save", "open": "open", "export": "export", "prompt": "load"}
+OVERWRITES = ("save", "export")  # modes that write a file: replacing another one asks for a second Enter
 
 
 class SessionPathScreen(ModalScreen[str | None]):
-    """Dismisses with the path that was saved or opened, or None when left with escape."""
+    """Dismisses with the path that was saved, opened, exported or loaded, or None when left with escape."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
@@ -40,8 +46,8 @@ class SessionPathScreen(ModalScreen[str | None]):
         with Vertical(id="session-dialog", classes="dialog"):
             yield Static(TITLES[self.mode], classes="dialog-help")
             yield Input(self.initial, placeholder="path/to/session.toml", id="session-path")
-            yield Static("Enter: " + ("save" if self.mode == "save" else "open") + " · escape: cancel",
-                         id="session-refusal")
+            yield Static(f"Enter: {VERBS[self.mode]} · escape: cancel", id="session-refusal")
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()
@@ -55,7 +61,7 @@ class SessionPathScreen(ModalScreen[str | None]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         text = event.value.strip()
-        if self.mode == "save" and text and text != self._confirmed:
+        if self.mode in OVERWRITES and text and text != self._confirmed:
             path = Path(text).expanduser()
             if path.is_file() and (self.current is None or path.resolve() != Path(self.current).resolve()):
                 self._confirmed = text

@@ -150,7 +150,7 @@ class TileFillScreen(Screen):
             yield Static("", id="sweep-status")
         yield PlotextPlot(id="fill-plot")
         yield PlotextPlot(id="sweep-plot")
-        yield Footer()
+        yield Footer(compact=True)
 
     def _summary(self) -> str:
         points = len(self.observations)
@@ -161,6 +161,7 @@ class TileFillScreen(Screen):
                    if points else "No run yet: run a prompt to see observed points."))
 
     def on_mount(self) -> None:
+        self.query_one("#sweep-path", Input).focus()  # the one thing to type here; also shows the footer's keys
         self.draw_fill()
         self.query_one("#sweep-plot").display = False
         if self.sweep_path:
@@ -181,7 +182,7 @@ class TileFillScreen(Screen):
         powers_of_two(plt, "y", max(pairs))
         plt.plot(tokens, pairs, label="predicted", marker="braille")
         plt.hline(self.tile_m, "red")
-        plt.text(f"TILE_M={self.tile_m}: tiles full above", 2, self.tile_m * 1.25, color="red")
+        plt.text(f"TILE_M={self.tile_m}: tiles full above", 1.1, self.tile_m * 1.25, color="red", alignment="left")
         if self.boundary is not None and self.boundary <= self.limit:
             plt.vline(self.boundary, "orange")
             plt.text(f"grouped from n={self.boundary}", self.boundary, max(pairs) / 2, color="orange")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from rich.table import Table
+from rich.text import Text
 from textual.widgets import Static
 
 from engine.arms import Counters
@@ -36,6 +37,7 @@ class CountersTable(Static):
         self.kernels: dict[str, dict] = {side: {} for side in SIDES}
         self.final: dict[str, bool] = {side: False for side in SIDES}
         self.border_title = "launch counters"
+        self.compact = False
 
     def on_mount(self) -> None:
         self._show()
@@ -61,7 +63,31 @@ class CountersTable(Static):
     def count(self, side: str, arm: str) -> int:
         return self.counts[side][arm]
 
+    def set_compact(self, compact: bool) -> None:
+        """Compact: one line per side with the arms that ran (a narrow screen); else the table."""
+        if compact != self.compact:
+            self.compact = compact
+            self.set_class(compact, "-compact")
+            self._show()
+
+    def _compact_text(self) -> Text:
+        text = Text()
+        for index, side in enumerate(SIDES):
+            ran = [(name, count) for name, count in self.counts[side].items() if count]
+            text.append(f"{side}{'' if self.final[side] else '*'}: ", style="bold")
+            text.append(", ".join(f"{name} {count}" for name, count in ran) or "nothing ran", style="" if ran else "dim")
+            kernels = sum(self.kernels[side].values())
+            if kernels:
+                text.append(f", ⚙ {kernels} Triton launches")
+            if index == 0:
+                text.append("\n")
+        return text
+
     def _show(self) -> None:
+        if self.compact:
+            self.update(self._compact_text())
+            self.border_subtitle = ""
+            return
         table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
         table.add_column("arm", no_wrap=True)
         for side in SIDES:

@@ -1,15 +1,18 @@
-"""The live dispatch log: one line per MoE layer and per attention layer of every step, A and B.
+"""The live dispatch log: one row per MoE layer and per attention layer of every step, A and B.
 
-MoE lines: step, phase, n tokens, layer, decided→executed arm and variant, woken experts
-predicted/observed, pairs per woken expert predicted/observed, m-tile fill, µs (when timed),
-reason. Attention lines: decided→executed arm, the layer's mask → the mask applied (latent attention:
-its cache bytes per token against the decompressed cache's), µs, reason (a fused arm that declined says so). The full reason of the newest line of each kind is shown
-under the log, since reasons are longer than a line.
+Columns: configuration, step, layer (these three stay put when the table scrolls sideways),
+phase, n tokens, decided→executed arm and variant, woken experts predicted/observed, pairs per
+woken expert predicted/observed, m-tile fill, the attention mask (→ the mask applied, when it
+differs; latent attention adds its cache bytes per token against the decompressed cache's), µs,
+and the whole reason. The header stays on top and over its columns. The line
+under the table gives the full reason of the row under the cursor (the newest while following);
+Enter opens the row's whole decision (`RecordScreen`).
 
-A RichLog, not a DataTable: lines are rendered once when written, so a streaming run costs the
-UI thread (and, through the GIL, the engine) almost nothing per frame. Filters (configuration,
-layer, arm, phase) rewrite the log from the kept records. Follow mode keeps the newest line in
-view; it stops when the user scrolls up and resumes at the bottom or with `resume_follow`.
+A DataTable, fed in batches (one `add_rows` per drained batch), so a streaming run costs the UI
+thread one call per batch. Filters (configuration, layer, arm, phase) rebuild the rows from the
+kept records. Follow mode keeps the newest row in view; moving up or scrolling up stops it, the
+end of the table or `resume_follow` (f5) resumes it. `find` (ctrl+f) searches every column of
+the shown rows, `go_to_step` (ctrl+g) jumps to a step; both through the bar under the table.
 """
 
 from __future__ import annotations
@@ -18,31 +21,23 @@ from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, ScrollableContainer, Vertical
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.reactive import reactive
-from textual.widgets import RichLog, Select, Static
+from textual.widgets import DataTable, Input, Select, Static
 
 from engine.dispatch import MOE_ARMS
+from inspector.describe import fill_text
 from inspector.events import A, B
 
 ATTENTION_ARMS = ("fused", "unfused", "mla_fused", "mla_reference")
 PHASES = ("prefill", "decode", "mixed")
-# (title, width, align) — the reason follows, unpadded.
-COLUMNS = (("", 1, "<"), ("step", 5, ">"), ("phase", 7, "<"), ("n", 5, ">"), ("L", 2, "<"),
-           ("arm decided→executed", 22, "<"), ("woken p/o pairs/woken p/o fill | attn mask", 42, "<"),
-           ("µs", 8, ">"))
+COLUMNS = ("cfg", "step", "L", "phase", "n", "arm decided→executed", "woken p/o", "pairs/woken p/o", "fill",
+           "mask → applied", "µs", "reason")
+FIXED_COLUMNS = 3  # cfg, step, layer: where a row is, kept in view when the table scrolls sideways
 ARM_STYLE = {"gemv": "cyan", "grouped": "magenta", "torch_grouped_mm": "blue", "reference": "yellow",
              "fused": "green", "unfused": "yellow", "mla_fused": "green", "mla_reference": "yellow"}
-
-
-def _cell(value: str, width: int, align: str) -> str:
-    value = value if len(value) <= width else value[: width - 1] + "…"
-    return f"{value:{align}{width}}"
-
-
-def header_text() -> Text:
-    line = " ".join(_cell(title, width, align) for title, width, align in COLUMNS) + " reason"
-    return Text(line, style="bold")
 
 
 @dataclass(frozen=True)
@@ -63,38 +58,42 @@ class LogEntry:
         decided = r["decided_arm"] + (f" v{r['variant']}" if self.op == "moe" and r["variant"] is not None else "")
         return decided if r["decided_arm"] == r["executed_arm"] else f"{decided}→{r['executed_arm']}"
 
-    def detail_text(self) -> str:
-        r = self.record
-        if self.op == "moe":
-            observed = r.get("woken_observed")
-            pairs_observed = r.get("pairs_per_woken_observed")
-            return (f"{r['woken_predicted']:.1f}/{'-' if observed is None else observed}".ljust(10)
-                    + f"{r['pairs_per_woken']:.2f}/{'-' if pairs_observed is None else f'{pairs_observed:.2f}'}".ljust(17)
-                    + f"{100 * r['fill']:.1f}%")
-        mask = "mask " + (r["mask"] if r["mask"] == r["applied_mask"] else f"{r['mask']} → {r['applied_mask']}")
-        if "kv_cache_bytes_per_token" in r:  # latent attention: its cache against the decompressed one, per layer
-            mask += f" · KV {r['kv_cache_bytes_per_token']}/{r['naive_kv_cache_bytes_per_token']} B/tok"
-        return mask
+    @property
+    def mask_dropped(self) -> bool:
+        return self.op == "attention" and self.record["mask"] != self.record["applied_mask"]
 
     def reason(self) -> str:
         r = self.record
         reason = ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
         return reason + (f" [{r['execution_note']}]" if r.get("execution_note") else "")
 
-    def line(self) -> Text:
+    def cells(self) -> tuple[str, ...]:
+        """The row's text, column by column (what is shown and what `find` searches)."""
         r = self.record
         us = "" if r.get("us") is None else f"{r['us']:.1f}"
-        cells = (self.side, str(r["step"]), r["phase"], str(r["n_tokens"]), str(r["layer"]), self.arm_text(),
-                 self.detail_text(), us)
-        text = Text()
-        for (title, width, align), value in zip(COLUMNS, cells):
-            style = ARM_STYLE.get(r["executed_arm"], "") if title.startswith("arm") else ""
-            if self.op == "attention" and r["mask"] != r["applied_mask"] and title.startswith("woken"):
-                style = "bold red"  # the mask was dropped: the incident
-            text.append(_cell(value, width, align), style=style)
-            text.append(" ")
-        text.append(r["reason"] if not r.get("declined") else f"declined: {r['reason']}", style="dim")
-        return text
+        woken = pairs = fill = mask = ""
+        if self.op == "moe":
+            observed, pairs_observed = r.get("woken_observed"), r.get("pairs_per_woken_observed")
+            woken = f"{r['woken_predicted']:.1f}/{'-' if observed is None else observed}"
+            pairs = f"{r['pairs_per_woken']:.2f}/{'-' if pairs_observed is None else f'{pairs_observed:.2f}'}"
+            fill = fill_text(r["pairs_per_woken"], r["tile_m"])
+        else:
+            mask = r["mask"] if r["mask"] == r["applied_mask"] else f"{r['mask']} → {r['applied_mask']}"
+            if "kv_cache_bytes_per_token" in r:  # latent attention: its cache against the decompressed one
+                mask += f" · KV {r['kv_cache_bytes_per_token']}/{r['naive_kv_cache_bytes_per_token']} B/tok"
+        return (self.side, str(r["step"]), str(r["layer"]), r["phase"], str(r["n_tokens"]), self.arm_text(), woken,
+                pairs, fill, mask, us, self.reason())
+
+    def row(self) -> list:
+        cells = list(self.cells())
+        cells[5] = Text(cells[5], style=ARM_STYLE.get(self.record["executed_arm"], ""))
+        if self.mask_dropped:
+            cells[9] = Text(cells[9], style="bold red")  # the mask was dropped: the incident
+        cells[11] = Text(cells[11], style="dim")
+        return cells
+
+    def searchable(self) -> str:
+        return " ".join(self.cells()).lower()
 
 
 def entries_of(side: str, steps: list[dict]) -> list[LogEntry]:
@@ -105,18 +104,32 @@ def entries_of(side: str, steps: list[dict]) -> list[LogEntry]:
     return entries
 
 
+class LogTable(DataTable):
+    """The rows; Enter opens the one under the cursor."""
+
+    BINDINGS = [Binding("enter", "select_cursor", "Details", show=True)]
+
+
 class DispatchLog(Vertical):
-    """Filters, a header, the log lines, and the newest full reasons."""
+    """Filters, the table, the cursor row's whole reason, and the find / go-to-step bar."""
 
     follow: reactive[bool] = reactive(True)
+
+    class Opened(Message):
+        """The user asked for a row's whole decision (Enter on it): `index` into `shown`."""
+
+        def __init__(self, log: "DispatchLog", index: int) -> None:
+            super().__init__()
+            self.log, self.index = log, index
 
     def __init__(self, n_layers: int, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
         self.n_layers = n_layers
         self.entries: list[LogEntry] = []
-        self.shown = 0  # lines in the log now (entries passing the filters)
+        self.shown: list[LogEntry] = []  # the entries passing the filters, in the table's order
         self.filters: dict[str, object] = {"side": None, "layer": None, "arm": None, "phase": None}
-        self._rewriting = False  # scrolls the log makes itself never switch follow mode
+        self.bar_mode: str | None = None  # "find" or "step" while the bar under the table is open
+        self._programmatic = 0  # cursor moves and scrolls the log makes itself never switch follow mode
         self.border_title = "dispatch log"
 
     def compose(self) -> ComposeResult:
@@ -128,65 +141,110 @@ class DispatchLog(Vertical):
             yield Select([(arm, arm) for arm in MOE_ARMS + ATTENTION_ARMS], prompt="arm: all", compact=True,
                          id="filter-arm")
             yield Select([(phase, phase) for phase in PHASES], prompt="phase: all", compact=True, id="filter-phase")
-        with ScrollableContainer(id="log-header-scroll"):
-            yield Static(header_text(), id="log-header")
-        yield RichLog(id="log-lines", wrap=False, markup=False, highlight=False, auto_scroll=True)
+        yield LogTable(id="log-lines", cursor_type="row", zebra_stripes=True, fixed_columns=FIXED_COLUMNS)
         yield Static("", id="log-why")
+        with Horizontal(id="log-bar"):
+            yield Input(compact=True, id="log-bar-input")
+            yield Static("", id="log-bar-status")
 
     def on_mount(self) -> None:
+        self.lines.add_columns(*COLUMNS)
+        self.query_one("#log-bar").display = False
         self.watch(self.lines, "scroll_y", self._scrolled, init=False)
-        self.watch(self.lines, "scroll_x", self._scrolled_sideways, init=False)
         self._show_follow()
 
     @property
-    def lines(self) -> RichLog:
-        return self.query_one("#log-lines", RichLog)
+    def lines(self) -> LogTable:
+        return self.query_one("#log-lines", LogTable)
 
     # -- data ------------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        self.entries, self.shown = [], 0
-        self._rewriting = True
+        self.entries, self.shown = [], []
+        self._programmatic += 1
         self.lines.clear()
-        self._rewriting = False
+        self._programmatic -= 1
         self.follow = True
         self.query_one("#log-why", Static).update("")
 
     def add_steps(self, side: str, steps: list[dict]) -> None:
         new = entries_of(side, steps)
         self.entries.extend(new)
-        self._write([entry for entry in new if entry.matches(**self.filters)])
+        self._add([entry for entry in new if entry.matches(**self.filters)])
 
-    def _write(self, entries: list[LogEntry]) -> None:
-        if entries:  # one write per batch: the log renders the batch's lines in one go
-            self.lines.write(Text("\n").join(entry.line() for entry in entries), scroll_end=self.follow)
-        self.shown += len(entries)
+    def _add(self, entries: list[LogEntry]) -> None:
+        if entries:  # one call per batch
+            self.lines.add_rows([entry.row() for entry in entries])
+            self.shown.extend(entries)
+        if self.follow:
+            self._move_to(len(self.shown) - 1)
+        else:
+            self._show_why()
+
+    def _rebuild(self) -> None:
+        self._programmatic += 1
+        self.lines.clear()
+        self._programmatic -= 1
+        self.shown = []
+        self.follow = True
+        self._add([entry for entry in self.entries if entry.matches(**self.filters)])
+
+    @property
+    def cursor_entry(self) -> LogEntry | None:
+        row = self.lines.cursor_row
+        return self.shown[row] if 0 <= row < len(self.shown) else None
+
+    def _move_to(self, row: int) -> None:
+        if 0 <= row < len(self.shown):
+            self._programmatic += 1
+            self.lines.move_cursor(row=row, animate=False, scroll=True)
+            self._programmatic -= 1
         self._show_why()
 
     def _show_why(self) -> None:
-        shown = [entry for entry in reversed(self.entries[-64:]) if entry.matches(**self.filters)]
-        newest = {}
-        for entry in shown:
-            newest.setdefault(entry.op, entry)
+        entry = self.cursor_entry
         why = Text()
-        for op in ("moe", "attention"):
-            entry = newest.get(op)
-            if entry is None:
-                continue
+        if entry is not None:
             r = entry.record
-            why.append(f"why {'MoE' if op == 'moe' else 'attn'} ({entry.side} step {r['step']} L{r['layer']}): ",
+            why.append(f"why ({entry.side} step {r['step']} L{r['layer']} {'MoE' if entry.op == 'moe' else 'attn'}): ",
                        style="bold")
-            why.append(entry.reason() + "\n")
-        why.rstrip()
+            why.append(entry.reason())
+            why.append("  · enter: the whole decision", style="dim")
+        elif self.entries and not self.shown:
+            why.append("no row passes the filters", style="dim")
         self.query_one("#log-why", Static).update(why)
 
-    def _rewrite(self) -> None:
-        self._rewriting = True
-        self.lines.clear()
-        self.shown = 0
-        self._rewriting = False
+    # -- the cursor and follow mode ---------------------------------------------------------------
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        if not self._programmatic and event.cursor_row < len(self.shown) - 1:
+            self.follow = False  # the user moved up: stay there
+        elif not self._programmatic and event.cursor_row == len(self.shown) - 1:
+            self.follow = True
+        self._show_why()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        if 0 <= event.cursor_row < len(self.shown):
+            self.post_message(self.Opened(self, event.cursor_row))
+
+    def _scrolled(self, old: float, new: float) -> None:
+        if self._programmatic:
+            return
+        if new < old:
+            self.follow = False
+
+    def resume_follow(self) -> None:
         self.follow = True
-        self._write([entry for entry in self.entries if entry.matches(**self.filters)])
+        self._move_to(len(self.shown) - 1)
+
+    def watch_follow(self, follow: bool) -> None:
+        self._show_follow()
+
+    def _show_follow(self) -> None:
+        self.border_subtitle = ("following · enter details · ctrl+f find · ctrl+g step" if self.follow
+                                else "paused · f5 follows again")
 
     # -- filters -----------------------------------------------------------------------------------
 
@@ -196,34 +254,85 @@ class DispatchLog(Vertical):
         value = None if event.value == Select.NULL else event.value
         if self.filters[key] != value:
             self.filters[key] = value
-            self._rewrite()
+            self._rebuild()
 
     def clear_filters(self) -> None:
         for key in self.filters:
             self.query_one(f"#filter-{key}", Select).clear()
 
-    # -- follow mode -------------------------------------------------------------------------------
+    # -- find and go to step -------------------------------------------------------------------------
 
-    def _scrolled(self, old: float, new: float) -> None:
-        if self._rewriting:
+    def open_bar(self, mode: str) -> None:
+        """`find` (text in any column) or `step` (a step number), in the bar under the table."""
+        self.bar_mode = mode
+        bar, box = self.query_one("#log-bar"), self.query_one("#log-bar-input", Input)
+        bar.display = True
+        box.value = ""
+        box.placeholder = ("find: text in any column (enter: next match, escape: close)" if mode == "find" else
+                           "go to step: a step number, then enter (escape: close)")
+        box.restrict = r"[0-9]*" if mode == "step" else None
+        self._bar_status("")
+        box.focus()
+
+    def close_bar(self) -> None:
+        self.bar_mode = None
+        self.query_one("#log-bar").display = False
+        self.lines.focus()
+
+    def _bar_status(self, text: str, refused: bool = False) -> None:
+        status = self.query_one("#log-bar-status", Static)
+        status.update(text)
+        status.set_class(refused, "-refused")
+
+    def find(self, text: str, start: int | None = None) -> int | None:
+        """Move to the first shown row at or after `start` (the cursor) whose text holds `text`, wrapping."""
+        needle = text.strip().lower()
+        if not needle or not self.shown:
+            self._bar_status("")
+            return None
+        hits = [index for index, entry in enumerate(self.shown) if needle in entry.searchable()]
+        if not hits:
+            self._bar_status(f"no row holds {text.strip()!r}", refused=True)
+            return None
+        origin = self.lines.cursor_row if start is None else start
+        row = next((index for index in hits if index >= origin), hits[0])
+        self.follow = False
+        self._move_to(row)
+        self._bar_status(f"match {hits.index(row) + 1} of {len(hits)}")
+        return row
+
+    def go_to_step(self, text: str) -> int | None:
+        if not text.strip().isdigit():
+            self._bar_status("give a step number, e.g. 12", refused=True)
+            return None
+        step = int(text)
+        row = next((index for index, entry in enumerate(self.shown) if entry.record["step"] == step), None)
+        if row is None:
+            steps = sorted({entry.record["step"] for entry in self.shown})
+            shown = f"steps {steps[0]}–{steps[-1]} are shown" if steps else "no rows are shown"
+            self._bar_status(f"no step {step}: {shown}", refused=True)
+            return None
+        self.follow = False
+        self._move_to(row)
+        self._bar_status(f"step {step}: row {row + 1} of {len(self.shown)}")
+        return row
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "log-bar-input" and self.bar_mode == "find":
+            event.stop()
+            self.find(event.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "log-bar-input":
             return
-        if new >= self.lines.max_scroll_y - 1:
-            self.follow = True
-        elif new < old:
-            self.follow = False
+        event.stop()
+        if self.bar_mode == "find":
+            self.find(event.value, self.lines.cursor_row + 1)
+        elif self.bar_mode == "step" and self.go_to_step(event.value) is not None:
+            self.close_bar()
 
-    def _scrolled_sideways(self, old: float, new: float) -> None:
-        self.query_one("#log-header-scroll").scroll_to(x=new, animate=False, immediate=True)
-
-    def resume_follow(self) -> None:
-        self.follow = True
-        self.lines.scroll_end(animate=False, x_axis=False)
-
-    def watch_follow(self, follow: bool) -> None:
-        if self.is_mounted:
-            self.lines.auto_scroll = follow
-        self._show_follow()
-
-    def _show_follow(self) -> None:
-        self.border_subtitle = ("following newest lines · ←/→ scroll" if self.follow
-                                else "paused: scrolled up · f5 or end of log resumes")
+    def on_key(self, event) -> None:
+        if event.key == "escape" and self.bar_mode is not None:
+            event.stop()
+            event.prevent_default()
+            self.close_bar()

@@ -36,19 +36,21 @@ def render_tokens(tokens: list[int], divergence: int | None) -> Text:
 class OutputPane(VerticalScroll):
     """The tokens of side A or B."""
 
-    def __init__(self, side: str, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, side: str, id: str | None = None, hint: str = "") -> None:  # noqa: A002
+        """`hint`: a key that acts on this side, shown in the title ("f4 edits")."""
         super().__init__(id=id, classes="output-pane")
         self.side = side
+        self.label = f"{side} ({hint})" if hint else side
         self.tokens: list[int] = []
         self.divergence: int | None = None
-        self.border_title = side
+        self.border_title = self.label
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="output-text")
 
     def reset(self, title: str) -> None:
         self.tokens, self.divergence = [], None
-        self.border_title = f"{self.side}: {title}"
+        self.border_title = f"{self.label}: {title}"
         self.border_subtitle = ""
         self._refresh_text()
 
