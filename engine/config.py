@@ -10,9 +10,7 @@ Knows nothing about weights or devices; `engine.model` builds a model from a con
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.errors import UserError
 
@@ -312,16 +310,3 @@ def from_name(name: str) -> ModelConfig:
         raise UserError(
             f"unknown model {name!r}: choose one of {', '.join(PRESETS)}"
         ) from None
-
-
-def config_for(model: str) -> ModelConfig:
-    """A preset by name, or the config.json of a Hugging Face checkpoint directory (no weights read);
-    a preset name wins over a directory of the same name, as in Engine.load."""
-    if model in PRESETS:
-        return PRESETS[model]
-    if os.path.isdir(model):
-        from engine.hf_loader import read_config  # it imports this module
-
-        return read_config(Path(model))[0]
-    raise UserError(f"--model {model}: neither a preset ({', '.join(PRESETS)}) nor a Hugging Face-format "
-                    f"checkpoint directory (with config.json)")

@@ -25,9 +25,9 @@ def routing_from(model: str | None, k: int | None, experts: int | None) -> tuple
         return dispatch.RoutingShape(k, experts), None
     if k is not None or experts is not None:
         raise UserError("--model reads k and E from the model: give --model or --k/--experts, not both")
-    from engine.config import config_for  # a directory's config.json goes through engine.hf_loader (torch)
+    from engine.model_source import model_config  # a directory's config.json goes through engine.hf_loader
 
-    config = config_for(model)
+    config = model_config(model)
     return dispatch.routing_shape(config), config.name
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
+from engine.rope import apply_rope
 
 
 def tensor_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -54,8 +55,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [B, T, H, r]; cos, sin [T, r/2] or [B, T, r/2]. Interleaved pairs are rotated and laid out evens-then-odds."""
-    from engine.model import apply_rope  # engine.model imports this module
-
     if interleaved:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     return apply_rope(x, cos, sin)

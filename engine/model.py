@@ -35,7 +35,7 @@ import torch
 
 from engine import decode_fused, mla, routing
 from engine.config import GROUPED_ROUTERS, ModelConfig, SharedExperts
-from engine.rope import rope_inverse_frequency
+from engine.rope import apply_rope, rope_inverse_frequency
 from kernels.reference import moe_reference_gpt_oss
 
 
@@ -235,19 +235,6 @@ def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[tor
     angles = positions.float()[:, None] * inverse_frequency.to(positions.device)[None, :]  # [T, hd/2]
     scale = yarn.resolved_attention_factor
     return angles.cos() * scale, angles.sin() * scale
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, hd]; cos, sin [T, hd/2] (one position per column) or [B, T, hd/2] (ragged rows);
-    rotate-half RoPE in float32."""
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    first, second = x32[..., :half], x32[..., half:]
-    if cos.dim() == 2:
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    else:
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,

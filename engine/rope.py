@@ -12,3 +12,16 @@ def rope_inverse_frequency(config: ModelConfig, device) -> torch.Tensor:
     `config.rotary_dim`: the head dim, or latent attention's shared RoPE key)."""
     half = config.rotary_dim // 2
     return config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, hd]; cos, sin [T, hd/2] (one position per column) or [B, T, hd/2] (ragged rows);
+    rotate-half RoPE in float32."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    first, second = x32[..., :half], x32[..., half:]
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)

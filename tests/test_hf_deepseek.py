@@ -494,10 +494,10 @@ def test_the_v2_lite_bench_config_is_the_released_shape():
     from pathlib import Path
 
     from engine.bench import active_weight_bytes
-    from engine.config import config_for
+    from engine.model_source import model_config
     from engine.model import tensor_shapes
 
-    config = config_for(str(Path(__file__).parents[1] / "bench" / "configs" / "deepseek-v2-lite"))
+    config = model_config(str(Path(__file__).parents[1] / "bench" / "configs" / "deepseek-v2-lite"))
     assert (config.n_layers, config.n_experts, config.top_k, config.shared_experts.count) == (27, 64, 6, 2)
     assert (config.latent_attention.kv_lora_rank, config.latent_attention.qk_rope_head_dim) == (512, 64)
     assert config.latent_attention.q_lora_rank is None and config.dense_layers == (0,)
