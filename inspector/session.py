@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -66,6 +65,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from engine import flags as flag_registry
+# The atomic writer lives in the engine (the calibration file uses it too); re-exported here.
+from engine.atomic_file import TEMP_SUFFIX, atomic_write_bytes, atomic_write_text  # noqa: F401
 from engine.errors import UserError
 
 FORMAT_VERSION = 1
@@ -73,7 +74,6 @@ BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "none")
 SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
-TEMP_SUFFIX = ".sessionresults.tmp"  # ignored by git, so a killed save leaves nothing to commit
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,54 +513,3 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     return path
-
-
-# Tests set this to slow a write down between chunks (to kill the process mid-write).
-_after_chunk: Callable[[int], None] | None = None
-_CHUNK = 64 * 1024
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that a crash or kill leaves either the old file or the new one.
-
-    The bytes go to a hidden temporary file in the same directory (same filesystem, so the rename
-    is atomic), are flushed and fsynced, and then `os.replace` puts them under the real name. The
-    temporary name ends in `.sessionresults.tmp`, which git ignores; a kill can leave one behind,
-    never a half-written file under the real name.
-    """
-    path = Path(path)
-    directory = path.parent
-    temporary = directory / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-    mode = (os.stat(path).st_mode & 0o777) if path.exists() else 0o666  # 0o666 is narrowed by the umask
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            for offset in range(0, max(len(data), 1), _CHUNK):
-                handle.write(data[offset:offset + _CHUNK])
-                if _after_chunk is not None:
-                    _after_chunk(offset)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable; not every platform lets a directory be opened
-        directory_descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory_descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(directory_descriptor)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))

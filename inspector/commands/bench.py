@@ -4,7 +4,6 @@ options and prints. The progress bar goes to stderr, so stdout is the table (or 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from engine import bench
 from engine import flags as flag_registry
@@ -13,6 +12,7 @@ from engine.errors import UserError
 from engine.progress import Progress
 from engine.runtime import Engine, model_config, resolve_device
 from inspector.commands.common import positive_int_list
+from inspector.output_paths import check_output_path, distinct_outputs, write_output
 
 
 def _switch(text: str) -> bool:
@@ -82,6 +82,11 @@ def run(args) -> int:
         raise UserError(f"--token-budget {args.token_budget} is below prefill_chunk={resolved['prefill_chunk']}: "
                         "raise it or lower the chunk with --set prefill_chunk=N")
     graphs = _switch(args.graphs)
+    if args.json_out is not None:
+        check_output_path(args.json_out, "--json-out")
+    if args.trace:
+        check_output_path(args.trace, "--trace")
+        distinct_outputs({"--json-out": args.json_out, "--trace": args.trace})
     specs = bench.row_specs(pp, tg, batches, args.tg_prompt)
     config = model_config(args.model)
     directory = args.model not in PRESETS
@@ -126,8 +131,8 @@ def run(args) -> int:
 
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
-    if args.json_out:
-        Path(args.json_out).write_text(bench.format_json(report))
+    if args.json_out is not None:
+        write_output(args.json_out, bench.format_json(report), "--json-out")
     print({"md": bench.format_markdown, "json": bench.format_json, "csv": bench.format_csv}[args.format](report),
           end="")
     return 0
