@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from engine.errors import UserError
+from engine.printable import printable
 
 DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE = "default", "environment", "session", "command line"
 SOURCES = (DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE)
@@ -61,9 +62,11 @@ def _parse_choice(choices: tuple, cast: Callable[[Any], Any] = str) -> Callable[
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError
+        if cast is int and isinstance(value, float):  # 16.7 is not 16: a wrong type, not a rounding
+            raise ValueError
         try:
             value = cast(value.strip() if isinstance(value, str) else value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError from None
         if value not in choices:
             raise ValueError
@@ -134,12 +137,13 @@ def format_value(name: str, value: Any) -> str:
 def parse_value(name: str, value: Any, where: str) -> Any:
     """Validate one value; `where` names its origin for the error ("--set", "session.toml [flags]")."""
     if name not in SPECS:
-        raise UserError(f"unknown flag {name!r} in {where}: flags are {', '.join(SPECS)}")
+        raise UserError(f"unknown flag {printable(repr(name), limit=80)} in {where}: flags are {', '.join(SPECS)}")
     spec = SPECS[name]
     try:
         return spec.parse(value)
     except ValueError:
-        raise UserError(f"flag {name} in {where}: {value!r} is not allowed; allowed: {spec.allowed}") from None
+        shown = printable(repr(value), limit=80)
+        raise UserError(f"flag {name} in {where}: {shown} is not allowed; allowed: {spec.allowed}") from None
 
 
 def parse_assignments(assignments: list[str] | str, where: str = "--set") -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.printable import require_text
 
 
 class HFTokenizer:
@@ -38,7 +39,7 @@ class HFTokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return self._tokenizer.encode(require_text(text), add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of the ids, special tokens included (the inspector shows what the model emitted). An id

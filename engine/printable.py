@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from engine.errors import UserError
+
 # Cc: C0/C1 controls (ESC, BEL, CR, NUL, DEL); Cf: format characters (bidi overrides, zero-width
 # joiners); Cs: lone surrogates (from undecodable bytes); Zl/Zp: line and paragraph separators.
 UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
@@ -49,6 +51,19 @@ def printable(value: object, limit: int | None = DEFAULT_LIMIT) -> str:
     if any(not is_printable_char(character) for character in shown):
         shown = "".join(character if is_printable_char(character) else escape_char(character) for character in shown)
     return shown + (f"… ({len(text)} characters)" if cut else "")
+
+
+def require_text(text: str, what: str = "the prompt") -> str:
+    """`text` when it is valid Unicode text, else UserError: a command-line argument with bytes that
+    are not UTF-8 arrives holding lone surrogates (Python's surrogateescape), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(text[error.start]) - 0xDC00 if 0xDC80 <= ord(text[error.start]) <= 0xDCFF else None
+        shown = f"the byte 0x{byte:02x}" if byte is not None else printable(text[error.start])
+        raise UserError(f"{what} holds {shown} at character {error.start}, which is not UTF-8 text; pass the "
+                        f"prompt as UTF-8 (check the terminal's or the file's encoding)") from None
+    return text
 
 
 def one_line(message: str) -> str:

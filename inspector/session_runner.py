@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine import flags as flag_registry
+from engine import limits
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
@@ -184,6 +185,7 @@ def preflight_step(where: str, index: int, step: Step, model: ModelConfig, devic
         k, experts = step.k or model.top_k, step.experts or model.n_experts
         if k > experts:
             raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
+        limits.check_curve_request(k, experts, step.tile_m or 1, step.tokens or [], here)
     elif isinstance(step, SweepStep):
         if device.type != "cuda":
             raise UserError(f"{here}: sweep times kernels and needs a CUDA GPU, and this run is on "
@@ -204,12 +206,21 @@ def preflight_step(where: str, index: int, step: Step, model: ModelConfig, devic
         if shape["pad"] >= shape["seq_len"]:
             raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
                             f"use pad < seq_len")
+        limits.check_attention_request(shape["seq_len"], shape["heads"], shape["kv_heads"], shape["head_dim"],
+                                       device, here)
     elif isinstance(step, BenchStep):
+        for values, key in ((step.pp or [], "pp"), (step.tg or [], "tg"), (step.batch or [], "batch")):
+            limits.check_list(values, f"{here}: {key}")
         for spec in bench_specs(step):
             needed = spec.prompt_len + spec.max_tokens
             if needed > model.max_seq_len:
                 raise UserError(f"{here}: row {spec.name} needs {needed} positions, more than the {model.name} "
                                 f"context of {model.max_seq_len}; choose shorter pp/tg")
+        from engine.runtime import Engine
+
+        # The weights are counted: preflight runs before the session's engine is loaded.
+        limits.check_bench_request(model, device, Engine.dtype_for(device), bench_specs(step), step.reps, here,
+                                   weights_loaded=False)
 
 
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:

@@ -5,7 +5,7 @@ options and prints. The progress bar goes to stderr, so stdout is the table (or 
 from __future__ import annotations
 
 
-from engine import bench
+from engine import bench, limits
 from engine import flags as flag_registry
 from engine.config import PRESETS
 from engine.errors import UserError
@@ -87,6 +87,8 @@ def run(args) -> int:
     if args.trace:
         check_output_path(args.trace, "--trace")
         distinct_outputs({"--json-out": args.json_out, "--trace": args.trace})
+    for values, option in ((pp, "--pp"), (tg, "--tg"), (batches, "--batch")):
+        limits.check_list(values, option)
     specs = bench.row_specs(pp, tg, batches, args.tg_prompt)
     config = model_config(args.model)
     directory = args.model not in PRESETS
@@ -96,6 +98,8 @@ def run(args) -> int:
         if needed > config.max_seq_len:
             raise UserError(f"{spec.name} needs {needed} positions, more than the {config.name} context of "
                             f"{config.max_seq_len}: choose shorter --pp/--tg/--tg-prompt")
+    limits.check_bench_request(config, device, Engine.dtype_for(device), specs, args.reps, "bench",
+                               weights_loaded=False)
     weights, weights_note = None, ""
     if args.gpu_weights and device.type != "cuda":
         raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")

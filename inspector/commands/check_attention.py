@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
         name: getattr(args, name) if getattr(args, name) is not None else default
         for name, default in DEFAULTS[device].items()
     }
+    from engine.limits import check_attention_request
+
+    check_attention_request(options["seq_len"], options["heads"], options["kv_heads"] or options["heads"],
+                            options["head_dim"], device, "check-attention")
     result = check_attention(
         **options,
         mode=args.mode,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine import dispatch
 from engine.errors import UserError
+from engine.limits import check_curve_request
 from inspector.commands.common import add_json_argument, positive_int_list, print_json
 
 DEFAULT_TOKENS = "1,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
@@ -29,7 +30,9 @@ def curve(k: int, experts: int, tile_m: int, tokens: list[int]) -> dict:
 
 
 def run(args) -> int:
-    result = curve(args.k, args.experts, args.tile_m, positive_int_list(args.tokens, "--tokens"))
+    tokens = positive_int_list(args.tokens, "--tokens")
+    check_curve_request(args.k, args.experts, args.tile_m, tokens, "curve")
+    result = curve(args.k, args.experts, args.tile_m, tokens)
     if args.json:
         print_json(result)
         return 0
