@@ -117,6 +117,9 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
+    FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",
+             ("refuse", "allow"), "weights holding NaN or inf: refused at load (naming the tensor), or allowed for an "
+             "experiment; read when weights load, so set it as MOEI_NONFINITE_WEIGHTS"),
     FlagSpec("steps_per_graph", 8, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
              "int", help="decode steps one CUDA-graph launch runs when the scheduler can reserve them (batched runs)"),
     FlagSpec("mixed_steps", True, "on or off", _parse_switch, "bool", (True, False),

@@ -33,7 +33,6 @@ something else. Knows nothing of dispatch or generation.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -42,7 +41,11 @@ from typing import TextIO
 
 import torch
 
-from engine.checkpoint import Checkpoint
+from engine import limits
+from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside
+from engine.hf_config_checks import check_config_values, check_counts
+from engine.json_input import parse_json
+from engine.printable import printable
 from engine.config import LayerMask, ModelConfig, YarnScaling
 from engine.errors import UserError
 from engine.hf_tokenizer import HFTokenizer
@@ -79,13 +82,21 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory
     (`tokenizer`: the caller's, instead of the directory's tokenizer.json)."""
     directory = Path(directory)
-    config, family = read_config(directory)
-    tokenizer = HFTokenizer(directory / "tokenizer.json") if tokenizer is None else tokenizer
+    config, family = read_config(directory)  # every size within its ceiling (engine.hf_config_checks)
+    if tokenizer is None:
+        tokenizer_path = directory / "tokenizer.json"
+        if tokenizer_path.exists():
+            require_inside(directory, tokenizer_path, "tokenizer.json")
+        tokenizer = HFTokenizer(tokenizer_path)
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
-    checkpoint = Checkpoint.open(directory)
+    checkpoint = Checkpoint.open(directory)  # the headers only: bounded by the files' sizes
     try:
+        # config.json's counts and shapes against the headers, before a loop or an allocation of their size
+        check_counts(config.n_layers, config.n_experts, directory / "config.json", checkpoint.names())
+        checkpoint.allow_nonfinite = nonfinite_allowed()
+        check_before_allocating(config, family, checkpoint, device, dtype)
         weights = _load_weights(config, family, checkpoint, device, dtype, stream)
     finally:
         checkpoint.close()
@@ -125,16 +136,7 @@ class _Fields:
 
 def read_config(directory: Path) -> tuple[ModelConfig, str]:
     """The engine's config and the family name of config.json in `directory`."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
-                        f"(give --model a preset name or a Hugging Face-format directory)")
-    try:
-        values = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{path}: not valid JSON ({error}); download it again") from None
-    if not isinstance(values, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    values, path = read_config_values(directory)
     fields = _Fields(values, path)
     family = _family(fields)
     try:
@@ -142,6 +144,25 @@ def read_config(directory: Path) -> tuple[ModelConfig, str]:
     except ValueError as error:  # ModelConfig's own validation
         raise UserError(f"{path}: {error}") from None
     return config, family
+
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KB
+
+
+def read_config_values(directory: Path) -> tuple[dict, Path]:
+    """config.json as a dict whose known fields have their types and sizes (engine.hf_config_checks)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
+                        f"(give --model a preset name or a Hugging Face-format directory)")
+    require_inside(directory, path, "config.json")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UserError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, not a config.json; download it again")
+    values = parse_json(path.read_bytes(), str(path), "config.json", "download it again")
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    check_config_values(values, path)
+    return values, path
 
 
 def _family(fields: _Fields) -> str:
@@ -489,6 +510,46 @@ def _fill(destination: torch.Tensor, engine_name: str, source, checkpoint: Check
     raise TypeError(f"unknown weight source {source!r}")
 
 
+def _expected_entries(shape: tuple[int, ...], source) -> list[tuple[str, tuple[int, ...], tuple[str, ...] | None]]:
+    """(checkpoint name, stored shape, dtypes or None for the float ones) that `_fill` will read for an
+    engine tensor of `shape`; [] for a source kind this check does not know (its `_fill` checks it)."""
+    if isinstance(source, _Direct):
+        return [(source.name, shape, None)]
+    if isinstance(source, _PerExpert):
+        rows = shape[1] // len(source.patterns)
+        return [(pattern.format(e=expert), (rows, shape[2]), None)
+                for expert in range(shape[0]) for pattern in source.patterns]
+    if isinstance(source, _GptOssFused):
+        if source.kind == "gate_up_bias":
+            return [(source.name, shape, None)]
+        return [(source.name, (shape[0], shape[2], shape[1]), None)]
+    if isinstance(source, _Mxfp4):
+        experts, rows, columns = shape
+        groups = columns // MXFP4_BLOCK
+        return [(source.prefix + "_blocks", (experts, rows, groups, MXFP4_BLOCK // 2), ("U8",)),
+                (source.prefix + "_scales", (experts, rows, groups), ("U8",))]
+    return []
+
+
+def check_before_allocating(config: ModelConfig, family: str, checkpoint: Checkpoint, device: torch.device,
+                            dtype: torch.dtype) -> None:
+    """Before any weight is allocated: every tensor config.json implies is in the headers with the
+    shape config.json gives it (so no size comes from config.json alone), and the whole model fits
+    in the memory `device` has free now (both sizes in the message)."""
+    sources = weight_sources(config, family, checkpoint)
+    shapes = tensor_shapes(config)
+    for engine_name, source in sources.items():
+        for name, shape, dtypes in _expected_entries(tuple(shapes[engine_name]), source):
+            if dtypes is None:
+                checkpoint.expect(name, shape, why=f"engine tensor {engine_name}")
+            else:
+                checkpoint.expect(name, shape, dtypes, why=f"engine tensor {engine_name}")
+    needed = limits.weight_bytes(config, dtype)
+    limits.require_fits(needed, device, f"{printable(str(checkpoint.directory))}: the weights in "
+                        f"{str(dtype).replace('torch.', '')}",
+                        "load it on a machine (or a GPU) with more free memory")
+
+
 def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
                   device: torch.device, dtype: torch.dtype, stream: TextIO | None) -> dict[str, torch.Tensor]:
     sources = weight_sources(config, family, checkpoint)
@@ -509,7 +570,7 @@ def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
     unused = sorted(name for name in checkpoint.names() - used - ignorable if not name.endswith(_IGNORABLE_SUFFIXES))
     if unused:
         entry = checkpoint.entries[unused[0]]
-        raise UserError(f"{entry.file}: tensor {unused[0]}"
+        raise UserError(f"{entry.file}: tensor {printable(unused[0])}"
                         f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} is not used by the {family} "
                         f"mapping of config.json: the checkpoint has a feature config.json does not declare, or one "
                         f"this engine does not support; nothing was run")

@@ -6,7 +6,8 @@ from engine import flags as flag_registry
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector.commands.common import print_json, show_engagements
-from inspector.commands.generate import add_generation_arguments, print_generation, traced_clock, write_trace
+from inspector.commands.generate import (add_generation_arguments, check_generation_size, check_trace_path,
+                                       print_generation, traced_clock, write_trace)
 
 
 def add_parser(subparsers) -> None:
@@ -21,7 +22,9 @@ def run(args) -> int:
     base = flag_registry.resolve(args.set_flags)
     flags_a = base.with_overrides(flag_registry.parse_assignments(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(flag_registry.parse_assignments(args.b, "--b"), flag_registry.COMMAND_LINE)
+    check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
+    check_generation_size(engine, args.prompt, args.max_tokens)
     if not args.json:
         show_engagements()
     clock_a, clock_b = traced_clock(args, engine), traced_clock(args, engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine import flags as flag_registry
+from engine import limits
 from engine.runtime import Engine, Generation
 from inspector.commands.common import add_engine_arguments, add_json_argument, print_json, show_engagements
 
@@ -70,9 +71,27 @@ def write_trace(args, runs) -> None:
     print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
 
 
+def check_generation_size(engine: Engine, prompt: str, max_tokens: int, sequences: int = 1) -> None:
+    """Before generating: the prompt fits the context, and the cache fits in memory (a checkpoint's
+    context can be millions of positions)."""
+    prompt_tokens = engine.encode_prompt(prompt)
+    engine.check_length(prompt_tokens, max_tokens)
+    limits.check_generation_request(engine.config, engine.device, engine.dtype, len(prompt_tokens) + max_tokens,
+                                    sequences, "generate")
+
+
+def check_trace_path(args) -> None:
+    if getattr(args, "trace", None):
+        from inspector.output_paths import check_output_path
+
+        check_output_path(args.trace, "--trace")
+
+
 def run(args) -> int:
     resolved = flag_registry.resolve(args.set_flags)
+    check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
+    check_generation_size(engine, args.prompt, args.max_tokens)
     if not args.json:
         show_engagements()
     clock = traced_clock(args, engine)
