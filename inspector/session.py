@@ -531,10 +531,30 @@ def session_to_plain(session: Session) -> dict[str, Any]:
         engine["weights"] = session.engine.weights
     plain: dict[str, Any] = {"session": header, "engine": engine, "flags": _ordered_flags(session.flags)}
     if session.configs:
-        plain["config"] = [{"name": config.name, **_ordered_flags(config.flags)} for config in session.configs]
+        plain["config"] = [config_to_plain(config) for config in session.configs]
     if session.steps:
         plain["step"] = [step_to_plain(step) for step in session.steps]
     return plain
+
+
+def _literal(value: Any) -> str:
+    try:
+        import tomli_w
+    except ModuleNotFoundError:
+        raise UserError("writing a session needs tomli-w (pip install tomli-w); reading and running do not") from None
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(item) for item in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = "):-1]
+
+
+def render_table(heading: str, values: Mapping[str, Any]) -> str:
+    """`[heading]` or `[[heading]]` and one `key = literal` line per value (literals by tomli-w)."""
+    lines = [heading] + [f"{key} = {_literal(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def config_to_plain(config: Config) -> dict[str, Any]:
+    return {"name": config.name, **_ordered_flags(config.flags)}
 
 
 def dumps_session(session: Session) -> str:
@@ -542,20 +562,7 @@ def dumps_session(session: Session) -> str:
     [[config]], every [[step]]) with short arrays on one line. Every literal is rendered by
     tomli-w; only the layout is ours (tomli-w would inline short [[config]] tables and put them
     first, and spread `tokens = [...]` over one line per number)."""
-    try:
-        import tomli_w
-    except ModuleNotFoundError:
-        raise UserError("writing a session needs tomli-w (pip install tomli-w); reading and running do not") from None
-
-    def literal(value: Any) -> str:
-        if isinstance(value, list):
-            return "[" + ", ".join(literal(item) for item in value) + "]"
-        return tomli_w.dumps({"v": value})[len("v = "):-1]
-
-    def table(heading: str, values: Mapping[str, Any]) -> str:
-        lines = [heading] + [f"{key} = {literal(value)}" for key, value in values.items()]
-        return "\n".join(lines) + "\n"
-
+    table = render_table
     plain = session_to_plain(session)
     chunks = ["# A moe-inspector session: `moe-inspector run FILE` runs it, `moe-inspector replay FILE`\n"
               "# re-runs it and diffs against the recorded results.\n"]
