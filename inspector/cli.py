@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from engine.errors import UserError
+from engine.printable import one_line
 from inspector.commands import COMMAND_MODULES
 
 
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return launch(args)
         return int(args.run(args))
-    except UserError as error:
-        print(f"moe-inspector: error: {error}", file=sys.stderr)
+    except UserError as error:  # one line, whatever the message carries from a file
+        print(f"moe-inspector: error: {one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("moe-inspector: interrupted", file=sys.stderr)

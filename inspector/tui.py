@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from engine import flags as flag_registry
 from engine.config import from_name
 from engine.errors import UserError
+from engine.printable import one_line
 from engine.runtime import Engine
 from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep, CurveStep, PromptStep, Session,
                                Step, load_session, step_to_plain)
@@ -312,7 +313,7 @@ def launch(args) -> int:
         if existing:
             flags = session.starting_flags(args.set_flags)
     except UserError as error:
-        print(f"moe-inspector: error: {error}", file=sys.stderr)
+        print(f"moe-inspector: error: {one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     notes += [str(warning.message) for warning in caught]
     if session.note:  # recorded results set aside: the replay screen will say "no recording" for those steps
