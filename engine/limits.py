@@ -123,9 +123,10 @@ def kv_cache_bytes(config, batch: int, positions: int, dtype) -> int:
 
 
 def attention_check_bytes(seq_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """check-attention's references: fp32 scores and probabilities [heads, T, T + 1] (two alive at
-    once, plus one per reference kept for the comparison: four), boolean masks [T, T], and q, k, v."""
-    scores = 4 * heads * seq_len * (seq_len + 1) * 4
+    """check-attention's references: fp32 score-sized temporaries [heads, T, T + 1] (scores, the
+    mask applied, the sink column concatenated, the softmax and its product: the peak measured at
+    T = 3072 was 5.5 of them, so eight are counted), boolean masks [T, T], and q, k, v."""
+    scores = 8 * heads * seq_len * (seq_len + 1) * 4
     masks = 4 * seq_len * seq_len
     inputs = seq_len * (2 * heads + 2 * kv_heads) * head_dim * 4 * 2
     return scores + masks + inputs
@@ -164,7 +165,7 @@ def check_attention_request(seq_len: int, heads: int, kv_heads: int, head_dim: i
         return  # the check's own validation names the bad value
     require_fits(attention_check_bytes(seq_len, heads, kv_heads, head_dim), device,
                  f"{where}: the reference attention at seq_len {seq_len} with {heads} heads "
-                 f"({heads} x {seq_len} x {seq_len + 1} fp32 scores, four alive)",
+                 f"({heads} x {seq_len} x {seq_len + 1} fp32 scores, eight alive)",
                  "lower seq_len or heads")
 
 

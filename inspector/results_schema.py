@@ -29,21 +29,32 @@ DECISION = {
     "attention?": {"decided": TEXT, "executed": TEXT, "mask": TEXT, "applied_mask": TEXT},
 }
 RUN = {
-    "config": TEXT, "flags?": ("map", ANY), "prompt_tokens?": INT, "tokens": [INT], "text?": TEXT,
+    "config": TEXT, "flags": ("map", ANY), "prompt_tokens": INT, "tokens": [INT], "text": TEXT,
     "decisions": [DECISION], "counters": COUNTERS, "reasons?": [TEXT], "notes?": [TEXT],
-    "timings?": {"wall_s?": NUMBER},
+    "timings": {"wall_s": NUMBER},
 }
-BENCH_ROW = {"test": TEXT, "counters?": {"arms?": MAP_OF_INTS, "kernels?": MAP_OF_INTS}}
+MEAN_STD = {"mean": NUMBER, "std": NUMBER}
+BENCH_ROW = {"test": TEXT, "tps_wall?": MEAN_STD, "tps_device?": MEAN_STD, "ttft_ms": MEAN_STD, "state?": ANY,
+             "counters?": {"arms?": MAP_OF_INTS, "kernels?": MAP_OF_INTS}}
+CURVE_ROW = {"n": NUMBER, "woken": NUMBER, "pairs_per_woken": NUMBER, "fill": NUMBER, "amortizes": BOOL}
+# The numbers of each action, as far as the reports and the diff read them.
+NUMBERS = {
+    "curve": {"k": NUMBER, "experts": NUMBER, "tile_m": NUMBER, "min_tokens": NUMBER, "rows": [CURVE_ROW]},
+    "bench": {"rows?": [BENCH_ROW]},
+    "sweep": {"rows?": [("map", ANY)]},
+    "check-attention": {"verdict?": ANY, "sentence?": ANY, "dtype?": ANY},
+}
+DEFINITIONS = {"check-attention": {"mode": ANY, "seq_len": ANY}}
 STEP = {
-    "kind": TEXT, "step": INT, "action": TEXT, "definition": ("map", ANY), "status?": TEXT,
-    "runs?": [RUN], "numbers?": ("map", ANY), "check?": {"expect": ANY, "held": BOOL, "detail?": TEXT},
-    "wall_s?": NUMBER,
+    "kind": TEXT, "step": INT, "action": TEXT, "definition": ("map", ANY), "status": TEXT,
+    "runs": [RUN], "numbers": ("map", ANY), "check?": {"expect": ANY, "held": BOOL, "detail": TEXT},
+    "wall_s": NUMBER,
 }
 HEADER = {
     "kind": TEXT, "schema": INT, "session?": TEXT, "session_file?": TEXT, "device?": TEXT, "device_spec?": TEXT,
     "model?": TEXT, "seed?": INT, "weights?": TEXT, "commit?": TEXT, "package_version?": TEXT, "torch?": TEXT,
     "triton?": TEXT, "python?": TEXT, "started_at?": TEXT,
-    "flags?": ("map", {"value": ANY, "source?": TEXT}), "configs?": ("map", ("map", ANY)),
+    "flags?": ("map", {"value": ANY, "source": TEXT}), "configs?": ("map", ("map", ANY)),
 }
 PRINTED_HEADER_KEYS = ("session", "session_file", "device", "device_spec", "model", "weights", "commit",
                        "package_version", "torch", "triton", "python", "started_at")
@@ -122,8 +133,8 @@ def check_step(line: dict, where: str) -> None:
     problem = _problem(line, STEP, "the step")
     if problem:
         raise _refuse(where, problem)
-    numbers = line.get("numbers") or {}
-    if line["action"] == "bench" and "rows" in numbers:
-        problem = _problem(numbers["rows"], [BENCH_ROW], "the step.numbers.rows")
+    for spec, value, name in ((NUMBERS.get(line["action"]), line["numbers"], "the step.numbers"),
+                              (DEFINITIONS.get(line["action"]), line["definition"], "the step.definition")):
+        problem = None if spec is None else _problem(value, spec, name)
         if problem:
             raise _refuse(where, problem)
