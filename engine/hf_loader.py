@@ -41,7 +41,6 @@ from typing import TextIO
 
 import torch
 
-from engine import limits
 from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside
 from engine.hf_config_checks import check_config_values, check_counts
 from engine.json_input import parse_json
@@ -84,10 +83,7 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     directory = Path(directory)
     config, family = read_config(directory)  # every size within its ceiling (engine.hf_config_checks)
     if tokenizer is None:
-        tokenizer_path = directory / "tokenizer.json"
-        if tokenizer_path.exists():
-            require_inside(directory, tokenizer_path, "tokenizer.json")
-        tokenizer = HFTokenizer(tokenizer_path)
+        tokenizer = HFTokenizer(directory / "tokenizer.json")
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
@@ -534,8 +530,8 @@ def _expected_entries(shape: tuple[int, ...], source) -> list[tuple[str, tuple[i
 def check_before_allocating(config: ModelConfig, family: str, checkpoint: Checkpoint, device: torch.device,
                             dtype: torch.dtype) -> None:
     """Before any weight is allocated: every tensor config.json implies is in the headers with the
-    shape config.json gives it (so no size comes from config.json alone), and the whole model fits
-    in the memory `device` has free now (both sizes in the message)."""
+    shape config.json gives it, so no size comes from config.json alone. (That the whole model fits
+    the device's free memory is engine.model_source.check_fits, which Engine.load runs first.)"""
     sources = weight_sources(config, family, checkpoint)
     shapes = tensor_shapes(config)
     for engine_name, source in sources.items():
@@ -544,10 +540,6 @@ def check_before_allocating(config: ModelConfig, family: str, checkpoint: Checkp
                 checkpoint.expect(name, shape, why=f"engine tensor {engine_name}")
             else:
                 checkpoint.expect(name, shape, dtypes, why=f"engine tensor {engine_name}")
-    needed = limits.weight_bytes(config, dtype)
-    limits.require_fits(needed, device, f"{printable(str(checkpoint.directory))}: the weights in "
-                        f"{str(dtype).replace('torch.', '')}",
-                        "load it on a machine (or a GPU) with more free memory")
 
 
 def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,

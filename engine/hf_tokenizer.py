@@ -23,6 +23,10 @@ class HFTokenizer:
         except ImportError:
             raise UserError(f"{path}: reading tokenizer.json needs the `tokenizers` package: "
                             f"pip install 'moe-inspector[hf]' (or pip install tokenizers)") from None
+        if path.exists():  # a link out of the checkpoint (to /etc/passwd, another model) is not opened
+            from engine.checkpoint import require_inside
+
+            require_inside(path.parent, path, "tokenizer.json")
         if not path.is_file():
             raise UserError(f"{path}: missing: a checkpoint directory needs its tokenizer.json (the fast-tokenizer "
                             f"file); save it beside config.json, e.g. with "

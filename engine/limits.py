@@ -14,7 +14,6 @@ Plain arithmetic over ints plus two probes of the machine; knows nothing of how 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from engine.errors import UserError
@@ -45,39 +44,24 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def host_available_bytes() -> int | None:
-    """Memory a new allocation on the CPU can have now, or None when the system does not say."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is None and hasattr(os, "sysconf"):
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            available = None
-    room = _cgroup_room()
-    if room is not None:
-        available = room if available is None else min(available, room)
-    return available
-
-
 def available_bytes(device) -> int | None:
-    """Free memory on `device` (a torch.device or its name) now; None when it cannot be asked."""
-    kind = getattr(device, "type", str(device).split(":")[0])
-    if kind == "cuda":
-        import torch
+    """Free memory on `device` (a torch.device or its name) now: engine.model_source.free_bytes (the
+    GPU's, or the host's MemAvailable), capped on the host by this process's cgroup limit; None when
+    it cannot be asked."""
+    import torch
 
-        try:
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free)
-        except (RuntimeError, AssertionError, ValueError):
-            return None
-    return host_available_bytes()
+    from engine.model_source import free_bytes
+
+    device = device if isinstance(device, torch.device) else torch.device(str(device))
+    try:
+        free = free_bytes(device)
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+    if device.type != "cuda":
+        room = _cgroup_room()
+        if room is not None:
+            free = room if free is None else min(free, room)
+    return free
 
 
 def require_fits(needed: int, device, what: str, fix: str) -> None:
@@ -105,16 +89,10 @@ def element_bytes(dtype) -> int:
 
 
 def weight_bytes(config, dtype) -> int:
-    """Every weight of `config` in `dtype` (engine.model.tensor_shapes)."""
-    from engine.model import tensor_shapes
+    """Every weight of `config` in `dtype` (engine.model_source.model_bytes: one formula for both checks)."""
+    from engine.model_source import model_bytes
 
-    total = 0
-    for shape in tensor_shapes(config).values():
-        count = 1
-        for extent in shape:
-            count *= extent
-        total += count
-    return total * element_bytes(dtype)
+    return model_bytes(config, dtype)
 
 
 def kv_cache_bytes(config, batch: int, positions: int, dtype) -> int:

@@ -17,16 +17,18 @@ from typing import Any
 from engine.errors import UserError
 from engine.printable import printable, unprintable_characters
 
-# A spec is a type name, a dict of {key: spec} (keys ending in "?" may be missing or null), a
-# one-element list [spec] (every item), or a tuple of alternatives.
+# A spec is a type name, a dict of {key: spec} (a key ending in "?" may be missing or null, in "~"
+# missing but not null: readers test `key in line` and then index it, in "*" null but not missing:
+# readers index it and then test for None), a one-element list [spec]
+# (every item), or ("map", spec) (an object whose every value matches spec).
 INT, NUMBER, TEXT, BOOL, ANY = "int", "number", "text", "bool", "any"
 MAP_OF_INTS = ("map", INT)  # {name: int}
 
 COUNTERS = {"arms?": MAP_OF_INTS, "kernels?": MAP_OF_INTS}
 DECISION = {
     "step": INT, "layer": INT, "phase": TEXT, "n_tokens": INT,
-    "moe?": {"decided": TEXT, "executed": TEXT, "variant?": INT},
-    "attention?": {"decided": TEXT, "executed": TEXT, "mask": TEXT, "applied_mask": TEXT},
+    "moe~": {"decided": TEXT, "executed": TEXT, "variant?": INT},
+    "attention~": {"decided": TEXT, "executed": TEXT, "mask": TEXT, "applied_mask": TEXT},
 }
 RUN = {
     "config": TEXT, "flags": ("map", ANY), "prompt_tokens": INT, "tokens": [INT], "text": TEXT,
@@ -47,7 +49,7 @@ NUMBERS = {
 DEFINITIONS = {"check-attention": {"mode": ANY, "seq_len": ANY}}
 STEP = {
     "kind": TEXT, "step": INT, "action": TEXT, "definition": ("map", ANY), "status": TEXT,
-    "runs": [RUN], "numbers": ("map", ANY), "check?": {"expect": ANY, "held": BOOL, "detail": TEXT},
+    "runs": [RUN], "numbers": ("map", ANY), "check*": {"expect": ANY, "held": BOOL, "detail": TEXT},
     "wall_s": NUMBER,
 }
 HEADER = {
@@ -101,9 +103,9 @@ def _problem(value: Any, spec, path: str) -> str | None:
         if not isinstance(value, dict):
             return f"{path} must be an object"
         for key, item_spec in spec.items():
-            optional = key.endswith("?")
-            name = key.rstrip("?")
-            if name not in value or (optional and value[name] is None):
+            nullable, optional = key.endswith(("?", "*")), key.endswith(("?", "~"))
+            name = key.rstrip("?~*")
+            if name not in value or (nullable and value[name] is None):
                 if optional:
                     continue
                 return f"{path}.{name} is missing"
