@@ -105,10 +105,12 @@ def _problem(value: Any, spec, path: str) -> str | None:
         for key, item_spec in spec.items():
             nullable, optional = key.endswith(("?", "*")), key.endswith(("?", "~"))
             name = key.rstrip("?~*")
-            if name not in value or (nullable and value[name] is None):
+            if name not in value:
                 if optional:
                     continue
                 return f"{path}.{name} is missing"
+            if nullable and value[name] is None:
+                continue
             problem = _problem(value[name], item_spec, f"{path}.{name}")
             if problem:
                 return problem
