@@ -4,16 +4,30 @@ One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", 
 "intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing"}]}. The crossover is the
 smallest measured token count from which the grouped arm beats the GEMV arm at every larger
 measured width. Knows nothing of how the sweep measures.
+
+Reading never fails: a missing file means no calibration; a file that is not one (corrupt JSON,
+wrong types, an entry without its keys) is reported once on the engine's log, and its unusable
+entries are skipped, so `measured` falls back as it does without a calibration (the decision's
+reason says so). Writing refuses to replace a file it cannot read (`check_writable`), since that
+would drop whatever the file held; the sweep command checks it before measuring.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import tempfile
 from pathlib import Path
 
+from engine.atomic_file import atomic_write_text
+from engine.errors import UserError
+from engine.json_input import parse_json
+
 VERSION = 1
+KEY_FIELDS = ("device", "k", "experts", "hidden", "intermediate", "tile_m")
+MAX_FILE_BYTES = 16 * 1024 * 1024  # a calibration entry is ~250 bytes
+MAX_SIZE = 1 << 40  # a width, an expert count or a crossover beyond this is not a measurement
+_reported: set[tuple] = set()
 
 
 def calibration_path() -> Path:
@@ -25,18 +39,65 @@ def calibration_path() -> Path:
 
 
 def _key(entry: dict) -> tuple:
-    return tuple(entry[name] for name in ("device", "k", "experts", "hidden", "intermediate", "tile_m"))
+    return tuple(entry[name] for name in KEY_FIELDS)
+
+
+def _size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE
+
+
+def entry_problem(entry: object) -> str | None:
+    """Why an entry cannot be used, or None."""
+    if not isinstance(entry, dict):
+        return "an entry is not an object"
+    if not isinstance(entry.get("device"), str):
+        return "an entry has no device name"
+    for name in KEY_FIELDS[1:] + ("crossover_tokens",):
+        if not _size(entry.get(name)):
+            return f"an entry's {name} is {entry.get(name)!r}, not an integer in 1..{MAX_SIZE}"
+    return None
+
+
+def read_file(path: Path) -> list[dict]:
+    """Every entry of the file ([] when there is none); UserError when the file is not a calibration
+    file this version reads. Entries with a problem are kept out (`entry_problem`)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the calibration file ({error.strerror})") from None
+    if path.is_dir():
+        raise UserError(f"{path}: the calibration file is a directory")
+    if size > MAX_FILE_BYTES:
+        raise UserError(f"{path}: {size} bytes, more than a calibration file holds ({MAX_FILE_BYTES})")
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the calibration file ({error.strerror})") from None
+    data = parse_json(raw, str(path), "the calibration file")
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries", []), list):
+        raise UserError(f"{path}: not a version-{VERSION} calibration file (an object with version and a list "
+                        f"of entries)")
+    return [entry for entry in data.get("entries", []) if entry_problem(entry) is None]
 
 
 def load_entries(path: Path | None = None) -> list[dict]:
+    """The usable entries; a file that is not a calibration file counts as none (reported once)."""
     path = calibration_path() if path is None else path
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_file(path)
+    except UserError as error:
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        if (str(path), stamp) not in _reported:
+            _reported.add((str(path), stamp))
+            logging.getLogger("moe_inspector.engine").warning(
+                f"calibration not used: {error}; moe_gate=measured falls back as without one "
+                f"(`moe-inspector sweep` writes a new one once the file is moved away)")
         return []
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        return []
-    return [entry for entry in data.get("entries", []) if isinstance(entry, dict)]
 
 
 def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
@@ -46,22 +107,33 @@ def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate:
     eager call (before that field) put the crossover where the runtime does not run the arms; run the sweep again."""
     wanted = (device, k, experts, hidden, intermediate, tile_m)
     for entry in load_entries(path):
-        try:
-            if _key(entry) == wanted and entry.get("timing") == "graph":
-                return int(entry["crossover_tokens"])
-        except (KeyError, TypeError, ValueError):
-            continue
+        if _key(entry) == wanted and entry.get("timing") == "graph":
+            return entry["crossover_tokens"]
     return None
 
 
-def save_entry(entry: dict, path: Path | None = None) -> Path:
-    """Insert or replace the entry for its routing shape; written atomically."""
+def check_writable(path: Path | None = None) -> None:
+    """UserError when `save_entry` would replace a file it cannot read (and so drop its contents)."""
     path = calibration_path() if path is None else path
-    entries = [old for old in load_entries(path) if _key(old) != _key(entry)]
-    entries.append(entry)
+    try:
+        read_file(path)
+    except UserError as error:
+        raise UserError(f"{error}; it is not replaced: move it away (or give --calibration another file)") from None
+
+
+def save_entry(entry: dict, path: Path | None = None) -> Path:
+    """Insert or replace the entry for its routing shape; written atomically. Entries of the file
+    this version cannot use are kept as they were."""
+    path = calibration_path() if path is None else path
+    problem = entry_problem(entry)
+    if problem is not None:
+        raise ValueError(f"calibration entry {entry!r}: {problem}")  # the sweep's own bug, not input
+    check_writable(path)
+    old = []
+    if path.exists():
+        data = parse_json(path.read_bytes(), str(path), "the calibration file")
+        old = data.get("entries", [])
+    kept = [item for item in old if entry_problem(item) is not None or _key(item) != _key(entry)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        json.dump({"version": VERSION, "entries": entries}, handle, indent=2)
-        temporary = handle.name
-    os.replace(temporary, path)
+    atomic_write_text(path, json.dumps({"version": VERSION, "entries": [*kept, entry]}, indent=2) + "\n")
     return path

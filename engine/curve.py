@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from engine import dispatch
 from engine.errors import UserError
+from engine.limits import check_curve_request
 
 # The token counts a curve shows when none are asked for.
 CURVE_TOKENS = (1, 8, 9, 16, 32, 64, 128, 256, 512, 683, 1024, 2048, 4096, 8192)
@@ -36,6 +37,7 @@ def curve(k: int | None, experts: int | None, tile_m: int, tokens: list[int] | t
     routing, name = routing_from(model, k, experts)
     if tile_m < 1:
         raise UserError(f"--tile-m {tile_m}: must be >= 1")
+    check_curve_request(routing.k, routing.n_experts, tile_m, tokens, "curve")
     result = {"k": routing.k, "experts": routing.n_experts, "tile_m": tile_m,
               "min_tokens": dispatch.min_tokens(routing.k, routing.n_experts, tile_m),
               "rows": [dispatch.curve_row(n, routing.k, routing.n_experts, tile_m, routing) for n in tokens]}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from engine.errors import UserError
+from engine.printable import printable
 from kernels.settings import PRELOADERS, LaunchSettings
 
 DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE = "default", "environment", "session", "command line"
@@ -70,9 +71,11 @@ def _parse_choice(choices: tuple, cast: Callable[[Any], Any] = str) -> Callable[
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError
+        if cast is int and isinstance(value, float):  # 16.7 is not 16: a wrong type, not a rounding
+            raise ValueError
         try:
             value = cast(value.strip() if isinstance(value, str) else value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError from None
         if value not in choices:
             raise ValueError
@@ -146,6 +149,9 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
+    FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",
+             ("refuse", "allow"), "weights holding NaN or inf: refused at load (naming the tensor), or allowed for an "
+             "experiment; read when weights load, so set it as MOEI_NONFINITE_WEIGHTS"),
     FlagSpec("steps_per_graph", 8, f"an integer from 1 to {MAX_STEPS_PER_GRAPH}", _parse_int(1, MAX_STEPS_PER_GRAPH),
              "int", help="decode steps one CUDA-graph launch runs when the scheduler can reserve them (batched runs)"),
     FlagSpec("mixed_steps", True, "on or off", _parse_switch, "bool", (True, False),
@@ -198,12 +204,13 @@ def format_value(name: str, value: Any) -> str:
 def parse_value(name: str, value: Any, where: str) -> Any:
     """Validate one value; `where` names its origin for the error ("--set", "session.toml [flags]")."""
     if name not in SPECS:
-        raise UserError(f"unknown flag {name!r} in {where}: flags are {', '.join(SPECS)}")
+        raise UserError(f"unknown flag {printable(repr(name), limit=80)} in {where}: flags are {', '.join(SPECS)}")
     spec = SPECS[name]
     try:
         return spec.parse(value)
     except ValueError:
-        raise UserError(f"flag {name} in {where}: {value!r} is not allowed; allowed: {spec.allowed}") from None
+        shown = printable(repr(value), limit=80)
+        raise UserError(f"flag {name} in {where}: {shown} is not allowed; allowed: {spec.allowed}") from None
 
 
 def parse_assignments(assignments: list[str] | str, where: str = "--set") -> dict[str, Any]:

@@ -53,7 +53,6 @@ something else. Knows nothing of dispatch or generation.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -62,8 +61,11 @@ from typing import TextIO
 
 import torch
 
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
+from engine.hf_config_checks import check_config_values, check_counts
+from engine.json_input import parse_json
+from engine.printable import printable
 from engine.errors import UserError
 from engine.hf_tokenizer import HFTokenizer
 from engine.model import tensor_dtype, tensor_shapes
@@ -104,8 +106,9 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory
     (`tokenizer`: the caller's, instead of the directory's tokenizer.json)."""
     directory = Path(directory)
-    config, family = read_config(directory)
-    tokenizer = HFTokenizer(directory / "tokenizer.json") if tokenizer is None else tokenizer
+    config, family = read_config(directory)  # every size within its ceiling (engine.hf_config_checks)
+    if tokenizer is None:
+        tokenizer = HFTokenizer(directory / "tokenizer.json")
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"{directory / 'tokenizer.json'}: {tokenizer.vocab_size} tokens but config.json has "
                         f"vocab_size {config.vocab_size}: the tokenizer is not this model's")
@@ -117,8 +120,12 @@ def load_weights(directory: str | Path, config: ModelConfig, family: str, device
                  stream: TextIO | None = None) -> dict[str, torch.Tensor]:
     """The engine's weights of the checkpoint in `directory` (its `read_config`), without the tokenizer:
     for callers that feed token ids (bench/family_numerics.py, where `tokenizers` may be absent)."""
-    checkpoint = Checkpoint.open(Path(directory))
+    directory = Path(directory)
+    checkpoint = Checkpoint.open(directory)  # the headers only: bounded by the files' sizes
     try:
+        # config.json's counts against the headers, before a loop or an allocation of their size
+        check_counts(config.n_layers, config.n_experts, directory / "config.json", checkpoint.names())
+        checkpoint.allow_nonfinite = nonfinite_allowed()
         return _load_weights(config, family, checkpoint, device, dtype, stream, _unread_layers(directory, family))
     finally:
         checkpoint.close()
@@ -157,16 +164,7 @@ class _Fields:
 
 def read_config(directory: Path) -> tuple[ModelConfig, str]:
     """The engine's config and the family name of config.json in `directory`."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
-                        f"(give --model a preset name or a Hugging Face-format directory)")
-    try:
-        values = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{path}: not valid JSON ({error}); download it again") from None
-    if not isinstance(values, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    values, path = read_config_values(directory)
     fields = _Fields(values, path)
     family = _family(fields)
     try:
@@ -174,6 +172,25 @@ def read_config(directory: Path) -> tuple[ModelConfig, str]:
     except ValueError as error:  # ModelConfig's own validation
         raise UserError(f"{path}: {error}") from None
     return config, family
+
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KB
+
+
+def read_config_values(directory: Path) -> tuple[dict, Path]:
+    """config.json as a dict whose known fields have their types and sizes (engine.hf_config_checks)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
+                        f"(give --model a preset name or a Hugging Face-format directory)")
+    require_inside(directory, path, "config.json")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UserError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, not a config.json; download it again")
+    values = parse_json(path.read_bytes(), str(path), "config.json", "download it again")
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    check_config_values(values, path)
+    return values, path
 
 
 def _family(fields: _Fields) -> str:
@@ -492,7 +509,7 @@ def _unread_layers(directory: Path, family: str) -> int:
     multi-token-prediction modules (num_nextn_predict_layers). 0 for every other family."""
     if family != "deepseek-v3":
         return 0
-    values = json.loads((directory / "config.json").read_text())  # read_config parsed it already: valid JSON
+    values = read_config_values(directory)[0]  # read_config checked it already
     count = values.get("num_nextn_predict_layers") or 0
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
@@ -806,7 +823,7 @@ def _refuse_unused(config: ModelConfig, family: str, checkpoint: Checkpoint, use
                     if not name.endswith(_IGNORABLE_SUFFIXES) and not _unread(name, config.n_layers, unread_layers))
     if unused:
         entry = checkpoint.entries[unused[0]]
-        raise UserError(f"{entry.file}: tensor {unused[0]}"
+        raise UserError(f"{entry.file}: tensor {printable(unused[0])}"
                         f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} is not used by the {family} "
                         f"mapping of config.json: the checkpoint has a feature config.json does not declare, or one "
                         f"this engine does not support; nothing was loaded")

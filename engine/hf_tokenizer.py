@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.printable import require_text
 
 
 class HFTokenizer:
@@ -22,6 +23,10 @@ class HFTokenizer:
         except ImportError:
             raise UserError(f"{path}: reading tokenizer.json needs the `tokenizers` package: "
                             f"pip install 'moe-inspector[hf]' (or pip install tokenizers)") from None
+        if path.exists():  # a link out of the checkpoint (to /etc/passwd, another model) is not opened
+            from engine.checkpoint import require_inside
+
+            require_inside(path.parent, path, "tokenizer.json")
         if not path.is_file():
             raise UserError(f"{path}: missing: a checkpoint directory needs its tokenizer.json (the fast-tokenizer "
                             f"file); save it beside config.json, e.g. with "
@@ -38,7 +43,7 @@ class HFTokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return self._tokenizer.encode(require_text(text), add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of the ids, special tokens included (the inspector shows what the model emitted). An id

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import Checkpoint
+from engine.checkpoint import Checkpoint, nonfinite_allowed
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.model import tensor_shapes
@@ -35,6 +35,7 @@ def training_record(preset: str) -> dict | None:
 
 def load_shipped(config: ModelConfig, directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     checkpoint = Checkpoint.open(directory)
+    checkpoint.allow_nonfinite = nonfinite_allowed()
     shapes = tensor_shapes(config)
     extra = checkpoint.names() - set(shapes)
     if extra:

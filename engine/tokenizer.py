@@ -6,12 +6,14 @@ streams as a replacement mark rather than an error.
 
 from __future__ import annotations
 
+from engine.printable import require_text
+
 
 class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(require_text(text).encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(token_id for token_id in token_ids if 0 <= token_id < 256).decode("utf-8", errors="replace")

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from engine.errors import UserError
+from engine.printable import one_line
 from inspector.commands import COMMAND_MODULES
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return launch(args)
         return int(args.run(args))
-    except UserError as error:
-        print(f"moe-inspector: error: {error}", file=sys.stderr)
+    except UserError as error:  # one line, whatever the message carries from a file
+        print(f"moe-inspector: error: {one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C, or one where a command has nothing to print yet
         print("\nmoe-inspector: interrupted", file=sys.stderr)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -66,14 +65,24 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from engine import flags as flag_registry
+# The atomic writer lives in the engine (the calibration file uses it too); re-exported here.
+from engine.atomic_file import TEMP_SUFFIX, atomic_write_bytes, atomic_write_text  # noqa: F401
 from engine.errors import UserError
+from engine.printable import printable, unprintable_characters
 
 FORMAT_VERSION = 1
+# A session is a script of a few steps; a prompt of a 128k-token context is ~0.5 MB. Past this a
+# file is refused before it is read (tomllib would take seconds and memory on a huge one).
+MAX_SESSION_BYTES = 16 * 1024 * 1024
+MAX_STEPS = 10_000
+# No count, size or seed in a session is larger: beyond it a number is refused by the parser
+# (the steps' own, tighter limits come from the model and the machine in the runner's preflight).
+MAX_INTEGER = 2**53
+MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "none")
 SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
-TEMP_SUFFIX = ".sessionresults.tmp"  # ignored by git, so a killed save leaves nothing to commit
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,6 +101,9 @@ def _is_int(value: Any) -> bool:
 
 TEXT = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
 NAME = Kind("a config name (a string)", lambda v: isinstance(v, str) and v != "")
+# Names and descriptions are shown on terminals and in reports: no control or format characters
+# (a description may hold newlines and tabs). Prompts are data for the model and may hold anything.
+NAME_ALLOWED_CONTROLS, DESCRIPTION_ALLOWED_CONTROLS = "", "\n\t"
 POSITIVE = Kind("an integer >= 1", lambda v: _is_int(v) and v >= 1)
 NON_NEGATIVE = Kind("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 BOOLEAN = Kind("true or false", lambda v: isinstance(v, bool))
@@ -260,19 +272,42 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _shown(value: Any) -> str:
+    """A value from the file for a message: its repr, escaped and cut (a file may hold a megabyte)."""
+    return printable(repr(value), limit=80)
+
+
 def _wrong_type(where: str, key: str, expected: str, value: Any) -> UserError:
-    return UserError(f"{where}: key {key!r} must be {expected}, got {_type_name(value)} ({value!r})")
+    return UserError(f"{where}: key {key!r} must be {expected}, got {_type_name(value)} ({_shown(value)})")
+
+
+def _check_printable(where: str, key: str, value: str, allowed: str = NAME_ALLOWED_CONTROLS) -> None:
+    bad = unprintable_characters(value, allowed)
+    if bad:
+        shown = ", ".join(printable(character) for character in bad[:4])
+        raise UserError(f"{where}: key {key!r} holds control or format characters ({shown}), which would reach "
+                        f"terminals and reports raw; remove them")
+
+
+def _too_large(where: str, key: str, value: Any, limit: int = MAX_INTEGER) -> None:
+    """Integers (also inside lists) beyond `limit` in absolute value are refused."""
+    values = value if isinstance(value, list) else [value]
+    for item in values:
+        if _is_int(item) and abs(item) > limit:
+            raise UserError(f"{where}: key {key!r} is {_shown(item)}, beyond any size this reads (at most "
+                            f"{limit}); give a realistic value")
 
 
 def _did_you_mean(value: Any, allowed: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(str(value), allowed, n=1)
+    close = difflib.get_close_matches(str(value)[:100], allowed, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _unknown_keys(where: str, table: Mapping, allowed: tuple[str, ...]) -> None:
     for key in table:
         if key not in allowed:
-            raise UserError(f"{where}: unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed)}")
+            raise UserError(f"{where}: unknown key {_shown(key)}{_did_you_mean(key, allowed)}; allowed: "
+                            f"{', '.join(allowed)}")
 
 
 def _table(data: Mapping, key: str, where: str) -> dict:
@@ -294,6 +329,7 @@ def _parse_header(data: Mapping, where: str) -> tuple[int, str, str | None]:
     version = table["version"]
     if not _is_int(version):
         raise _wrong_type(here, "version", "an integer", version)
+    _too_large(here, "version", version)
     if version > FORMAT_VERSION:
         raise UserError(f"{here}: version {version} is newer than this moe-inspector reads (version "
                         f"{FORMAT_VERSION}); upgrade moe-inspector, or save the session again with this one")
@@ -304,9 +340,12 @@ def _parse_header(data: Mapping, where: str) -> tuple[int, str, str | None]:
         raise UserError(f"{here}: missing key 'name'; add name = \"...\"")
     if not TEXT.check(table["name"]):
         raise _wrong_type(here, "name", TEXT.describe, table["name"])
+    _check_printable(here, "name", table["name"])
     description = table.get("description")
     if description is not None and not isinstance(description, str):
         raise _wrong_type(here, "description", "a string", description)
+    if description is not None:
+        _check_printable(here, "description", description, DESCRIPTION_ALLOWED_CONTROLS)
     return version, table["name"], description
 
 
@@ -317,10 +356,12 @@ def _parse_engine(data: Mapping, where: str) -> EngineSpec:
     for key in ("model", "device"):
         if key in table and not TEXT.check(table[key]):
             raise _wrong_type(here, key, TEXT.describe, table[key])
-    if "seed" in table and not _is_int(table["seed"]):
-        raise _wrong_type(here, "seed", "an integer", table["seed"])
+        if key in table:
+            _check_printable(here, key, table[key])
+    if "seed" in table and not (_is_int(table["seed"]) and 0 <= table["seed"] <= MAX_SEED):
+        raise _wrong_type(here, "seed", f"an integer from 0 to {MAX_SEED}", table["seed"])
     if "weights" in table and table["weights"] not in ("auto", "random"):
-        raise UserError(f"{here}: weights {table['weights']!r} is not allowed; allowed: auto, random")
+        raise UserError(f"{here}: weights {_shown(table['weights'])} is not allowed; allowed: auto, random")
     return EngineSpec(**table)
 
 
@@ -342,6 +383,7 @@ def _parse_configs(data: Mapping, where: str) -> tuple[Config, ...]:
         name = entry["name"]
         if not NAME.check(name):
             raise _wrong_type(here, "name", NAME.describe, name)
+        _check_printable(here, "name", name)
         here = f"{where}: config {index} ({name!r})"
         if name == BASE:
             raise UserError(f"{here}: the name {BASE!r} is reserved for [flags] alone; rename the config")
@@ -369,8 +411,8 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     if "action" not in entry:
         raise UserError(f"{here}: missing key 'action'; one of {', '.join(ACTIONS)}")
     action = entry["action"]
-    if action not in STEP_TYPES:
-        raise UserError(f"{here}: unknown action {action!r}{_did_you_mean(action, ACTIONS)}; allowed: "
+    if not isinstance(action, str) or action not in STEP_TYPES:
+        raise UserError(f"{here}: unknown action {_shown(action)}{_did_you_mean(action, ACTIONS)}; allowed: "
                         f"{', '.join(ACTIONS)}")
     cls = STEP_TYPES[action]
     here = f"{where}: step {index} ({action})"
@@ -384,11 +426,12 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
                 raise UserError(f"{here}: missing key {spec.name!r} ({kind.describe})")
             continue
         value = entry[spec.name]
+        _too_large(here, spec.name, value)
         if not kind.check(value):
             raise _wrong_type(here, spec.name, kind.describe, value)
         if kind is NAME and value not in config_names:
-            raise UserError(f"{here}: key {spec.name!r} names config {value!r}, which is not defined; "
-                            f"defined: {', '.join(config_names)} (add a [[config]] with name = {value!r})")
+            raise UserError(f"{here}: key {spec.name!r} names config {_shown(value)}, which is not defined; "
+                            f"defined: {', '.join(config_names)} (add a [[config]] with name = {_shown(value)})")
         values[spec.name] = list(value) if isinstance(value, list) else value
     step = cls(**values)
     if isinstance(step, BenchStep) and step.pp is None and step.tg is None:
@@ -416,6 +459,8 @@ def parse_session(data: Mapping, where: str) -> Session:
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise UserError(f"{where}: 'step' must be an array of tables ([[step]] with an action), "
                         f"got {_type_name(entries)}")
+    if len(entries) > MAX_STEPS:
+        raise UserError(f"{where}: {len(entries)} steps, more than the {MAX_STEPS} a session may hold; split it")
     steps = tuple(_parse_step(entry, index, where, config_names) for index, entry in enumerate(entries, start=1))
     return Session(name=name, description=description, engine=engine, flags=session_flags, configs=configs,
                    steps=steps, version=version)
@@ -426,20 +471,32 @@ def loads_session(text: str, where: str = "<session>") -> Session:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"{where}: not valid TOML: {error}; fix the syntax there") from None
+    except RecursionError:  # arrays or inline tables nested hundreds deep
+        raise UserError(f"{where}: not valid TOML here: arrays or inline tables nest deeper than this reader "
+                        f"follows (Python's recursion limit); no session nests more than two levels") from None
+    except ValueError as error:  # tomllib's int() of a number of thousands of digits
+        raise UserError(f"{where}: not valid TOML here: {printable(str(error), 120)}; no number in a session is "
+                        f"that long") from None
     return parse_session(data, where)
 
 
 def load_session(path: str | os.PathLike) -> Session:
     path = Path(path)
-    where = str(path)
+    where = printable(str(path), limit=None)
     try:
-        raw = path.read_bytes()
+        if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block the read
+            raise UserError(f"{where}: not a regular file (a device, a socket or a pipe); name a .toml file")
+        with path.open("rb") as handle:  # at most one byte past the limit is read
+            raw = handle.read(MAX_SESSION_BYTES + 1)
     except FileNotFoundError:
         raise UserError(f"{where}: no such session file; check the path (examples live in sessions/)") from None
     except IsADirectoryError:
         raise UserError(f"{where}: is a directory, not a session file; name a .toml file") from None
-    except OSError as error:
-        raise UserError(f"{where}: cannot read the session file ({error.strerror})") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        raise UserError(f"{where}: cannot read the session file ({getattr(error, 'strerror', None) or error})") from None
+    if len(raw) > MAX_SESSION_BYTES:
+        raise UserError(f"{where}: more than {MAX_SESSION_BYTES} bytes, more than a session file may hold; "
+                        f"it is not read")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -474,10 +531,30 @@ def session_to_plain(session: Session) -> dict[str, Any]:
         engine["weights"] = session.engine.weights
     plain: dict[str, Any] = {"session": header, "engine": engine, "flags": _ordered_flags(session.flags)}
     if session.configs:
-        plain["config"] = [{"name": config.name, **_ordered_flags(config.flags)} for config in session.configs]
+        plain["config"] = [config_to_plain(config) for config in session.configs]
     if session.steps:
         plain["step"] = [step_to_plain(step) for step in session.steps]
     return plain
+
+
+def _literal(value: Any) -> str:
+    try:
+        import tomli_w
+    except ModuleNotFoundError:
+        raise UserError("writing a session needs tomli-w (pip install tomli-w); reading and running do not") from None
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(item) for item in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = "):-1]
+
+
+def render_table(heading: str, values: Mapping[str, Any]) -> str:
+    """`[heading]` or `[[heading]]` and one `key = literal` line per value (literals by tomli-w)."""
+    lines = [heading] + [f"{key} = {_literal(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def config_to_plain(config: Config) -> dict[str, Any]:
+    return {"name": config.name, **_ordered_flags(config.flags)}
 
 
 def dumps_session(session: Session) -> str:
@@ -485,20 +562,7 @@ def dumps_session(session: Session) -> str:
     [[config]], every [[step]]) with short arrays on one line. Every literal is rendered by
     tomli-w; only the layout is ours (tomli-w would inline short [[config]] tables and put them
     first, and spread `tokens = [...]` over one line per number)."""
-    try:
-        import tomli_w
-    except ModuleNotFoundError:
-        raise UserError("writing a session needs tomli-w (pip install tomli-w); reading and running do not") from None
-
-    def literal(value: Any) -> str:
-        if isinstance(value, list):
-            return "[" + ", ".join(literal(item) for item in value) + "]"
-        return tomli_w.dumps({"v": value})[len("v = "):-1]
-
-    def table(heading: str, values: Mapping[str, Any]) -> str:
-        lines = [heading] + [f"{key} = {literal(value)}" for key, value in values.items()]
-        return "\n".join(lines) + "\n"
-
+    table = render_table
     plain = session_to_plain(session)
     chunks = ["# A moe-inspector session: `moe-inspector run FILE` runs it, `moe-inspector replay FILE`\n"
               "# re-runs it and diffs against the recorded results.\n"]
@@ -513,54 +577,3 @@ def save_session(session: Session, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     return path
-
-
-# Tests set this to slow a write down between chunks (to kill the process mid-write).
-_after_chunk: Callable[[int], None] | None = None
-_CHUNK = 64 * 1024
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that a crash or kill leaves either the old file or the new one.
-
-    The bytes go to a hidden temporary file in the same directory (same filesystem, so the rename
-    is atomic), are flushed and fsynced, and then `os.replace` puts them under the real name. The
-    temporary name ends in `.sessionresults.tmp`, which git ignores; a kill can leave one behind,
-    never a half-written file under the real name.
-    """
-    path = Path(path)
-    directory = path.parent
-    temporary = directory / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-    mode = (os.stat(path).st_mode & 0o777) if path.exists() else 0o666  # 0o666 is narrowed by the umask
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            for offset in range(0, max(len(data), 1), _CHUNK):
-                handle.write(data[offset:offset + _CHUNK])
-                if _after_chunk is not None:
-                    _after_chunk(offset)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable; not every platform lets a directory be opened
-        directory_descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory_descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(directory_descriptor)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))

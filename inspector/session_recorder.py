@@ -24,6 +24,14 @@ How actions become the format (see `inspector.session`):
 Payload keys outside these are ignored, so the TUI may pass its results along. Every appended
 step is validated by the session parser before it is saved: a saved file always loads.
 
+The user's file is kept: a session opened from a file is saved by appending the new [[config]]
+and [[step]] tables to its text as it is (TOML lets an array of tables continue anywhere), and a
+change of [flags] before the first step edits that table through tomlkit, so comments, blank
+lines and key order survive. Every text written is parsed back and must equal the session in
+memory, or nothing is written (an inline `step = [...]` array cannot be extended that way: the
+save is refused and the file left as it was). A refused or failed save changes nothing: not the
+file, not the session in memory, not the path later saves go to.
+
 Thread-safe (one lock), no textual import: the TUI calls it from its `record_action` hook.
 """
 
@@ -38,9 +46,11 @@ from typing import Any, Mapping
 
 from engine import flags as flag_registry
 from engine.errors import UserError
+from engine.atomic_file import atomic_write_text
+from engine.printable import printable
 from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep, Config, CurveStep, EngineSpec, PromptStep,
-                               Session, Step, SweepStep, load_session, parse_session, save_session,
-                               session_to_plain, step_keys)
+                               Session, Step, SweepStep, config_to_plain, dumps_session, load_session, loads_session,
+                               parse_session, render_table, session_to_plain, step_keys, step_to_plain)
 
 PANE_LABELS = {"a", "b"}  # TUI pane names, which say nothing once saved
 _MISSING = object()
@@ -75,10 +85,12 @@ class SessionRecorder:
         engine = EngineSpec(model=str(engine_info["model"]), device=str(engine_info.get("device", "auto")),
                             seed=int(engine_info.get("seed", 0)), weights=str(engine_info.get("weights", "auto")))
         starting = _flag_values(flags, "the recorder's starting flags")
-        self._session = Session(name=name or self.path.stem, description=description, engine=engine,
-                                flags=starting)
+        # A file name may hold characters a session name may not (the parser refuses control characters).
+        self._session = Session(name=name or printable(self.path.stem, limit=80), description=description,
+                                engine=engine, flags=starting)
         self.current_flags: dict[str, Any] = dict(starting)  # the TUI's flag state now
         self._lock = threading.Lock()
+        self._text: str | None = None  # the file's text as last read or written; None: not written yet
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SessionRecorder":
@@ -88,6 +100,7 @@ class SessionRecorder:
         recorder.path = Path(path)
         recorder._session = session
         recorder._lock = threading.Lock()
+        recorder._text = Path(path).read_text(encoding="utf-8")  # what load_session just parsed
         last_config = None  # the configuration of the last generation (side A)
         for step in reversed(session.steps):
             if isinstance(step, (PromptStep, CompareStep)):
@@ -116,13 +129,43 @@ class SessionRecorder:
 
     def save(self) -> Path:
         with self._lock:
-            return save_session(self._session, self.path)
+            self._write(self._session, self.path)
+            return self.path
 
     def save_as(self, path: str | os.PathLike) -> Path:
-        """Save to `path` and keep autosaving there (ctrl+s)."""
+        """Save to `path` and keep autosaving there (ctrl+s); when the write fails, autosaves keep
+        going where they went before."""
         with self._lock:
-            self.path = Path(path)
-            return save_session(self._session, self.path)
+            path = Path(path)
+            self._write(self._session, path)
+            self.path = path
+            return path
+
+    def _text_for(self, session: Session) -> str:
+        """The file's text holding `session`: the text as it was plus what changed, or, for a session
+        never written, the writer's own layout."""
+        if self._text is None:
+            return dumps_session(session)
+        old, text = self._session, self._text
+        if session.flags != old.flags:
+            text = _with_flags(text, session.flags)
+        chunks = [render_table("[[config]]", config_to_plain(config)) for config in session.configs[len(old.configs):]]
+        chunks += [render_table("[[step]]", step_to_plain(step)) for step in session.steps[len(old.steps):]]
+        if chunks:
+            text = text + ("" if text.endswith("\n") or not text else "\n") + "".join("\n" + chunk for chunk in chunks)
+        return text
+
+    def _write(self, session: Session, path: Path) -> None:
+        """Write `session` to `path`, keeping the file's text; nothing is written unless the text reads
+        back as exactly `session`."""
+        text = self._text_for(session)
+        if loads_session(text, str(path)) != session:
+            raise UserError(f"{path}: the session cannot be saved without rewriting the file's own layout (an "
+                            f"inline array of steps or configs?); the file is left as it was: save the session under "
+                            f"a new name (ctrl+s) to continue recording")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+        self._text = text
 
     # ----------------------------------------------------------------------------------------
     # Recording
@@ -148,7 +191,7 @@ class SessionRecorder:
             plain.setdefault("step", []).append(step_table)
             # Through the parser, so what is saved is exactly what `run` will read back.
             session = parse_session(plain, f"{self.path}: {where}")
-            save_session(session, self.path)
+            self._write(session, self.path)
             self._session = session
             return session.steps[-1]
 
@@ -161,8 +204,9 @@ class SessionRecorder:
             self.current_flags.update(_flag_values(action["flags"], where))
         self.current_flags[name] = value
         if not self._session.steps:  # still the starting state: it belongs in [flags]
-            self._session = dataclasses.replace(self._session, flags={**self._session.flags, name: value})
-            save_session(self._session, self.path)
+            session = dataclasses.replace(self._session, flags={**self._session.flags, name: value})
+            self._write(session, self.path)
+            self._session = session
         return None
 
     def _effective(self, flags: Any, over: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -256,6 +300,31 @@ class SessionRecorder:
             table["config"] = name
         self.current_flags = effective
         return _ordered(table, BenchStep)
+
+
+def _with_flags(text: str, flags: Mapping[str, Any]) -> str:
+    """`text` with its [flags] table holding `flags`: values changed in place, new keys after the
+    table's last key, so comments stay where they were (tomlkit keeps the rest of the text as is)."""
+    import tomlkit
+
+    document = tomlkit.parse(text)
+    if "flags" not in document:
+        document["flags"] = tomlkit.table()
+    table = document["flags"]
+    for name in list(table.keys()):
+        if name not in flags:
+            del table[name]
+    for name, value in flags.items():
+        if name in table:
+            if table[name] != value:
+                table[name] = value
+            continue
+        keys = list(table.keys())
+        try:  # after the last key, not after a comment that trails the table (tomlkit's add does that)
+            table.value._insert_after(keys[-1], name, tomlkit.item(value)) if keys else table.add(name, value)
+        except (AttributeError, TypeError, KeyError):  # a tomlkit without the private method
+            table[name] = value
+    return tomlkit.dumps(document)
 
 
 def _ordered(table: dict, cls: type) -> dict:

@@ -43,12 +43,16 @@ from typing import Any, Callable
 from engine import flags as flag_registry
 from engine.config import ModelConfig
 from engine.errors import UserError
+from engine.json_input import parse_json
+from engine.printable import printable
+from inspector import results_schema
 from engine.provenance import commit_and_dirty
 from inspector.session import Session, Step, atomic_write_text, step_to_plain
 from inspector.session_steps import (CHECK_FAILED, OK, RunContext, action_for, base_flags, make_context,  # noqa: F401
                                      token_at)
 
 RESULTS_SCHEMA = 1
+MAX_RESULTS_BYTES = 256 * 1024 * 1024
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -227,6 +231,9 @@ def write_results(path: str | os.PathLike, header: dict, steps: list[dict]) -> P
 def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list[dict]]:
     path = Path(path)
     try:
+        if path.is_file() and path.stat().st_size > MAX_RESULTS_BYTES:
+            raise UserError(f"{path}: more than {MAX_RESULTS_BYTES} bytes, not a results file this reads; run the "
+                            f"session again to re-record")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no recorded results for {session_path}; record them first with "
@@ -237,10 +244,7 @@ def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            value = json.loads(line)
-        except ValueError as error:
-            raise UserError(f"{path}:{number}: not a JSON line ({error}); run the session again to re-record") from None
+        value = parse_json(line, f"{path}:{number}", "the line", "run the session again to re-record")
         if not isinstance(value, dict):
             raise UserError(f"{path}:{number}: expected a JSON object; run the session again to re-record")
         lines.append(value)
@@ -248,8 +252,11 @@ def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list
         raise UserError(f"{path}: the first line is not a results header; run the session again to re-record")
     header = lines[0]
     if header.get("schema") != RESULTS_SCHEMA:
-        raise UserError(f"{path}: results schema {header.get('schema')!r}, this moe-inspector reads schema "
-                        f"{RESULTS_SCHEMA}; run the session again to re-record")
+        raise UserError(f"{path}: results schema {printable(repr(header.get('schema')), 40)}, this moe-inspector "
+                        f"reads schema {RESULTS_SCHEMA}; run the session again to re-record")
+    results_schema.check_header(header, f"{path}:1")
+    for number, line in enumerate(lines[1:], start=2):
+        results_schema.check_step(line, f"{path}:{number}")
     return header, lines[1:]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine import flags as flag_registry
+from engine import limits
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.tokenizer import ByteTokenizer
@@ -274,6 +275,7 @@ class CurveAction(Action):
         k, experts = step.k or model.top_k, step.experts or model.n_experts
         if k > experts:
             raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
+        limits.check_curve_request(k, experts, step.tile_m or 1, step.tokens or [], here)
 
     def result(self, context, index, step, outcome) -> dict:
         from engine.curve import CURVE_TOKENS, curve
@@ -353,6 +355,8 @@ class CheckAttentionAction(Action):
         if shape["pad"] >= shape["seq_len"]:
             raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
                             f"use pad < seq_len")
+        limits.check_attention_request(shape["seq_len"], shape["heads"], shape["kv_heads"], shape["head_dim"],
+                                       device, here)
 
     def dtype(self, context, step):
         import torch
@@ -387,11 +391,18 @@ class BenchAction(Action):
     step_type = BenchStep
 
     def preflight(self, here, step, model, device) -> None:
+        for values, key in ((step.pp or [], "pp"), (step.tg or [], "tg"), (step.batch or [], "batch")):
+            limits.check_list(values, f"{here}: {key}")
         for spec in bench_specs(step):
             needed = spec.prompt_len + spec.max_tokens
             if needed > model.max_seq_len:
                 raise UserError(f"{here}: row {spec.name} needs {needed} positions, more than the {model.name} "
                                 f"context of {model.max_seq_len}; choose shorter pp/tg")
+        from engine.runtime import Engine
+
+        # The weights are counted: preflight runs before the session's engine is loaded.
+        limits.check_bench_request(model, device, Engine.dtype_for(device), bench_specs(step), step.reps, here,
+                                   weights_loaded=False)
 
     def run(self, context, step) -> dict:
         from engine.bench import run_bench

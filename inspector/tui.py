@@ -19,6 +19,7 @@ from pathlib import Path
 from engine import flags as flag_registry
 from engine.config import PRESETS
 from engine.errors import UserError
+from engine.printable import one_line
 from engine.runtime import Engine
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 from inspector.prompt_file import read_prompt_file
@@ -59,6 +60,13 @@ def launch(args) -> int:
         existing = bool(session_path) and Path(session_path).exists()
         if existing:  # a malformed session is refused here, before anything is loaded
             model, seed, device, notes = _session_engine(args, load_session(session_path).engine)
+        if session_path is not None:  # it is saved after every action: it must take a write
+            from inspector.output_paths import check_output_path
+            from inspector.session_runner import results_path_for
+
+            check_output_path(session_path, "--session")
+            check_output_path(results_path_for(session_path), "--session's results file",
+                              protect={"the session file": session_path})
         if not existing and model not in PRESETS and not Path(model).is_dir():
             Engine.load(model, device, seed)  # refuses it in generate's words, before anything is loaded
         print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
@@ -73,13 +81,16 @@ def launch(args) -> int:
         if existing:
             flags = session.starting_flags(args.set_flags)
     except UserError as error:
-        print(f"moe-inspector: error: {error}", file=sys.stderr)
+        print(f"moe-inspector: error: {one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     notes += flag_registry.environment_problems()
     if session.note:  # recorded results set aside: the replay screen will say "no recording" for those steps
         notes.append(session.note)
 
     from inspector.app import InspectorApp  # textual is imported only once the engine is ready
+    from inspector.terminal_input import tolerate_invalid_utf8
+
+    tolerate_invalid_utf8()  # a pasted byte that is not UTF-8 must not end the app (and the session)
 
     # `--sweep FILE` (optional) preloads the tile-fill screen's µs-per-arm plot.
     app = InspectorApp(engine, flags, startup_notes=notes, sweep_path=getattr(args, "sweep", None), session=session,

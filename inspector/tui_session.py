@@ -52,6 +52,9 @@ class TuiSession:
         self.recorder, self.engine = recorder, engine
         self.lines: dict[int, dict] = dict(lines or {})  # step number -> its results line
         self.note = note  # why loaded results were set aside, if they were
+        # Why the results file on disk is not written (it holds results this session cannot merge:
+        # another device, other flags, steps that changed); it is left as it is, never dropped.
+        self.results_kept_as_they_are: str | None = None
         self._header: dict | None = None
         self._curves = {self._curve_state(step.k, step.experts, step.tile_m, step.config)
                         for step in self.session.steps if isinstance(step, CurveStep)}
@@ -75,7 +78,12 @@ class TuiSession:
             raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
                             f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {path}`")
         lines, note = cls._recorded_lines(Path(path), recorder.session, engine)
-        return cls(recorder, engine, lines, note)
+        session = cls(recorder, engine, lines, note)
+        if note and results_path_for(path).exists():
+            session.results_kept_as_they_are = note
+            session.note = (f"{note}; the results file is left as it is and the results of new steps are not written "
+                            f"to it (ctrl+s saves the session and its results under a new name)")
+        return session
 
     @staticmethod
     def _recorded_lines(path: Path, session: Session, engine: Engine) -> tuple[dict[int, dict], str]:
@@ -91,7 +99,9 @@ class TuiSession:
             return {}, (f"recorded results not used: recorded on {header.get('device')}, this inspector runs on "
                         f"{engine.device_label}; tokens are only comparable on the same device")
         recorded_flags = {name: entry.get("value") for name, entry in header.get("flags", {}).items()}
-        if recorded_flags != dict(base_flags(session).values):
+        current_flags = dict(base_flags(session).values)
+        # Flags a newer build added are not in an older recording: compare the ones recorded.
+        if any(name in current_flags and value != current_flags[name] for name, value in recorded_flags.items()):
             return {}, "recorded results not used: they were recorded under other [flags]; replay re-runs only"
         kept = {}
         for line in lines:
@@ -185,11 +195,20 @@ class TuiSession:
         return self._header
 
     def write_results(self) -> None:
-        if self.lines:
+        """The recorded lines, those read at opening included: a results file is rewritten only with
+        every line it held (it is left as it is when they could not be merged, see `open`)."""
+        if self.lines and self.results_kept_as_they_are is None:
             write_results(self.results_path, self.header(), [self.lines[index] for index in sorted(self.lines)])
 
     def save_as(self, path: str | os.PathLike) -> Path:
-        """ctrl+s: the session and its results under the new name; autosaves go there from now on."""
+        """ctrl+s: the session and its results under the new name; autosaves go there from now on.
+        Both paths are checked first: a refused save changes nothing (files, recorder, path)."""
+        from inspector.output_paths import check_output_path
+
+        path = Path(path)
+        check_output_path(path, "the session file", protect={"the current results file": self.results_path})
+        check_output_path(results_path_for(path), "its results file", protect={"the session file": path})
         saved = self.recorder.save_as(path)
+        self.results_kept_as_they_are = None  # the new name's results hold this session's lines only
         self.write_results()
         return saved

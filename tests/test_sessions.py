@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from engine import atomic_file
 from engine import flags as flag_registry
 from engine.errors import UserError
 from inspector import session as session_format
 from inspector.cli import main
-from inspector.session import (TEMP_SUFFIX, CompareStep, PromptStep, dumps_session, load_session, loads_session,
+from inspector.session import (CompareStep, PromptStep, dumps_session, load_session, loads_session,
                                parse_session, save_session)
 from inspector.session_recorder import SessionRecorder
 from inspector.session_report import render
@@ -384,24 +385,25 @@ def test_replay_refuses_a_session_changed_since_recording(recorded, capsys, tmp_
 
 KILL_DURING_SAVE = """
 import dataclasses, sys, time
+from engine import atomic_file
 from inspector import session as session_format
 
 path = sys.argv[1]
 session = session_format.load_session(path)
-big = dataclasses.replace(session, steps=session.steps * 4000)  # a few hundred KB: several chunks
+big = dataclasses.replace(session, steps=session.steps * 3000)  # a few hundred KB: several chunks
 
 def slow(offset):
     if offset == 0:
         print("writing", flush=True)
     time.sleep(0.5)
 
-session_format._after_chunk = slow
+atomic_file.after_chunk = slow
 session_format.save_session(big, path)
 print("finished", flush=True)
 """
 
 
-def test_a_kill_during_a_save_leaves_the_previous_file_intact(tmp_path):
+def test_a_kill_during_a_save_leaves_the_previous_file_intact_and_no_temporary(tmp_path):
     path = tmp_path / "precious.toml"
     save_session(load_session(SESSIONS / "quickstart.toml"), path)
     before = path.read_bytes()
@@ -410,18 +412,17 @@ def test_a_kill_during_a_save_leaves_the_previous_file_intact(tmp_path):
     try:
         assert process.stdout.readline() == "writing\n"
         time.sleep(0.2)  # inside the slowed write: the first chunk is out, the rest is not
-        temporaries = [entry for entry in tmp_path.iterdir() if entry.name != path.name]
+        during = sorted(entry.name for entry in tmp_path.iterdir())
     finally:
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
         process.stdout.close()
     assert process.returncode == -signal.SIGKILL
-    assert len(temporaries) == 1 and temporaries[0].name.startswith(".precious.toml.")
-    assert temporaries[0].name.endswith(TEMP_SUFFIX)  # hidden and git-ignored
+    # The bytes go to an unnamed file until complete: nothing but the real name, during or after.
+    assert during == ["precious.toml"]
     assert path.read_bytes() == before  # the real name still holds the previous file
     assert load_session(path) == load_session(SESSIONS / "quickstart.toml")
-    leftovers = [entry.name for entry in tmp_path.iterdir() if entry.name != path.name]
-    assert all(name.endswith(TEMP_SUFFIX) for name in leftovers)  # no half-file anywhere under a real name
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["precious.toml"]
 
 
 def test_an_atomic_save_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -439,7 +440,7 @@ def test_a_failed_write_removes_its_temporary_and_keeps_the_file(tmp_path, monke
     def disk_full(offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(session_format, "_after_chunk", disk_full)
+    monkeypatch.setattr(atomic_file, "after_chunk", disk_full)
     with pytest.raises(OSError):
         session_format.atomic_write_text(path, "new")
     assert path.read_text() == "keep me" and [entry.name for entry in tmp_path.iterdir()] == ["s.toml"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from engine import bench
+from engine import bench, limits
 from engine import flags as flag_registry
 from engine.config import PRESETS
 from engine.errors import UserError
@@ -18,6 +18,7 @@ from inspector.commands.output import (EXTENSIONS, INTERRUPTED, add_format_argum
                                        stop_on_interrupt)
 
 FORMATS = ("md", "json", "csv")
+from inspector.output_paths import check_output_path, distinct_outputs, write_output
 
 
 def _switch(text: str) -> bool:
@@ -111,6 +112,13 @@ def run(args) -> int:
         raise UserError(f"--token-budget {args.token_budget} is below prefill_chunk={resolved['prefill_chunk']}: "
                         "raise it or lower the chunk with --set prefill_chunk=N")
     graphs = _switch(args.graphs)
+    if args.json_out is not None:
+        check_output_path(args.json_out, "--json-out")
+    if args.trace:
+        check_output_path(args.trace, "--trace")
+        distinct_outputs({"--json-out": args.json_out, "--trace": args.trace})
+    for values, option in ((pp, "--pp"), (tg, "--tg"), (batches, "--batch")):
+        limits.check_list(values, option)
     specs = bench.row_specs(pp, tg, batches, args.tg_prompt)
     config = model_config(args.model)
     directory = args.model not in PRESETS
@@ -123,6 +131,8 @@ def run(args) -> int:
         if needed > config.max_seq_len:
             raise UserError(f"{spec.name} needs {needed} positions, more than the {config.name} context of "
                             f"{config.max_seq_len}: choose shorter --pp/--tg/--tg-prompt")
+    limits.check_bench_request(config, device, Engine.dtype_for(device), specs, args.reps, "bench",
+                               weights_loaded=False)
     weights, weights_note = None, ""
     if args.gpu_weights and device.type != "cuda":
         raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")
@@ -163,7 +173,7 @@ def run(args) -> int:
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     if args.json_out:
-        Path(args.json_out).write_text(bench.format_json(report))
+        write_output(args.json_out, bench.format_json(report), "--json-out")
     if fmt == "json":
         payload = report.to_json()
         payload["cancelled"] = cancelled

@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     CheckConfig(**{**options, "kv_heads": options["kv_heads"] or options["heads"]}, mode=args.mode, device=device,
                 dtype=dtype or ("bf16" if device == "cuda" else "fp32"), seed=getattr(args, "seed", 0))  # bad options: now
+    from engine.limits import check_attention_request  # before any allocation of its size
+
+    check_attention_request(options["seq_len"], options["heads"], options["kv_heads"] or options["heads"],
+                            options["head_dim"], device, "check-attention")
     # One call of tens of seconds under the interpreter: say what runs, on stderr (stdout stays the result).
     print(f"check-attention: the fused kernel and its references at seq {options['seq_len']}, head_dim "
           f"{options['head_dim']}, {options['heads']} heads on {device}"
@@ -103,6 +107,10 @@ def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
 
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
                for name, default in DEFAULTS[device].items()}
+    from engine.limits import check_attention_request  # the latent scores [heads, T, T + 1]: before allocating
+
+    check_attention_request(options["seq_len"], options["heads"], 1, options["kv_lora_rank"] + options["rope_dim"],
+                            device, "check-attention --mla")
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
     print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_mla_result(result))

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from engine.errors import UserError
+from engine.printable import printable
 
 DEFAULT_MODEL, DEFAULT_SEED = "demo", 0  # the TUI's and the engine commands' --model and --seed
 
@@ -60,7 +61,8 @@ def positive_int_list(text: str, option: str, allow_none: bool = False) -> list[
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,8,64{alternative}") from None
+        raise UserError(f"{option} {printable(repr(text), 60)}: expected comma-separated integers, e.g. "
+                        f"1,8,64{alternative}") from None
     if not values or any(value < 1 for value in values):
-        raise UserError(f"{option} {text!r}: every value must be an integer >= 1{alternative}")
+        raise UserError(f"{option} {printable(repr(text), 60)}: every value must be an integer >= 1{alternative}")
     return values

@@ -14,7 +14,8 @@ from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector import records
 from inspector.commands.common import show_engagements
-from inspector.commands.generate import (add_generation_arguments, counters_line, generation_json, print_records,
+from inspector.commands.generate import (add_generation_arguments, check_generation_size, check_trace_path,
+                                         counters_line, generation_json, print_records,
                                          print_summary, progress_for, prompt_of, step_callback, token_words,
                                          traced_clock, write_trace)
 from inspector.commands.output import INTERRUPTED, output_format, print_json, stop_on_interrupt
@@ -48,8 +49,9 @@ def run(args) -> int:
     base = flag_registry.resolve(args.set_flags)
     flags_a = base.with_overrides(flag_registry.parse_assignments(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(flag_registry.parse_assignments(args.b, "--b"), flag_registry.COMMAND_LINE)
+    check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
-    engine.check_length(engine.encode_prompt(prompt), args.max_tokens)
+    check_generation_size(engine, prompt, args.max_tokens)
     if fmt == "text":
         show_engagements()
     progress = progress_for(args, 2 * args.max_tokens, f"compare {engine.config.name}")

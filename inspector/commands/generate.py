@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from engine import flags as flag_registry
+from engine import limits
 from engine.progress import Progress
 from engine.runtime import Engine, Generation
 from inspector import records
@@ -143,12 +144,29 @@ def step_callback(clock, progress: Progress | None):
     return on_step
 
 
+def check_generation_size(engine: Engine, prompt: str, max_tokens: int, sequences: int = 1) -> None:
+    """Before generating: the prompt fits the context, and the cache fits in memory (a checkpoint's
+    context can be millions of positions)."""
+    prompt_tokens = engine.encode_prompt(prompt)
+    engine.check_length(prompt_tokens, max_tokens)
+    limits.check_generation_request(engine.config, engine.device, engine.dtype, len(prompt_tokens) + max_tokens,
+                                    sequences, "generate")
+
+
+def check_trace_path(args) -> None:
+    if getattr(args, "trace", None):
+        from inspector.output_paths import check_output_path
+
+        check_output_path(args.trace, "--trace")
+
+
 def run(args) -> int:
     fmt = output_format(args)
     prompt = prompt_of(args)
     resolved = flag_registry.resolve(args.set_flags)
+    check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
-    engine.check_length(engine.encode_prompt(prompt), args.max_tokens)  # before the progress bar starts
+    check_generation_size(engine, prompt, args.max_tokens)  # before the progress bar starts
     if fmt == "text":
         show_engagements()
         print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import sys
 
 from inspector.commands.output import INTERRUPTED, add_format_arguments, format_for_path, output_format, stop_on_interrupt
-from inspector.session import atomic_write_text, load_session
+from inspector.output_paths import check_output_path, distinct_outputs, write_output
+from inspector.session import load_session
 from inspector.session_report import FORMATS, render
-from inspector.session_runner import results_path_for, run_session, write_results
+from inspector.session_runner import dumps_results, results_path_for, run_session
 
 
 def add_parser(subparsers) -> None:
@@ -51,10 +52,24 @@ def report_format(args) -> str:
     return explicit or args.default_format
 
 
+def check_outputs(session_path, results_path, report_path, results_label: str = "--results",
+                  trace_path=None) -> None:
+    """Before anything runs: no output is the session, and no two outputs are the same file."""
+    protect = {"the session file being run": session_path}
+    check_output_path(results_path, results_label, protect=protect)
+    for path, option in ((report_path, "--report"), (trace_path, "--trace")):
+        if path is not None:
+            check_output_path(path, option, protect=protect)
+    distinct_outputs({"--report": report_path, results_label: results_path, "--trace": trace_path})
+
+
 def run(args) -> int:
-    fmt = report_format(args)  # before the session is even read: a bad name costs nothing
-    session = load_session(args.session)
+    # Every output before the session is even read: a bad name costs nothing.
     results_path = results_path_for(args.session, args.results)
+    check_outputs(args.session, results_path, args.report, "--results" if args.results else "the results file",
+                  args.trace)
+    fmt = report_format(args)
+    session = load_session(args.session)
     trace = None
     if args.trace:
         from engine.trace import Trace
@@ -66,10 +81,10 @@ def run(args) -> int:
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     if not outcome.cancelled:
-        write_results(results_path, outcome.header, outcome.steps)
+        write_output(results_path, dumps_results(outcome.header, outcome.steps), "--results")
     report = render(outcome.header, outcome.steps, fmt, session.description, cancelled=outcome.cancelled)
     if args.report:
-        atomic_write_text(args.report, report)
+        write_output(args.report, report, "--report")
         print(f"report: {args.report}", file=sys.stderr)
     else:
         sys.stdout.write(report)

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = output_format(args)
     tokens, arms = parse_tokens(args.tokens), parse_arms(args.arms)  # bad options first, GPU or not
+    check_calibration_path(args.calibration)  # a place it cannot write: before any work
     require_cuda()  # before the kernel modules below, which on a CPU may not even import
     require_triton("sweep")
     tile_m = args.tile_m
@@ -79,6 +80,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_table(result))
     return 1 if result["check_failed"] else 0
+
+
+def check_calibration_path(explicit: str | None) -> None:
+    """Before anything is measured: the calibration file the sweep will write can be written. The
+    default place (our own cache directory) is created; a given one must already have its directory."""
+    from engine.calibration import calibration_path, check_writable
+    from inspector.output_paths import check_output_path
+
+    if explicit is not None:
+        check_output_path(explicit, "--calibration")
+        check_writable(Path(explicit))
+        return
+    path = calibration_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # the check below says why it cannot be written
+    check_output_path(path, "the calibration file (MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")
+    check_writable(path)
 
 
 def _us(value) -> str:
