@@ -41,6 +41,13 @@ _DTYPES = {"U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "B
 _ID_DTYPES = ("U8", "I16", "I32")
 
 
+def default_file_mode() -> int:
+    """The mode a plain open() would give a new file (a temporary file is created 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _id_dtype(experts: int) -> str:
     return "U8" if experts <= 256 else "I16" if experts <= 32768 else "I32"
 
@@ -93,6 +100,7 @@ def save(recording: RoutingRecording, path: str | Path) -> Path:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+            os.chmod(temporary, default_file_mode())
         os.replace(temporary, path)
     except OSError as error:
         if "temporary" in locals() and os.path.exists(temporary):

@@ -13,4 +13,5 @@ COMMAND_MODULES = [
     "replay",
     "bench",
     "ab",
+    "routing",
 ]

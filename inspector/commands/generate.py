@@ -19,8 +19,11 @@ def add_generation_arguments(parser) -> None:
 
 
 def add_parser(subparsers) -> None:
+    from inspector.commands.routing import add_record_argument
+
     parser = subparsers.add_parser("generate", help="run a prompt at temperature 0 and show which arm ran, and why")
     add_generation_arguments(parser)
+    add_record_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -71,15 +74,18 @@ def write_trace(args, runs) -> None:
 
 
 def run(args) -> int:
-    resolved = flag_registry.resolve(args.set_flags)
+    from inspector.commands.routing import recording_flags, write_recording
+
+    resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
     if not args.json:
         show_engagements()
     clock = traced_clock(args, engine)
     result = engine.generate(args.prompt, args.max_tokens, resolved, on_step=clock)
     write_trace(args, [("generate: " + resolved.describe(), result, clock)])
+    routing = write_recording(args.record_routing, result.routing) if args.record_routing else None
     if args.json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **({"routing_file": routing} if routing else {})})
     else:
         print_generation(result)
     return 0
