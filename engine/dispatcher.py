@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from engine import calibration, dispatch, mla, routing, routing_record
+from engine import calibration, dispatch, mla, routing, routing_file, routing_record
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import MLA_REFERENCE, UNFUSED, decide_attention, decide_layer_attention
 from engine.devices import device_label
@@ -83,8 +83,12 @@ class Dispatcher:
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []
         config = engine.config
-        self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
-                                                    config.hidden, config.intermediate, flags["tile_m"])
+        entry = calibration.find_entry(device_label(engine.device), config.top_k, config.n_experts,
+                                       config.hidden, config.intermediate, flags["tile_m"])
+        self.crossover = None if entry is None else int(entry["crossover_tokens"])
+        # A calibration from a routing recording (sweep --routing): each MoE layer's own crossover, and the file
+        self.layer_crossovers, self.crossover_file = calibration.layer_crossovers(
+            entry, routing_file.model_moe_layers(config))
         self.family_fields = routing.record_fields(config)  # shared experts, group-limited routing: said per record
         # With the flag record_routing: each step's top-k ids and weights per MoE layer (engine.routing_record),
         # copied to the host with the step's one sync (eager) or by the graph itself (engine.graphs).
@@ -143,10 +147,13 @@ class Dispatcher:
         its decision and its timing (the record's `shared_experts` says so)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
+        crossover, source = self.crossover, ""
+        if layer in self.layer_crossovers:
+            crossover, source = self.layer_crossovers[layer], f"recorded routing ({self.crossover_file}, layer {layer})"
         decision = dispatch.decide(dispatch.GateInputs(
             n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover, measured_source=source))
         arm = ARMS[decision.arm]
         clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
         if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)

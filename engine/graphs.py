@@ -107,15 +107,17 @@ class DecodeGraph:
 
 def capture_blocker(runner, size: int, dispatcher) -> str:
     config, flags = runner.engine.config, dispatcher.flags
-    decision = dispatch.decide(dispatch.GateInputs(
-        n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
-        policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-        grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
-    if not config.plain_experts and decision.arm != dispatch.GEMV:
-        return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
-                f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
-    if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
-        return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
+    # every MoE layer's decision (a calibration from a routing recording gives each layer its own crossover)
+    for crossover in {dispatcher.crossover, *getattr(dispatcher, "layer_crossovers", {}).values()}:
+        decision = dispatch.decide(dispatch.GateInputs(
+            n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover))
+        if not config.plain_experts and decision.arm != dispatch.GEMV:
+            return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
+                    f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
+        if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
+            return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for layer in range(config.n_layers):
         attention = decide_layer_attention(config, layer, flags)
         if attention.arm == UNFUSED:
