@@ -158,7 +158,8 @@ def _metadata(header: dict, path: Path) -> dict:
     if not (isinstance(moe, dict) and isinstance(moe.get("layers"), list)
             and all(isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < 1 << 20
                     for layer in moe["layers"])
-            and all(isinstance(moe.get(key), int) and not isinstance(moe.get(key), bool) for key in ("experts", "top_k"))):
+            and all(isinstance(moe.get(key), int) and not isinstance(moe.get(key), bool)
+                    for key in ("experts", "top_k"))):
         raise _refuse(path, "metadata \"moe\" is not {layers: [...], experts: N, top_k: K}")
     if not 1 <= moe["top_k"] <= moe["experts"] <= 1 << 20 or not moe["layers"]:
         raise _refuse(path, f"metadata \"moe\" has {len(moe['layers'])} layers, {moe['experts']} experts, "

@@ -144,7 +144,8 @@ def _routing_section(routing: dict, arms: list[str], result: dict) -> list[str]:
         lines += ["", f"MoE layer {entry['layer']}:"]
         lines += _rows_table(entry["rows"], arms, result, observed=True)
         crossover = entry["crossover_tokens"]
-        lines.append(f"layer {entry['layer']} crossover: {'none measured' if crossover is None else f'{crossover} tokens'}")
+        lines.append(f"layer {entry['layer']} crossover: "
+                     f"{'none measured' if crossover is None else f'{crossover} tokens'}")
     model = routing.get("model_crossover_tokens")
     lines += ["", f"the model's crossover on its recorded routing (every layer's µs summed per n): "
                   f"{'none measured' if model is None else f'{model} tokens'}"]
@@ -162,7 +163,8 @@ def _rows_table(rows: list[dict], arms: list[str], result: dict, observed: bool 
         cells = [str(row["tokens"]), f"{row['woken_experts']:.1f}", _us(row["bandwidth_bound_us"]),
                  _us(row["tensor_core_bound_us"])]
         if observed:
-            cells[1:2] = [f"{row['woken_experts']:.1f}/{row['woken_predicted']:.1f}" + ("*" if row.get("wrapped") else ""),
+            wrapped = "*" if row.get("wrapped") else ""
+            cells[1:2] = [f"{row['woken_experts']:.1f}/{row['woken_predicted']:.1f}{wrapped}",
                           f"{row['pairs_per_woken_expert']:.2f}/{row['pairs_per_woken_predicted']:.2f}",
                           f"{100 * row['fill_observed']:.0f}%/{100 * row['fill_predicted']:.0f}%"]
         for arm in arms:

@@ -95,6 +95,7 @@ class MainScreen(Screen):
         Binding("f7", "replay", "Replay"),
         Binding("f8", "bench", "Bench"),
         Binding("f9", "ab", "A/B", show=False),  # in the help and the palette; the footer keeps its width
+        Binding("f10", "routing", "Routing", show=False),
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
     ]
 
@@ -412,3 +413,9 @@ class MainScreen(Screen):
         from inspector.screens.ab import AbScreen
 
         self.app.push_screen(AbScreen(getattr(self.app, "ab_path", None)))
+
+    def action_routing(self) -> None:
+        from inspector.screens.routing import RoutingScreen
+
+        generation = self.current_run.generations.get(A) if self.current_run is not None else None
+        self.app.push_screen(RoutingScreen(getattr(generation, "routing", None)))

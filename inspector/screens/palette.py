@@ -25,6 +25,8 @@ ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("Replay session", "step through the open session, each step re-run beside its recording", "screen.replay"),
     ("Bench", "llama-bench pp/tg rows on this engine, progress, trajectory, kernel shares", "screen.bench"),
     ("A/B report", "an `moe-inspector ab --json-out` report: rows, verdicts and each row's rounds", "screen.ab"),
+    ("Routing", "the last run's (record_routing=on) or a file's load per layer and expert, imbalance, woken experts",
+     "screen.routing"),
     ("Save session as", "save the session (and its results) under a new path; recording continues there",
      "app.save_session"),
     ("Open session", "open a session file for this model: recording continues into it", "app.open_session"),
