@@ -11,10 +11,10 @@ W = 3 * L * k int16 words per token.
                                  its steps' rows into a pinned landing buffer itself (engine.graphs), read
                                  at the launch's sync (engine.batch_runner). No sync, and no copy issued by
                                  the host, per layer or per replayed step.
-    in host memory               `RoutingRecorder`: the rows in chunks of CHUNK_ROWS tokens (int16 [rows, W]),
-                                 and per step its number, token count and phase (int64 [S, 3]).
+    in host memory               `RoutingRecorder`: the rows in chunks of CHUNK_ROWS tokens, each row its
+                                 packed routing and its step's number and phase (int16 [rows, W + 3]).
 
-Memory grows linearly with the routed tokens (6 bytes per token, layer and pick, plus 24 bytes per step)
+Memory grows linearly with the routed tokens (6 bytes per token, MoE layer and pick, plus 6 per token)
 and never past the flag routing_cap_mb: a step that would not fit is not recorded, nor is any step after it
 (the recording says from which step: `truncated`), so a recording is always a prefix of the run.
 
@@ -34,7 +34,7 @@ import torch
 PHASES = ("prefill", "decode", "mixed")
 _PHASE_CODE = {phase: code for code, phase in enumerate(PHASES)}
 CHUNK_ROWS = 4096  # tokens per chunk of rows: a chunk is allocated when the one before is full
-_STEP_WORDS = 3  # int64 per step: its number, its tokens, its phase
+_STEP_WORDS = 3  # int16 words per row after its routing: its step's number (int32) and phase
 PROMPT_CHARS = 4096  # a text prompt kept in the header is cut to this many characters
 
 
@@ -144,19 +144,20 @@ class RoutingRecording:
 
 class RoutingRecorder:
     """A run's routing in host memory, bounded by `cap_bytes` (the module docstring). The dispatcher appends
-    each eager step (`append`), the batch runner each replayed launch's steps (`append_block`)."""
+    each eager step (`append`), the batch runner each replayed launch's steps (`append_block`).
+
+    One pool of rows: int16 [rows, W + 3], a token's packed routing then its step's number (int32, two words)
+    and phase (one word), in chunks of CHUNK_ROWS rows (the last one only as long as the cap leaves), so the
+    memory held is exactly the rows' and a step fits exactly when its rows do."""
 
     def __init__(self, experts: int, top_k: int, cap_bytes: int) -> None:
         self.experts, self.top_k, self.cap_bytes = experts, top_k, cap_bytes
         self.layers: tuple[int, ...] | None = None
-        self.words = 0
-        self._chunks: list[np.ndarray] = []  # int16 [rows, W], each full but the last
-        self._filled = 0  # rows used in the last chunk
-        self._meta: list[np.ndarray] = []  # int64 [steps, 3] (number, tokens, phase), each full but the last
-        self._meta_filled = 0
+        self.words = 0  # W
+        self._chunks: list[np.ndarray] = []  # int16 [rows, W + 3], each full but the last
+        self._capacity = 0  # rows of every chunk allocated
         self.rows = 0
         self.n_steps = 0
-        self.allocated = 0  # bytes of every chunk allocated so far
         self.truncated: dict | None = None
         self.unrecorded: list[list] = []
 
@@ -168,46 +169,45 @@ class RoutingRecorder:
         elif tuple(layers) != self.layers:
             raise RuntimeError(f"a step routed MoE layers {tuple(layers)}, the run's first step {self.layers}")
 
-    def _room(self, rows: int, steps: int) -> bool:
-        """Allocate what `rows` more rows and `steps` more steps need beyond the last chunks' free space, within
-        the cap (a new chunk is CHUNK_ROWS long, or shorter where the cap leaves less); False, allocating
-        nothing, when they do not fit."""
-        row_bytes, step_bytes = 2 * self.words, 8 * _STEP_WORDS
-        need_rows = max(0, rows - self._free(self._chunks, self._filled))
-        need_steps = max(0, steps - self._free(self._meta, self._meta_filled))
-        spare = self.cap_bytes - self.allocated - need_rows * row_bytes - need_steps * step_bytes
-        if spare < 0:
+    @property
+    def row_bytes(self) -> int:
+        return 2 * (self.words + _STEP_WORDS)
+
+    def _room(self, rows: int) -> bool:
+        """Allocate chunks for `rows` more rows within the cap; False (nothing allocated) when they do not fit."""
+        need = self.rows + rows - self._capacity
+        if need <= 0:
+            return True
+        limit = self.cap_bytes // self.row_bytes  # the most rows the cap holds
+        if self.rows + rows > limit:
             return False
-        if need_rows:
-            extra = min(max(0, CHUNK_ROWS - need_rows), spare // row_bytes)
-            spare -= extra * row_bytes
-            self._chunks.append(np.empty((need_rows + extra, self.words), np.int16))
-            self.allocated += (need_rows + extra) * row_bytes
-        if need_steps:
-            extra = min(max(0, CHUNK_ROWS - need_steps), spare // step_bytes)
-            self._meta.append(np.empty((need_steps + extra, _STEP_WORDS), np.int64))
-            self.allocated += (need_steps + extra) * step_bytes
+        size = min(max(need, CHUNK_ROWS), limit - self._capacity)
+        self._chunks.append(np.empty((size, self.words + _STEP_WORDS), np.int16))
+        self._capacity += size
         return True
 
-    @staticmethod
-    def _free(chunks: list[np.ndarray], filled: int) -> int:
-        """Free rows of the chunk being filled: `filled` counts the rows used over all chunks."""
-        return sum(chunk.shape[0] for chunk in chunks) - filled
-
-    @staticmethod
-    def _write(chunks: list[np.ndarray], filled: int, values: np.ndarray) -> int:
-        """Copy `values` into the chunks from row `filled` on (spilling from one chunk into the next, which
-        `_room` allocated); the rows filled after it."""
-        start, written = 0, 0
-        for chunk in chunks:
+    def _write(self, values: np.ndarray, step_words: np.ndarray) -> None:
+        """Copy `values` [n, W] and their step words [n, 3] into the chunks from row `rows` on (spilling from one
+        chunk into the next, which `_room` allocated)."""
+        start, written, total = 0, 0, len(values)
+        for chunk in self._chunks:
             end = start + chunk.shape[0]
-            if end > filled + written and written < len(values):
-                offset = filled + written - start
-                count = min(chunk.shape[0] - offset, len(values) - written)
-                chunk[offset:offset + count] = values[written:written + count]
+            if end > self.rows + written and written < total:
+                offset = self.rows + written - start
+                count = min(chunk.shape[0] - offset, total - written)
+                chunk[offset:offset + count, :self.words] = values[written:written + count]
+                chunk[offset:offset + count, self.words:] = step_words[written:written + count]
                 written += count
             start = end
-        return filled + written
+        self.rows += written
+
+    @staticmethod
+    def _step_words(steps: np.ndarray, phase: str) -> np.ndarray:
+        """[n] int32 step numbers -> [n, 3] int16: the number's two words, then the phase's code."""
+        words = np.empty((len(steps), _STEP_WORDS), np.int16)
+        words[:, :2] = np.ascontiguousarray(steps, np.int32).view(np.int16).reshape(-1, 2)
+        words[:, 2] = _PHASE_CODE[phase]
+        return words
 
     def _stop(self, step: int, steps: int, tokens: int) -> None:
         if self.truncated is None:
@@ -219,13 +219,10 @@ class RoutingRecorder:
         """One step's packed rows [n, W] int16 (read after the step's sync; copied here)."""
         self._layers(layers)
         count = rows.shape[0]
-        if self.truncated is not None or not self._room(count, 1):
+        if self.truncated is not None or not self._room(count):
             self._stop(step, 1, count)
             return
-        self._filled = self._write(self._chunks, self._filled, rows)
-        self._meta_filled = self._write(self._meta, self._meta_filled,
-                                        np.array([[step, count, _PHASE_CODE[phase]]], np.int64))
-        self.rows += count
+        self._write(rows, self._step_words(np.full(count, step, np.int32), phase))
         self.n_steps += 1
 
     def append_block(self, first_step: int, layers: tuple[int, ...], block: np.ndarray) -> None:
@@ -233,20 +230,14 @@ class RoutingRecorder:
         buffer, read at the launch's sync; copied here). At the cap, the steps that fit are kept."""
         self._layers(layers)
         steps, batch = block.shape[0], block.shape[1]
-        if self.truncated is not None:
-            self._stop(first_step, steps, steps * batch)
-            return
-        fitting = steps
-        while fitting and not self._room(fitting * batch, fitting):
-            fitting -= 1
+        fitting = 0
+        if self.truncated is None:
+            fitting = steps
+            while fitting and not self._room(fitting * batch):
+                fitting -= 1
         if fitting:
-            self._filled = self._write(self._chunks, self._filled, block[:fitting].reshape(fitting * batch, self.words))
-            meta = np.empty((fitting, _STEP_WORDS), np.int64)
-            meta[:, 0] = np.arange(first_step, first_step + fitting)
-            meta[:, 1] = batch
-            meta[:, 2] = _PHASE_CODE["decode"]
-            self._meta_filled = self._write(self._meta, self._meta_filled, meta)
-            self.rows += fitting * batch
+            numbers = np.repeat(np.arange(first_step, first_step + fitting, dtype=np.int32), batch)
+            self._write(block[:fitting].reshape(fitting * batch, self.words), self._step_words(numbers, "decode"))
             self.n_steps += fitting
         if fitting < steps:
             self._stop(first_step + fitting, steps - fitting, (steps - fitting) * batch)
@@ -264,24 +255,30 @@ class RoutingRecorder:
 
     @property
     def nbytes(self) -> int:
-        """Host memory the record holds: every chunk allocated (rows and per-step numbers)."""
-        return self.allocated
+        """Host memory the record holds: every chunk allocated."""
+        return self._capacity * self.row_bytes if self.words else 0
 
     def finish(self, header: dict | None = None) -> RoutingRecording:
         """The recording of what was appended (the recorder keeps nothing afterwards)."""
-        meta = np.concatenate(self._meta)[:self._meta_filled] if self._meta else np.zeros((0, _STEP_WORDS), np.int64)
-        offsets = np.zeros(len(meta) + 1, np.int64)
-        np.cumsum(meta[:, 1], out=offsets[1:])
         layers = self.layers or ()
-        recording = RoutingRecording(layers=layers, experts=self.experts, top_k=self.top_k,
-                                     steps=meta[:, 0].copy(), offsets=offsets, phases=meta[:, 2].astype(np.uint8),
-                                     header=dict(header or {}), truncated=self.truncated,
-                                     unrecorded=[list(entry) for entry in self.unrecorded], _rows=self._chunks)
-        if not layers:
-            recording._ids = np.zeros((0, 0, self.top_k), np.int32)
-            recording._bits = np.zeros((0, 0, self.top_k), np.uint16)
-        self._chunks, self._meta = [], []
-        return recording
+        if not self.rows:
+            recording = RoutingRecording(layers=layers, experts=self.experts, top_k=self.top_k,
+                                         steps=np.zeros(0, np.int64), offsets=np.zeros(1, np.int64),
+                                         phases=np.zeros(0, np.uint8), header=dict(header or {}),
+                                         truncated=self.truncated, unrecorded=[list(e) for e in self.unrecorded])
+            recording._ids = np.zeros((0, len(layers), self.top_k), np.int32)
+            recording._bits = np.zeros((0, len(layers), self.top_k), np.uint16)
+            return recording
+        pool = np.concatenate(self._chunks)[:self.rows]  # [T, W + 3]
+        self._chunks, self._capacity = [], 0
+        numbers = np.ascontiguousarray(pool[:, self.words:self.words + 2]).view(np.int32).reshape(-1)
+        starts = np.flatnonzero(np.diff(numbers, prepend=numbers[0] - 1))  # each step's first row
+        offsets = np.append(starts, len(numbers)).astype(np.int64)
+        return RoutingRecording(layers=layers, experts=self.experts, top_k=self.top_k,
+                                steps=numbers[starts].astype(np.int64), offsets=offsets,
+                                phases=pool[starts, self.words + 2].astype(np.uint8), header=dict(header or {}),
+                                truncated=self.truncated, unrecorded=[list(entry) for entry in self.unrecorded],
+                                _rows=[pool[:, :self.words]])
 
 
 _COMMIT: list[str] = []  # the commit label, asked of git once per process (a run's header, after its steps)
