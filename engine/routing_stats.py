@@ -202,6 +202,10 @@ def loads_csv(summary: Summary) -> str:
     return out.getvalue()
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def format_summary(summary: Summary, header: dict | None = None, columns: int = 64) -> str:
     """The text `moe-inspector routing` prints: what was recorded, then a line per MoE layer and its heat strip."""
     lines = []
@@ -215,8 +219,9 @@ def format_summary(summary: Summary, header: dict | None = None, columns: int = 
     if not summary.layers:
         lines.append(f"{summary.scope.describe()}: no steps recorded")
         return "\n".join(lines)
-    lines.append(f"{summary.scope.describe()}: steps {summary.first_step}..{summary.last_step} ({summary.steps} "
-                 f"steps, {summary.tokens} routed tokens), top-{summary.top_k} of {summary.experts} experts")
+    lines.append(f"{summary.scope.describe()}: steps {summary.first_step}..{summary.last_step} "
+                 f"({_count(summary.steps, 'step')}, {_count(summary.tokens, 'routed token')}), "
+                 f"top-{summary.top_k} of {summary.experts} experts")
     lines.append("")
     table = [["layer", "max/mean", "cv", "woken/step", "uniform", "woken", "uniform", "hottest (share)"]]
     for stats in summary.layers:
