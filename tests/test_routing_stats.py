@@ -203,3 +203,52 @@ def test_the_measured_gate_reads_each_layers_crossover_from_a_recording(tmp_path
     assert [record["boundary"] for record in run.steps[0]["moe"]] == [12, 12]
     assert "recorded routing" not in run.steps[0]["moe"][0]["reason"]
     assert math.isfinite(calibration.find_crossover(tiny.device_label, 2, 8, 64, 32, 16, path))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sessions carry a routing file as a sweep step's input, its path taken from the session file's directory
+# ------------------------------------------------------------------------------------------------------------
+
+SESSION = """[session]
+version = 1
+name = "routing replay"
+
+[engine]
+model = "{model}"
+device = "cpu"
+
+[[step]]
+action = "sweep"
+tokens = [1, 8, 64]
+routing = "{routing}"
+"""
+
+
+def test_a_sweep_step_takes_a_routing_file_from_the_sessions_directory(tmp_path, capsys):
+    from inspector.session import loads_session
+    from inspector.session_routing import routing_path
+
+    tiny = Engine.load("tiny", "cpu", seed=0, weights="random")
+    (tmp_path / "recordings").mkdir()
+    routing_file.save(tiny.generate("session input", 4, flags.resolve(["record_routing=on"], environ={})).routing,
+                      tmp_path / "recordings" / "tiny.safetensors")
+    session_path = tmp_path / "replay.toml"
+    session_path.write_text(SESSION.format(model="tiny", routing="recordings/tiny.safetensors"))
+    step = loads_session(session_path.read_text(), str(session_path)).steps[0]
+    assert step.routing == "recordings/tiny.safetensors"
+    assert routing_path(step, str(session_path)) == tmp_path / "recordings" / "tiny.safetensors"
+    # the file reads and matches: the step goes as far as the device (this machine has no GPU)
+    assert main(["run", str(session_path), "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert "needs a CUDA GPU" in error and "Traceback" not in error
+    # another model's recording, and a missing one: refused before anything runs, naming the step and the file
+    session_path.write_text(SESSION.format(model="demo", routing="recordings/tiny.safetensors"))
+    assert main(["run", str(session_path), "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert "step 1 (sweep): routing = 'recordings/tiny.safetensors'" in error and "experts, k differ" in error
+    session_path.write_text(SESSION.format(model="tiny", routing="recordings/none.safetensors"))
+    assert main(["run", str(session_path), "--device", "cpu"]) == 2
+    assert "none.safetensors: no such file" in capsys.readouterr().err
+    session_path.write_text(SESSION.format(model="tiny", routing="x").replace('routing = "x"', "routing = 3"))
+    assert main(["run", str(session_path), "--device", "cpu"]) == 2
+    assert "routing" in capsys.readouterr().err
