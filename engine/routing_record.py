@@ -33,6 +33,7 @@ import torch
 
 PHASES = ("prefill", "decode", "mixed")
 _PHASE_CODE = {phase: code for code, phase in enumerate(PHASES)}
+_DECODE = _PHASE_CODE["decode"]
 CHUNK_ROWS = 4096  # tokens per chunk of rows: a chunk is allocated when the one before is full
 _STEP_WORDS = 3  # int16 words per row after its routing: its step's number (int32) and phase
 PROMPT_CHARS = 4096  # a text prompt kept in the header is cut to this many characters
@@ -156,6 +157,8 @@ class RoutingRecorder:
         self.words = 0  # W
         self._chunks: list[np.ndarray] = []  # int16 [rows, W + 3], each full but the last
         self._capacity = 0  # rows of every chunk allocated
+        self._current = 0  # the chunk being filled, and the row of the pool it starts at
+        self._chunk_start = 0
         self.rows = 0
         self.n_steps = 0
         self.truncated: dict | None = None
@@ -186,28 +189,32 @@ class RoutingRecorder:
         self._capacity += size
         return True
 
-    def _write(self, values: np.ndarray, step_words: np.ndarray) -> None:
-        """Copy `values` [n, W] and their step words [n, 3] into the chunks from row `rows` on (spilling from one
-        chunk into the next, which `_room` allocated)."""
-        start, written, total = 0, 0, len(values)
-        for chunk in self._chunks:
-            end = start + chunk.shape[0]
-            if end > self.rows + written and written < total:
-                offset = self.rows + written - start
-                count = min(chunk.shape[0] - offset, total - written)
-                chunk[offset:offset + count, :self.words] = values[written:written + count]
-                chunk[offset:offset + count, self.words:] = step_words[written:written + count]
-                written += count
-            start = end
-        self.rows += written
-
-    @staticmethod
-    def _step_words(steps: np.ndarray, phase: str) -> np.ndarray:
-        """[n] int32 step numbers -> [n, 3] int16: the number's two words, then the phase's code."""
-        words = np.empty((len(steps), _STEP_WORDS), np.int16)
-        words[:, :2] = np.ascontiguousarray(steps, np.int32).view(np.int16).reshape(-1, 2)
-        words[:, 2] = _PHASE_CODE[phase]
-        return words
+    def _write(self, values: np.ndarray, first_step: int, steps: int, phase: int) -> None:
+        """Copy `values` [steps * B, W] (B rows per step, steps numbered from `first_step`) into the chunks from
+        row `rows` on, with each row's step number and phase, spilling from one chunk into the next (which
+        `_room` allocated). The host path of every recorded step: a few numpy copies, no Python loop per row."""
+        total, words, batch = len(values), self.words, len(values) // steps
+        written = 0
+        while written < total:
+            chunk = self._chunks[self._current]
+            offset = self.rows - self._chunk_start
+            count = min(chunk.shape[0] - offset, total - written)
+            if count <= 0:  # this chunk is full: the next one
+                self._chunk_start += chunk.shape[0]
+                self._current += 1
+                continue
+            rows = chunk[offset:offset + count]
+            rows[:, :words] = values[written:written + count]
+            numbers = rows[:, words:words + 2].view(np.int32)[:, 0]  # [count] the step number's two words
+            if steps == 1:
+                numbers[:] = first_step
+            elif batch == 1:
+                numbers[:] = np.arange(first_step + written, first_step + written + count, dtype=np.int32)
+            else:
+                numbers[:] = first_step + np.arange(written, written + count, dtype=np.int32) // batch
+            rows[:, words + 2] = phase
+            written += count
+            self.rows += count
 
     def _stop(self, step: int, steps: int, tokens: int) -> None:
         if self.truncated is None:
@@ -217,18 +224,20 @@ class RoutingRecorder:
 
     def append(self, step: int, phase: str, layers: tuple[int, ...], rows: np.ndarray) -> None:
         """One step's packed rows [n, W] int16 (read after the step's sync; copied here)."""
-        self._layers(layers)
+        if self.layers is None or layers != self.layers:
+            self._layers(layers)
         count = rows.shape[0]
         if self.truncated is not None or not self._room(count):
             self._stop(step, 1, count)
             return
-        self._write(rows, self._step_words(np.full(count, step, np.int32), phase))
+        self._write(rows, step, 1, _PHASE_CODE[phase])
         self.n_steps += 1
 
     def append_block(self, first_step: int, layers: tuple[int, ...], block: np.ndarray) -> None:
         """A replayed launch's decode steps first_step, first_step + 1, ...: block [steps, B, W] int16 (a landing
         buffer, read at the launch's sync; copied here). At the cap, the steps that fit are kept."""
-        self._layers(layers)
+        if self.layers is None or layers != self.layers:
+            self._layers(layers)
         steps, batch = block.shape[0], block.shape[1]
         fitting = 0
         if self.truncated is None:
@@ -236,8 +245,7 @@ class RoutingRecorder:
             while fitting and not self._room(fitting * batch):
                 fitting -= 1
         if fitting:
-            numbers = np.repeat(np.arange(first_step, first_step + fitting, dtype=np.int32), batch)
-            self._write(block[:fitting].reshape(fitting * batch, self.words), self._step_words(numbers, "decode"))
+            self._write(block[:fitting].reshape(fitting * batch, self.words), first_step, fitting, _DECODE)
             self.n_steps += fitting
         if fitting < steps:
             self._stop(first_step + fitting, steps - fitting, (steps - fitting) * batch)
