@@ -99,6 +99,7 @@ class RoutingRecording:
     header: dict = field(default_factory=dict)
     truncated: dict | None = None  # {"at_step", "dropped_steps", "dropped_tokens", "cap_bytes"} at the cap
     unrecorded: list = field(default_factory=list)  # [[first step, steps, why]] replayed without routing landings
+    memory_bytes: int = 0  # host memory the recorder held for it (0 for a file's)
     _ids: np.ndarray | None = field(default=None, repr=False)  # [T, L, k] int32
     _bits: np.ndarray | None = field(default=None, repr=False)  # [T, L, k] uint16 (bf16)
     _rows: list = field(default_factory=list, repr=False)  # a recorder's int16 chunks, until unpacked
@@ -277,8 +278,9 @@ class RoutingRecorder:
             recording._ids = np.zeros((0, len(layers), self.top_k), np.int32)
             recording._bits = np.zeros((0, len(layers), self.top_k), np.uint16)
             return recording
+        held = self.nbytes
         pool = np.concatenate(self._chunks)[:self.rows]  # [T, W + 3]
-        self._chunks, self._capacity = [], 0
+        self._chunks, self._capacity, self._current, self._chunk_start = [], 0, 0, 0
         numbers = np.ascontiguousarray(pool[:, self.words:self.words + 2]).view(np.int32).reshape(-1)
         starts = np.flatnonzero(np.diff(numbers, prepend=numbers[0] - 1))  # each step's first row
         offsets = np.append(starts, len(numbers)).astype(np.int64)
@@ -286,7 +288,7 @@ class RoutingRecorder:
                                 steps=numbers[starts].astype(np.int64), offsets=offsets,
                                 phases=pool[starts, self.words + 2].astype(np.uint8), header=dict(header or {}),
                                 truncated=self.truncated, unrecorded=[list(entry) for entry in self.unrecorded],
-                                _rows=[pool[:, :self.words]])
+                                memory_bytes=held, _rows=[pool[:, :self.words]])
 
 
 _COMMIT: list[str] = []  # the commit label, asked of git once per process (a run's header, after its steps)
