@@ -51,7 +51,7 @@ class FlagSpec:
 # and the graph's size grow with it, and the host's per-launch work stops mattering well before.
 MAX_STEPS_PER_GRAPH = 64
 # A routing record lives in host memory until the run ends (engine.routing_record): 64 GiB is more than any host
-# here should give it (a 4096-token prefill of 60 MoE layers at top-8 takes 11.25 MiB: 6 bytes a pair).
+# here should give it (a 4096-token prefill of 60 MoE layers at top-8 takes 11.3 MiB: 6 bytes a pick, 6 a token).
 MAX_ROUTING_CAP_MB = 65536
 
 
