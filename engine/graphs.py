@@ -315,6 +315,10 @@ def _pack_routing(template: Dispatcher, routing: tuple, out: torch.Tensor, side)
     layers = tuple(layer for layer, _, _ in template.pending_routing)
     if layers != routing[0]:
         raise RuntimeError(f"the captured step routed MoE layers {layers}, its eager step {routing[0]}")
+    # any cast (ids not int32, weights not bf16: none on the presets' paths) on the capturing stream, kept alive
+    # with the template, so the side stream only reads
+    template.routing_inputs = views = routing_record.int16_views(
+        [(ids, weights) for _, ids, weights in template.pending_routing])
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        routing_record.pack_into([(ids, weights) for _, ids, weights in template.pending_routing], out)
+        torch.cat(views, dim=1, out=out)

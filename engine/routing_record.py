@@ -49,8 +49,9 @@ def _int16_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16) if tensor.dim() else tensor.reshape(1).view(torch.int16)
 
 
-def _views(pairs) -> list[torch.Tensor]:
-    """Each layer's ids [n, k] int32 as [n, 2k] int16, then each layer's weights [n, k] bf16 as [n, k] int16."""
+def int16_views(pairs) -> list[torch.Tensor]:
+    """What `pack` concatenates (a CUDA graph, into a buffer of its own: engine.graphs): each layer's ids [n, k]
+    int32 as [n, 2k] int16, then each layer's weights [n, k] bf16 as [n, k] int16 (cast first where they are not)."""
     ids = [_int16_view(topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32))
            for topk_ids, _ in pairs]
     weights = [_int16_view(topk_weights if topk_weights.dtype == torch.bfloat16 else topk_weights.to(torch.bfloat16))
@@ -61,12 +62,7 @@ def _views(pairs) -> list[torch.Tensor]:
 def pack(pairs) -> torch.Tensor:
     """[(topk_ids [n, k], topk_weights [n, k]) per MoE layer] -> [n, W] int16, on their device (one kernel on a
     GPU, where the ids are int32 and the weights bf16 already). CPU weights (float32) are rounded to bf16."""
-    return torch.cat(_views(pairs), dim=1)
-
-
-def pack_into(pairs, out: torch.Tensor) -> None:
-    """`pack` into `out` [n, W] int16 (a buffer a CUDA graph writes each replay)."""
-    torch.cat(_views(pairs), dim=1, out=out)
+    return torch.cat(int16_views(pairs), dim=1)
 
 
 def unpack(rows: np.ndarray, layers: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
