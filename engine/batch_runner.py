@@ -467,6 +467,13 @@ class BatchRunner:
         device_us = pair[3]() * 1e3
         # the graph copied each step's logits out where the run keeps them: read before the instance runs again
         logits = None if launched.logits is None else launched.logits[turn][:, :len(rows)].clone()  # [span, B, V]
+        routing = dispatcher.routing
+        if routing is not None:  # every step's routing, landed by the graph: copied before the instance runs again
+            views = launched.routing_views
+            if views is not None:
+                routing.append_block(step, launched.routing_layers, views[turn])
+            else:
+                routing.skip(step, span, "a graph captured without routing landings")
         if span == 1:
             tokens = dispatcher.end_replay(captured.landing[turn].tolist(), len(rows))
             last = tokens
@@ -584,7 +591,8 @@ class BatchRunner:
 
     def _graph_key(self, size: int, dispatcher) -> tuple[int, int]:
         # A capture freezes the decisions of its flags: a run with other flags needs its own graph; a run that
-        # keeps each step's logits needs graphs that copy them out.
+        # keeps each step's logits needs graphs that copy them out. Whether the run records routing is a flag
+        # (record_routing): a run that does gets graphs that land each step's routing (engine.graphs).
         flags = dispatcher.flags
         if self._flags_key[0] is not flags or self._flags_key[2] != dispatcher.keep_logits:
             values = (tuple(sorted(flags.values.items())), dispatcher.keep_logits)

@@ -352,6 +352,8 @@ class Row:
     # crc32 of every timed repetition's generated tokens, in order: an A/B (engine.ab_rows) refuses a row whose
     # two sides computed different tokens at temperature 0
     tokens_crc32: int | None = None
+    # With the flag record_routing: the last timed repetition's routing (engine.routing_record), never in the JSON
+    routing: object = field(default=None, repr=False)
 
     @property
     def admitting(self) -> bool:
@@ -620,6 +622,7 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs, run_ahead=flags["run_ahead"])
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
         tokens_crc = 0
+        routing = None
         run_once = partial(_run_once, engine, flags, spec, runner, token_budget, clock)
         for repetition in range(reps + 1):
             result = run_once(repetition)
@@ -631,9 +634,10 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
                 repetitions.append(measured)
                 _add_counts(counts, result.counters)
                 tokens_crc = zlib.crc32(repr([list(s.generated) for s in result.sequences]).encode(), tokens_crc)
+                routing = result.routing
             if progress is not None:
                 progress.advance(note=f"{spec.name} {label}")
-        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc)
+        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc, routing=routing)
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
         if runner.block_notes:  # steps_per_graph asked for a graph this runner could not capture: say so

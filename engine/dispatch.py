@@ -154,6 +154,7 @@ class GateInputs:
     moe_max_tokens: int = 0
     grouped_variant: int = 2
     measured_crossover: int | None = None  # from the calibration file, None when absent
+    measured_source: str = ""  # where a per-layer crossover came from ("" for the shape's one crossover)
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,9 @@ def _measured(g: GateInputs) -> Decision:
         return _adaptive(g, FALLBACK_THRESHOLD,
                          f"measured: no calibration for this GPU and routing shape (run `moe-inspector sweep`), "
                          f"falling back to threshold:{FALLBACK_THRESHOLD}")
+    source = f" on {g.measured_source}" if g.measured_source else ""
     return _adaptive(g, g.measured_crossover,
-                     f"measured: this GPU's sweep crossed over at {g.measured_crossover} tokens")
+                     f"measured: this GPU's sweep{source} crossed over at {g.measured_crossover} tokens")
 
 
 def _forced(arm: str) -> Callable[[GateInputs], Decision]:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from engine import calibration, dispatch, mla, routing
+from engine import calibration, dispatch, mla, routing, routing_file, routing_record
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import MLA_REFERENCE, UNFUSED, decide_attention, decide_layer_attention
 from engine.devices import device_label
@@ -83,9 +83,19 @@ class Dispatcher:
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []
         config = engine.config
-        self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
-                                                    config.hidden, config.intermediate, flags["tile_m"])
+        entry = calibration.find_entry(device_label(engine.device), config.top_k, config.n_experts,
+                                       config.hidden, config.intermediate, flags["tile_m"])
+        self.crossover = None if entry is None else int(entry["crossover_tokens"])
+        # A calibration from a routing recording (sweep --routing): each MoE layer's own crossover, and the file
+        self.layer_crossovers, self.crossover_file = calibration.layer_crossovers(
+            entry, routing_file.model_moe_layers(config))
         self.family_fields = routing.record_fields(config)  # shared experts, group-limited routing: said per record
+        # With the flag record_routing: each step's top-k ids and weights per MoE layer (engine.routing_record),
+        # copied to the host with the step's one sync (eager) or by the graph itself (engine.graphs).
+        self.routing = (routing_record.RoutingRecorder(config.n_experts, config.top_k,
+                                                       flags["routing_cap_mb"] << 20)
+                        if flags.values.get("record_routing") else None)
+        self._routing_staging: torch.Tensor | None = None  # pinned [rows, W] int16, reused by eager steps
         self.begin_step(0, PREFILL, 0)
 
     def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
@@ -94,6 +104,7 @@ class Dispatcher:
         self.attention_records: list[AttentionRecord] = []
         self.pending_woken: list[torch.Tensor] = []
         self.pending_times: list[tuple[dict, object]] = []
+        self.pending_routing: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, ids, weights) when recorded
         self._replay_records = None  # what `replayed_records` copies from this dispatcher's records, made once
         self._template: Dispatcher | None = None  # the capture a replayed step replays (`replay`)
 
@@ -136,10 +147,13 @@ class Dispatcher:
         its decision and its timing (the record's `shared_experts` says so)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
+        crossover, source = self.crossover, ""
+        if layer in self.layer_crossovers:
+            crossover, source = self.layer_crossovers[layer], f"recorded routing ({self.crossover_file}, layer {layer})"
         decision = dispatch.decide(dispatch.GateInputs(
             n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover, measured_source=source))
         arm = ARMS[decision.arm]
         clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
         if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)
@@ -184,6 +198,8 @@ class Dispatcher:
                      f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
                      + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
         self.moe_records.append(record)
+        if self.routing is not None:  # held until the step's sync (or, captured, packed by the graph)
+            self.pending_routing.append((layer, topk_ids, topk_weights))
         if clamped_gemv:
             from kernels.moe_gemv import moe_gemv_clamped
 
@@ -256,8 +272,12 @@ class Dispatcher:
     def end_step_batch(self, next_tokens: torch.Tensor) -> list[int]:
         """The step's one sync for a batch: each row's next token [B] and every observed count."""
         rows = next_tokens.numel()
+        staged = self._stage_routing() if self.pending_routing else None  # enqueued before the sync below
         values = torch.cat([next_tokens.reshape(-1).long(), torch.stack(self.pending_woken).long()]).tolist()
         self._observe(values[rows:])
+        if staged is not None:
+            self.routing.append(self.step, self.phase, *staged)
+            self.pending_routing = []
         for record, stopped in self.pending_times:
             record["us"] = round(self.timer.microseconds(stopped), 1)
         return values[:rows]
@@ -269,6 +289,23 @@ class Dispatcher:
         the capture's with what the replay observed (`replayed_records`)."""
         self.moe_records, self.attention_records = self.replayed_records(self._template, self.step, values, rows)
         return values[:rows]
+
+    def _stage_routing(self) -> tuple[tuple[int, ...], "object"]:
+        """The step's routing packed ([n, W] int16: engine.routing_record.pack) and, on a GPU, its copy into a
+        pinned buffer enqueued (non-blocking): the step's one sync, after it, waits for it too. (MoE layers,
+        the rows as a numpy array to read after that sync.)"""
+        layers = tuple(layer for layer, _, _ in self.pending_routing)
+        packed = routing_record.pack([(ids, weights) for _, ids, weights in self.pending_routing])  # [n, W]
+        if not packed.is_cuda:
+            return layers, packed.numpy()
+        staging = self._routing_staging
+        if staging is None or staging.shape[0] < packed.shape[0] or staging.shape[1] != packed.shape[1]:
+            rows = 1 << max(0, packed.shape[0] - 1).bit_length()
+            staging = self._routing_staging = torch.empty((rows, packed.shape[1]), dtype=torch.int16,
+                                                          pin_memory=True)
+        host = staging[:packed.shape[0]]
+        host.copy_(packed, non_blocking=True)
+        return layers, host.numpy()
 
     def _observe(self, woken_counts: list[int]) -> None:
         for record, woken in zip(self.moe_records, woken_counts):
@@ -287,6 +324,7 @@ class Dispatcher:
         self.pending_times = []
         self._replay_records = None
         self._template = template
+        self.pending_routing = []  # a replay's routing lands with its outputs (engine.graphs), not through here
         self.counters.replay(template.counters.arms, kernels, times)
         self.pending_woken = template.pending_woken  # read, never extended: the step records no layer
 

@@ -51,6 +51,9 @@ class FlagSpec:
 # A graph of that many decode steps is captured beside the one-step graph (engine.batch_runner): capture time
 # and the graph's size grow with it, and the host's per-launch work stops mattering well before.
 MAX_STEPS_PER_GRAPH = 64
+# A routing record lives in host memory until the run ends (engine.routing_record): 64 GiB is more than any host
+# here should give it (a 4096-token prefill of 60 MoE layers at top-8 takes 11.3 MiB: 6 bytes a pick, 6 a token).
+MAX_ROUTING_CAP_MB = 65536
 
 
 def _parse_int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]:
@@ -171,6 +174,12 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "with PDL, these kernels load their first weight tile before the wait (timing only)"),
     FlagSpec("stream_weights", True, "on or off", _parse_switch, "bool", (True, False),
              "streamed weights load with L2 evict_first, so the step's small data stays in L2 (timing only)"),
+    FlagSpec("record_routing", False, "on or off", _parse_switch, "bool", (True, False),
+             "keep every step's top-k expert ids and weights per MoE layer (copied to the host once per step, "
+             "with the step's outputs); --record-routing FILE writes them (engine.routing_record)"),
+    FlagSpec("routing_cap_mb", 256, f"an integer from 1 to {MAX_ROUTING_CAP_MB}", _parse_int(1, MAX_ROUTING_CAP_MB),
+             "int", help="host memory (MiB) a run's routing record may hold: at the cap later steps are not "
+                         "recorded, and the file says from which step"),
 )}
 
 # Variables read outside the registry, and why each is not a flag: each names a place (a file, a

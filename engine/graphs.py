@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from engine import dispatch
+from engine import dispatch, routing_record
 from engine.arms import ARMS
 from engine.attention_dispatch import UNFUSED, decide_layer_attention
 from engine.decode_fused import StepOutputs, carried_launches
@@ -71,6 +71,13 @@ class DecodeGraph:
     # Per instance, [steps, B, V] float32 pinned: each step's logits, copied by the graph itself, where the run
     # keeps them (the dispatcher's `keep_logits`: compare and the TUI's side-by-side error); else None.
     logits: tuple | None = None
+    # Per instance, [steps, B, W] int16 pinned: each step's packed routing (engine.routing_record), copied by the
+    # graph itself, where the run records it (the flag record_routing); else None. `routing_layers`: the MoE
+    # layers packed, in order; `routing_device`: the device buffers the graph packs into (kept alive with it).
+    routing: tuple | None = None
+    routing_layers: tuple = ()
+    routing_device: tuple = ()
+    routing_views: tuple | None = field(init=False, repr=False)  # numpy views of `routing`, read at a sync
     launches: tuple[Callable[[], None], ...] = field(init=False, repr=False)  # per turn
     feed: Callable[[], object] | None = field(init=False, repr=False)  # enqueue staging -> inputs
     # The launches of steps 1 .. steps - 1 (served from the host after the launch's sync), as (launches, steps)
@@ -91,6 +98,7 @@ class DecodeGraph:
         # is only enqueued on the current stream (the replay's).
         self.feed = None if inputs is None else partial(inputs.copy_, self.staging, non_blocking=True)
         self.launches = tuple(_launcher(graph) for graph in self.graphs)
+        self.routing_views = None if self.routing is None else tuple(landing.numpy() for landing in self.routing)
 
     def step_launches(self, index: int) -> dict[str, int]:
         """The launches of this graph's step `index` (`kernels`, unless a step before carried its first norm)."""
@@ -99,15 +107,17 @@ class DecodeGraph:
 
 def capture_blocker(runner, size: int, dispatcher) -> str:
     config, flags = runner.engine.config, dispatcher.flags
-    decision = dispatch.decide(dispatch.GateInputs(
-        n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
-        policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-        grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
-    if not config.plain_experts and decision.arm != dispatch.GEMV:
-        return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
-                f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
-    if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
-        return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
+    # every MoE layer's decision (a calibration from a routing recording gives each layer its own crossover)
+    for crossover in {dispatcher.crossover, *getattr(dispatcher, "layer_crossovers", {}).values()}:
+        decision = dispatch.decide(dispatch.GateInputs(
+            n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover))
+        if not config.plain_experts and decision.arm != dispatch.GEMV:
+            return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
+                    f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
+        if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
+            return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for layer in range(config.n_layers):
         attention = decide_layer_attention(config, layer, flags)
         if attention.arm == UNFUSED:
@@ -137,16 +147,18 @@ def capture(runner, batch: Batch, dispatcher, key: tuple, values: list[list[int]
     # a Triton store into pinned host memory, and a device-to-host copy captured in a graph, both land).
     landing = tuple(torch.empty(size + config.n_moe_layers, dtype=torch.int64, pin_memory=True) for _ in range(2))
     logits = _logit_landings(runner, dispatcher, 1, size)
+    routing = _routing_landings(runner, dispatcher, 1, size)
     try:
         graphs, template, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout,
                                                         [observed.view(1, -1) for observed in landing],
-                                                        logits=logits)
+                                                        logits=logits, routing=routing)
         counted = per_step[0][0]
     except Exception as error:  # noqa: BLE001 - a kernel that cannot be captured: say so, run eagerly
         runner._refused[key] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return next_tokens
     staging = torch.empty((2, size), dtype=torch.int64, pin_memory=True)
-    captured = runner._graphs[key] = DecodeGraph(graphs, inputs, staging, landing, template, counted, logits=logits)
+    captured = runner._graphs[key] = DecodeGraph(graphs, inputs, staging, landing, template, counted, logits=logits,
+                                                 **_routing_fields(routing))
     steps = dispatcher.flags["steps_per_graph"]
     if steps > 1:
         # The graph of several steps: the same step captured `steps` times in a row, each step's outputs in
@@ -180,6 +192,25 @@ def _logit_landings(runner, dispatcher, steps: int, size: int) -> tuple | None:
     return tuple(torch.empty((steps, size, vocab), dtype=torch.float32, pin_memory=True) for _ in range(2))
 
 
+def _routing_landings(runner, dispatcher, steps: int, size: int) -> tuple | None:
+    """Where the run records routing (the dispatcher's `routing`): (the MoE layers, per instance a [steps, B, W]
+    int16 pinned landing buffer, per instance a device buffer of the same shape the graph packs each step into);
+    else None. The layers are the ones the capture's eager step routed (still pending on `dispatcher`)."""
+    if dispatcher.routing is None:
+        return None
+    layers = tuple(layer for layer, _, _ in dispatcher.pending_routing)
+    words = routing_record.words_per_token(len(layers), runner.engine.config.top_k)
+    host = tuple(torch.empty((steps, size, words), dtype=torch.int16, pin_memory=True) for _ in range(2))
+    device = tuple(torch.empty((steps, size, words), dtype=torch.int16, device=runner.device) for _ in range(2))
+    return layers, host, device
+
+
+def _routing_fields(routing: tuple | None) -> dict:
+    if routing is None:
+        return {}
+    return {"routing": routing[1], "routing_layers": routing[0], "routing_device": routing[2]}
+
+
 def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout, staging, template,
                    counted: dict[str, int], steps: int, carry: tuple) -> "DecodeGraph | None":
     """The graph of `steps` steps (`_DecodeGraph.block` or one of its `tails`), or None with a note in
@@ -188,9 +219,10 @@ def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout
     landings = tuple(torch.empty((steps, size + runner.engine.config.n_moe_layers), dtype=torch.int64,
                                  pin_memory=True) for _ in range(2))
     logits = _logit_landings(runner, dispatcher, steps, size)
+    routing = _routing_landings(runner, dispatcher, steps, size)
     try:
         graphs, _, per_step = _capture_instances(runner, batch, dispatcher, inputs, tokens, layout, landings, carry,
-                                                 logits)
+                                                 logits, routing)
         expected = [carried_launches(counted, index > 0 and per_step[index - 1][1], carried_out)
                     for index, (_, carried_out) in enumerate(per_step)]
         if [launched for launched, _ in per_step] != expected:
@@ -201,21 +233,28 @@ def _capture_block(runner, batch: Batch, dispatcher, key, inputs, tokens, layout
         return None
     chained = any(carried_out for _, carried_out in per_step)
     return DecodeGraph(graphs, inputs, staging, landings, template, counted, steps=steps,
-                       step_kernels=tuple(expected) if chained else None, buffers=carry, logits=logits)
+                       step_kernels=tuple(expected) if chained else None, buffers=carry, logits=logits,
+                       **_routing_fields(routing))
 
 
 def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout, landings: list,
-                       carry: tuple = (None, None), logits: tuple | None = None
+                       carry: tuple = (None, None), logits: tuple | None = None, routing: tuple | None = None
                        ) -> tuple[tuple, object, list[tuple[dict[str, int], bool]]]:
     """One graph per landing buffer [steps, B + MoE layers], each the decode step captured `steps` times in
     a row, step k writing its outputs into row k (and, with `logits`, its logits into row k of that instance's
     [steps, B, V] buffer); the first step's template dispatcher (its decisions and outputs, which a replay
     copies per step) and, per step of an instance, its launches and whether its LM head carried the next
-    step's first norm into that instance's `carry` buffers (x, h; None: no carry)."""
+    step's first norm into that instance's `carry` buffers (x, h; None: no carry).
+
+    With `routing` (`_routing_landings`), each step's routing is packed into the instance's device buffer on a
+    side stream forked after the step, and the whole buffer is copied to the instance's landing buffer once,
+    after the last step, the side stream joined at the graph's end: the packs and the copy run beside the next
+    steps' kernels, off the chain of launches programmatic dependent launch overlaps."""
     from kernels.next_tokens import next_tokens as next_tokens_into  # Triton: GPU only
 
     config, weights, size = runner.engine.config, runner.engine.weights, inputs.shape[1]
     graphs, templates, counted = [], [], []
+    side = torch.cuda.Stream() if routing is not None else None
     for instance, (landing, buffers) in enumerate(zip(landings, carry)):
         logit_landing = None if logits is None else logits[instance]
         steps = []  # made before the capture: nothing of a dispatcher's set-up belongs in the graph
@@ -253,6 +292,12 @@ def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout,
                         next_tokens_into(step_logits.float(), observed, inputs)
                     per_step.append((launches.since(before), outputs.carried_out))
                     carried = buffers if outputs.carried_out else None
+                    if routing is not None:
+                        _pack_routing(template, routing, routing[2][instance][index], side)
+                if routing is not None:  # every step's rows at once, then the side stream joins the graph
+                    with torch.cuda.stream(side):
+                        routing[1][instance].copy_(routing[2][instance], non_blocking=True)
+                    torch.cuda.current_stream().wait_stream(side)
         finally:
             for name, count in launches.since(captured_from).items():  # captured, not launched: replays count them
                 launches.record(name, -count)
@@ -262,3 +307,18 @@ def _capture_instances(runner, batch: Batch, dispatcher, inputs, tokens, layout,
     if counted[0] != counted[1]:
         raise RuntimeError(f"the two instances launch {counted[0]} and {counted[1]}")
     return tuple(graphs), templates[0], counted[0]
+
+
+def _pack_routing(template: Dispatcher, routing: tuple, out: torch.Tensor, side) -> None:
+    """Inside a capture: the step's routing (pending on its template) packed into `out` [B, W] on `side`, after
+    the step's work on the capturing stream."""
+    layers = tuple(layer for layer, _, _ in template.pending_routing)
+    if layers != routing[0]:
+        raise RuntimeError(f"the captured step routed MoE layers {layers}, its eager step {routing[0]}")
+    # any cast (ids not int32, weights not bf16: none on the presets' paths) on the capturing stream, kept alive
+    # with the template, so the side stream only reads
+    template.routing_inputs = views = routing_record.int16_views(
+        [(ids, weights) for _, ids, weights in template.pending_routing])
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cat(views, dim=1, out=out)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from engine import layer_timing
+from engine import layer_timing, routing_record
 from engine.model_source import model_config, resolve_model_path  # noqa: F401 - re-exported
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
@@ -151,6 +151,8 @@ class Generation:
     graphs: str = ""  # whether decode steps replayed CUDA graphs: "on", or "off (why)"
     layer_timing: str = ""  # how the records' per-layer µs were measured, for people
     decode_glue: str = ""  # what computed decode steps around the arms (Engine.decode_glue)
+    # With the flag record_routing: every step's top-k ids and weights per MoE layer (engine.routing_record)
+    routing: object = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         return {
@@ -181,6 +183,8 @@ class BatchGeneration:
     logits: list[list[torch.Tensor]] | None = field(default=None, repr=False)
     layer_timing: str = ""  # how the records' per-layer µs were measured, for people
     decode_glue: str = ""  # on a GPU: "fused", or why decode steps keep the torch forward around the arms
+    # With the flag record_routing: an engine.routing_record.RoutingRecording of every step; else None.
+    routing: object = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -357,12 +361,14 @@ class Engine:
         run = self.generate_batch([prompt_tokens], max_tokens, flags, on_step=each_step, cancel=cancel,
                                   keep_logits=keep_logits, graphs=graphs, timed=timed)
         generated = run.tokens[0]
+        if run.routing is not None and isinstance(prompt, str):
+            routing_record.add_prompt_text(run.routing.header, prompt)
         return Generation(
             model=self.config.name, device=self.device_label, prompt_tokens=prompt_tokens, tokens=generated,
             text=self.tokenizer.decode(generated), flags=flags, steps=run.steps, counters=run.counters,
             logits=run.logits[0] if run.logits is not None else [], engagements=run.engagements,
             cancelled=run.cancelled, weights=self.weights_source, graphs=run.graphs, layer_timing=run.layer_timing,
-            decode_glue=run.decode_glue)
+            decode_glue=run.decode_glue, routing=run.routing)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: int | list[int], flags: ResolvedFlags, *,
@@ -427,12 +433,15 @@ class Engine:
                 runner.drop_ahead()
         if profiled:
             timing_note = layer_timing.attribute(steps, _device_kernels(profile))
+        routing = None
+        if dispatcher.routing is not None:
+            routing = dispatcher.routing.finish(routing_record.run_header(self, flags, prompts))
         return BatchGeneration(model=self.config.name, device=self.device_label, flags=flags, sequences=sequences,
                                steps=steps, counters=dispatcher.counters.to_json(),
                                engagements=dispatcher.engagements, graphs=runner.graphs_note, cancelled=cancelled,
                                logits=None if kept is None else [kept[s.request_id] for s in sequences],
                                layer_timing=_timing_note(mode, cuda, profiled, timing_note),
-                               decode_glue=self.decode_glue)
+                               decode_glue=self.decode_glue, routing=routing)
 
     @staticmethod
     def _next_steps(scheduler: Scheduler, runner, dispatcher: Dispatcher, clock,

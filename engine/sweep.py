@@ -25,6 +25,14 @@ among ROTATIONS sets either way:
         one-call figure (its ramp-up and drain counted whole). Median of up to MAX_REPS calls.
 An arm that a graph cannot capture is timed cold, and its row says so.
 
+Routing (the token sets' expert ids): uniform by default; `skew` > 0 (`--skew zipf:S`) draws each token's k
+experts weighted by a Zipf popularity over a fixed random order of the experts; `routing` (`--routing FILE`, a
+recording of this model's routing: engine.routing_file) times every arm again on each recorded MoE layer's ids
+(engine.routing_replay: windows of n consecutive recorded tokens), beside the uniform rows, and reports per layer
+the observed woken experts, pairs per woken expert and tile fill against the uniform prediction and the crossover
+that layer would want. The calibration is then written from the recording: the model's crossover (its layers' µs
+summed per n) and each layer's, with the file named, for `moe_gate=measured` to read per layer.
+
 Knows nothing of screens or sessions; the model shapes are a local table until the preset
 registry (engine/config.py) lands.
 """
@@ -37,6 +45,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine import routing_replay
 from engine.errors import MeasurementError, UserError
 from engine.provenance import commit_and_dirty
 
@@ -96,6 +105,34 @@ def parse_tokens(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def parse_skew(text: str) -> float:
+    """'uniform' -> 0.0, 'zipf:S' -> S (a Zipf exponent >= 0; zipf:0 is uniform)."""
+    value = text.strip().lower()
+    if value == "uniform":
+        return 0.0
+    head, _, exponent = value.partition(":")
+    try:
+        skew = float(exponent) if head == "zipf" and exponent else math.nan
+    except ValueError:
+        skew = math.nan
+    if not (math.isfinite(skew) and 0 <= skew <= 100):
+        raise UserError(f"--skew {text!r}: give uniform or zipf:S with a Zipf exponent 0 <= S <= 100 "
+                        f"(e.g. zipf:1.2); a recorded run's routing is --routing FILE")
+    return skew
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0,3' -> (0, 3): MoE layers of a routing file to time (its own layer indices)."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise UserError(f"--layers: {part!r} is not a layer index; give MoE layer indices separated by commas")
+        if int(part) not in values:
+            values.append(int(part))
+    return tuple(values)
+
+
 def parse_arms(text: str) -> tuple[str, ...]:
     arms = []
     for part in text.split(","):
@@ -117,10 +154,28 @@ class SweepConfig:
     seed: int = 0
     calibration: Path | None = None
     timing: str = "graph"
+    routing: Path | None = None  # a routing file of this model: time every arm on each recorded layer's ids too
+    layers: tuple[int, ...] | None = None  # the routing file's MoE layers to time (None: every one)
     shape: MoeShape = field(init=False)
+    recording: object = field(init=False, repr=False, compare=False)  # the routing file's, checked
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", moe_shape(self.model))
+        object.__setattr__(self, "recording", None)
+        if self.routing is not None:
+            from engine import routing_file
+            from engine.model_source import model_config
+
+            if self.skew:
+                raise UserError("--skew and --routing: the recording is the routing; give one of them")
+            recording = routing_file.load(self.routing)
+            routing_file.check_model(recording, model_config(self.model), self.routing, self.model)
+            unknown = [layer for layer in self.layers or () if layer not in recording.layers]
+            if unknown:
+                raise UserError(f"--layers {unknown}: {self.routing} recorded MoE layers {list(recording.layers)}")
+            object.__setattr__(self, "recording", recording)
+        elif self.layers is not None:
+            raise UserError("--layers picks layers of a routing file: give --routing FILE too")
         if self.timing not in TIMINGS:
             raise UserError(f"--timing {self.timing!r}: choose graph (the runtime's way) or cold")
         if not self.tokens:
@@ -377,17 +432,15 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         unavailable["torch_grouped_mm"] = "torch._grouped_mm does not run on this GPU"
         del arm_functions["torch_grouped_mm"]
 
-    rows = []
     check_failed = False
-    for tokens in config.tokens:
-        sets = []
-        for _ in range(ROTATIONS):
-            x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device=device, generator=generator)
-            topk_ids, topk_weights = _routing(shape, tokens, popularity, device, generator)
-            sets.append((x, topk_ids, topk_weights))
+
+    def measure(tokens: int, sets: list, extra: dict) -> dict:
+        """Every arm timed at n = tokens on `sets` (ROTATIONS (x, ids, weights) on the device): one row."""
+        nonlocal check_failed
         woken = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
         reference = moe_reference(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
         reference_norm = reference.norm().item()
+        label = extra.get("source", "")
 
         arms_result = {}
         for arm, function in arm_functions.items():
@@ -418,43 +471,103 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             arms_result[arm] = {"us": us, "rel_err": rel_err, "launches_per_call": per_call, "timing": timing}
             if note:
                 arms_result[arm]["timing_note"] = note
-            step(f"n={tokens} {arm}")
+            step(f"{label}n={tokens} {arm}")
         for arm, why in unavailable.items():
             arms_result[arm] = {"us": None, "rel_err": None, "launches_per_call": {}, "unavailable": why}
-            step(f"n={tokens} {arm} unavailable")
+            step(f"{label}n={tokens} {arm} unavailable")
 
         align_counter = iter(range(1 << 62))
         align_us = timer.median_us(lambda: moe_align(sets[next(align_counter) % ROTATIONS][1], shape.experts,
                                                      config.tile_m, window_rows=ROWS_PER_PROGRAM))
-        step(f"n={tokens} align")
-        del reference, sets
+        step(f"{label}n={tokens} align")
+        del reference
 
         bandwidth_us = bandwidth_bound_us(shape, tokens, woken, copy_gbs)
         tensor_us = tensor_core_bound_us(shape, tokens, matmul_tflops)
         bound = max(bandwidth_us, tensor_us)
         for result in arms_result.values():
             result["ratio"] = None if result["us"] is None else result["us"] / bound
-        rows.append({
+        fills = routing_replay.fill_row(tokens, woken, shape.top_k, shape.experts, config.tile_m)
+        return {
             "tokens": tokens,
             "woken_experts": woken,
             "pairs_per_woken_expert": tokens * shape.top_k / woken,
+            **{name: value for name, value in fills.items() if name not in ("woken_experts", "pairs_per_woken_expert")},
+            **{name: value for name, value in extra.items() if name != "source"},
             "bandwidth_bound_us": bandwidth_us,
             "tensor_core_bound_us": tensor_us,
             "bound_us": bound,
             "align_us": align_us,
             "arms": arms_result,
-        })
+        }
+
+    rows = []
+    for tokens in config.tokens:
+        sets = []
+        for _ in range(ROTATIONS):
+            x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device=device, generator=generator)
+            topk_ids, topk_weights = _routing(shape, tokens, popularity, device, generator)
+            sets.append((x, topk_ids, topk_weights))
+        rows.append(measure(tokens, sets, {}))
+        del sets
+
+    recorded = None
+    recording = config.recording
+    if recording is not None:
+        layer_entries = []
+        for position, layer in enumerate(recording.layers):
+            if config.layers is not None and layer not in config.layers:
+                continue
+            layer_ids, layer_weights = recording.ids[:, position, :], recording.weights[:, position, :]
+            layer_rows = []
+            for tokens in config.tokens:
+                windows, wrapped = routing_replay.windows(layer_ids, layer_weights, tokens, ROTATIONS)
+                sets = [(torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device=device, generator=generator),
+                         torch.from_numpy(ids).to(device), torch.from_numpy(weights).to(device))
+                        for ids, weights in windows]
+                layer_rows.append(measure(tokens, sets, {"source": f"layer {layer} ", "wrapped": wrapped}))
+                del sets
+            layer_entries.append({"layer": layer, "rows": layer_rows, "crossover_tokens": crossover_tokens(layer_rows),
+                                  "fill_crossover_tokens": routing_replay.fill_crossover(layer_rows, config.tile_m)})
+        from engine import dispatch
+
+        formula = dispatch.min_tokens(shape.top_k, shape.experts, config.tile_m)
+        uniform_crossover = crossover_tokens(rows)
+        recorded = {
+            "file": str(config.routing), "sha256": _sha256(config.routing), "model": recording.header.get("model"),
+            "recorded_steps": recording.n_steps, "recorded_tokens": recording.tokens,
+            "truncated": recording.truncated,
+            "windows": f"{ROTATIONS} windows of n consecutive recorded tokens per layer (rows repeat where n exceeds "
+                       f"the {recording.tokens} recorded)",
+            "layers": layer_entries,
+            "model_crossover_tokens": crossover_tokens(routing_replay.summed_rows([e["rows"] for e in layer_entries])),
+            "uniform_crossover_tokens": uniform_crossover,
+            "uniform_formula_tokens": formula,
+            "differences": routing_replay.differences(layer_entries, uniform_crossover, formula, config.tile_m),
+        }
 
     crossover = crossover_tokens(rows)
     device_name = torch.cuda.get_device_name(device)
     commit = git_commit()
     calibration_file = None
     calibration_note = None
-    if crossover is None:
-        calibration_note = "no crossover measured (needs gemv and a grouped arm, grouped winning at the largest n)"
+    timed_rows = rows + [row for entry in (recorded or {}).get("layers", []) for row in entry["rows"]]
+    calibrated, calibrating = {}, crossover
+    if recorded is not None:  # calibrate from the recording: the model's crossover, and each layer's
+        calibrating = recorded["model_crossover_tokens"]
+        calibrated = {"routing": {"file": Path(config.routing).name, "sha256": recorded["sha256"],
+                                  "model": recorded["model"], "layers": list(recording.layers)},
+                      "layer_crossovers": {str(entry["layer"]): entry["crossover_tokens"]
+                                           for entry in recorded["layers"] if entry["crossover_tokens"] is not None}}
+    if recorded is not None and len(recorded["layers"]) != len(recording.layers):
+        calibration_note = (f"--layers timed {len(recorded['layers'])} of the recording's {len(recording.layers)} "
+                            f"MoE layers: no model crossover, so the calibration was not written")
+    elif calibrating is None:
+        calibration_note = ("no crossover measured (needs gemv and a grouped arm, grouped winning at the largest n)"
+                            + (" on the recorded routing" if recorded is not None else ""))
     elif config.skew > 0:
         calibration_note = "skewed routing: the calibration (uniform routing) was not written"
-    elif config.timing != "graph" or any(result.get("timing") != "graph" for row in rows
+    elif config.timing != "graph" or any(result.get("timing") != "graph" for row in timed_rows
                                          for result in row["arms"].values() if result["us"] is not None):
         calibration_note = ("not every arm was timed the runtime's way (--timing graph): the calibration that "
                             "moe_gate=measured reads was not written")
@@ -466,10 +579,11 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             "hidden": shape.hidden,
             "intermediate": shape.intermediate,
             "tile_m": config.tile_m,
-            "crossover_tokens": crossover,
+            "crossover_tokens": calibrating,
             "measured_at": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit,
             "timing": "graph",
+            **calibrated,
         }, config.calibration))
     return {
         "device": device_name,
@@ -488,10 +602,21 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         "calibration_note": calibration_note,
         "check_tolerance": CHECK_TOLERANCE,
         "check_failed": check_failed,
+        "routing": recorded,
         "commit": commit,
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
         "flags": {name: entry for name, entry in flags.to_json().items() if name in LAUNCH_FLAGS},
     }
+
+
+def _sha256(path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _triton_version() -> str | None:

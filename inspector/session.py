@@ -170,6 +170,9 @@ class SweepStep:
     tokens: list[int] = _field(TOKENS, required=True)
     arms: list[str] | None = _field(ARMS)
     config: str | None = _field(NAME)
+    # a routing file (generate/bench --record-routing) whose recorded ids every arm is timed on too, per MoE
+    # layer; a relative path is taken from the session file's directory (inspector.session_routing)
+    routing: str | None = _field(TEXT)
 
 
 @dataclass(frozen=True, kw_only=True)

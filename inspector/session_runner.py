@@ -122,8 +122,13 @@ def environment_header(session: Session, where: str, device_label: str, device_s
 # --------------------------------------------------------------------------------------------
 
 def preflight_step(where: str, index: int, step: Step, model: ModelConfig, device) -> None:
-    """What can be known about one step before running it (its action's preflight); raises UserError."""
-    action_for(step).preflight(f"{where}: step {index} ({step.action})", step, model, device)
+    """What can be known about one step before running it (its action's preflight); raises UserError. A step's
+    routing file (a sweep's input, inspector.session_routing) first: a bad one is wrong on any machine."""
+    from inspector import session_routing
+
+    here = f"{where}: step {index} ({step.action})"
+    session_routing.preflight(here, step, where, model)
+    action_for(step).preflight(here, step, model, device)
 
 
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:

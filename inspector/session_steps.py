@@ -314,6 +314,7 @@ class SweepAction(Action):
 
     def run(self, context, step) -> dict:
         from engine.sweep import SweepConfig, run_sweep
+        from inspector.session_routing import routing_path
 
         from engine.model_source import resolve_model_path
 
@@ -322,7 +323,8 @@ class SweepAction(Action):
         if model != context.engine.config.name:
             model = str(resolve_model_path(model, Path(context.where).resolve().parent))
         config = SweepConfig(model=model, tokens=tuple(sorted(set(step.tokens))),
-                             arms=sweep_arms(step, flags), tile_m=flags["tile_m"], seed=session.engine.seed)
+                             arms=sweep_arms(step, flags), tile_m=flags["tile_m"], seed=session.engine.seed,
+                             routing=routing_path(step, context.where))
         return {"result": run_sweep(config, flags=flags)}
 
     def result(self, context, index, step, outcome) -> dict | None:

@@ -12,7 +12,8 @@ def test_defaults_match_the_design():
                                "tile_m": 16, "flash_512": True, "fused_mask": "honor",
                                "prefill_chunk": 512, "nonfinite_weights": "refuse", "steps_per_graph": 8,
                                "mixed_steps": True, "layer_timing": "profile", "run_ahead": True, "carry_norm": True,
-                               "pdl": True, "pdl_preload": "on", "stream_weights": True}
+                               "pdl": True, "pdl_preload": "on", "stream_weights": True,
+                               "record_routing": False, "routing_cap_mb": 256}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 
 

@@ -14,4 +14,5 @@ COMMAND_MODULES = [
     "bench",
     "ab",
     "flags",
+    "routing",
 ]

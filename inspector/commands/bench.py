@@ -68,6 +68,10 @@ def add_parser(subparsers) -> None:
                              "a GPU it runs the profiled repetition (as --profile) and attributes its kernels to "
                              "layers and arms")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    from inspector.commands.routing import add_record_argument
+
+    add_record_argument(parser, "each row's last timed repetition (FILE for one row, else FILE's name with each "
+                                "row's, e.g. routing.tg128-b8.safetensors)")
     parser.set_defaults(run=run)
 
 
@@ -96,7 +100,9 @@ def run(args) -> int:
         if named not in (None, "json"):
             raise UserError(f"--json-out {args.json_out}: the name says {named}, and this file gets the JSON report; "
                             "name it .json")
-    resolved = flag_registry.resolve(args.set_flags)
+    from inspector.commands.routing import recording_flags
+
+    resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     pp = positive_int_list(args.pp, "--pp", allow_none=True)
     tg = positive_int_list(args.tg, "--tg", allow_none=True)
     batches = positive_int_list(args.batch, "--batch", allow_none=True)
@@ -174,6 +180,11 @@ def run(args) -> int:
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
     if args.json_out:
         write_output(args.json_out, bench.format_json(report), "--json-out")
+    if args.record_routing:
+        from inspector.commands.routing import row_path, write_recording
+
+        for row in report.rows:
+            write_recording(row_path(args.record_routing, row.spec.name, len(report.rows)), row.routing)
     if fmt == "json":
         payload = report.to_json()
         payload["cancelled"] = cancelled

@@ -42,8 +42,11 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> None:
+    from inspector.commands.routing import add_record_argument
+
     parser = subparsers.add_parser("generate", help="run a prompt at temperature 0 and show which arm ran, and why")
     add_generation_arguments(parser)
+    add_record_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -161,9 +164,11 @@ def check_trace_path(args) -> None:
 
 
 def run(args) -> int:
+    from inspector.commands.routing import recording_flags, write_recording
+
     fmt = output_format(args)
     prompt = prompt_of(args)
-    resolved = flag_registry.resolve(args.set_flags)
+    resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights)
     check_generation_size(engine, prompt, args.max_tokens)  # before the progress bar starts
@@ -180,8 +185,9 @@ def run(args) -> int:
         if progress is not None:
             progress.close()
     write_trace(args, [("generate: " + resolved.describe(), result, clock)])
+    routing = write_recording(args.record_routing, result.routing) if args.record_routing else None
     if fmt == "json":
-        print_json(generation_json(engine, result))
+        print_json({**generation_json(engine, result), **({"routing_file": routing} if routing else {})})
     elif fmt in records.EXPORTS:
         print(records.EXPORTS[fmt](records.rows_of("", result.steps, engine.device.type)), end="")
     else:

@@ -31,8 +31,15 @@ def add_parser(subparsers) -> None:
                         help="tiny, demo, v4-shape (default) or a checkpoint directory (its config.json's MoE shape)")
     parser.add_argument("--tokens", default=_DEFAULT_TOKENS, help=f"token counts, comma separated (default {_DEFAULT_TOKENS})")
     parser.add_argument("--arms", default=_ALL_ARMS, help=f"arms to time, comma separated (default {_ALL_ARMS})")
-    parser.add_argument("--skew", type=float, default=0.0,
-                        help="Zipf exponent of expert popularity (default 0 = uniform routing)")
+    parser.add_argument("--skew", default="uniform",
+                        help="routing of the timed token sets: uniform (default) or zipf:S (expert popularity "
+                             "(rank + 1)^-S over a fixed random order of the experts)")
+    parser.add_argument("--routing", default=None, metavar="FILE.safetensors",
+                        help="also time every arm on each MoE layer's recorded ids (a routing file of this model: "
+                             "generate/bench --record-routing); reports per layer observed woken experts, pairs per "
+                             "woken expert, tile fill and crossover beside the uniform ones, and calibrates from it")
+    parser.add_argument("--layers", default=None, metavar="L,L",
+                        help="with --routing: only these MoE layers of the file (default every one)")
     parser.add_argument("--tile-m", dest="tile_m", type=int, default=None,
                         help="grouped-GEMM m-tile rows: 16, 32 or 64 (default: the kernel's DEFAULT_TILE_M)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, activations and routing (default 0)")
@@ -47,30 +54,35 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.progress import Progress
-    from engine.sweep import SweepConfig, parse_arms, parse_tokens, require_cuda, run_sweep
+    from engine.sweep import SweepConfig, parse_arms, parse_layers, parse_skew, parse_tokens, require_cuda, run_sweep
     from engine.triton_support import require_triton
 
     fmt = output_format(args)
     tokens, arms = parse_tokens(args.tokens), parse_arms(args.arms)  # bad options first, GPU or not
     check_calibration_path(args.calibration)  # a place it cannot write: before any work
-    require_cuda()  # before the kernel modules below, which on a CPU may not even import
-    require_triton("sweep")
     tile_m = args.tile_m
     if tile_m is None:
-        from kernels.moe_grouped import DEFAULT_TILE_M
+        from engine.flags import SPECS
 
-        tile_m = DEFAULT_TILE_M
-    config = SweepConfig(
+        tile_m = SPECS["tile_m"].default  # kernels.moe_grouped.DEFAULT_TILE_M, without importing the kernels
+    config = SweepConfig(  # a routing file is checked against its model here: on any machine
         model=args.model,
         tokens=tokens,
         arms=arms,
-        skew=args.skew,
+        skew=parse_skew(args.skew),
         tile_m=tile_m,
         seed=args.seed,
         calibration=Path(args.calibration) if args.calibration else None,
         timing=args.timing,
+        routing=Path(args.routing) if args.routing else None,
+        layers=parse_layers(args.layers) if args.layers else None,
     )
-    progress = Progress(2 + len(config.tokens) * (len(config.arms) + 1), f"sweep {config.model}")
+    require_cuda()  # before run_sweep's kernel modules, which on a CPU may not even import
+    require_triton("sweep")
+    sources = 1
+    if config.recording is not None:
+        sources += len(config.layers) if config.layers is not None else len(config.recording.layers)
+    progress = Progress(2 + sources * len(config.tokens) * (len(config.arms) + 1), f"sweep {config.model}")
     try:
         result = run_sweep(config, progress)
     finally:
@@ -119,11 +131,68 @@ def render_table(result: dict) -> str:
           if isinstance(result.get("timing"), dict) else []),
         "",
     ]
+    lines += _rows_table(rows, arms, result)
+    lines.append("")
+    if rows:
+        launch_notes = []
+        for arm in arms:
+            per_call = rows[-1]["arms"][arm].get("launches_per_call") or {}
+            if per_call:
+                launch_notes.append(f"{arm}: " + ", ".join(f"{name}×{count}" for name, count in sorted(per_call.items())))
+            elif rows[-1]["arms"][arm].get("unavailable"):
+                launch_notes.append(f"{arm}: {rows[-1]['arms'][arm]['unavailable']}")
+        lines.append("launches per call: " + "; ".join(launch_notes))
+    crossover = result["crossover_tokens"]
+    routing = result.get("routing")
+    lines.append(f"GEMV/grouped crossover{' (uniform routing)' if routing else ''}: "
+                 f"{'none measured' if crossover is None else f'{crossover} tokens'}"
+                 f" (best grouped variant faster than GEMV at every measured n >= it)")
+    if routing:
+        lines += _routing_section(routing, arms, result)
+    if result.get("calibration_path"):
+        lines.append(f"calibration written: {result['calibration_path']}"
+                     + (" (from the recorded routing: the model's crossover and each layer's)" if routing else ""))
+    elif result.get("calibration_note"):
+        lines.append(f"calibration not written: {result['calibration_note']}")
+    if result.get("check_failed"):
+        lines.append(f"CHECK FAILED: an arm's relative error vs the reference exceeded {result['check_tolerance']}")
+    lines.append(f"commit {result.get('commit') or 'unknown'}, torch {result['versions']['torch']}, "
+                 f"triton {result['versions']['triton']}")
+    return "\n".join(lines)
+
+
+def _routing_section(routing: dict, arms: list[str], result: dict) -> list[str]:
+    """Per recorded layer: its rows with woken experts, pairs per woken expert and fill observed against the
+    uniform prediction, its crossover; then where it differs from the uniform crossovers."""
+    lines = ["", f"recorded routing: {routing['file']} ({routing.get('model')}, {routing['recorded_steps']} steps, "
+                 f"{routing['recorded_tokens']} tokens); {routing['windows']}"]
+    for entry in routing["layers"]:
+        lines += ["", f"MoE layer {entry['layer']}:"]
+        lines += _rows_table(entry["rows"], arms, result, observed=True)
+        crossover = entry["crossover_tokens"]
+        lines.append(f"layer {entry['layer']} crossover: "
+                     f"{'none measured' if crossover is None else f'{crossover} tokens'}")
+    model = routing.get("model_crossover_tokens")
+    lines += ["", f"the model's crossover on its recorded routing (every layer's µs summed per n): "
+                  f"{'none measured' if model is None else f'{model} tokens'}"]
+    lines += routing.get("differences", [])
+    return lines
+
+
+def _rows_table(rows: list[dict], arms: list[str], result: dict, observed: bool = False) -> list[str]:
+    lines = []
     header = ["n", "woken", "bw µs", "tc µs", *[f"{arm} µs (×bound)" for arm in arms], "align µs"]
+    if observed:
+        header[1:2] = ["woken obs/uni", "pairs/woken obs/uni", "fill obs/uni"]
     table = [header]
     for row in rows:
         cells = [str(row["tokens"]), f"{row['woken_experts']:.1f}", _us(row["bandwidth_bound_us"]),
                  _us(row["tensor_core_bound_us"])]
+        if observed:
+            wrapped = "*" if row.get("wrapped") else ""
+            cells[1:2] = [f"{row['woken_experts']:.1f}/{row['woken_predicted']:.1f}{wrapped}",
+                          f"{row['pairs_per_woken_expert']:.2f}/{row['pairs_per_woken_predicted']:.2f}",
+                          f"{100 * row['fill_observed']:.0f}%/{100 * row['fill_predicted']:.0f}%"]
         for arm in arms:
             entry = row["arms"][arm]
             if entry["us"] is None:
@@ -139,28 +208,9 @@ def render_table(result: dict) -> str:
         lines.append("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
         if index == 0:
             lines.append("  ".join("-" * width for width in widths))
-    lines.append("")
-    if rows:
-        launch_notes = []
-        for arm in arms:
-            per_call = rows[-1]["arms"][arm].get("launches_per_call") or {}
-            if per_call:
-                launch_notes.append(f"{arm}: " + ", ".join(f"{name}×{count}" for name, count in sorted(per_call.items())))
-            elif rows[-1]["arms"][arm].get("unavailable"):
-                launch_notes.append(f"{arm}: {rows[-1]['arms'][arm]['unavailable']}")
-        lines.append("launches per call: " + "; ".join(launch_notes))
-    crossover = result["crossover_tokens"]
-    lines.append(f"GEMV/grouped crossover: {'none measured' if crossover is None else f'{crossover} tokens'}"
-                 f" (best grouped variant faster than GEMV at every measured n >= it)")
-    if result.get("calibration_path"):
-        lines.append(f"calibration written: {result['calibration_path']}")
-    elif result.get("calibration_note"):
-        lines.append(f"calibration not written: {result['calibration_note']}")
-    if result.get("check_failed"):
-        lines.append(f"CHECK FAILED: an arm's relative error vs the reference exceeded {result['check_tolerance']}")
-    lines.append(f"commit {result.get('commit') or 'unknown'}, torch {result['versions']['torch']}, "
-                 f"triton {result['versions']['triton']}")
-    return "\n".join(lines)
+    if observed and any(row.get("wrapped") for row in rows):
+        lines.append("* n exceeds the recorded tokens: the windows repeat rows, so woken is at most the recording's")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover - `python3 -m inspector.commands.sweep FILE.json`

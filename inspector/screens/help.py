@@ -38,6 +38,9 @@ KEYS = (
            "percentiles, a progress bar, the trajectory and (on a GPU, profiled) kernel shares"),
     ("ctrl+r", "bench screen: run the bench (Enter in a plan box does too)"),
     ("f9", "A/B screen: an `moe-inspector ab --json-out` report's rows and verdicts, each row's rounds plotted"),
+    ("f10", "routing screen: the last run's routing (with record_routing = on) or a routing file's: a layer x expert "
+            "heatmap of load, per layer max/mean, cv, woken experts against uniform, the hottest experts; l last "
+            "step, w window, a whole run, ctrl+r writes the run's routing to the path box"),
     ("ctrl+s", "save the session as (a path; recording continues into the new file, results beside it)"),
     ("ctrl+o", "open a session (a malformed file is refused in place; the current session stays)"),
     ("escape", "on the tile-fill, attention check, replay, bench, help and dialog screens: back"),

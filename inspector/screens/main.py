@@ -101,6 +101,7 @@ class MainScreen(Screen):
         Binding("f7", "replay", "Replay"),
         Binding("f8", "bench", "Bench"),
         Binding("f9", "ab", "A/B", show=False),  # in the help and the palette; the footer keeps its width
+        Binding("f10", "routing", "Routing", show=False),
         Binding("ctrl+q", "app.quit", "Quit"),
         Binding("ctrl+n", "prompt_file", "Prompt file", show=False),
         Binding("ctrl+f", "find_in_log", "Find", show=False),
@@ -533,3 +534,9 @@ class MainScreen(Screen):
         from inspector.screens.ab import AbScreen
 
         self.app.push_screen(AbScreen(getattr(self.app, "ab_path", None)))
+
+    def action_routing(self) -> None:
+        from inspector.screens.routing import RoutingScreen
+
+        generation = self.current_run.generations.get(A) if self.current_run is not None else None
+        self.app.push_screen(RoutingScreen(getattr(generation, "routing", None)))

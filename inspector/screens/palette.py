@@ -33,6 +33,8 @@ ACTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("Bench", "f8", "llama-bench pp/tg rows under A, B or A against B; latency percentiles, trajectory",
      "screen.bench"),
     ("A/B report", "f9", "an `moe-inspector ab --json-out` report: rows, verdicts and each row's rounds", "screen.ab"),
+    ("Routing", "f10", "the last run's (record_routing=on) or a file's load per layer and expert, imbalance, woken experts",
+     "screen.routing"),
     ("Save session as", "ctrl+s", "save the session (and its results) under a new path; recording continues there",
      "app.save_session"),
     ("Open session", "ctrl+o", "open a session file for this model: recording continues into it", "app.open_session"),
