@@ -123,7 +123,8 @@ def _dense_rotation(signs: torch.Tensor, block: int) -> torch.Tensor:
     return blocks @ torch.diag(signs.double())
 
 
-@pytest.mark.parametrize("size", [16, 48, 96, 256, 2880])  # powers of two, F = 48 (blocks of 16), gpt-oss 2880 (64)
+@pytest.mark.parametrize("size", [16, 48, 96, 256, 192])  # powers of two, F = 48 (blocks of 16), 3 x 64 (gpt-oss's
+# 2880 = 45 x 64 rotates in the same blocks)
 def test_rotation_is_orthogonal_and_matches_the_dense_matrix(size):
     block = hadamard_block(size)
     assert block == size & -size and size % block == 0
