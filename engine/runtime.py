@@ -82,6 +82,10 @@ def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, 
     """tokenizer.json where the directory has it and `tokenizers` is installed; else the byte tokenizer, and a
     note every header and report carries (the bench and random-weights runs need token ids, not words; text
     through byte tokens is not the model's)."""
+    from engine.trellis_checkpoint import byte_tokenizer
+
+    if byte_tokenizer(directory):  # a trellis checkpoint of a byte-vocabulary preset (demo, tiny)
+        return ByteTokenizer(), ""
     if (directory / "tokenizer.json").is_file():
         try:
             from engine.hf_tokenizer import HFTokenizer

@@ -12,4 +12,5 @@ COMMAND_MODULES = [
     "run",
     "replay",
     "bench",
+    "quantize",
 ]
