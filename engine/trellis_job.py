@@ -161,10 +161,10 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     layout = tc.TrellisLayout(code, seed, layouts)
     tc.write_tensors(partial / tc.DENSE_FILE, {name: engine.weights[name].to(torch.bfloat16)
                                                for name in _dense_names(config)})
-    directory = Path(model) if engine.checkpoint is not None else None
-    tokenizer = "bytes"
-    if directory is not None and (directory / "tokenizer.json").is_file():
-        shutil.copyfile(directory / "tokenizer.json", partial / "tokenizer.json")
+    # a preset reads bytes; a directory's model its tokenizer.json, or none (prompts refused as its own loader does)
+    tokenizer = "bytes" if engine.checkpoint is None else "none"
+    if engine.checkpoint is not None and (Path(model) / "tokenizer.json").is_file():
+        shutil.copyfile(Path(model) / "tokenizer.json", partial / "tokenizer.json")
         tokenizer = "tokenizer.json"
     seconds = time.perf_counter() - began
     result = QuantizeResult(out, code, [{k: v for k, v in item.items() if k != "layout"} for item in reports],
