@@ -100,9 +100,10 @@ def _check_output(out: Path) -> None:
         raise UserError(f"--out {out}: {out.parent} is not writable")
 
 
-def _source(engine, model: str) -> dict:
+def _source(engine, model: str, weights: str) -> dict:
+    """What config.json records of the source: enough to load it again (check-quant compares with it)."""
     where = str(Path(model).resolve()) if engine.checkpoint is not None else model
-    return {"model": where, "weights": engine.weights_source}
+    return {"model": where, "weights": weights, "seed": engine.seed, "description": engine.weights_source}
 
 
 def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0, device: str = "auto",
@@ -124,7 +125,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
         if size % TILE:
             raise UserError(f"--model {model}: {what} {size} is not a multiple of the {TILE} x {TILE} trellis tile")
-    source = _source(engine, model)
+    source = _source(engine, model, weights)
     job = {"format_version": tc.FORMAT_VERSION, "source": source, "code": code.code, "bits_per_weight": code.K,
            "weights_per_step": code.V, "seed": seed}
     partial = partial_directory(out)

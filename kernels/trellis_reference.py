@@ -485,3 +485,33 @@ def random_trellis_matrix(experts: int, rows: int, columns: int, code: TrellisCo
                          hadamard_signs(left_seed, rows).to(device), hadamard_signs(right_seed, columns).to(device),
                          hadamard_block(rows) if row_block is None else row_block, hadamard_block(columns),
                          left_seed, right_seed)
+
+
+def moe_trellis_rotated(
+    x: torch.Tensor,  # [T, D]
+    w13: TrellisMatrix,  # [E, 2F, D]
+    w2: TrellisMatrix,  # [E, D, F]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k] float
+) -> torch.Tensor:  # [T, D]
+    """The same function as `moe_trellis_reference`, computed the way a trellis kernel computes it: each
+    token's input rotated once (w13's signs and blocks are shared by the experts), the products taken with
+    the rotated weights, w13's outputs unrotated before the SwiGLU, the hidden rotated for w2, the k
+    weighted outputs summed in w2's rotated basis and unrotated once. float32 throughout; a second path to
+    the reference's function, with other roundings (tests/test_trellis_codes.py bounds the difference)."""
+    T, D = x.shape
+    f = w13.shape[1] // 2
+    rotated_x = rotate(x.float(), w13.right_signs, w13.right_block)  # [T, D] in w13's input basis
+    out_rotated = torch.zeros(T, D, dtype=torch.float32, device=x.device)  # in w2's output basis
+    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
+    flat_weights = topk_weights.reshape(-1).float()  # [T*k]
+    flat_tokens = torch.arange(T, device=x.device).repeat_interleave(topk_ids.shape[1])  # [T*k]
+    for expert in torch.unique(flat_ids).tolist():
+        pair = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = flat_tokens[pair]
+        gate_up_rotated = rotated_x[tokens] @ dequantize_rotated(w13.expert(expert))[0].t()  # [P, 2F]
+        gate_up = unrotate(gate_up_rotated, w13.left_signs, w13.left_block)
+        hidden = torch.nn.functional.silu(gate_up[:, :f]) * gate_up[:, f:]  # [P, F]
+        down_rotated = rotate(hidden, w2.right_signs, w2.right_block) @ dequantize_rotated(w2.expert(expert))[0].t()
+        out_rotated.index_add_(0, tokens, down_rotated * flat_weights[pair, None])
+    return unrotate(out_rotated, w2.left_signs, w2.left_block).to(x.dtype)

@@ -223,3 +223,52 @@ def test_a_killed_run_leaves_no_output_and_resumes_to_the_same_bytes(source, qua
     assert resumed.keys() == whole.keys()
     for name in whole:
         assert torch.equal(resumed[name], whole[name]), name
+
+
+def test_check_quant_finds_the_rotated_arm_on_the_dequantized_reference(quantized, capsys):
+    code, out, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--tokens", "1,7", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["config"]["arm"] == "rotated-torch" and result["ok"] and result["discriminates"]
+    for row in result["rows"]:
+        assert row["verdict"] == "dequantized"
+        assert row["errors"]["dequantized"] <= 16 * row["control"]
+        # 2 bits per weight on random weights: the layer's output moves by tens of percent
+        assert 0.1 < row["discrimination"]["dequantized_vs_original"] < 0.8
+        assert row["errors"]["original"] > 1e5 * row["control"]
+
+
+def test_check_quant_catches_an_arm_that_computes_the_original_weights(quantized, source, monkeypatch, capsys):
+    """An arm that never decodes (it reads the bf16 weights it was quantized from) sits on the original."""
+    from engine import quant_check
+    from kernels.reference import moe_reference
+
+    original = Engine.load(str(source), device="cpu").weights
+    layer = 1
+
+    def undecoded(x, w13, w2, ids, weights):
+        return moe_reference(x, original[f"layers.{layer}.w13"], original[f"layers.{layer}.w2"], ids, weights)
+
+    monkeypatch.setattr(quant_check, "trellis_arms", lambda device: {"undecoded": undecoded})
+    code, out, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--layer", layer], capsys)
+    assert code == 1, err
+    assert "original" in out.splitlines()[4] and "does not sit on the dequantized reference" in out
+
+
+def test_check_quant_refuses_a_model_without_trellis_experts(source, capsys):
+    code, _, err = _run(["check-quant", "--model", source, "--device", "cpu"], capsys)
+    assert code == 2 and "not trellis-coded" in err and "Traceback" not in err
+
+
+def test_a_session_step_runs_check_quant(quantized, tmp_path, capsys):
+    session = tmp_path / "quant.toml"
+    session.write_text(f'[session]\nversion = 1\nname = "quant"\n\n[engine]\nmodel = "{quantized}"\ndevice = "cpu"\n\n'
+                       f'[[step]]\naction = "check-quant"\nlayer = 2\ntokens = [3]\nexpect = "dequantized"\n')
+    code, out, err = _run(["run", session], capsys)
+    assert code == 0, err
+    results = [json.loads(line) for line in (tmp_path / "quant.results.jsonl").read_text().splitlines()]
+    step = next(line for line in results if line.get("kind") == "step")
+    assert step["action"] == "check-quant" and step["check"]["held"]
+    assert [row["verdict"] for row in step["numbers"]["rows"]] == ["dequantized"]
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 0, err + out

@@ -14,6 +14,7 @@ from kernels.reference import moe_reference
 from kernels.trellis_reference import (BITS_PER_WEIGHT, CODES, SEQUENCE, TrellisCode, TrellisMatrix, check_matrix,
                                        code_values, decode_tiles, default_hyb_table, dequantize, dequantize_rotated,
                                        hadamard_block, hadamard_signs, matrix_to_tiles, moe_trellis_reference,
+                                       moe_trellis_rotated,
                                        pack_states, packed_bytes_per_expert, random_trellis_matrix, rotate,
                                        tiles_to_matrix, trellis_linear_reference, unpack_states, unrotate)
 
@@ -216,3 +217,18 @@ def test_moe_reference_on_dequantized_experts():
     weights = torch.softmax(torch.randn(T, k), dim=-1)
     expected = moe_reference(x, dequantize(w13), dequantize(w2), ids, weights)
     assert torch.allclose(moe_trellis_reference(x, w13, w2, ids, weights), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_rotated_path_computes_the_reference_function():
+    torch.manual_seed(1)
+    E, D, F, T, k = 3, 64, 48, 9, 2  # F = 48: w13's rows rotate in blocks of 16, w2's columns too
+    code = TrellisCode.of("1mad", 3)
+    w13 = random_trellis_matrix(E, 2 * F, D, code, seed=3, row_block=hadamard_block(F))
+    w2 = random_trellis_matrix(E, D, F, code, seed=4)
+    x = torch.randn(T, D)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    weights = torch.softmax(torch.randn(T, k), dim=-1)
+    reference = moe_trellis_reference(x, w13, w2, ids, weights)
+    rotated = moe_trellis_rotated(x, w13, w2, ids, weights)
+    # float32 both; the Hadamard butterflies and the products' sums round in different orders
+    assert (rotated - reference).norm() / reference.norm() < 1e-5
