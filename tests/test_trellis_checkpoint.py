@@ -126,6 +126,13 @@ def test_a_loaded_directory_runs_with_the_trellis_experts(source, quantized):
         + 4 * (2 * INTERMEDIATE + HIDDEN)
     plain = original.generate([104, 105, 33], 3, flags.resolve([])).steps[0]["moe"][0]
     assert plain["weight_format"] == "fp32" and plain["bits_per_weight"] == 32  # the CPU engine's dtype
+    pytest.importorskip("textual")
+    from inspector.widgets.dispatch_log import LogEntry
+
+    shown = LogEntry("A", "moe", record).line().plain
+    moved = record["woken_observed"] * record["expert_bytes"] / 1e6
+    assert f"[trellis hyb K=2 V=2, {record['bits_per_weight']:.2f} b/w, {moved:.3g} MB]" in shown
+    assert "trellis" not in LogEntry("A", "moe", plain).line().plain  # bf16 lines unchanged
 
 
 def test_quantize_refuses_bad_input_in_one_line(source, quantized, tmp_path, capsys):
