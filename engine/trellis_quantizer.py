@@ -146,9 +146,10 @@ def tail_biting_viterbi(targets: torch.Tensor, values: torch.Tensor, step_bits: 
 # --------------------------------------------------------------------------------------------
 
 def default_batch(device: torch.device) -> int:
-    """Sequences one search holds: it keeps S x M float32 group minima of each (16 MB at K = 2, V = 1)."""
+    """Sequences one search holds: it keeps S x M float32 group minima of each (16 MB at K = 2, V = 1, so 8 GB
+    for the GPU's 512)."""
     # on a CPU a few sequences at a time keep each step's [B, P] costs near the core's cache
-    return 1024 if device.type == "cuda" else 4
+    return 512 if device.type == "cuda" else 4
 
 
 @dataclass
