@@ -262,7 +262,11 @@ class Engine:
         checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
         tokenizer, note = _directory_tokenizer(directory, config)
         if weights == "random":
-            drawn = model_source.random_weights_on(config, seed, device, dtype)
+            from engine import trellis_checkpoint
+
+            drawn = (trellis_checkpoint.random_weights(directory, config, seed, device, dtype)
+                     if trellis_checkpoint.is_trellis_directory(directory) else
+                     model_source.random_weights_on(config, seed, device, dtype))
             engine = cls(config, device, seed, weights=drawn, tokenizer=tokenizer,
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
                                         f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")

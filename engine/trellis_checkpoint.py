@@ -309,6 +309,28 @@ def load_directory(directory: Path, device: torch.device, dtype: torch.dtype, st
     return config, family, load_weights(directory, config, layout, device, dtype, stream)
 
 
+def random_weights(directory: Path, config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """`--weights random` for a trellis directory: random dense tensors (engine.model_source.random_weights_on)
+    and random trellis stacks of config.json's code, seeds and blocks (every packed stream is a valid path),
+    drawn on `device`: a v4-shape trellis model without quantizing one."""
+    from engine.model_source import random_weights_on
+    from kernels.trellis_reference import random_trellis_matrix
+
+    values = _config_values(Path(directory))
+    _, _, layout = read_config(values, Path(directory) / "config.json")
+    weights = random_weights_on(config, seed, device, dtype)
+    for index, (name, matrix) in enumerate(layout.matrices.items()):
+        experts, rows, columns = matrix.shape
+        del weights[name]  # the dense draw's expert stack goes before the coded one is drawn
+        drawn = random_trellis_matrix(experts, rows, columns, layout.code, seed=seed * 1000 + index, device=device,
+                                      row_block=matrix.left_block)
+        weights[name] = TrellisMatrix(layout.code, drawn.codes, drawn.scales, drawn.table,
+                                      hadamard_signs(matrix.left_seed, rows).to(device),
+                                      hadamard_signs(matrix.right_seed, columns).to(device), matrix.left_block,
+                                      matrix.right_block, matrix.left_seed, matrix.right_seed)
+    return weights
+
+
 def byte_tokenizer(directory: Path) -> bool:
     """True when a trellis directory's config.json says its model reads byte tokens (a preset source)."""
     values = _config_values(Path(directory))

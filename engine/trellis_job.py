@@ -243,3 +243,33 @@ def _concatenate(pieces: list[TrellisMatrix]) -> TrellisMatrix:
     return TrellisMatrix(first.code, torch.cat([piece.codes for piece in pieces]),
                          torch.cat([piece.scales for piece in pieces]), first.table, first.left_signs,
                          first.right_signs, first.left_block, first.right_block, first.left_seed, first.right_seed)
+
+
+def write_shape_only(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0) -> Path:
+    """`quantize --shape-only`: a trellis directory holding only config.json (the model's shape, the code, each
+    matrix's seeds and blocks), for `--weights random` (random valid codes drawn on the device): a v4-shape
+    trellis model for kernel timing without a quantization run. Nothing is loaded or searched."""
+    from engine.model_source import model_config
+
+    out = Path(out)
+    _check_output(out)
+    config = model_config(model)
+    if not config.plain_experts:
+        raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "
+                        f"trellis arms do not compute")
+    for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
+        if size % TILE:
+            raise UserError(f"--model {model}: {what} {size} is not a multiple of the {TILE} x {TILE} trellis tile")
+    layouts = {}
+    for name in tc.expert_matrices(config):
+        shape = ((config.n_experts, 2 * config.intermediate, config.hidden) if name.endswith(".w13")
+                 else (config.n_experts, config.hidden, config.intermediate))
+        left_block = hadamard_block(config.intermediate) if name.endswith(".w13") else hadamard_block(shape[1])
+        layouts[name] = tc.MatrixLayout(shape, *matrix_seeds(seed, name), left_block, hadamard_block(shape[2]))
+    source = {"model": model, "weights": "none (shape only: load with --weights random)", "seed": seed}
+    partial = partial_directory(out)
+    partial.mkdir(exist_ok=True)
+    tc.write_json(partial / "config.json", tc.config_json(config, tc.TrellisLayout(code, seed, layouts), source,
+                                                          "bytes" if config.vocab_size == 256 else "none"))
+    os.replace(partial, out)
+    return out

@@ -279,3 +279,20 @@ def test_a_session_step_runs_check_quant(quantized, tmp_path, capsys):
     assert [row["verdict"] for row in step["numbers"]["rows"]] == ["dequantized"]
     code, out, err = _run(["replay", session], capsys)
     assert code == 0, err + out
+
+
+def test_a_shape_only_directory_loads_random_valid_codes(tmp_path, capsys):
+    out = tmp_path / "tiny-shape"
+    code, stdout, err = _run(["quantize", "tiny", "--experts", "trellis:K=3,code=1mad", "--out", out, "--shape-only"],
+                             capsys)
+    assert code == 0 and sorted(path.name for path in out.iterdir()) == ["config.json"], err
+    code, _, err = _run(["generate", "--model", out, "--device", "cpu", "--prompt", "x", "--max-tokens", "1"], capsys)
+    assert code == 2 and "--weights random" in err  # no tensors: said in one line
+    engine = Engine.load(str(out), device="cpu", weights="random")
+    w2 = engine.weights["layers.1.w2"]
+    assert isinstance(w2, TrellisMatrix) and w2.code.describe() == "trellis 1mad K=3 V=1 L=16"
+    layout = json.loads((out / "config.json").read_text())["quantization_config"]["matrices"]["layers.1.w2"]
+    assert (w2.left_seed, w2.right_block) == (layout["left_seed"], layout["right_block"])
+    weights = dequantize(w2)
+    assert torch.isfinite(weights).all() and 0.5 < float(weights.std() * 32 ** 0.5) < 2  # about N(0, 1/C)
+    assert len(engine.generate("hi", 2, flags.resolve([])).tokens) == 2

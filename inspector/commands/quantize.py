@@ -3,7 +3,7 @@ code, written as a checkpoint directory every command loads with `--model DIR` (
 
 from __future__ import annotations
 
-from engine.trellis_job import parse_experts, quantize_model
+from engine.trellis_job import parse_experts, quantize_model, write_shape_only
 from inspector.commands.common import add_json_argument, print_json
 
 
@@ -22,12 +22,20 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: the model's own weights (a preset's shipped checkpoint); random: random weights "
                              "of its shape")
+    parser.add_argument("--shape-only", action="store_true",
+                        help="write config.json alone (shape, code, seeds): load it with --weights random for "
+                             "random valid codes drawn on the device, e.g. a v4-shape trellis model to time")
     add_json_argument(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
     code = parse_experts(args.experts)  # bad input fails before the model loads
+    if args.shape_only:
+        out = write_shape_only(args.model, code, args.out, seed=args.seed)
+        print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
+              f"with --model {out} --weights random")
+        return 0
     result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights)
     if args.json:
         print_json(result.to_json())
