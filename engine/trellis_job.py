@@ -216,6 +216,9 @@ def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, par
         pieces, squared, power, largest = [], 0.0, 0.0, 0.0
         for start in range(0, experts, per_chunk):
             chunk = weights[start:start + per_chunk]
+            if not torch.isfinite(chunk).all():
+                raise UserError(f"{name}: experts {start}..{start + len(chunk) - 1} hold NaN or infinite weights; "
+                                f"no code approximates them: fix the source checkpoint")
             stack = quantize_stack(chunk, code, left_seed=left_seed, right_seed=right_seed, left_block=left_block,
                                    right_block=right_block, table=table, batch=batch,
                                    advance=lambda count, name=name: progress.advance(count, note=name))

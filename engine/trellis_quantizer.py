@@ -225,6 +225,8 @@ def quantize_stack(weights: torch.Tensor, code: TrellisCode, *, left_seed: int, 
     experts, rows, columns = weights.shape
     if rows % TILE or columns % TILE:
         raise ValueError(f"a trellis matrix needs both sides multiples of {TILE}, got [{rows}, {columns}]")
+    if not torch.isfinite(weights).all():
+        raise ValueError("the weights hold NaN or infinite values: no code approximates them")
     device = weights.device
     if code.needs_table:
         table = (default_hyb_table() if table is None else table).to(torch.float32).cpu()
