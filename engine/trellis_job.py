@@ -8,12 +8,14 @@ its error report beside it; the same command run again finds the partial directo
 started with the same source and code (`job.json`), and skips the layers it finished.
 
 Dense tensors (attention, norms, router, embeddings, head) are copied as they are, in bf16. Seeds: each
-matrix's sign seeds are crc32 of (seed, matrix name, side), recorded in config.json.
+matrix's sign seeds are crc32 of (seed, matrix name, side), recorded in config.json. With a calibration
+text, the model runs it first (reference arms) and each expert's inputs' Hessians weigh its error (LDLQ).
 Knows nothing of argument parsing or screens (inspector.commands.quantize).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -107,14 +109,18 @@ def _source(engine, model: str, weights: str) -> dict:
 
 
 def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0, device: str = "auto",
-                   weights: str = "auto", stream: TextIO | None = None, batch: int | None = None) -> QuantizeResult:
+                   weights: str = "auto", stream: TextIO | None = None, batch: int | None = None,
+                   calibration: str | Path | None = None, calibration_tokens: int = 8192) -> QuantizeResult:
     """Quantize `model`'s experts into `code` and write the checkpoint directory `out` (module docstring).
-    A UserError, before anything is written, for an output that exists, a model whose experts this format
-    does not compute (biases, clamped SwiGLU) or sides that are not multiples of 16."""
+    `calibration`: a text file run through the model first; each expert's error is then weighed by its
+    inputs' Hessian (engine.trellis_quantizer, LDLQ) instead of plain. A UserError, before anything is
+    written, for an output that exists, a model whose experts this format does not compute (biases, clamped
+    SwiGLU), sides that are not multiples of 16 or an unreadable calibration file."""
     from engine.runtime import Engine
 
     out = Path(out)
     _check_output(out)
+    text = None if calibration is None else _calibration_text(Path(calibration))  # before the model loads
     engine = Engine.load(model, device=device, weights=weights)
     config = engine.config
     if not config.plain_experts:
@@ -126,6 +132,12 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
         if size % TILE:
             raise UserError(f"--model {model}: {what} {size} is not a multiple of the {TILE} x {TILE} trellis tile")
     source = _source(engine, model, weights)
+    hessians = None
+    if calibration is not None:
+        tokens = engine.encode_prompt(text)[:calibration_tokens]
+        hessians = calibration_hessians(engine, tokens)
+        source["calibration"] = {"file": str(Path(calibration).resolve()), "tokens": len(tokens),
+                                 "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
     job = {"format_version": tc.FORMAT_VERSION, "source": source, "code": code.code, "bits_per_weight": code.K,
            "weights_per_step": code.V, "seed": seed}
     partial = partial_directory(out)
@@ -153,7 +165,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
                 resumed.append(layer)
                 progress.advance(sum(item["sequences"] for item in done), note=f"layer {layer} (kept)")
             else:
-                done = _quantize_layer(engine, layer, code, seed, table, partial, progress, batch)
+                done = _quantize_layer(engine, layer, code, seed, table, partial, progress, batch, hessians)
             for item in done:
                 layouts[item["name"]] = tc.MatrixLayout(tuple(item["shape"]), *item["layout"])
             reports.extend(done)
@@ -179,6 +191,62 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     return result
 
 
+class _Collector:
+    """Layer hooks around a reference-arm Dispatcher that add each expert's inputs' second moments: for w13 the
+    normed hidden states routed to it, for w2 its SwiGLU activations from the model's own (unquantized) weights."""
+
+    def __init__(self, engine, sums: dict[str, torch.Tensor]) -> None:
+        from engine import flags
+        from engine.dispatcher import Dispatcher
+
+        self.engine, self.sums = engine, sums
+        self.dispatcher = Dispatcher(engine, flags.resolve(["moe_gate=reference", "flash_512=off"]), timed=False)
+
+    def attention(self, *args):
+        return self.dispatcher.attention(*args)
+
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
+        inputs, hidden = self.sums[f"layers.{layer}.w13"], self.sums[f"layers.{layer}.w2"]
+        f = w13.shape[1] // 2
+        flat_ids = topk_ids.reshape(-1).long()
+        flat_tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(topk_ids.shape[1])
+        for expert in torch.unique(flat_ids).tolist():
+            x = h[flat_tokens[flat_ids == expert]].float()  # [P, D]
+            gate_up = x @ w13[expert].float().t()
+            activation = torch.nn.functional.silu(gate_up[:, :f]) * gate_up[:, f:]  # [P, F]
+            inputs[expert] += x.t() @ x
+            hidden[expert] += activation.t() @ activation
+        return self.dispatcher.moe(layer, h, w13, w2, topk_ids, topk_weights, experts=experts, woken=woken)
+
+
+def calibration_hessians(engine, tokens: list[int], window: int = 512) -> dict[str, torch.Tensor]:
+    """Per coded matrix, the sum over the calibration tokens routed to each expert of x x^T (float32 [E, C, C]):
+    the Hessians `quantize_stack(hessian=)` weighs the error with. The tokens run in windows of `window` through
+    the reference arms."""
+    from engine.model import KVCache, forward
+
+    config = engine.config
+    needed = config.n_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
+    from engine.model_source import free_bytes, gib
+
+    free = free_bytes(engine.device)
+    if free is not None and needed > 0.5 * free:
+        raise UserError(f"--calibration: the Hessians of {config.name} take {gib(needed)}, more than half the "
+                        f"{gib(free)} free; quantize without --calibration")
+    sums = {}
+    for name in tc.expert_matrices(config):
+        columns = config.hidden if name.endswith(".w13") else config.intermediate
+        sums[name] = torch.zeros(config.n_experts, columns, columns, dtype=torch.float32, device=engine.device)
+    window = min(window, config.max_seq_len)
+    hooks = _Collector(engine, sums)
+    with torch.inference_mode():
+        for begin in range(0, len(tokens), window):
+            piece = torch.tensor([tokens[begin:begin + window]], device=engine.device)
+            cache = KVCache.allocate(config, 1, piece.shape[1], engine.device, engine.dtype)
+            forward(config, engine.weights, piece, 0, cache, hooks)
+    return sums
+
+
 def _dense_names(config) -> list[str]:
     from engine.model import tensor_shapes
 
@@ -200,8 +268,18 @@ def _finished_layer(partial: Path, layer: int) -> list[dict] | None:
         return None
 
 
+def _calibration_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--calibration {path}: cannot read it as UTF-8 text ({error})") from None
+    if not text.strip():
+        raise UserError(f"--calibration {path}: the file is empty; give text the model reads")
+    return text
+
+
 def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, partial: Path, progress: Progress,
-                    batch: int | None) -> list[dict]:
+                    batch: int | None, hessians: dict | None = None) -> list[dict]:
     config = engine.config
     reports, stacks = [], {}
     for matrix in ("w13", "w2"):
@@ -219,8 +297,9 @@ def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, par
             if not torch.isfinite(chunk).all():
                 raise UserError(f"{name}: experts {start}..{start + len(chunk) - 1} hold NaN or infinite weights; "
                                 f"no code approximates them: fix the source checkpoint")
+            hessian = None if hessians is None else _usable(hessians[name][start:start + per_chunk])
             stack = quantize_stack(chunk, code, left_seed=left_seed, right_seed=right_seed, left_block=left_block,
-                                   right_block=right_block, table=table, batch=batch,
+                                   right_block=right_block, table=table, batch=batch, hessian=hessian,
                                    advance=lambda count, name=name: progress.advance(count, note=name))
             report = quantization_report(chunk, dequantize(stack))
             squared += report.mse * report.weights
@@ -237,6 +316,15 @@ def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, par
     tc.write_tensors(partial / tc.layer_file(layer), tc.layer_tensors(layer, stacks["w13"], stacks["w2"]))
     tc.write_json(_layer_report_path(partial, layer), reports)  # after the tensors: a report means they are whole
     return reports
+
+
+def _usable(hessian: torch.Tensor) -> torch.Tensor:
+    """An expert no calibration token reached has H = 0: the identity stands in (the plain squared error)."""
+    empty = hessian.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0  # [E]
+    if bool(empty.any()):
+        hessian = hessian.clone()
+        hessian[empty] = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
+    return hessian
 
 
 def _concatenate(pieces: list[TrellisMatrix]) -> TrellisMatrix:

@@ -296,3 +296,54 @@ def test_a_shape_only_directory_loads_random_valid_codes(tmp_path, capsys):
     weights = dequantize(w2)
     assert torch.isfinite(weights).all() and 0.5 < float(weights.std() * 32 ** 0.5) < 2  # about N(0, 1/C)
     assert len(engine.generate("hi", 2, flags.resolve([])).tokens) == 2
+
+
+def test_calibration_hessians_weigh_the_error_they_measure(source):
+    """The collected Hessians are sums of the routed inputs' outer products; LDLQ with them lowers the
+    calibration-weighted error tr(E H E^T) against the plain search."""
+    from engine.trellis_job import _usable, calibration_hessians
+    from engine.trellis_quantizer import quantize_stack
+
+    engine = Engine.load(str(source), device="cpu")
+    tokens = list(torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist())
+    hessians = calibration_hessians(engine, tokens, window=100)
+    w13 = hessians["layers.0.w13"]  # [E, D, D]
+    assert w13.shape == (EXPERTS, HIDDEN, HIDDEN) and torch.allclose(w13, w13.transpose(1, 2))
+    # every token is routed to top-2 of 2 experts: each expert saw all 300 normed inputs, trace = sum |h|^2
+    assert float(w13[0].trace()) == pytest.approx(float(w13[1].trace()), rel=1e-4)
+    assert hessians["layers.2.w2"].shape == (EXPERTS, INTERMEDIATE, INTERMEDIATE)
+    weights = engine.weights["layers.0.w13"]
+    code = parse_experts("trellis:K=2,code=hyb")
+
+    def weighted(matrix) -> float:
+        error = (dequantize(matrix) - weights).double()
+        return float(sum(torch.trace(error[e] @ w13[e].double() @ error[e].t()) for e in range(EXPERTS)))
+
+    plain = quantize_stack(weights, code, left_seed=1, right_seed=2, left_block=INTERMEDIATE)
+    fed_back = quantize_stack(weights, code, left_seed=1, right_seed=2, left_block=INTERMEDIATE,
+                              hessian=_usable(w13))
+    assert weighted(fed_back) < weighted(plain)
+    empty = _usable(torch.zeros(2, 3, 3))
+    assert torch.equal(empty[1], torch.eye(3))
+
+
+def test_quantize_with_a_calibration_text(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    directory = write_tiny_mixtral(tmp_path / "one-layer", layers=1)
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # 256 byte symbols: byte tokens
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    text = tmp_path / "calibration.txt"
+    text.write_text("The if statement is used for conditional execution. " * 8)
+    out = tmp_path / "calibrated"
+    code, stdout, err = _run(["quantize", directory, "--experts", "trellis:K=2,code=3inst", "--out", out,
+                              "--calibration", text, "--calibration-tokens", "200", "--device", "cpu"], capsys)
+    assert code == 0, err
+    source = json.loads((out / "config.json").read_text())["moe_inspector"]["source"]
+    assert source["calibration"]["tokens"] == 200 and len(source["calibration"]["sha256"]) == 64
+    assert (out / "tokenizer.json").is_file()
+    code, _, err = _run(["quantize", directory, "--experts", "trellis:K=2,code=3inst", "--out", tmp_path / "x",
+                         "--calibration", tmp_path / "missing.txt", "--device", "cpu"], capsys)
+    assert code == 2 and "cannot read it" in err and not (tmp_path / "x").exists()

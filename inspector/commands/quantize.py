@@ -3,6 +3,7 @@ code, written as a checkpoint directory every command loads with `--model DIR` (
 
 from __future__ import annotations
 
+from engine.errors import UserError
 from engine.trellis_job import parse_experts, quantize_model, write_shape_only
 from inspector.commands.common import add_json_argument, print_json
 
@@ -22,6 +23,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: the model's own weights (a preset's shipped checkpoint); random: random weights "
                              "of its shape")
+    parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
+                        help="run this text through the model first and weigh each expert's error by its inputs' "
+                             "Hessian (LDLQ); default: the plain squared error")
+    parser.add_argument("--calibration-tokens", type=int, default=8192, metavar="N",
+                        help="tokens of the calibration text to run (default 8192)")
     parser.add_argument("--shape-only", action="store_true",
                         help="write config.json alone (shape, code, seeds): load it with --weights random for "
                              "random valid codes drawn on the device, e.g. a v4-shape trellis model to time")
@@ -36,7 +42,10 @@ def run(args) -> int:
         print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
               f"with --model {out} --weights random")
         return 0
-    result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights)
+    if args.calibration_tokens < 1:
+        raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
+    result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights,
+                            calibration=args.calibration, calibration_tokens=args.calibration_tokens)
     if args.json:
         print_json(result.to_json())
         return 0
