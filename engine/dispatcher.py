@@ -162,7 +162,7 @@ class Dispatcher:
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
             "weight_format": stored.name, "bits_per_weight": stored.bits_per_weight,
-            "expert_bytes": stored.bytes_per_expert, "weight_bytes_predicted": round(predicted * stored.bytes_per_expert),
+            "expert_bytes": stored.bytes_per_expert, "bytes_moved": round(predicted * stored.bytes_per_expert),
         }
         if woken is not None:
             self.pending_woken.append(woken)

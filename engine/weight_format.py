@@ -19,7 +19,7 @@ _FLOAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    name: str  # "bf16", "fp32", or "trellis hyb K=2 V=2"
+    name: str  # "bf16", "fp32", or "trellis hyb K=2 V=2 L=16" (TrellisCode.describe)
     bits_per_weight: float  # trellis: the codes' K plus the row scales
     bytes_per_expert: int  # w13 + w2 of one expert
     coded: bool  # trellis-coded (a TrellisMatrix) rather than dense tensors
@@ -31,7 +31,7 @@ def matrices_format(w13, w2) -> ExpertFormat:
         weights = w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]
         total = w13.bytes_per_expert + w2.bytes_per_expert
         code = w13.code
-        return ExpertFormat(f"trellis {code.code} K={code.K} V={code.V}", round(8 * total / weights, 4), total, True)
+        return ExpertFormat(code.describe(), round(8 * total / weights, 4), total, True)
     element = w13.element_size()
     total = (w13[0].numel() + w2[0].numel()) * element
     return ExpertFormat(_FLOAT_NAMES.get(w13.dtype, str(w13.dtype).removeprefix("torch.")), 8 * element, total, False)

@@ -119,7 +119,7 @@ def test_a_loaded_directory_runs_with_the_trellis_experts(source, quantized):
     assert float(error.pow(2).mean() / original.weights["layers.0.w13"].pow(2).mean()) < 0.12
     result = engine.generate([104, 105, 33], 3, flags.resolve([]))  # token ids: the source has no tokenizer.json
     record = result.steps[0]["moe"][0]
-    assert record["weight_format"] == "trellis hyb K=2 V=2" and record["executed_arm"] == "reference"
+    assert record["weight_format"] == "trellis hyb K=2 V=2 L=16" and record["executed_arm"] == "reference"
     assert "dequantizes the woken experts" in record["execution_note"]
     assert record["bits_per_weight"] == round(8 * record["expert_bytes"] / (3 * HIDDEN * INTERMEDIATE), 4)  # K + scales
     assert record["expert_bytes"] == (2 * INTERMEDIATE * HIDDEN + HIDDEN * INTERMEDIATE) * 2 // 8 \
@@ -130,8 +130,9 @@ def test_a_loaded_directory_runs_with_the_trellis_experts(source, quantized):
     from inspector.widgets.dispatch_log import LogEntry
 
     shown = LogEntry("A", "moe", record).line().plain
-    moved = record["woken_observed"] * record["expert_bytes"] / 1e6
-    assert f"[trellis hyb K=2 V=2, {record['bits_per_weight']:.2f} b/w, {moved:.3g} MB]" in shown
+    assert record["bytes_moved"] == round(record["woken_predicted"] * record["expert_bytes"])
+    assert f"[trellis hyb K=2 V=2 L=16, {record['bits_per_weight']:.2f} b/w, {record['bytes_moved'] / 1e6:.3g} MB]" \
+        in shown
     assert "trellis" not in LogEntry("A", "moe", plain).line().plain  # bf16 lines unchanged
 
 

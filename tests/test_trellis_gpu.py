@@ -55,7 +55,7 @@ def test_a_preset_quantizes_loads_and_generates_on_the_gpu(tmp_path):
     generation = engine.generate("The if statement", 8, flags.resolve([]))
     assert len(generation.tokens) == 8
     record = generation.steps[-1]["moe"][0]
-    assert record["weight_format"] == "trellis hyb K=2 V=2" and record["executed_arm"] == "reference"
+    assert record["weight_format"] == "trellis hyb K=2 V=2 L=16" and record["executed_arm"] == "reference"
     batch = engine.generate_batch([[1, 2, 3], [4, 5]], 4, flags.resolve([]))
     decode = [step for step in batch.steps if step["phase"] == "decode"]
     assert decode and any("trellis experts" in step["eager_reason"] for step in decode)  # no graph, and why

@@ -3,7 +3,7 @@
 MoE lines: step, phase, n tokens, layer, decided→executed arm and variant, woken experts
 predicted/observed, pairs per woken expert predicted/observed, m-tile fill, µs (when timed),
 reason; a trellis-coded layer's reason starts with its format, bits per weight and the expert bytes
-the step moved. Attention lines: decided→executed arm, the layer's mask → the mask applied, µs, reason
+the step moved (the record's `bytes_moved`). Attention lines: decided→executed arm, the layer's mask → the mask applied, µs, reason
 (a fused arm that declined says so). The full reason of the newest line of each kind is shown
 under the log, since reasons are longer than a line.
 
@@ -79,8 +79,8 @@ class LogEntry:
         r = self.record
         if self.op != "moe" or not str(r.get("weight_format", "")).startswith("trellis"):
             return ""
-        woken = r["woken_predicted"] if r.get("woken_observed") is None else r["woken_observed"]
-        return f"[{r['weight_format']}, {r['bits_per_weight']:.2f} b/w, {woken * r['expert_bytes'] / 1e6:.3g} MB] "
+        moved = "" if r.get("bytes_moved") is None else f", {r['bytes_moved'] / 1e6:.3g} MB"
+        return f"[{r['weight_format']}, {r['bits_per_weight']:.2f} b/w{moved}] "
 
     def reason(self) -> str:
         r = self.record
