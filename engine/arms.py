@@ -15,6 +15,7 @@ import torch
 
 from kernels import launches
 from kernels.reference import attention_reference, moe_reference
+from kernels.trellis_reference import TrellisMatrix, moe_trellis_reference
 
 
 def _moe_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
@@ -33,6 +34,8 @@ def _moe_torch_grouped_mm(x, w13, w2, ids, weights, *, tile_m, variant):
 
 
 def _moe_reference(x, w13, w2, ids, weights, *, tile_m, variant):
+    if isinstance(w13, TrellisMatrix):  # trellis-coded experts: decoded per woken expert
+        return moe_trellis_reference(x, w13, w2, ids, weights)
     return moe_reference(x, w13, w2, ids, weights)
 
 

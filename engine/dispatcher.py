@@ -21,6 +21,7 @@ from engine.devices import device_label
 from engine.flags import ResolvedFlags
 from engine.records import AttentionRecord, MoeRecord
 from engine.trace import layer_range_name, nvtx
+from engine.weight_format import matrices_format
 from kernels import launches
 from kernels.reference import MaskSpec
 
@@ -137,6 +138,7 @@ class Dispatcher:
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
             grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
         arm = ARMS[decision.arm]
+        stored = matrices_format(w13, w2)
         clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
         if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)
             executed, note = arm, f"gemv computes {experts.description} (its clamped epilogue)"
@@ -144,6 +146,10 @@ class Dispatcher:
             executed = ARMS[dispatch.REFERENCE]
             note = (f"{decision.arm} computes plain SwiGLU experts: the reference arm computes {experts.description}"
                     if decision.arm != dispatch.REFERENCE else "")
+        elif stored.coded:  # until trellis arms exist, the reference arm dequantizes the woken experts
+            executed = ARMS[dispatch.REFERENCE]
+            note = f"{stored.name} experts: the reference arm dequantizes the woken experts" + (
+                f" ({decision.arm} has no trellis form)" if decision.arm != dispatch.REFERENCE else "")
         elif arm.supports(device):
             executed, note = arm, ""
         else:
@@ -160,6 +166,8 @@ class Dispatcher:
             "boundary": decision.boundary, "policy": flags["moe_gate"],
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
+            "weight_format": stored.name, "bits_per_weight": stored.bits_per_weight,
+            "expert_bytes": stored.bytes_per_expert, "bytes_moved": round(predicted * stored.bytes_per_expert),
         }
         if woken is not None:
             self.pending_woken.append(woken)

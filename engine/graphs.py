@@ -29,6 +29,7 @@ from engine.decode_fused import StepOutputs, carried_launches, carry_default
 from engine.dispatcher import Dispatcher
 from engine.model import StepLayout, forward
 from engine.scheduler import DECODE, Batch
+from engine.weight_format import expert_format
 from kernels import launches
 
 
@@ -106,6 +107,8 @@ def capture_blocker(runner, size: int, dispatcher) -> str:
     if not config.plain_experts and decision.arm != dispatch.GEMV:
         return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
                 f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
+    if expert_format(runner.engine.weights, 0).coded:
+        return "trellis experts run on the reference arm (it dequantizes the woken experts), which syncs the host"
     if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
         return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for mask in config.layer_masks:

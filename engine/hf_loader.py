@@ -42,12 +42,14 @@ from typing import TextIO
 
 import torch
 
+from engine import trellis_checkpoint
 from engine.checkpoint import Checkpoint
 from engine.config import LayerMask, ModelConfig, YarnScaling
 from engine.errors import UserError
 from engine.hf_tokenizer import HFTokenizer
 from engine.model import tensor_shapes
 from engine.progress import Progress
+from engine.tokenizer import ByteTokenizer
 
 ARCHITECTURES = {
     "GptOssForCausalLM": "gpt-oss",
@@ -79,6 +81,12 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory
     (`tokenizer`: the caller's, instead of the directory's tokenizer.json)."""
     directory = Path(directory)
+    if trellis_checkpoint.is_trellis_directory(directory):  # experts in trellis codes, written by `quantize`
+        config, family, weights = trellis_checkpoint.load_directory(directory, device, dtype, stream)
+        if tokenizer is None:
+            tokenizer = ByteTokenizer() if trellis_checkpoint.byte_tokenizer(directory) else \
+                HFTokenizer(directory / "tokenizer.json")
+        return LoadedCheckpoint(config, weights, tokenizer, family)
     config, family = read_config(directory)
     tokenizer = HFTokenizer(directory / "tokenizer.json") if tokenizer is None else tokenizer
     if tokenizer.vocab_size > config.vocab_size:
@@ -135,6 +143,9 @@ def read_config(directory: Path) -> tuple[ModelConfig, str]:
         raise UserError(f"{path}: not valid JSON ({error}); download it again") from None
     if not isinstance(values, dict):
         raise UserError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    if trellis_checkpoint.is_trellis_config(values):
+        config, family, _ = trellis_checkpoint.read_config(values, path)
+        return config, family
     fields = _Fields(values, path)
     family = _family(fields)
     try:

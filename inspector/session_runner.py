@@ -45,8 +45,9 @@ from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.provenance import commit_and_dirty
 from engine.tokenizer import ByteTokenizer
-from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CompareStep,
-                               CurveStep, PromptStep, Session, Step, SweepStep, atomic_write_text, step_to_plain)
+from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CheckQuantStep,
+                               CompareStep, CurveStep, PromptStep, Session, Step, SweepStep, atomic_write_text,
+                               step_to_plain)
 
 RESULTS_SCHEMA = 1
 OK, CHECK_FAILED = "ok", "check failed"
@@ -402,6 +403,20 @@ def run_step(context: RunContext, index: int, step: Step) -> dict:
             check = {"expect": step.expect, "held": held,
                      "detail": (f"verdict {verdict}, as expected" if held else
                                 f"expected verdict {step.expect}, got {verdict}: {numbers.get('sentence', '')}")}
+    elif isinstance(step, CheckQuantStep):
+        from engine.quant_check import check_quant_engine
+
+        checkpoint = context.engine.checkpoint or {}
+        directory = Path(checkpoint.get("path") or context.session.engine.model)
+        numbers = _json_safe(check_quant_engine(context.engine, directory, layer=step.layer,
+                                                tokens=tuple(step.tokens) if step.tokens else None, arm=step.arm,
+                                                seed=context.session.engine.seed))
+        if step.expect is not None:
+            verdicts = [row["verdict"] for row in numbers["rows"]]
+            held = all(verdict == step.expect for verdict in verdicts)
+            check = {"expect": step.expect, "held": held,
+                     "detail": (f"verdict {step.expect} at every token count, as expected" if held else
+                                f"expected verdict {step.expect}, got {verdicts}: {numbers['sentence']}")}
     elif isinstance(step, BenchStep):
         from engine.bench import run_bench
 
@@ -587,6 +602,10 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         old, new = recorded.get("numbers", {}).get("verdict"), now.get("numbers", {}).get("verdict")
         if old != new:
             differences.append(f"{label}: verdict differs: recorded {old}, now {new}")
+    if recorded["action"] == "check-quant":
+        old, new = ([row.get("verdict") for row in side.get("numbers", {}).get("rows", [])] for side in (recorded, now))
+        if old != new:
+            differences.append(f"{label}: verdicts differ: recorded {old}, now {new}")
     if recorded["action"] == "bench":
         differences += diff_bench(label, recorded.get("numbers", {}), now.get("numbers", {}))
     return differences

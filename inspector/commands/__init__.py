@@ -8,9 +8,11 @@ COMMAND_MODULES = [
     "generate",
     "compare",
     "check_attention",
+    "check_quant",
     "sweep",
     "run",
     "replay",
     "bench",
     "ab",
+    "quantize",
 ]

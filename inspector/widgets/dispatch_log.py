@@ -2,7 +2,8 @@
 
 MoE lines: step, phase, n tokens, layer, decided→executed arm and variant, woken experts
 predicted/observed, pairs per woken expert predicted/observed, m-tile fill, µs (when timed),
-reason. Attention lines: decided→executed arm, the layer's mask → the mask applied, µs, reason
+reason; a trellis-coded layer's reason starts with its format, bits per weight and the expert bytes
+the step moved (the record's `bytes_moved`). Attention lines: decided→executed arm, the layer's mask → the mask applied, µs, reason
 (a fused arm that declined says so). The full reason of the newest line of each kind is shown
 under the log, since reasons are longer than a line.
 
@@ -73,9 +74,17 @@ class LogEntry:
                     + f"{100 * r['fill']:.1f}%")
         return "mask " + (r["mask"] if r["mask"] == r["applied_mask"] else f"{r['mask']} → {r['applied_mask']}")
 
+    def weights_text(self) -> str:
+        """Trellis layers only (bf16 lines are unchanged): the format, bits per weight, expert bytes moved."""
+        r = self.record
+        if self.op != "moe" or not str(r.get("weight_format", "")).startswith("trellis"):
+            return ""
+        moved = "" if r.get("bytes_moved") is None else f", {r['bytes_moved'] / 1e6:.3g} MB"
+        return f"[{r['weight_format']}, {r['bits_per_weight']:.2f} b/w{moved}] "
+
     def reason(self) -> str:
         r = self.record
-        reason = ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
+        reason = self.weights_text() + ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
         return reason + (f" [{r['execution_note']}]" if r.get("execution_note") else "")
 
     def line(self) -> Text:
@@ -90,7 +99,8 @@ class LogEntry:
                 style = "bold red"  # the mask was dropped: the incident
             text.append(_cell(value, width, align), style=style)
             text.append(" ")
-        text.append(r["reason"] if not r.get("declined") else f"declined: {r['reason']}", style="dim")
+        text.append(self.weights_text() + (r["reason"] if not r.get("declined") else f"declined: {r['reason']}"),
+                    style="dim")
         return text
 
 
