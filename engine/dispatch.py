@@ -11,6 +11,21 @@ n = tokens in the step, k = experts per token, E = routed experts, TILE_M = grou
 Host scalars only, so a decision is safe inside CUDA-graph capture. Uniform routing is the
 conservative assumption: a skewed router wakes fewer experts and fills tiles more than this
 predicts. Knows nothing about tensors, kernels or flags parsing; callers pass plain values.
+
+Trellis-coded experts (weight_format "trellis") take the same policies over their own three arms:
+the GEMV side is `trellis_gemv`, the grouped side `trellis_grouped` (packed tiles decoded per
+window, staged once per window as bf16 tiles are) or `trellis_dequant` (the woken experts decoded
+to a bf16 copy once per step, then the bf16 grouped GEMM). In bytes, with P packed and B bf16
+bytes per expert, a step moves
+
+    gemv     n*k * P                  (each pair reads its expert; no deduplication)
+    grouped  woken * P                (the bandwidth bound's numerator)
+    dequant  woken * (P + 2*B)        (packed read once, the bf16 copy written and read back)
+
+so dequantizing never moves fewer bytes: what it saves is decode work (once per expert instead of
+once per window), which only a measurement prices. The gate therefore picks `trellis_dequant` only
+from a measured crossover (`measured` with a calibration that has one) or when the
+`trellis_grouped` mode forces it; every other policy's grouped side is `trellis_grouped`.
 """
 
 from __future__ import annotations
@@ -20,6 +35,12 @@ from typing import Callable
 
 GEMV, GROUPED, REFERENCE, TORCH_GROUPED_MM = "gemv", "grouped", "reference", "torch_grouped_mm"
 MOE_ARMS = (GEMV, GROUPED, TORCH_GROUPED_MM, REFERENCE)
+TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT = "trellis_gemv", "trellis_grouped", "trellis_dequant"
+TRELLIS_ARMS = (TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT, REFERENCE)
+BF16, TRELLIS = "bf16", "trellis"
+WEIGHT_FORMATS = (BF16, TRELLIS)
+# which grouped arm a trellis layer's grouped decision runs: by the policy (auto), or forced
+TRELLIS_GROUPED_MODES = ("auto", "fused", "dequant")
 FALLBACK_THRESHOLD = 16  # `measured` without a calibration falls back to threshold:16 (DESIGN.md)
 
 
@@ -65,6 +86,20 @@ def min_tokens(k: int, n_experts: int, tile_m: int) -> int:
     return high
 
 
+def moved_bytes(arm: str, n_tokens: int, k: int, n_experts: int, expert_bytes: int, dense_expert_bytes: int) -> float:
+    """Expected weight bytes one step's MoE layer moves through device memory on `arm` (uniform routing).
+
+    expert_bytes: one expert's stored weights (w13 and w2: bf16 bytes, or packed codes plus their scales
+    and signs); dense_expert_bytes: the same expert in bf16 (what the dequantize arm writes and reads back).
+    GEMV reads each pair's expert on its own; the grouped arms stage each woken expert once."""
+    if arm in (GEMV, TRELLIS_GEMV):
+        return float(max(n_tokens, 0) * k * expert_bytes)
+    woken = woken_experts(n_tokens, k, n_experts)
+    if arm == TRELLIS_DEQUANT:
+        return woken * (expert_bytes + 2 * dense_expert_bytes)
+    return woken * expert_bytes
+
+
 def curve_row(n_tokens: int, k: int, n_experts: int, tile_m: int) -> dict:
     return {
         "n": n_tokens,
@@ -92,6 +127,11 @@ class GateInputs:
     moe_max_tokens: int = 0
     grouped_variant: int = 2
     measured_crossover: int | None = None  # from the calibration file, None when absent
+    weight_format: str = BF16  # "bf16" or "trellis": which arms the decision names
+    expert_bytes: int = 0  # one expert's stored w13 + w2 (packed codes, scales, signs for trellis); 0 = not given
+    dense_expert_bytes: int = 0  # the same expert in bf16 (what trellis_dequant writes and reads back)
+    trellis_grouped: str = "auto"  # TRELLIS_GROUPED_MODES: the grouped arm of a trellis layer
+    measured_dequant_crossover: int | None = None  # calibration: trellis_dequant beats trellis_grouped from here
 
 
 @dataclass(frozen=True)
@@ -101,6 +141,7 @@ class Decision:
     reason: str  # in words, for people
     boundary: int | None  # the token count from which this policy picks grouped, if it has one
     inputs: dict = field(default_factory=dict)
+    dequant_boundary: int | None = None  # trellis: the token count from which the grouped side is trellis_dequant
 
 
 def _describe_fill(g: GateInputs) -> str:
@@ -126,6 +167,8 @@ def _inputs(g: GateInputs) -> dict:
         "n_tokens": g.n_tokens, "k": g.k, "n_experts": g.n_experts, "tile_m": g.tile_m,
         "policy": g.policy, "decode_floor": g.decode_floor, "moe_max_tokens": g.moe_max_tokens,
         "measured_crossover": g.measured_crossover,
+        **({"weight_format": g.weight_format, "expert_bytes": g.expert_bytes, "trellis_grouped": g.trellis_grouped,
+            "measured_dequant_crossover": g.measured_dequant_crossover} if g.weight_format != BF16 else {}),
     }
 
 
@@ -176,13 +219,49 @@ def decide(g: GateInputs) -> Decision:
     """The arm for one MoE layer of one step.
 
     `moe_max_tokens` pins GEMV for n <= value under every policy except `reference`, which is
-    the correctness arm of side-by-side checks and must stay what it says.
+    the correctness arm of side-by-side checks and must stay what it says. A trellis layer's
+    decision names the trellis arm of the side the policy chose (`_trellis`).
     """
+    if g.weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {g.weight_format!r}")
+    if g.trellis_grouped not in TRELLIS_GROUPED_MODES:
+        raise ValueError(f"trellis_grouped must be one of {TRELLIS_GROUPED_MODES}, got {g.trellis_grouped!r}")
     name = g.policy.split(":", 1)[0]
     decision = POLICIES[name](g)
     if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens and name != "reference":
-        return Decision(GEMV, None,
-                        f"moe_max_tokens={g.moe_max_tokens} pins GEMV for n <= {g.moe_max_tokens} "
-                        f"(the policy alone said {decision.arm}: {decision.reason})",
-                        decision.boundary, decision.inputs)
-    return decision
+        decision = Decision(GEMV, None,
+                            f"moe_max_tokens={g.moe_max_tokens} pins GEMV for n <= {g.moe_max_tokens} "
+                            f"(the policy alone said {decision.arm}: {decision.reason})",
+                            decision.boundary, decision.inputs)
+    return _trellis(decision, g, name) if g.weight_format == TRELLIS else decision
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:,.1f} MB"
+
+
+def _trellis(decision: Decision, g: GateInputs, policy: str) -> Decision:
+    """The trellis arm of the side `decision` chose: GEMV -> trellis_gemv; grouped -> trellis_grouped, or
+    trellis_dequant when forced (trellis_grouped=dequant) or, under `measured` in auto mode, from the
+    calibration's dequantize crossover on (the byte arithmetic never favours dequantizing: module docstring)."""
+    if decision.arm == REFERENCE:
+        return decision
+    n, k, experts = g.n_tokens, g.k, g.n_experts
+    if decision.arm == GEMV:
+        arm, dequant_boundary, why = TRELLIS_GEMV, None, "trellis_gemv decodes in registers"
+    elif g.trellis_grouped != "auto":
+        arm = TRELLIS_DEQUANT if g.trellis_grouped == "dequant" else TRELLIS_GROUPED
+        dequant_boundary, why = None, f"forced by trellis_grouped={g.trellis_grouped}: {arm}"
+    elif policy == "measured" and g.measured_dequant_crossover is not None:
+        dequant_boundary = g.measured_dequant_crossover
+        arm = TRELLIS_DEQUANT if n >= dequant_boundary else TRELLIS_GROUPED
+        why = (f"this GPU's sweep measured trellis_dequant faster from {dequant_boundary} tokens: "
+               f"{n} {'>=' if arm == TRELLIS_DEQUANT else '<'} {dequant_boundary}: {arm}")
+    else:
+        arm, dequant_boundary = TRELLIS_GROUPED, None
+        why = "trellis_grouped (dequantizing moves more bytes; no measured crossover says it decodes faster)"
+    if g.expert_bytes:
+        why += f"; moves {_megabytes(moved_bytes(arm, n, k, experts, g.expert_bytes, g.dense_expert_bytes))} of weights"
+    variant = g.grouped_variant if arm == TRELLIS_DEQUANT else None  # the bf16 grouped variant it runs
+    return Decision(arm, variant, f"{decision.reason}; trellis experts: {why}", decision.boundary, decision.inputs,
+                    dequant_boundary)

@@ -1,0 +1,163 @@
+"""The gate on trellis-coded experts: every policy's decision names one of the trellis arms, and the
+boundaries it reports leave no token count where dispatch falls through to an arm nobody chose.
+
+The property is checked against a restatement of the policies (`expected_arm`), written from the
+dispatch docstring and not from its code: for n in 1..100000 drawn by hypothesis, for every policy,
+mode and pin, and exhaustively at every reported boundary and its neighbours.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import dispatch
+from engine.dispatch import GateInputs, decide
+
+MAX_TOKENS = 100_000
+# v4-shape experts (E = 256, k = 6, D = 4096, F = 2048): packed at K = 2 (codes only) against bf16
+V4 = dict(k=6, n_experts=256, expert_bytes=3 * 4096 * 2048 * 2 // 8, dense_expert_bytes=3 * 4096 * 2048 * 2)
+POLICIES = ("floor", "tile-fill", "threshold:16", "threshold:700", "threshold:99999", "measured", "gemv", "grouped",
+            "reference")
+
+
+def expected_arm(g: GateInputs) -> str:
+    """Which arm a trellis layer must get, restated from the policies' definitions."""
+    name = g.policy.split(":", 1)[0]
+    if name == "reference":
+        return dispatch.REFERENCE
+    if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens:
+        grouped_side = False
+    elif name in ("gemv", "grouped"):
+        grouped_side = name == "grouped"
+    else:
+        if name == "floor":
+            boundary = g.decode_floor + 1
+        elif name == "tile-fill":
+            boundary = dispatch.min_tokens(g.k, g.n_experts, g.tile_m)
+        elif name == "threshold":
+            boundary = int(g.policy.split(":", 1)[1])
+        else:
+            boundary = dispatch.FALLBACK_THRESHOLD if g.measured_crossover is None else g.measured_crossover
+        grouped_side = g.n_tokens > g.decode_floor and g.n_tokens >= boundary
+    if not grouped_side:
+        return dispatch.TRELLIS_GEMV
+    if g.trellis_grouped == "dequant":
+        return dispatch.TRELLIS_DEQUANT
+    if g.trellis_grouped == "fused":
+        return dispatch.TRELLIS_GROUPED
+    crossover = g.measured_dequant_crossover
+    if name == "measured" and crossover is not None and g.n_tokens >= crossover:
+        return dispatch.TRELLIS_DEQUANT
+    return dispatch.TRELLIS_GROUPED
+
+
+def check(g: GateInputs) -> dispatch.Decision:
+    decision = decide(g)
+    assert decision.arm in dispatch.TRELLIS_ARMS, f"{g}: a trellis layer got {decision.arm}"
+    assert decision.arm == expected_arm(g), f"{g}: decided {decision.arm} ({decision.reason})"
+    assert decision.reason and "trellis" in decision.reason or decision.arm == dispatch.REFERENCE
+    if decision.arm == dispatch.TRELLIS_DEQUANT:
+        assert decision.variant == g.grouped_variant  # the bf16 grouped variant it runs after decoding
+    return decision
+
+
+gates = st.builds(
+    GateInputs,
+    n_tokens=st.integers(1, MAX_TOKENS),
+    k=st.just(V4["k"]),
+    n_experts=st.just(V4["n_experts"]),
+    tile_m=st.sampled_from((16, 32, 64)),
+    policy=st.sampled_from(POLICIES) | st.integers(1, MAX_TOKENS).map(lambda n: f"threshold:{n}"),
+    decode_floor=st.integers(0, 64),
+    moe_max_tokens=st.sampled_from((0, 0, 1, 8, 4096)),
+    grouped_variant=st.sampled_from((0, 1, 2)),
+    measured_crossover=st.none() | st.integers(1, MAX_TOKENS),
+    weight_format=st.just(dispatch.TRELLIS),
+    expert_bytes=st.just(V4["expert_bytes"]),
+    dense_expert_bytes=st.just(V4["dense_expert_bytes"]),
+    trellis_grouped=st.sampled_from(dispatch.TRELLIS_GROUPED_MODES),
+    measured_dequant_crossover=st.none() | st.integers(1, MAX_TOKENS),
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(gates)
+def test_every_token_count_and_policy_gets_the_arm_its_boundaries_say(g):
+    check(g)
+
+
+def _scan_points(boundaries) -> list[int]:
+    points = {1, 2, MAX_TOKENS - 1, MAX_TOKENS}
+    for boundary in boundaries:
+        if boundary is not None:
+            points.update(n for n in (boundary - 1, boundary, boundary + 1) if 1 <= n <= MAX_TOKENS)
+    return sorted(points)
+
+
+@pytest.mark.parametrize("mode", dispatch.TRELLIS_GROUPED_MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_arm_changes_only_at_the_reported_boundaries(policy, mode):
+    """Between two neighbouring reported boundaries the arm is constant, so checking each boundary, its
+    neighbours and the ends covers every n in 1..100000 (the arm is a step function of n: each policy
+    compares n with fixed numbers)."""
+    base = dict(V4, tile_m=16, policy=policy, weight_format=dispatch.TRELLIS, trellis_grouped=mode,
+                measured_crossover=24, measured_dequant_crossover=30000)
+    probe = decide(GateInputs(n_tokens=1, **base))
+    boundaries = [probe.boundary, probe.dequant_boundary, 30000, 24, 8, 9]
+    previous, arms = None, []
+    for n in _scan_points(boundaries):
+        decision = check(GateInputs(n_tokens=n, **base))
+        if decision.arm != previous:
+            arms.append((n, decision.arm))
+            previous = decision.arm
+    order = [dispatch.TRELLIS_GEMV, dispatch.TRELLIS_GROUPED, dispatch.TRELLIS_DEQUANT]
+    ranks = [order.index(arm) if arm in order else -1 for _, arm in arms]
+    assert ranks == sorted(ranks), f"{policy}/{mode}: the arms go back as n grows: {arms}"
+
+
+def test_tile_fill_on_v4_trellis_flips_where_bf16_does():
+    """The m-tile arithmetic is about pairs per woken expert, which the weight format does not change: the
+    same 683 tokens, now naming trellis arms, with the bytes each moves in the reason."""
+    below = decide(GateInputs(n_tokens=682, tile_m=16, policy="tile-fill", weight_format="trellis", **V4))
+    at = decide(GateInputs(n_tokens=683, tile_m=16, policy="tile-fill", weight_format="trellis", **V4))
+    assert (below.arm, at.arm, at.boundary) == ("trellis_gemv", "trellis_grouped", 683)
+    # 682 x 6 pairs x 6.3 MB against 256 woken experts x 6.3 MB
+    assert "25,744.6 MB" in below.reason and "1,610.6 MB" in at.reason
+
+
+def test_measured_dequant_crossover_applies_on_the_grouped_side_only():
+    base = dict(V4, tile_m=16, policy="measured", weight_format="trellis", measured_crossover=64,
+                measured_dequant_crossover=8)
+    assert decide(GateInputs(n_tokens=32, **base)).arm == "trellis_gemv"  # below the GEMV crossover
+    decision = decide(GateInputs(n_tokens=64, **base))
+    assert decision.arm == "trellis_dequant" and decision.dequant_boundary == 8
+    assert "measured trellis_dequant faster from 8 tokens" in decision.reason
+
+
+def test_dequantize_is_never_chosen_by_the_byte_arithmetic():
+    for policy in ("floor", "tile-fill", "threshold:16"):
+        for n in (16, 683, 8192, MAX_TOKENS):
+            decision = decide(GateInputs(n_tokens=n, tile_m=16, policy=policy, weight_format="trellis",
+                                         measured_dequant_crossover=1, **V4))
+            assert decision.arm != "trellis_dequant"
+    # the bytes say why: dequantizing adds the bf16 copy written and read back
+    for n in (683, 8192):
+        fused = dispatch.moved_bytes("trellis_grouped", n, 6, 256, V4["expert_bytes"], V4["dense_expert_bytes"])
+        dequant = dispatch.moved_bytes("trellis_dequant", n, 6, 256, V4["expert_bytes"], V4["dense_expert_bytes"])
+        assert dequant == pytest.approx(fused * 17)  # P + 2 * 8P at 2 bits per weight
+
+
+def test_bf16_layers_never_get_a_trellis_arm():
+    for policy in POLICIES:
+        for n in (1, 16, 683, 8192):
+            arm = decide(GateInputs(n_tokens=n, k=6, n_experts=256, tile_m=16, policy=policy,
+                                    trellis_grouped="dequant", measured_dequant_crossover=1)).arm
+            assert arm in dispatch.MOE_ARMS
+
+
+@pytest.mark.parametrize("field, value", [("weight_format", "int4"), ("trellis_grouped", "sometimes")])
+def test_unknown_format_or_mode_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        decide(GateInputs(n_tokens=1, k=6, n_experts=256, tile_m=16, policy="floor", **{field: value}))
