@@ -39,6 +39,21 @@ def _moe_reference(x, w13, w2, ids, weights, *, tile_m, variant):
     return moe_reference(x, w13, w2, ids, weights)
 
 
+def _moe_trellis_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_gemv import moe_trellis_gemv
+    return moe_trellis_gemv(x, w13, w2, ids, weights)
+
+
+def _moe_trellis_grouped(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_grouped import moe_trellis_grouped
+    return moe_trellis_grouped(x, w13, w2, ids, weights, tile_m=tile_m)
+
+
+def _moe_trellis_dequant(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_grouped import moe_trellis_dequant
+    return moe_trellis_dequant(x, w13, w2, ids, weights, tile_m=tile_m)
+
+
 def _on_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
@@ -74,13 +89,17 @@ class Arm:
     family: str  # "moe" or "attention"
     supports: Callable[[torch.device], bool]
     launch: Callable
+    weight_format: str = "bf16"  # the experts a MoE arm multiplies: "bf16" tensors or "trellis" stacks
 
 
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("gemv", "moe", _on_cuda, _moe_gemv),
     Arm("grouped", "moe", _on_cuda, _moe_grouped),
     Arm("torch_grouped_mm", "moe", _grouped_mm_supported, _moe_torch_grouped_mm),
-    Arm("reference", "moe", lambda device: True, _moe_reference),
+    Arm("reference", "moe", lambda device: True, _moe_reference),  # either format
+    Arm("trellis_gemv", "moe", _on_cuda, _moe_trellis_gemv, "trellis"),
+    Arm("trellis_grouped", "moe", _on_cuda, _moe_trellis_grouped, "trellis"),
+    Arm("trellis_dequant", "moe", _on_cuda, _moe_trellis_dequant, "trellis"),
     Arm("fused", "attention", _on_cuda, _attention_fused),
     Arm("unfused", "attention", lambda device: True, _attention_unfused),
 )}
@@ -113,8 +132,12 @@ class Counters:
         self.graph_replays += times
 
     def to_json(self) -> dict:
-        arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}
+        bf16 = [name for name in ARMS if ARMS[name].family == "moe" and ARMS[name].weight_format == "bf16"]
+        arms = {name: 0 for name in bf16 if name != "grouped"}
         arms.update({f"grouped_v{variant}": 0 for variant in (0, 1, 2)})
+        trellis = [name for name in ARMS if ARMS[name].weight_format == "trellis"]
+        if any(self.arms.get(name) for name in trellis):  # a run on trellis experts lists all three
+            arms.update({name: 0 for name in trellis})
         arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
         arms.update(self.arms)
         counts = {"arms": arms, "kernels": launches.since(self._kernel_baseline)}

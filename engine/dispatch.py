@@ -24,8 +24,9 @@ bytes per expert, a step moves
 
 so dequantizing never moves fewer bytes: what it saves is decode work (once per expert instead of
 once per window), which only a measurement prices. The gate therefore picks `trellis_dequant` only
-from a measured crossover (`measured` with a calibration that has one) or when the
-`trellis_grouped` mode forces it; every other policy's grouped side is `trellis_grouped`.
+from a measured crossover (`measured` with a calibration that has one) or when `moe_gate=dequant`
+forces it; every other policy's grouped side is `trellis_grouped`. On bf16 experts `dequant` is the
+grouped arm (there is nothing to decode), and says so.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT = "trellis_gemv", "trellis_groupe
 TRELLIS_ARMS = (TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT, REFERENCE)
 BF16, TRELLIS = "bf16", "trellis"
 WEIGHT_FORMATS = (BF16, TRELLIS)
-# which grouped arm a trellis layer's grouped decision runs: by the policy (auto), or forced
-TRELLIS_GROUPED_MODES = ("auto", "fused", "dequant")
 FALLBACK_THRESHOLD = 16  # `measured` without a calibration falls back to threshold:16 (DESIGN.md)
 
 
@@ -130,7 +129,6 @@ class GateInputs:
     weight_format: str = BF16  # "bf16" or "trellis": which arms the decision names
     expert_bytes: int = 0  # one expert's stored w13 + w2 (packed codes, scales, signs for trellis); 0 = not given
     dense_expert_bytes: int = 0  # the same expert in bf16 (what trellis_dequant writes and reads back)
-    trellis_grouped: str = "auto"  # TRELLIS_GROUPED_MODES: the grouped arm of a trellis layer
     measured_dequant_crossover: int | None = None  # calibration: trellis_dequant beats trellis_grouped from here
 
 
@@ -167,7 +165,7 @@ def _inputs(g: GateInputs) -> dict:
         "n_tokens": g.n_tokens, "k": g.k, "n_experts": g.n_experts, "tile_m": g.tile_m,
         "policy": g.policy, "decode_floor": g.decode_floor, "moe_max_tokens": g.moe_max_tokens,
         "measured_crossover": g.measured_crossover,
-        **({"weight_format": g.weight_format, "expert_bytes": g.expert_bytes, "trellis_grouped": g.trellis_grouped,
+        **({"weight_format": g.weight_format, "expert_bytes": g.expert_bytes,
             "measured_dequant_crossover": g.measured_dequant_crossover} if g.weight_format != BF16 else {}),
     }
 
@@ -196,11 +194,16 @@ def _measured(g: GateInputs) -> Decision:
                      f"measured: this GPU's sweep crossed over at {g.measured_crossover} tokens")
 
 
-def _forced(arm: str) -> Callable[[GateInputs], Decision]:
+def _forced(arm: str, name: str | None = None) -> Callable[[GateInputs], Decision]:
+    """moe_gate=`name` (default: the arm's name) forces `arm`; `dequant` forces the grouped side, which on
+    trellis experts is trellis_dequant (`_trellis`) and on bf16 ones the grouped arm itself."""
+    name = name or arm
+
     def decide(g: GateInputs) -> Decision:
         variant = g.grouped_variant if arm == GROUPED else None
         label = f"grouped v{variant}" if arm == GROUPED else arm
-        return Decision(arm, variant, f"forced by moe_gate={arm}: {label}", None, _inputs(g))
+        note = " (bf16 experts have nothing to dequantize)" if name != arm and g.weight_format == BF16 else ""
+        return Decision(arm, variant, f"forced by moe_gate={name}: {label}{note}", None, _inputs(g))
     return decide
 
 
@@ -212,6 +215,7 @@ POLICIES: dict[str, Callable[[GateInputs], Decision]] = {
     "gemv": _forced(GEMV),
     "grouped": _forced(GROUPED),
     "reference": _forced(REFERENCE),
+    "dequant": _forced(GROUPED, "dequant"),
 }
 
 
@@ -224,8 +228,6 @@ def decide(g: GateInputs) -> Decision:
     """
     if g.weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {g.weight_format!r}")
-    if g.trellis_grouped not in TRELLIS_GROUPED_MODES:
-        raise ValueError(f"trellis_grouped must be one of {TRELLIS_GROUPED_MODES}, got {g.trellis_grouped!r}")
     name = g.policy.split(":", 1)[0]
     decision = POLICIES[name](g)
     if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens and name != "reference":
@@ -242,26 +244,25 @@ def _megabytes(value: float) -> str:
 
 def _trellis(decision: Decision, g: GateInputs, policy: str) -> Decision:
     """The trellis arm of the side `decision` chose: GEMV -> trellis_gemv; grouped -> trellis_grouped, or
-    trellis_dequant when forced (trellis_grouped=dequant) or, under `measured` in auto mode, from the
-    calibration's dequantize crossover on (the byte arithmetic never favours dequantizing: module docstring)."""
+    trellis_dequant when forced (moe_gate=dequant) or, under `measured`, from the calibration's dequantize
+    crossover on (the byte arithmetic never favours dequantizing: module docstring)."""
     if decision.arm == REFERENCE:
         return decision
     n, k, experts = g.n_tokens, g.k, g.n_experts
+    dequant_boundary = None
     if decision.arm == GEMV:
-        arm, dequant_boundary, why = TRELLIS_GEMV, None, "trellis_gemv decodes in registers"
-    elif g.trellis_grouped != "auto":
-        arm = TRELLIS_DEQUANT if g.trellis_grouped == "dequant" else TRELLIS_GROUPED
-        dequant_boundary, why = None, f"forced by trellis_grouped={g.trellis_grouped}: {arm}"
+        arm, why = TRELLIS_GEMV, "trellis_gemv decodes in registers"
+    elif policy == "dequant":
+        arm, why = TRELLIS_DEQUANT, "trellis_dequant decodes the woken experts, then multiplies"
     elif policy == "measured" and g.measured_dequant_crossover is not None:
         dequant_boundary = g.measured_dequant_crossover
         arm = TRELLIS_DEQUANT if n >= dequant_boundary else TRELLIS_GROUPED
         why = (f"this GPU's sweep measured trellis_dequant faster from {dequant_boundary} tokens: "
                f"{n} {'>=' if arm == TRELLIS_DEQUANT else '<'} {dequant_boundary}: {arm}")
     else:
-        arm, dequant_boundary = TRELLIS_GROUPED, None
+        arm = TRELLIS_GROUPED
         why = "trellis_grouped (dequantizing moves more bytes; no measured crossover says it decodes faster)"
     if g.expert_bytes:
         why += f"; moves {_megabytes(moved_bytes(arm, n, k, experts, g.expert_bytes, g.dense_expert_bytes))} of weights"
-    variant = g.grouped_variant if arm == TRELLIS_DEQUANT else None  # the bf16 grouped variant it runs
-    return Decision(arm, variant, f"{decision.reason}; trellis experts: {why}", decision.boundary, decision.inputs,
+    return Decision(arm, None, f"{decision.reason}; trellis experts: {why}", decision.boundary, decision.inputs,
                     dequant_boundary)

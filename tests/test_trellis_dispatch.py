@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import dispatch
+from engine.arms import ARMS
 from engine.dispatch import GateInputs, decide
 
 MAX_TOKENS = 100_000
 # v4-shape experts (E = 256, k = 6, D = 4096, F = 2048): packed at K = 2 (codes only) against bf16
 V4 = dict(k=6, n_experts=256, expert_bytes=3 * 4096 * 2048 * 2 // 8, dense_expert_bytes=3 * 4096 * 2048 * 2)
 POLICIES = ("floor", "tile-fill", "threshold:16", "threshold:700", "threshold:99999", "measured", "gemv", "grouped",
-            "reference")
+            "reference", "dequant")
 
 
 def expected_arm(g: GateInputs) -> str:
@@ -29,8 +30,8 @@ def expected_arm(g: GateInputs) -> str:
         return dispatch.REFERENCE
     if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens:
         grouped_side = False
-    elif name in ("gemv", "grouped"):
-        grouped_side = name == "grouped"
+    elif name in ("gemv", "grouped", "dequant"):
+        grouped_side = name != "gemv"
     else:
         if name == "floor":
             boundary = g.decode_floor + 1
@@ -43,10 +44,8 @@ def expected_arm(g: GateInputs) -> str:
         grouped_side = g.n_tokens > g.decode_floor and g.n_tokens >= boundary
     if not grouped_side:
         return dispatch.TRELLIS_GEMV
-    if g.trellis_grouped == "dequant":
+    if name == "dequant":
         return dispatch.TRELLIS_DEQUANT
-    if g.trellis_grouped == "fused":
-        return dispatch.TRELLIS_GROUPED
     crossover = g.measured_dequant_crossover
     if name == "measured" and crossover is not None and g.n_tokens >= crossover:
         return dispatch.TRELLIS_DEQUANT
@@ -58,8 +57,9 @@ def check(g: GateInputs) -> dispatch.Decision:
     assert decision.arm in dispatch.TRELLIS_ARMS, f"{g}: a trellis layer got {decision.arm}"
     assert decision.arm == expected_arm(g), f"{g}: decided {decision.arm} ({decision.reason})"
     assert decision.reason and "trellis" in decision.reason or decision.arm == dispatch.REFERENCE
-    if decision.arm == dispatch.TRELLIS_DEQUANT:
-        assert decision.variant == g.grouped_variant  # the bf16 grouped variant it runs after decoding
+    if decision.arm != dispatch.REFERENCE:
+        assert decision.variant is None  # the bf16 grouped variants are not the trellis arms'
+        assert ARMS[decision.arm].weight_format == dispatch.TRELLIS
     return decision
 
 
@@ -77,7 +77,6 @@ gates = st.builds(
     weight_format=st.just(dispatch.TRELLIS),
     expert_bytes=st.just(V4["expert_bytes"]),
     dense_expert_bytes=st.just(V4["dense_expert_bytes"]),
-    trellis_grouped=st.sampled_from(dispatch.TRELLIS_GROUPED_MODES),
     measured_dequant_crossover=st.none() | st.integers(1, MAX_TOKENS),
 )
 
@@ -96,13 +95,12 @@ def _scan_points(boundaries) -> list[int]:
     return sorted(points)
 
 
-@pytest.mark.parametrize("mode", dispatch.TRELLIS_GROUPED_MODES)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_arm_changes_only_at_the_reported_boundaries(policy, mode):
+def test_the_arm_changes_only_at_the_reported_boundaries(policy):
     """Between two neighbouring reported boundaries the arm is constant, so checking each boundary, its
     neighbours and the ends covers every n in 1..100000 (the arm is a step function of n: each policy
     compares n with fixed numbers)."""
-    base = dict(V4, tile_m=16, policy=policy, weight_format=dispatch.TRELLIS, trellis_grouped=mode,
+    base = dict(V4, tile_m=16, policy=policy, weight_format=dispatch.TRELLIS,
                 measured_crossover=24, measured_dequant_crossover=30000)
     probe = decide(GateInputs(n_tokens=1, **base))
     boundaries = [probe.boundary, probe.dequant_boundary, 30000, 24, 8, 9]
@@ -114,7 +112,7 @@ def test_the_arm_changes_only_at_the_reported_boundaries(policy, mode):
             previous = decision.arm
     order = [dispatch.TRELLIS_GEMV, dispatch.TRELLIS_GROUPED, dispatch.TRELLIS_DEQUANT]
     ranks = [order.index(arm) if arm in order else -1 for _, arm in arms]
-    assert ranks == sorted(ranks), f"{policy}/{mode}: the arms go back as n grows: {arms}"
+    assert ranks == sorted(ranks), f"{policy}: the arms go back as n grows: {arms}"
 
 
 def test_tile_fill_on_v4_trellis_flips_where_bf16_does():
@@ -152,12 +150,19 @@ def test_dequantize_is_never_chosen_by_the_byte_arithmetic():
 def test_bf16_layers_never_get_a_trellis_arm():
     for policy in POLICIES:
         for n in (1, 16, 683, 8192):
-            arm = decide(GateInputs(n_tokens=n, k=6, n_experts=256, tile_m=16, policy=policy,
-                                    trellis_grouped="dequant", measured_dequant_crossover=1)).arm
-            assert arm in dispatch.MOE_ARMS
+            decision = decide(GateInputs(n_tokens=n, k=6, n_experts=256, tile_m=16, policy=policy,
+                                         measured_dequant_crossover=1))
+            assert decision.arm in dispatch.MOE_ARMS and ARMS[decision.arm].weight_format == "bf16"
+    forced = decide(GateInputs(n_tokens=4, k=6, n_experts=256, tile_m=16, policy="dequant"))
+    assert forced.arm == "grouped" and "nothing to dequantize" in forced.reason
 
 
-@pytest.mark.parametrize("field, value", [("weight_format", "int4"), ("trellis_grouped", "sometimes")])
-def test_unknown_format_or_mode_is_refused(field, value):
-    with pytest.raises(ValueError, match=field):
-        decide(GateInputs(n_tokens=1, k=6, n_experts=256, tile_m=16, policy="floor", **{field: value}))
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="weight_format"):
+        decide(GateInputs(n_tokens=1, k=6, n_experts=256, tile_m=16, policy="floor", weight_format="int4"))
+
+
+def test_the_flag_accepts_the_dequant_policy():
+    from engine import flags
+
+    assert flags.SPECS["moe_gate"].parse("dequant") == "dequant" and "dequant" in dispatch.POLICIES
