@@ -8,6 +8,7 @@ Knows nothing of scheduling, graphs' launches or generation loops.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -85,6 +86,7 @@ class Dispatcher:
         config = engine.config
         self.crossover = calibration.find_crossover(device_label(engine.device), config.top_k, config.n_experts,
                                                     config.hidden, config.intermediate, flags["tile_m"])
+        self._trellis_gates: dict[str, dict] = {}  # calibration.trellis_format -> the gate's fields
         self.begin_step(0, PREFILL, 0)
 
     def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
@@ -133,12 +135,13 @@ class Dispatcher:
         already counted it (engine.decode_fused); else it is counted here."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
-        decision = dispatch.decide(dispatch.GateInputs(
+        gate = dispatch.GateInputs(
             n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover))
-        arm = ARMS[decision.arm]
+            grouped_variant=flags["grouped_variant"], measured_crossover=self.crossover)
         stored = matrices_format(w13, w2)
+        decision = dispatch.decide(dataclasses.replace(gate, **self.trellis_gate(w13, w2)) if stored.coded else gate)
+        arm = ARMS[decision.arm]
         clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
         if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)
             executed, note = arm, f"gemv computes {experts.description} (its clamped epilogue)"
@@ -146,15 +149,12 @@ class Dispatcher:
             executed = ARMS[dispatch.REFERENCE]
             note = (f"{decision.arm} computes plain SwiGLU experts: the reference arm computes {experts.description}"
                     if decision.arm != dispatch.REFERENCE else "")
-        elif stored.coded:  # until trellis arms exist, the reference arm dequantizes the woken experts
-            executed = ARMS[dispatch.REFERENCE]
-            note = f"{stored.name} experts: the reference arm dequantizes the woken experts" + (
-                f" ({decision.arm} has no trellis form)" if decision.arm != dispatch.REFERENCE else "")
         elif arm.supports(device):
             executed, note = arm, ""
         else:
             executed = ARMS[dispatch.REFERENCE]
             note = (f"{decision.arm} cannot run on {device.type}: the reference arm computes the same function"
+                    + (" (it dequantizes the woken experts)" if stored.coded else "")
                     if decision.arm != dispatch.REFERENCE else "")
         predicted = dispatch.woken_experts(n, config.top_k, config.n_experts)
         record = {
@@ -195,6 +195,24 @@ class Dispatcher:
             return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
         return self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
                                                          tile_m=flags["tile_m"], variant=decision.variant))
+
+    def trellis_gate(self, w13, w2) -> dict:
+        """The GateInputs fields of trellis experts (engine.dispatch): their format, packed and bf16 bytes per
+        expert, and this format's calibration on this GPU (one lookup per format per run)."""
+        label = calibration.trellis_format(w13.code.code, w13.code.K)
+        cached = self._trellis_gates.get(label)
+        if cached is None:
+            config = self.engine.config
+            shape = (device_label(self.engine.device), config.top_k, config.n_experts, config.hidden,
+                     config.intermediate, self.flags["tile_m"])
+            cached = self._trellis_gates[label] = {
+                "weight_format": dispatch.TRELLIS, "expert_bytes": w13.bytes_per_expert + w2.bytes_per_expert,
+                "dense_expert_bytes": 2 * 3 * config.hidden * config.intermediate,
+                "measured_crossover": calibration.find_crossover(*shape, weight_format=label),
+                "measured_dequant_crossover": calibration.find_crossover(
+                    *shape, weight_format=label, field="dequant_crossover_tokens"),
+            }
+        return cached
 
     def attention(self, layer, q, k_cache, v_cache, sinks, q_start, length):
         config, flags, device = self.engine.config, self.flags, self.engine.device

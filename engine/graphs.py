@@ -16,7 +16,7 @@ Knows nothing of scheduling or of the runner's launch path (engine.batch_runner 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -100,15 +100,20 @@ class DecodeGraph:
 
 def capture_blocker(runner, size: int, dispatcher) -> str:
     config, flags = runner.engine.config, dispatcher.flags
-    decision = dispatch.decide(dispatch.GateInputs(
+    gate = dispatch.GateInputs(
         n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
         policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-        grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover))
+        grouped_variant=flags["grouped_variant"], measured_crossover=dispatcher.crossover)
+    weights = runner.engine.weights
+    coded = expert_format(weights, 0).coded
+    if coded:  # the trellis arm the layers will take (engine.dispatcher): they never sync; the reference does
+        gate = replace(gate, **dispatcher.trellis_gate(weights["layers.0.w13"], weights["layers.0.w2"]))
+    decision = dispatch.decide(gate)
     if not config.plain_experts and decision.arm != dispatch.GEMV:
         return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
                 f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
-    if expert_format(runner.engine.weights, 0).coded:
-        return "trellis experts run on the reference arm (it dequantizes the woken experts), which syncs the host"
+    if coded and (decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device)):
+        return "trellis experts on the reference arm (it dequantizes the woken experts) sync the host"
     if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
         return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for mask in config.layer_masks:

@@ -166,3 +166,47 @@ def test_the_flag_accepts_the_dequant_policy():
     from engine import flags
 
     assert flags.SPECS["moe_gate"].parse("dequant") == "dequant" and "dequant" in dispatch.POLICIES
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine's dispatcher on trellis stacks (CPU: the decided trellis arm, the reference executed)
+# --------------------------------------------------------------------------------------------------
+
+def test_the_dispatcher_names_trellis_arms_and_records_the_format(tmp_path, monkeypatch):
+    import torch
+
+    from engine import calibration, flags
+    from engine.dispatcher import Dispatcher
+    from engine.runtime import Engine
+    from kernels.trellis_reference import TrellisCode, hadamard_block, moe_trellis_reference, random_trellis_matrix
+
+    engine = Engine.load("tiny", device="cpu", weights="random")
+    config = engine.config
+    code = TrellisCode.of("hyb", 2)
+    w13 = random_trellis_matrix(config.n_experts, 2 * config.intermediate, config.hidden, code, seed=1,
+                                row_block=hadamard_block(config.intermediate))
+    w2 = random_trellis_matrix(config.n_experts, config.hidden, config.intermediate, code, seed=2)
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("MOEI_CALIBRATION", str(path))
+    calibration.save_entry({"device": "cpu", "k": config.top_k, "experts": config.n_experts, "hidden": config.hidden,
+                            "intermediate": config.intermediate, "tile_m": 16, "crossover_tokens": 3,
+                            "dequant_crossover_tokens": 5, "weight_format": calibration.trellis_format("hyb", 2),
+                            "measured_at": "now", "commit": None, "timing": "graph"})
+    dispatcher = Dispatcher(engine, flags.resolve(session={"decode_floor": 0}, environ={}), timed=False)
+    assert dispatcher.crossover is None  # the bf16 experts of this shape have no entry: only the trellis one
+    generator = torch.Generator().manual_seed(0)
+    for n, arm in ((2, "trellis_gemv"), (4, "trellis_grouped"), (6, "trellis_dequant")):
+        h = torch.randn(n, config.hidden, generator=generator)
+        ids = torch.stack([torch.randperm(config.n_experts, generator=generator)[:config.top_k] for _ in range(n)])
+        weights = torch.softmax(torch.randn(n, config.top_k, generator=generator), dim=1)
+        dispatcher.begin_step(1, "prefill", n)
+        out = dispatcher.moe(0, h, w13, w2, ids, weights)
+        record = dispatcher.moe_records[-1]
+        assert (record["decided_arm"], record["executed_arm"]) == (arm, "reference")  # no GPU here
+        packed_bits = 8 * (w13.bytes_per_expert + w2.bytes_per_expert) / (3 * config.hidden * config.intermediate)
+        assert record["weight_format"] == "trellis hyb K=2 V=2 L=16"
+        assert record["bits_per_weight"] == pytest.approx(packed_bits, abs=1e-4) and packed_bits > 2
+        woken = dispatch.woken_experts(n, config.top_k, config.n_experts)
+        assert record["bytes_moved"] == round(woken * (w13.bytes_per_expert + w2.bytes_per_expert))
+        assert torch.equal(out, moe_trellis_reference(h, w13, w2, ids, weights))
+    assert dispatcher.counters.to_json()["arms"]["reference"] == 3
