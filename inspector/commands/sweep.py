@@ -14,6 +14,7 @@ from pathlib import Path
 
 _DEFAULT_TOKENS = "1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
 _ALL_ARMS = "gemv,grouped_v0,grouped_v1,grouped_v2,torch_grouped_mm"
+_TRELLIS_ARMS = "trellis_gemv,trellis_grouped,trellis_dequant"
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +29,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default="v4-shape",
                         help="tiny, demo, v4-shape (default) or a checkpoint directory (its config.json's MoE shape)")
     parser.add_argument("--tokens", default=_DEFAULT_TOKENS, help=f"token counts, comma separated (default {_DEFAULT_TOKENS})")
-    parser.add_argument("--arms", default=_ALL_ARMS, help=f"arms to time, comma separated (default {_ALL_ARMS})")
+    parser.add_argument("--arms", default=None, help=f"arms to time, comma separated (default {_ALL_ARMS}; with "
+                        f"trellis experts {_TRELLIS_ARMS})")
+    parser.add_argument("--experts", default="bf16", metavar="FORMAT",
+                        help="the experts' format: bf16 (default) or trellis:K=2,code=hyb (random packed codes)")
     parser.add_argument("--skew", type=float, default=0.0,
                         help="Zipf exponent of expert popularity (default 0 = uniform routing)")
     parser.add_argument("--tile-m", dest="tile_m", type=int, default=None,
@@ -45,17 +49,19 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.progress import Progress
-    from engine.sweep import SweepConfig, parse_arms, parse_tokens, require_cuda, run_sweep
+    from engine.sweep import SweepConfig, parse_arms, parse_experts, parse_tokens, require_cuda, run_sweep
 
     tile_m = args.tile_m
     if tile_m is None:
         from kernels.moe_grouped import DEFAULT_TILE_M
 
         tile_m = DEFAULT_TILE_M
+    experts = parse_experts(args.experts)
     config = SweepConfig(
         model=args.model,
         tokens=parse_tokens(args.tokens),
-        arms=parse_arms(args.arms),
+        arms=parse_arms(args.arms or (_ALL_ARMS if experts is None else _TRELLIS_ARMS)),
+        experts=experts,
         skew=args.skew,
         tile_m=tile_m,
         seed=args.seed,
@@ -86,7 +92,8 @@ def render_table(result: dict) -> str:
     shape = result["shape"]
     lines = [
         f"MoE arms sweep: {result['model']} (E={shape['experts']}, k={shape['top_k']}, D={shape['hidden']}, "
-        f"F={shape['intermediate']}, {result['dtype']}), tile_m={result['tile_m']}, skew={result['skew']}",
+        f"F={shape['intermediate']}, {result['dtype']}), experts {result.get('experts', 'bf16')}, "
+        f"tile_m={result['tile_m']}, skew={result['skew']}",
         f"device {result['device']}: copy {result['copy_bandwidth_gbs']:,.0f} GB/s, "
         f"bf16 matmul {result['matmul_tflops']:,.0f} TFLOP/s",
         *([f"timing: {result['timing']['method']}: {result['timing']['describe']}"]
@@ -126,6 +133,9 @@ def render_table(result: dict) -> str:
     crossover = result["crossover_tokens"]
     lines.append(f"GEMV/grouped crossover: {'none measured' if crossover is None else f'{crossover} tokens'}"
                  f" (best grouped variant faster than GEMV at every measured n >= it)")
+    if result.get("dequant_crossover_tokens") is not None:
+        lines.append(f"grouped/dequantize crossover: {result['dequant_crossover_tokens']} tokens "
+                     "(trellis_dequant faster than trellis_grouped at every measured n >= it)")
     if result.get("calibration_path"):
         lines.append(f"calibration written: {result['calibration_path']}")
     elif result.get("calibration_note"):
