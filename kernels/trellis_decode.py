@@ -62,33 +62,51 @@ def code_id(code: TrellisCode) -> int:
 
 
 @triton.jit
-def _unit_states(unit_ptrs, next_ptrs, mask, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
-                 WU: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
-    """The 16-bit states of every step of a block of units: uint32 [U, T, S] with S = 16 G / V steps.
+def _unit_words(unit_ptrs, next_ptrs, mask, WU: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
+    """The words a block of units decodes from: uint32 (w0, w1, w2, after), each [U, T].
 
     unit_ptrs [U, T]: each unit's first word; next_ptrs [U, T]: the first word of the unit after it in its
-    tile (circularly); mask [U, T]: which units exist. Step i starts at bit p = K V i of the unit: the
-    window of words (p // 32, p // 32 + 1), shifted right by 48 - p % 32."""
+    tile (circularly); mask [U, T]: which units exist. w1 and w2 are the unit's second and third words
+    where it has them (WU = 2, 3; else w0 again, unused)."""
+    w0 = tl.load(unit_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    after = tl.load(next_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    if WU >= 2:
+        w1 = tl.load(unit_ptrs + 1, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    if WU == 3:
+        w2 = tl.load(unit_ptrs + 2, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    return w0, w1, w2, after
+
+
+@triton.jit
+def _states_of(w0, w1, w2, after, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr):
+    """The 16-bit states of every step of a block of units: uint32 [U, T, S] with S = 16 G / V steps, from
+    `_unit_words`. Step i starts at bit p = K V i of the unit: the window of words (p // 32, p // 32 + 1),
+    shifted right by 48 - p % 32."""
     S: tl.constexpr = 16 * G // V
     bit = tl.arange(0, S) * (K * V)  # [S]
     word = (bit // 32)[None, None, :]
     shift = (48 - bit % 32).to(tl.uint64)[None, None, :]
-    w0 = tl.load(unit_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
-    after = tl.load(next_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
     if WU == 1:
         high = w0[:, :, None]
         low = after[:, :, None]
     elif WU == 2:
-        w1 = tl.load(unit_ptrs + 1, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
         high = tl.where(word == 0, w0[:, :, None], w1[:, :, None])
         low = tl.where(word == 0, w1[:, :, None], after[:, :, None])
     else:  # WU == 3
-        w1 = tl.load(unit_ptrs + 1, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
-        w2 = tl.load(unit_ptrs + 2, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
         high = tl.where(word == 0, w0[:, :, None], tl.where(word == 1, w1[:, :, None], w2[:, :, None]))
         low = tl.where(word == 0, w1[:, :, None], tl.where(word == 1, w2[:, :, None], after[:, :, None]))
     window = (high.to(tl.uint64) << 32) | low.to(tl.uint64)
     return (window >> shift).to(tl.uint32) & 0xFFFF
+
+
+@triton.jit
+def _unit_states(unit_ptrs, next_ptrs, mask, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
+                 WU: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
+    """`_states_of(_unit_words(...))`: uint32 [U, T, S] states of a block of units."""
+    w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, mask, WU, WEIGHT_EVICTION)
+    return _states_of(w0, w1, w2, after, K, V, G, WU)
 
 
 @triton.jit

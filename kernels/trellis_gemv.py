@@ -43,8 +43,8 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _unit_states, check_trellis_moe_inputs, code_id, compiled,
-                                    unit_geometry)
+from kernels.trellis_decode import (_code_values, _states_of, _unit_words, check_trellis_moe_inputs, code_id,
+                                    compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
@@ -57,18 +57,21 @@ class GemvSchedule:
 
 
 # Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
-# vector values. At v4-shape, n = 1: gate-up has 6 x 256 / BLOCK_TR programs, down 6 x 256 / BLOCK_TR.
-#   "r1c8"  16 rows x 128 columns a step (2048 weights: 16 per thread at 4 warps), 1536 programs of each
-#           product: enough warps per SM to cover a DRAM round trip with independent decode work
-#   "r1c16" the same programs, twice the weights per step (fewer loop trips, more registers)
-#   "r2c8"  32 rows a program, half the programs: each vector value loaded once for twice the rows
+# vector values; 4 warps. At v4-shape, n = 1: 6 x 256 / BLOCK_TR programs of each product. The sm_90 build
+# (bench/trellis_sm90_compile.py, triton 3.9) gives, for hyb / 3inst / 1mad, the main loop's instructions
+# per weight and the registers (programs per SM by registers, of 128 threads):
+#   "r1c8"   16 rows x 128 columns a step: 8.6 / 10.6 / 8.6, 40-56 registers (8 programs a SM)
+#   "r1c16"  16 x 256: 7.1 / 9.7 / 7.6, 72-80 registers (6 programs): the loop overhead (the words' layout
+#            conversion, the walk's bookkeeping) spread over twice the weights
+#   "r2c8"   32 x 128: each vector value loaded once for twice the rows, half the programs
+#   "r1c32"  16 x 512: 6.6 / 8.9 / 6.9, 128 registers (4 programs: fewer warps to hide a DRAM round trip)
 SCHEDULES = {
     "r1c8": GemvSchedule(block_tile_rows=1, block_tile_columns=8, num_warps=4),
     "r1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4),
     "r2c8": GemvSchedule(block_tile_rows=2, block_tile_columns=8, num_warps=4),
     "r1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4),
 }
-DEFAULT_SCHEDULE = "r1c8"
+DEFAULT_SCHEDULE = "r1c16"
 
 
 @triton.jit
@@ -122,18 +125,24 @@ def _gemv_kernel(
         vec_ptrs = vector + tile_col[None, :, None] * 16 + ((V * step) % 16)[None, None, :]  # [1, T, S]
         first_sum = tl.zeros([U, BLOCK_TC, S], dtype=tl.float32)
         second_sum = tl.zeros([U, BLOCK_TC, S], dtype=tl.float32)
+        # the next step's words are loaded before this step decodes (a few registers): the DRAM round trip
+        # overlaps a step's decode instead of stalling every program at the top of each step
+        w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, row_ok[:, None] & (tile_col < num_column_tiles)[None, :],
+                                        WU, WEIGHT_EVICTION)
         for column0 in range(0, num_column_tiles, BLOCK_TC):
             column_ok = tile_col < num_column_tiles - column0
-            mask = row_ok[:, None] & column_ok[None, :]
-            states = _unit_states(unit_ptrs, next_ptrs, mask, K, V, G, WU, WEIGHT_EVICTION)
+            unit_ptrs += BLOCK_TC * words_per_tile
+            next_ptrs += BLOCK_TC * words_per_tile
+            ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
+            n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
+            states = _states_of(w0, w1, w2, after, K, V, G, WU)
             first, second = _code_values(states, table_ptr, CODE, PTX)
             vec_ok = column_ok[None, :, None]
             first_sum += first * tl.load(vec_ptrs, mask=vec_ok, other=0.0)
             if V == 2:
                 second_sum += second * tl.load(vec_ptrs + 1, mask=vec_ok, other=0.0)
-            unit_ptrs += BLOCK_TC * words_per_tile
-            next_ptrs += BLOCK_TC * words_per_tile
             vec_ptrs += BLOCK_TC * 16
+            w0, w1, w2, after = n0, n1, n2, n_after
         if USE_GDC:
             tl.extra.cuda.gdc_launch_dependents()
         if V == 2:

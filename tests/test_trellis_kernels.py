@@ -262,19 +262,24 @@ def test_gpu_arms_match_the_reference_bf16(tokens, top_k, experts, hidden, inter
     ids, weights = make_routing(tokens, top_k, experts, seed, device="cuda", dropped=tokens > 2)
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     want = expected(x, w13, w2, ids, weights)
+    # every schedule on hyb K = 2 (the bench times them all), the defaults on the other codes (compile time)
+    everything = (code_name, bits) == ("hyb", 2)
+    gemv_schedules = list(gemv_module.SCHEDULES) if everything else [gemv_module.DEFAULT_SCHEDULE]
+    grouped_schedules = list(grouped_module.SCHEDULES) if everything else [grouped_module.DEFAULT_SCHEDULE]
     outputs = {}
+    args = (x, w13, w2, ids, weights.bfloat16())
     with scratch.poison_new_buffers():
-        for schedule in gemv_module.SCHEDULES:
-            outputs[f"gemv/{schedule}"] = moe_trellis_gemv(x, w13, w2, ids, weights.bfloat16(), schedule=schedule)
-        for schedule in grouped_module.SCHEDULES:
+        for schedule in gemv_schedules:
+            outputs[f"gemv/{schedule}"] = moe_trellis_gemv(*args, schedule=schedule)
+        for schedule in grouped_schedules:
             for tile_m in (16, 64):
-                args = (x, w13, w2, ids, weights.bfloat16())
                 outputs[f"grouped/{schedule}/{tile_m}"] = moe_trellis_grouped(*args, schedule=schedule, tile_m=tile_m)
                 outputs[f"dequant/{schedule}/{tile_m}"] = moe_trellis_dequant(*args, schedule=schedule, tile_m=tile_m)
     errors = {name: relative_error(out, want) for name, out in outputs.items()}
     assert all(error < TOLERANCE[torch.bfloat16] for error in errors.values()), errors
-    for schedule in grouped_module.SCHEDULES:  # same weights, tiles and K order
-        assert torch.equal(outputs[f"grouped/{schedule}/16"], outputs[f"dequant/{schedule}/16"]), schedule
+    for schedule in grouped_schedules:  # same weights, tiles and K order
+        for tile_m in (16, 64):
+            assert torch.equal(outputs[f"grouped/{schedule}/{tile_m}"], outputs[f"dequant/{schedule}/{tile_m}"])
 
 
 @pytest.mark.gpu
