@@ -99,25 +99,13 @@ def parse_tokens(text: str) -> tuple[int, ...]:
 
 
 def parse_experts(text: str):
-    """'bf16' -> None; 'trellis:K=2,code=hyb' -> that TrellisCode (V is the code's own). UserError otherwise."""
-    text = text.strip()
-    if text == "bf16":
+    """'bf16' -> None; 'trellis:K=2,code=hyb' -> that TrellisCode (engine.trellis_job's syntax, as `quantize`
+    takes it). UserError otherwise."""
+    if text.strip() == "bf16":
         return None
-    usage = "give bf16 or trellis:K=2,code=hyb (K 2, 3 or 4; code 1mad, 3inst or hyb)"
-    if not text.startswith("trellis:"):
-        raise UserError(f"--experts: {text!r} is not an expert format; {usage}")
-    fields = {}
-    for part in text[len("trellis:"):].split(","):
-        name, _, value = part.partition("=")
-        if name.strip() not in ("K", "code") or not value.strip() or name.strip() in fields:
-            raise UserError(f"--experts: {part!r} in {text!r} is not K=... or code=...; {usage}")
-        fields[name.strip()] = value.strip()
-    from kernels.trellis_reference import TrellisCode
+    from engine.trellis_job import parse_experts as parse_trellis
 
-    try:
-        return TrellisCode.of(fields.get("code", "hyb"), int(fields.get("K", "2")))
-    except ValueError as error:
-        raise UserError(f"--experts: {error}; {usage}") from None
+    return parse_trellis(text.strip())
 
 
 def parse_arms(text: str) -> tuple[str, ...]:

@@ -135,7 +135,8 @@ def test_trellis_bandwidth_bound_counts_packed_bytes():
 
 
 @pytest.mark.parametrize("text, expected", [("bf16", None), ("trellis:K=2,code=hyb", ("hyb", 2, 2)),
-                                            ("trellis:code=1mad,K=4", ("1mad", 4, 1)), ("trellis:K=3", ("hyb", 3, 2))])
+                                            ("trellis:code=1mad,K=4", ("1mad", 4, 1)),
+                                            ("trellis:K=3,code=3inst", ("3inst", 3, 1))])
 def test_experts_formats_parse(text, expected):
     from engine.sweep import parse_experts
 
@@ -143,7 +144,8 @@ def test_experts_formats_parse(text, expected):
     assert (code if code is None else (code.code, code.K, code.V)) == expected
 
 
-@pytest.mark.parametrize("text", ["int4", "trellis:K=5", "trellis:code=lut", "trellis:K=2,K=3", "trellis:bits=2"])
+@pytest.mark.parametrize("text", ["int4", "trellis:K=5,code=hyb", "trellis:K=2,code=lut", "trellis:K=2,K=3",
+                                  "trellis:bits=2", "trellis:K=3"])
 def test_bad_experts_format_names_the_value(text):
     from engine.sweep import parse_experts
 

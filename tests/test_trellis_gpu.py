@@ -55,11 +55,12 @@ def test_a_preset_quantizes_loads_and_generates_on_the_gpu(tmp_path):
     generation = engine.generate("The if statement", 8, flags.resolve([]))
     assert len(generation.tokens) == 8
     record = generation.steps[-1]["moe"][0]
-    assert record["weight_format"] == "trellis hyb K=2 V=2 L=16" and record["executed_arm"] == "reference"
+    # the trellis arms run on the GPU (kernels/trellis_gemv.py, trellis_grouped.py) and never sync the host, so
+    # trellis layers no longer keep decode steps out of CUDA graphs
+    assert record["weight_format"] == "trellis hyb K=2 V=2 L=16" and record["executed_arm"].startswith("trellis_")
     batch = engine.generate_batch([[1, 2, 3], [4, 5]], 4, flags.resolve([]))
     decode = [step for step in batch.steps if step["phase"] == "decode"]
-    assert decode and any("trellis experts" in step["eager_reason"] for step in decode)  # no graph, and why
-    assert all(step["graph"] == "eager" for step in decode)
+    assert decode and not any("trellis experts" in (step.get("eager_reason") or "") for step in decode)
     from engine.quant_check import check_quant
 
     checked = check_quant(str(out), layer=1, tokens=(1, 64), arm="rotated-torch", device="cuda")
