@@ -84,16 +84,16 @@ def main() -> int:
             constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
                              BLOCK_TC=schedule.block_tile_columns, USE_GDC=True, WEIGHT_EVICTION="evict_first",
                              **code_constants(code, bits))
-            kernel = compile_sm90(trellis_gemv._gemv_kernel, constants, schedule.num_warps, 3)
+            kernel = compile_sm90(trellis_gemv._trellis_gemv_kernel, constants, schedule.num_warps, 3)
             weights = schedule.block_tile_rows * schedule.block_tile_columns * 256 / (32 * schedule.num_warps)
             print(describe(f"gemv {name} {code} K={bits}", kernel, weights))
     print("\ntrellis grouped (fused decode), per weight = loop instructions / weights a thread decodes per K step "
           "(paid once per window)")
     for name, schedule in trellis_grouped.SCHEDULES.items():
         for code, bits in codes[:3]:
-            for label, fn, block_n, extra in (("gate_up", trellis_grouped._gate_up_kernel, schedule.gate_up_block_n,
-                                               {"TOP_K": 6}),
-                                              ("down", trellis_grouped._down_kernel, schedule.down_block_n, {})):
+            products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, schedule.gate_up_block_n, {"TOP_K": 6}),
+                        ("down", trellis_grouped._trellis_down_kernel, schedule.down_block_n, {}))
+            for label, fn, block_n, extra in products:
                 constants = dict(TILE_M=16, BLOCK_M=schedule.block_m, BLOCK_N=block_n, BLOCK_K=schedule.block_k,
                                  GROUP_WINDOWS=schedule.group_windows, DENSE=False, DOT_PRECISION="tf32",
                                  USE_GDC=True, **extra, **code_constants(code, bits))

@@ -152,7 +152,7 @@ def _code_values(s, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_kernel(
+def _trellis_dequantize_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32
     table_ptr,  # [512, 2] float32 (hyb) or any pointer
@@ -222,7 +222,7 @@ def dequantize_rotated(matrix: TrellisMatrix, dtype: torch.dtype = torch.float32
     table = matrix.table if matrix.table is not None else matrix.scales
     row_tiles, column_tiles = rows // TILE, columns // TILE
     grid = (count, triton.cdiv(row_tiles, DECODE_BLOCK_TILE_ROWS), triton.cdiv(column_tiles, DECODE_BLOCK_TILE_COLUMNS))
-    _dequantize_kernel[grid](
+    _trellis_dequantize_kernel[grid](
         matrix.codes, matrix.scales, table, matrix.codes if experts is None else experts, out,
         row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0), out.stride(0), out.stride(1),
         K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
@@ -230,7 +230,7 @@ def dequantize_rotated(matrix: TrellisMatrix, dtype: torch.dtype = torch.float32
         PTX=compiled(matrix.device),
         num_warps=4,
     )
-    launches.record("trellis.dequantize")
+    launches.record("trellis.dequantize", kernel=_trellis_dequantize_kernel)
     return out
 
 

@@ -14,7 +14,7 @@ Shapes: T tokens, k experts per token, E experts, D hidden, F expert intermediat
     out           [T, D]        T_L2^T (sum over j = 0..k-1 of z_rot[t*k + j])
 
 Launches (five): trellis.rotate, trellis_gemv.gate_up, trellis.swiglu_between, trellis_gemv.down,
-trellis.unrotate_sum. Both products are `_gemv_kernel`, grid (N, row blocks): one pair and BLOCK_TR tile
+trellis.unrotate_sum. Both products are `_trellis_gemv_kernel`, grid (N, row blocks): one pair and BLOCK_TR tile
 rows (16 BLOCK_TR output rows) per program, walking the columns BLOCK_TC tiles at a time. A step of the
 walk loads each unit's WU + 1 words (kernels/trellis_decode.py), decodes every state of the block as one
 [units, BLOCK_TC, steps] tensor, and accumulates value * vector in fp32 (the vector's matching columns
@@ -75,7 +75,7 @@ DEFAULT_SCHEDULE = "r1c16"
 
 
 @triton.jit
-def _gemv_kernel(
+def _trellis_gemv_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32
     table_ptr,  # [512, 2] float32 (hyb)
@@ -167,7 +167,7 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
     group, words = unit_geometry(code.K)
     table = matrix.table if matrix.table is not None else matrix.scales
     row_tiles = rows // TILE
-    _gemv_kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
+    _trellis_gemv_kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
         matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
         experts, row_tiles, columns // TILE, matrix.codes.stride(0), matrix.scales.stride(0),
         vectors.stride(0), out.stride(0),
@@ -177,7 +177,7 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
         PTX=compiled(vectors.device),
         **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device),
     )
-    launches.record(name)
+    launches.record(name, kernel=_trellis_gemv_kernel)
     return out
 
 

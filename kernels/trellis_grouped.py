@@ -145,7 +145,7 @@ def _weight_tile(
 
 
 @triton.jit
-def _gate_up_kernel(
+def _trellis_gate_up_kernel(
     x_ptr,  # [T, D] x_rot
     codes_ptr,  # w13 codes or dense copy
     scales_ptr,  # [E, 2F]
@@ -197,7 +197,7 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
+def _trellis_down_kernel(
     h_ptr,  # [R, F] h_rot
     codes_ptr,  # w2 codes or dense copy
     scales_ptr,  # [E, D]
@@ -284,7 +284,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
     gate_up_block_n = max(16, min(chosen.gate_up_block_n, triton.next_power_of_2(intermediate)))
     down_block_n = max(16, min(chosen.down_block_n, triton.next_power_of_2(hidden)))
     weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13)
-    _gate_up_kernel[(max_windows * triton.cdiv(intermediate, gate_up_block_n),)](
+    _trellis_gate_up_kernel[(max_windows * triton.cdiv(intermediate, gate_up_block_n),)](
         x_rot, weights, w13.scales, table, y_rot,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
         num_pairs, hidden, intermediate, max_windows,
@@ -293,12 +293,12 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
         DENSE=dense13 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
     )
-    launches.record(f"{label}.gate_up")
+    launches.record(f"{label}.gate_up", kernel=_trellis_gate_up_kernel)
     h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,
                            scratch.empty((rows, intermediate), x.dtype, x.device), options)
     pair_out = scratch.empty((num_pairs, hidden), x.dtype, x.device)  # [N, D]
     weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w2, dense2)
-    _down_kernel[(max_windows * triton.cdiv(hidden, down_block_n),)](
+    _trellis_down_kernel[(max_windows * triton.cdiv(hidden, down_block_n),)](
         h_rot, weights, w2.scales, table, flat_weights, pair_out,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
         num_pairs, hidden, intermediate, max_windows,
@@ -307,7 +307,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
         DENSE=dense2 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
     )
-    launches.record(f"{label}.down")
+    launches.record(f"{label}.down", kernel=_trellis_down_kernel)
     return unrotate_sum(pair_out, flat_ids, experts, top_k, w2.left_signs, w2.left_block, out, options)
 
 

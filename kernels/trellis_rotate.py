@@ -192,7 +192,7 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, block: int, out: torch.Ten
     if rows:
         grid, meta = _grid_and_meta(rows, size, block, torch.float32)
         _rotate_kernel[grid](x, signs, out, size, rows * size // block, x.stride(0), out.stride(0), **meta, **pdl)
-        launches.record("trellis.rotate")
+        launches.record("trellis.rotate", kernel=_rotate_kernel)
     return out
 
 
@@ -204,7 +204,7 @@ def swiglu_between(y: torch.Tensor, left_signs: torch.Tensor, right_signs: torch
         grid, meta = _grid_and_meta(rows, intermediate, block, torch.float32)
         _swiglu_between_kernel[grid](y, left_signs, right_signs, out, intermediate, rows * intermediate // block,
                                      y.stride(0), out.stride(0), **meta, **pdl)
-        launches.record("trellis.swiglu_between")
+        launches.record("trellis.swiglu_between", kernel=_swiglu_between_kernel)
     return out
 
 
@@ -217,5 +217,5 @@ def unrotate_sum(z: torch.Tensor, ids: torch.Tensor | None, num_experts: int, to
         grid, meta = _grid_and_meta(tokens, size, block, torch.float32)
         _unrotate_sum_kernel[grid](z, z if ids is None else ids, signs, out, num_experts, size, tokens * size // block,
                                    z.stride(0), out.stride(0), TOP_K=top_k, HAS_IDS=ids is not None, **meta, **pdl)
-        launches.record("trellis.unrotate_sum")
+        launches.record("trellis.unrotate_sum", kernel=_unrotate_sum_kernel)
     return out

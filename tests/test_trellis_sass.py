@@ -45,7 +45,7 @@ schedule = trellis_gemv.SCHEDULES[trellis_gemv.DEFAULT_SCHEDULE]
 constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
                  BLOCK_TC=schedule.block_tile_columns, USE_GDC=False, WEIGHT_EVICTION="evict_first",
                  **report.code_constants("hyb", 2))
-kernel = report.compile_sm90(trellis_gemv._gemv_kernel, constants, schedule.num_warps, 3)
+kernel = report.compile_sm90(trellis_gemv._trellis_gemv_kernel, constants, schedule.num_warps, 3)
 loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
 weights = schedule.block_tile_rows * schedule.block_tile_columns * 256 / (32 * schedule.num_warps)
 print(json.dumps(sass_loops.per_weight(loop, weights)))
