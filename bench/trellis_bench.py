@@ -23,10 +23,12 @@ compiled (bench/sass_loops.py: instructions per weight by pipe), times the weigh
 (6 experts x 3 D F at n = 1), over each pipe's rate at the measured clock; the bound is the largest
 pipe's time (docs/trellis-kernels.md derives the counts and states the pipe rates, which are leads).
 
-Checks (exit 1 when one fails): every arm's output against the MoE over dequantized experts
-(kernels.trellis_reference.moe_trellis_reference; at n >= 2048 on the first 4 tokens' rows, whose
-outputs depend on those tokens only), relative error <= 2e-2 in bf16; the bf16 arms against
-moe_reference; the fused and dequantize grouped arms equal bit for bit.
+Checks (exit 1 when one fails): every arm's output against the MoE over dequantized experts in its
+rotated-basis torch form (kernels.trellis_reference.moe_trellis_rotated: the model-basis reference's
+function without rotating any weights, so much cheaper at v4-shape; the GPU tests hold the arms to the
+model-basis one), at n >= 2048 on the first 4 tokens' rows (whose outputs depend on those tokens only),
+relative error <= 2e-2 in bf16; the bf16 arms against moe_reference; the fused and dequantize grouped
+arms equal bit for bit.
 
     python3 bench/trellis_bench.py [--out DIR]        # table on stdout, JSON to DIR/trellis_bench.json
                                                       # (DIR: --out, else $OUT, else bench/results)
@@ -60,7 +62,7 @@ from kernels import trellis_gemv, trellis_grouped  # noqa: E402
 from kernels.moe_gemv import moe_gemv  # noqa: E402
 from kernels.moe_grouped import moe_grouped  # noqa: E402
 from kernels.reference import moe_reference  # noqa: E402
-from kernels.trellis_reference import (TrellisCode, hadamard_block, moe_trellis_reference,  # noqa: E402
+from kernels.trellis_reference import (TrellisCode, hadamard_block, moe_trellis_rotated,  # noqa: E402
                                        random_trellis_matrix)
 
 E, K_TOP, D, F = 256, 6, 4096, 2048
@@ -296,7 +298,7 @@ def measure(setup: Setup) -> dict:
 
     def reference(code, x, ids, weights, tokens):
         if (code, tokens) not in references:
-            references[(code, tokens)] = moe_trellis_reference(x, *stacks[code], ids, weights)
+            references[(code, tokens)] = moe_trellis_rotated(x, *stacks[code], ids, weights)
         return references[(code, tokens)]
 
     gemv_rows = []
