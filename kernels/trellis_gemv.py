@@ -23,11 +23,11 @@ rotations are the arm's own launches (kernels/trellis_rotate.py); the down produ
 pair so that the last launch sums a token's k rows in a fixed order before turning them back (no float
 atomics: bit-reproducible).
 
-Why registers and fp32 FMAs rather than tensor cores at n = 1: one token's product has no reuse of a
-decoded weight, and staging the weights through shared memory for an MMA costs 4 bytes of shared
-traffic per weight (the write and the read), a bound of its own (about 18 us for the six experts of a
-v4-shape token on an H200) above the issue time this loop needs. docs/trellis-kernels.md derives the
-loop's instruction count per weight from its SASS.
+Why registers and fp32 FMAs rather than tensor cores at n = 1: one token's product reuses no decoded
+weight, so an MMA would save only the FMA (one instruction per weight) while a Triton kernel can hand
+it the weights only through shared memory: 4 bytes of shared traffic per weight (the write and the read),
+a second bound of about 18 us for the six experts of a v4-shape token on an H200, beside a decode that
+stays the same. docs/trellis-kernels.md derives the loop's instruction count per weight from its SASS.
 
 Block shapes are not autotuned (the autotuner times inside CUDA-graph capture); `SCHEDULES` holds the
 few a GPU run compares (bench/trellis_bench.py), `DEFAULT_SCHEDULE` the one the arm uses.
