@@ -16,6 +16,7 @@ import torch
 from engine import mla
 from kernels import launches
 from kernels.reference import attention_reference, mla_decompressed_reference, moe_reference
+from kernels.trellis_reference import TrellisMatrix, moe_trellis_reference
 
 
 def _moe_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
@@ -34,7 +35,24 @@ def _moe_torch_grouped_mm(x, w13, w2, ids, weights, *, tile_m, variant):
 
 
 def _moe_reference(x, w13, w2, ids, weights, *, tile_m, variant):
+    if isinstance(w13, TrellisMatrix):  # trellis-coded experts: decoded per woken expert
+        return moe_trellis_reference(x, w13, w2, ids, weights)
     return moe_reference(x, w13, w2, ids, weights)
+
+
+def _moe_trellis_gemv(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_gemv import moe_trellis_gemv
+    return moe_trellis_gemv(x, w13, w2, ids, weights)
+
+
+def _moe_trellis_grouped(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_grouped import moe_trellis_grouped
+    return moe_trellis_grouped(x, w13, w2, ids, weights, tile_m=tile_m)
+
+
+def _moe_trellis_dequant(x, w13, w2, ids, weights, *, tile_m, variant):
+    from kernels.trellis_grouped import moe_trellis_dequant
+    return moe_trellis_dequant(x, w13, w2, ids, weights, tile_m=tile_m)
 
 
 def _on_cuda(device: torch.device) -> bool:
@@ -87,13 +105,17 @@ class Arm:
     family: str  # "moe", "attention" or "latent_attention" (MLA layers: launch(config, q, cache, kv_b, q_start))
     supports: Callable[[torch.device], bool]
     launch: Callable
+    weight_format: str = "bf16"  # the experts a MoE arm multiplies: "bf16" tensors or "trellis" stacks
 
 
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("gemv", "moe", _on_cuda, _moe_gemv),
     Arm("grouped", "moe", _on_cuda, _moe_grouped),
     Arm("torch_grouped_mm", "moe", _grouped_mm_supported, _moe_torch_grouped_mm),
-    Arm("reference", "moe", lambda device: True, _moe_reference),
+    Arm("reference", "moe", lambda device: True, _moe_reference),  # either format
+    Arm("trellis_gemv", "moe", _on_cuda, _moe_trellis_gemv, "trellis"),
+    Arm("trellis_grouped", "moe", _on_cuda, _moe_trellis_grouped, "trellis"),
+    Arm("trellis_dequant", "moe", _on_cuda, _moe_trellis_dequant, "trellis"),
     Arm("fused", "attention", _on_cuda, _attention_fused),
     Arm("unfused", "attention", lambda device: True, _attention_unfused),
     Arm("mla_fused", "latent_attention", _on_cuda, _mla_fused),
@@ -128,8 +150,12 @@ class Counters:
         self.graph_replays += times
 
     def to_json(self) -> dict:
-        arms = {name: 0 for name in ARMS if ARMS[name].family == "moe" and name != "grouped"}
+        bf16 = [name for name in ARMS if ARMS[name].family == "moe" and ARMS[name].weight_format == "bf16"]
+        arms = {name: 0 for name in bf16 if name != "grouped"}
         arms.update({f"grouped_v{variant}": 0 for variant in (0, 1, 2)})
+        trellis = [name for name in ARMS if ARMS[name].weight_format == "trellis"]
+        if any(self.arms.get(name) for name in trellis):  # a run on trellis experts lists all three
+            arms.update({name: 0 for name in trellis})
         arms.update({name: 0 for name in ARMS if ARMS[name].family == "attention"})
         latent = [name for name in ARMS if ARMS[name].family == "latent_attention"]
         if any(name in self.arms for name in latent):  # an MLA model's run: both of its arms, counted or not

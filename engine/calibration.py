@@ -4,7 +4,9 @@ One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", 
 "intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing"}]}; an entry calibrated from
 a routing recording adds "routing" (file, sha256, model, MoE layers) and "layer_crossovers" ({layer: n}). The crossover is the
 smallest measured token count from which the grouped arm beats the GEMV arm at every larger
-measured width. Knows nothing of how the sweep measures.
+measured width. Entries for trellis experts also carry "weight_format" (e.g. "trellis:hyb:K2"; an
+entry without it is bf16's) and "dequant_crossover_tokens" (from which trellis_dequant beats
+trellis_grouped, or null). Knows nothing of how the sweep measures.
 
 Reading never fails: a missing file means no calibration; a file that is not one (corrupt JSON,
 wrong types, an entry without its keys) is reported once on the engine's log, and its unusable
@@ -39,8 +41,17 @@ def calibration_path() -> Path:
     return Path.home() / ".cache" / "moe-inspector" / "calibration.json"
 
 
+BF16 = "bf16"
+
+
+def trellis_format(code: str, bits_per_weight: int) -> str:
+    """The weight_format of trellis experts in `code` at K bits per weight, e.g. "trellis:hyb:K2"."""
+    return f"trellis:{code}:K{bits_per_weight}"
+
+
 def _key(entry: dict) -> tuple:
-    return tuple(entry[name] for name in KEY_FIELDS)
+    return tuple(entry[name] for name in KEY_FIELDS) + (entry.get("weight_format", BF16),)
+
 
 
 def _size(value) -> bool:
@@ -102,22 +113,24 @@ def load_entries(path: Path | None = None) -> list[dict]:
 
 
 def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
-                   path: Path | None = None) -> int | None:
-    """The measured crossover for exactly this routing shape on this device, or None. Only an entry timed the
-    runtime's way (`"timing": "graph"`, engine.sweep) counts: an entry of a sweep that timed each arm as one cold
-    eager call (before that field) put the crossover where the runtime does not run the arms; run the sweep again."""
-    entry = find_entry(device, k, experts, hidden, intermediate, tile_m, path)
-    return None if entry is None else int(entry["crossover_tokens"])
+                   path: Path | None = None, weight_format: str = BF16, field: str = "crossover_tokens") -> int | None:
+    """The measured crossover for exactly this routing shape and expert format on this device, or None. Only an
+    entry timed the runtime's way (`"timing": "graph"`, engine.sweep) counts: an entry of a sweep that timed each
+    arm as one cold eager call (before that field) put the crossover where the runtime does not run the arms; run
+    the sweep again. `field`: "crossover_tokens" (GEMV -> grouped) or, for trellis experts,
+    "dequant_crossover_tokens" (trellis_grouped -> trellis_dequant)."""
+    entry = find_entry(device, k, experts, hidden, intermediate, tile_m, path, weight_format, field)
+    return None if entry is None else int(entry[field])
 
 
 def find_entry(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
-               path: Path | None = None) -> dict | None:
-    """The entry `find_crossover` reads (its crossover_tokens an int), or None."""
-    wanted = (device, k, experts, hidden, intermediate, tile_m)
+               path: Path | None = None, weight_format: str = BF16, field: str = "crossover_tokens") -> dict | None:
+    """The entry `find_crossover` reads (its `field` an int), or None."""
+    wanted = (device, k, experts, hidden, intermediate, tile_m, weight_format)
     for entry in load_entries(path):
         try:
             if _key(entry) == wanted and entry.get("timing") == "graph":
-                int(entry["crossover_tokens"])
+                int(entry[field])
                 return entry
         except (KeyError, TypeError, ValueError):
             continue

@@ -19,6 +19,22 @@ so each expert's per-token probability is still k / E and the formula above hold
 (tests/test_dispatch.py checks it against engine.routing on random logits). What grouping adds is
 the groups a step wakes, G * (1 - (1 - topk_group / G)^n) (`RoutingShape.woken_groups`). Shared
 experts run on every token and are not part of these counts or of the GEMV/grouped decision.
+
+Trellis-coded experts (weight_format "trellis") take the same policies over their own three arms:
+the GEMV side is `trellis_gemv`, the grouped side `trellis_grouped` (packed tiles decoded per
+window, staged once per window as bf16 tiles are) or `trellis_dequant` (the woken experts decoded
+to a bf16 copy once per step, then the bf16 grouped GEMM). In bytes, with P packed and B bf16
+bytes per expert, a step moves
+
+    gemv     n*k * P                  (each pair reads its expert; no deduplication)
+    grouped  woken * P                (the bandwidth bound's numerator)
+    dequant  woken * (P + 2*B)        (packed read once, the bf16 copy written and read back)
+
+so dequantizing never moves fewer bytes: what it saves is decode work (once per expert instead of
+once per window), which only a measurement prices. The gate therefore picks `trellis_dequant` only
+from a measured crossover (`measured` with a calibration that has one) or when `moe_gate=dequant`
+forces it; every other policy's grouped side is `trellis_grouped`. On bf16 experts `dequant` is the
+grouped arm (there is nothing to decode), and says so.
 """
 
 from __future__ import annotations
@@ -31,6 +47,10 @@ MOE_ARMS = (GEMV, GROUPED, TORCH_GROUPED_MM, REFERENCE)
 # `measured` without a calibration falls back to threshold:16, the crossover the H200's sweep measured
 # (bench/RESULTS.md, "MoE arms sweep").
 FALLBACK_THRESHOLD = 16
+TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT = "trellis_gemv", "trellis_grouped", "trellis_dequant"
+TRELLIS_ARMS = (TRELLIS_GEMV, TRELLIS_GROUPED, TRELLIS_DEQUANT, REFERENCE)
+BF16, TRELLIS = "bf16", "trellis"
+WEIGHT_FORMATS = (BF16, TRELLIS)
 
 
 def woken_experts(n_tokens: int, k: int, n_experts: int) -> float:
@@ -73,6 +93,20 @@ def min_tokens(k: int, n_experts: int, tile_m: int) -> int:
         else:
             low = middle
     return high
+
+
+def moved_bytes(arm: str, n_tokens: int, k: int, n_experts: int, expert_bytes: int, dense_expert_bytes: int) -> float:
+    """Expected weight bytes one step's MoE layer moves through device memory on `arm` (uniform routing).
+
+    expert_bytes: one expert's stored weights (w13 and w2: bf16 bytes, or packed codes plus their scales
+    and signs); dense_expert_bytes: the same expert in bf16 (what the dequantize arm writes and reads back).
+    GEMV reads each pair's expert on its own; the grouped arms stage each woken expert once."""
+    if arm in (GEMV, TRELLIS_GEMV):
+        return float(max(n_tokens, 0) * k * expert_bytes)
+    woken = woken_experts(n_tokens, k, n_experts)
+    if arm == TRELLIS_DEQUANT:
+        return woken * (expert_bytes + 2 * dense_expert_bytes)
+    return woken * expert_bytes
 
 
 def curve_row(n_tokens: int, k: int, n_experts: int, tile_m: int, routing: "RoutingShape | None" = None) -> dict:
@@ -155,6 +189,10 @@ class GateInputs:
     grouped_variant: int = 2
     measured_crossover: int | None = None  # from the calibration file, None when absent
     measured_source: str = ""  # where a per-layer crossover came from ("" for the shape's one crossover)
+    weight_format: str = BF16  # "bf16" or "trellis": which arms the decision names
+    expert_bytes: int = 0  # one expert's stored w13 + w2 (packed codes, scales, signs for trellis); 0 = not given
+    dense_expert_bytes: int = 0  # the same expert in bf16 (what trellis_dequant writes and reads back)
+    measured_dequant_crossover: int | None = None  # calibration: trellis_dequant beats trellis_grouped from here
 
 
 @dataclass(frozen=True)
@@ -164,6 +202,7 @@ class Decision:
     reason: str  # in words, for people
     boundary: int | None  # the token count from which this policy picks grouped, if it has one
     inputs: dict = field(default_factory=dict)
+    dequant_boundary: int | None = None  # trellis: the token count from which the grouped side is trellis_dequant
 
 
 def _describe_fill(g: GateInputs) -> str:
@@ -189,6 +228,8 @@ def _inputs(g: GateInputs) -> dict:
         "n_tokens": g.n_tokens, "k": g.k, "n_experts": g.n_experts, "tile_m": g.tile_m,
         "policy": g.policy, "decode_floor": g.decode_floor, "moe_max_tokens": g.moe_max_tokens,
         "measured_crossover": g.measured_crossover,
+        **({"weight_format": g.weight_format, "expert_bytes": g.expert_bytes,
+            "measured_dequant_crossover": g.measured_dequant_crossover} if g.weight_format != BF16 else {}),
     }
 
 
@@ -217,11 +258,16 @@ def _measured(g: GateInputs) -> Decision:
                      f"measured: this GPU's sweep{source} crossed over at {g.measured_crossover} tokens")
 
 
-def _forced(arm: str) -> Callable[[GateInputs], Decision]:
+def _forced(arm: str, name: str | None = None) -> Callable[[GateInputs], Decision]:
+    """moe_gate=`name` (default: the arm's name) forces `arm`; `dequant` forces the grouped side, which on
+    trellis experts is trellis_dequant (`_trellis`) and on bf16 ones the grouped arm itself."""
+    name = name or arm
+
     def decide(g: GateInputs) -> Decision:
         variant = g.grouped_variant if arm == GROUPED else None
         label = f"grouped v{variant}" if arm == GROUPED else arm
-        return Decision(arm, variant, f"forced by moe_gate={arm}: {label}", None, _inputs(g))
+        note = " (bf16 experts have nothing to dequantize)" if name != arm and g.weight_format == BF16 else ""
+        return Decision(arm, variant, f"forced by moe_gate={name}: {label}{note}", None, _inputs(g))
     return decide
 
 
@@ -233,6 +279,7 @@ POLICIES: dict[str, Callable[[GateInputs], Decision]] = {
     "gemv": _forced(GEMV),
     "grouped": _forced(GROUPED),
     "reference": _forced(REFERENCE),
+    "dequant": _forced(GROUPED, "dequant"),
 }
 
 
@@ -240,13 +287,46 @@ def decide(g: GateInputs) -> Decision:
     """The arm for one MoE layer of one step.
 
     `moe_max_tokens` pins GEMV for n <= value under every policy except `reference`, which is
-    the correctness arm of side-by-side checks and must stay what it says.
+    the correctness arm of side-by-side checks and must stay what it says. A trellis layer's
+    decision names the trellis arm of the side the policy chose (`_trellis`).
     """
+    if g.weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {g.weight_format!r}")
     name = g.policy.split(":", 1)[0]
     decision = POLICIES[name](g)
     if g.moe_max_tokens and g.n_tokens <= g.moe_max_tokens and name != "reference":
-        return Decision(GEMV, None,
-                        f"moe_max_tokens={g.moe_max_tokens} pins GEMV for n <= {g.moe_max_tokens} "
-                        f"(the policy alone said {decision.arm}: {decision.reason})",
-                        decision.boundary, decision.inputs)
-    return decision
+        decision = Decision(GEMV, None,
+                            f"moe_max_tokens={g.moe_max_tokens} pins GEMV for n <= {g.moe_max_tokens} "
+                            f"(the policy alone said {decision.arm}: {decision.reason})",
+                            decision.boundary, decision.inputs)
+    return _trellis(decision, g, name) if g.weight_format == TRELLIS else decision
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:,.1f} MB"
+
+
+def _trellis(decision: Decision, g: GateInputs, policy: str) -> Decision:
+    """The trellis arm of the side `decision` chose: GEMV -> trellis_gemv; grouped -> trellis_grouped, or
+    trellis_dequant when forced (moe_gate=dequant) or, under `measured`, from the calibration's dequantize
+    crossover on (the byte arithmetic never favours dequantizing: module docstring)."""
+    if decision.arm == REFERENCE:
+        return decision
+    n, k, experts = g.n_tokens, g.k, g.n_experts
+    dequant_boundary = None
+    if decision.arm == GEMV:
+        arm, why = TRELLIS_GEMV, "trellis_gemv decodes in registers"
+    elif policy == "dequant":
+        arm, why = TRELLIS_DEQUANT, "trellis_dequant decodes the woken experts, then multiplies"
+    elif policy == "measured" and g.measured_dequant_crossover is not None:
+        dequant_boundary = g.measured_dequant_crossover
+        arm = TRELLIS_DEQUANT if n >= dequant_boundary else TRELLIS_GROUPED
+        why = (f"this GPU's sweep measured trellis_dequant faster from {dequant_boundary} tokens: "
+               f"{n} {'>=' if arm == TRELLIS_DEQUANT else '<'} {dequant_boundary}: {arm}")
+    else:
+        arm = TRELLIS_GROUPED
+        why = "trellis_grouped (dequantizing moves more bytes; no measured crossover says it decodes faster)"
+    if g.expert_bytes:
+        why += f"; moves {_megabytes(moved_bytes(arm, n, k, experts, g.expert_bytes, g.dense_expert_bytes))} of weights"
+    return Decision(arm, None, f"{decision.reason}; trellis experts: {why}", decision.boundary, decision.inputs,
+                    dequant_boundary)

@@ -8,6 +8,7 @@ Knows nothing of scheduling, graphs' launches or generation loops.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -21,6 +22,7 @@ from engine.devices import device_label
 from engine.flags import ResolvedFlags, launch_settings
 from engine.records import AttentionRecord, MoeRecord
 from engine.trace import layer_range_name, nvtx
+from engine.weight_format import matrices_format
 from kernels import launches, settings as kernel_settings
 from kernels.reference import MaskSpec
 
@@ -96,6 +98,7 @@ class Dispatcher:
                                                        flags["routing_cap_mb"] << 20)
                         if flags.values.get("record_routing") else None)
         self._routing_staging: torch.Tensor | None = None  # pinned [rows, W] int16, reused by eager steps
+        self._trellis_gates: dict[str, dict] = {}  # calibration.trellis_format -> the gate's fields
         self.begin_step(0, PREFILL, 0)
 
     def begin_step(self, step: int, phase: str, n_tokens: int) -> None:
@@ -150,10 +153,12 @@ class Dispatcher:
         crossover, source = self.crossover, ""
         if layer in self.layer_crossovers:
             crossover, source = self.layer_crossovers[layer], f"recorded routing ({self.crossover_file}, layer {layer})"
-        decision = dispatch.decide(dispatch.GateInputs(
+        gate = dispatch.GateInputs(
             n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=crossover, measured_source=source))
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover, measured_source=source)
+        stored = matrices_format(w13, w2)
+        decision = dispatch.decide(dataclasses.replace(gate, **self.trellis_gate(w13, w2)) if stored.coded else gate)
         arm = ARMS[decision.arm]
         clamped_gemv = experts is not None and decision.arm == dispatch.GEMV and arm.supports(device)
         if clamped_gemv:  # the GEMV arm has the gpt-oss epilogue (kernels.moe_gemv.moe_gemv_clamped)
@@ -167,6 +172,7 @@ class Dispatcher:
         else:
             executed = ARMS[dispatch.REFERENCE]
             note = (f"{decision.arm} cannot run on {device.type}: the reference arm computes the same function"
+                    + (" (it dequantizes the woken experts)" if stored.coded else "")
                     if decision.arm != dispatch.REFERENCE else "")
         predicted = dispatch.woken_experts(n, config.top_k, config.n_experts)
         record = {
@@ -178,6 +184,8 @@ class Dispatcher:
             "boundary": decision.boundary, "policy": flags["moe_gate"],
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
+            "weight_format": stored.name, "bits_per_weight": stored.bits_per_weight,
+            "expert_bytes": stored.bytes_per_expert, "bytes_moved": round(predicted * stored.bytes_per_expert),
         }
         if self.family_fields:
             record.update(self.family_fields)
@@ -238,6 +246,24 @@ class Dispatcher:
                      + (f"; decided {decision.arm}" if executed is not arm else ""))
         self.attention_records.append(record)
         return self._run(record, lambda: executed.launch(config, q, latent_cache[:, :length], kv_b, q_start))
+
+    def trellis_gate(self, w13, w2) -> dict:
+        """The GateInputs fields of trellis experts (engine.dispatch): their format, packed and bf16 bytes per
+        expert, and this format's calibration on this GPU (one lookup per format per run)."""
+        label = calibration.trellis_format(w13.code.code, w13.code.K)
+        cached = self._trellis_gates.get(label)
+        if cached is None:
+            config = self.engine.config
+            shape = (device_label(self.engine.device), config.top_k, config.n_experts, config.hidden,
+                     config.intermediate, self.flags["tile_m"])
+            cached = self._trellis_gates[label] = {
+                "weight_format": dispatch.TRELLIS, "expert_bytes": w13.bytes_per_expert + w2.bytes_per_expert,
+                "dense_expert_bytes": 2 * 3 * config.hidden * config.intermediate,
+                "measured_crossover": calibration.find_crossover(*shape, weight_format=label),
+                "measured_dequant_crossover": calibration.find_crossover(
+                    *shape, weight_format=label, field="dequant_crossover_tokens"),
+            }
+        return cached
 
     def attention(self, layer, q, k_cache, v_cache, sinks, q_start, length):
         config, flags, device = self.engine.config, self.flags, self.engine.device

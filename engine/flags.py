@@ -32,7 +32,7 @@ SOURCES = (DEFAULT, ENVIRONMENT, SESSION, COMMAND_LINE)
 # Keep in step with kernels/moe_grouped.py's TILE_M_CHOICES; a test asserts they are equal
 # (the flags must import without triton, so the tuple cannot be imported from there).
 TILE_M_CHOICES = (16, 32, 64)
-GATE_NAMES = ("floor", "tile-fill", "measured", "gemv", "grouped", "reference")
+GATE_NAMES = ("floor", "tile-fill", "measured", "gemv", "grouped", "reference", "dequant")
 FUSED_MASK_MODES = ("honor", "decline", "drop")
 LAYER_TIMINGS = ("profile", "events", "off")
 
@@ -135,7 +135,7 @@ def _parse_gate(value: Any) -> str:
 
 SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
     FlagSpec("moe_gate", "measured",
-             "floor, tile-fill, threshold:N (N >= 1), measured, gemv, grouped, reference",
+             "floor, tile-fill, threshold:N (N >= 1), measured, gemv, grouped, reference, dequant",
              _parse_gate, "select", GATE_NAMES + ("threshold:16",),
              "MoE arm policy; measured falls back to threshold:16 without a calibration"),
     FlagSpec("decode_floor", 8, "an integer >= 0", _parse_int(0), "int",

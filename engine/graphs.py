@@ -16,7 +16,7 @@ Knows nothing of scheduling or of the runner's launch path (engine.batch_runner 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -29,6 +29,7 @@ from engine.decode_fused import StepOutputs, carried_launches
 from engine.dispatcher import Dispatcher
 from engine.model import StepLayout, forward
 from engine.scheduler import DECODE, Batch
+from engine.weight_format import expert_format
 from kernels import launches
 
 
@@ -107,15 +108,23 @@ class DecodeGraph:
 
 def capture_blocker(runner, size: int, dispatcher) -> str:
     config, flags = runner.engine.config, dispatcher.flags
+    weights = runner.engine.weights
+    first_moe = config.moe_layers[0]
+    coded = expert_format(weights, first_moe).coded
+    trellis = dispatcher.trellis_gate(weights[f"layers.{first_moe}.w13"], weights[f"layers.{first_moe}.w2"]) \
+        if coded else {}  # the trellis arm the layers will take (engine.dispatcher): they never sync
     # every MoE layer's decision (a calibration from a routing recording gives each layer its own crossover)
     for crossover in {dispatcher.crossover, *getattr(dispatcher, "layer_crossovers", {}).values()}:
-        decision = dispatch.decide(dispatch.GateInputs(
+        gate = dispatch.GateInputs(
             n_tokens=size, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
-            grouped_variant=flags["grouped_variant"], measured_crossover=crossover))
+            grouped_variant=flags["grouped_variant"], measured_crossover=crossover)
+        decision = dispatch.decide(replace(gate, **trellis) if coded else gate)
         if not config.plain_experts and decision.arm != dispatch.GEMV:
             return (f"this family's experts (biases, clamped SwiGLU) run on the reference arm at the {decision.arm} "
                     f"arm's widths, which syncs the host; only the GEMV arm computes them on the device")
+        if coded and (decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device)):
+            return "trellis experts on the reference arm (it dequantizes the woken experts) sync the host"
         if decision.arm == dispatch.REFERENCE or not ARMS[decision.arm].supports(runner.device):
             return "the MoE reference arm syncs the host (torch.unique), which a CUDA graph cannot capture"
     for layer in range(config.n_layers):

@@ -61,6 +61,7 @@ from typing import TextIO
 
 import torch
 
+from engine import trellis_checkpoint
 from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.hf_config_checks import check_config_values, check_counts
@@ -70,6 +71,7 @@ from engine.errors import UserError
 from engine.hf_tokenizer import HFTokenizer
 from engine.model import tensor_dtype, tensor_shapes
 from engine.progress import Progress
+from engine.tokenizer import ByteTokenizer
 
 ARCHITECTURES = {
     "GptOssForCausalLM": "gpt-oss",
@@ -106,6 +108,12 @@ def load_checkpoint(directory: str | Path, device: torch.device, dtype: torch.dt
     """Config, weights (on `device` in `dtype`) and tokenizer of a Hugging Face checkpoint directory
     (`tokenizer`: the caller's, instead of the directory's tokenizer.json)."""
     directory = Path(directory)
+    if trellis_checkpoint.is_trellis_directory(directory):  # experts in trellis codes, written by `quantize`
+        config, family, weights = trellis_checkpoint.load_directory(directory, device, dtype, stream)
+        if tokenizer is None:
+            tokenizer = ByteTokenizer() if trellis_checkpoint.byte_tokenizer(directory) else \
+                HFTokenizer(directory / "tokenizer.json")
+        return LoadedCheckpoint(config, weights, tokenizer, family)
     config, family = read_config(directory)  # every size within its ceiling (engine.hf_config_checks)
     if tokenizer is None:
         tokenizer = HFTokenizer(directory / "tokenizer.json")
@@ -165,6 +173,9 @@ class _Fields:
 def read_config(directory: Path) -> tuple[ModelConfig, str]:
     """The engine's config and the family name of config.json in `directory`."""
     values, path = read_config_values(directory)
+    if trellis_checkpoint.is_trellis_config(values):
+        config, family, _ = trellis_checkpoint.read_config(values, path)
+        return config, family
     fields = _Fields(values, path)
     family = _family(fields)
     try:

@@ -39,6 +39,10 @@ class MoeRecord(TypedDict, total=False):
     routing: str  # a group-limited router, in words
     shared_experts: str  # the shared experts: always on, outside the arm's decision and timing
     forward: str  # why the step ran engine.model's torch forward, not engine.decode_fused's glue
+    weight_format: str  # the experts' storage: "bf16", "fp32", or "trellis hyb K=2 V=2 L=16" (engine.weight_format)
+    bits_per_weight: float  # trellis: K plus the row scales
+    expert_bytes: int  # w13 + w2 of one expert, as stored: what a woken expert costs the step to read
+    bytes_moved: int | None  # expert weight bytes the step reads: woken_predicted * expert_bytes
 
 
 class AttentionRecord(TypedDict, total=False):

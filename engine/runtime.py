@@ -82,6 +82,10 @@ def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, 
     """tokenizer.json where the directory has it and `tokenizers` is installed; else the byte tokenizer, and a
     note every header and report carries (the bench and random-weights runs need token ids, not words; text
     through byte tokens is not the model's)."""
+    from engine.trellis_checkpoint import byte_tokenizer
+
+    if byte_tokenizer(directory):  # a trellis checkpoint of a byte-vocabulary preset (demo, tiny)
+        return ByteTokenizer(), ""
     if (directory / "tokenizer.json").is_file():
         try:
             from engine.hf_tokenizer import HFTokenizer
@@ -264,7 +268,11 @@ class Engine:
         checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
         tokenizer, note = _directory_tokenizer(directory, config)
         if weights == "random":
-            drawn = model_source.random_weights_on(config, seed, device, dtype)
+            from engine import trellis_checkpoint
+
+            drawn = (trellis_checkpoint.random_weights(directory, config, seed, device, dtype)
+                     if trellis_checkpoint.is_trellis_directory(directory) else
+                     model_source.random_weights_on(config, seed, device, dtype))
             engine = cls(config, device, seed, weights=drawn, tokenizer=tokenizer,
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
                                         f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")

@@ -73,6 +73,8 @@ def moe_shape(model: str) -> MoeShape:
 
 ARMS = ("gemv", "grouped_v0", "grouped_v1", "grouped_v2", "torch_grouped_mm")
 GROUPED_ARMS = ("grouped_v0", "grouped_v1", "grouped_v2")
+# trellis experts (--experts trellis:K=2,code=hyb): their three arms, timed on random packed codes
+TRELLIS_ARMS = ("trellis_gemv", "trellis_grouped", "trellis_dequant")
 DEFAULT_TOKENS = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 683, 1024, 2048, 4096, 8192)
 MAX_TOKENS = 65536
 ROTATIONS = 4  # routing / activation sets cycled through the timed calls
@@ -133,12 +135,22 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def parse_experts(text: str):
+    """'bf16' -> None; 'trellis:K=2,code=hyb' -> that TrellisCode (engine.trellis_job's syntax, as `quantize`
+    takes it). UserError otherwise."""
+    if text.strip() == "bf16":
+        return None
+    from engine.trellis_job import parse_experts as parse_trellis
+
+    return parse_trellis(text.strip())
+
+
 def parse_arms(text: str) -> tuple[str, ...]:
     arms = []
     for part in text.split(","):
         part = part.strip()
-        if part not in ARMS:
-            raise UserError(f"--arms: unknown arm {part!r}; choose from {', '.join(ARMS)}")
+        if part not in ARMS + TRELLIS_ARMS:
+            raise UserError(f"--arms: unknown arm {part!r}; choose from {', '.join(ARMS + TRELLIS_ARMS)}")
         if part not in arms:
             arms.append(part)
     return tuple(arms)
@@ -156,6 +168,7 @@ class SweepConfig:
     timing: str = "graph"
     routing: Path | None = None  # a routing file of this model: time every arm on each recorded layer's ids too
     layers: tuple[int, ...] | None = None  # the routing file's MoE layers to time (None: every one)
+    experts: object = None  # a kernels.trellis_reference.TrellisCode for trellis experts; None = bf16
     shape: MoeShape = field(init=False)
     recording: object = field(init=False, repr=False, compare=False)  # the routing file's, checked
 
@@ -178,6 +191,11 @@ class SweepConfig:
             raise UserError("--layers picks layers of a routing file: give --routing FILE too")
         if self.timing not in TIMINGS:
             raise UserError(f"--timing {self.timing!r}: choose graph (the runtime's way) or cold")
+        expected = TRELLIS_ARMS if self.experts is not None else ARMS
+        wrong = [arm for arm in self.arms if arm not in expected]
+        if wrong:
+            kind = "trellis" if self.experts is not None else "bf16"
+            raise UserError(f"--arms: {', '.join(wrong)} cannot run {kind} experts; choose from {', '.join(expected)}")
         if not self.tokens:
             raise UserError("--tokens: give at least one token count")
         if not self.arms:
@@ -196,8 +214,10 @@ class SweepConfig:
 # ---------------------------------------------------------------------------------------------
 
 def bandwidth_bound_us(shape: MoeShape, tokens: int, woken_experts: float, copy_bandwidth_gbs: float,
-                       element_bytes: int = 2) -> float:
-    moved = woken_experts * shape.expert_weight_bytes(element_bytes) + 2 * tokens * shape.hidden * element_bytes
+                       element_bytes: int = 2, expert_bytes: int | None = None) -> float:
+    """`expert_bytes`: one expert's stored weights when they are not bf16 (trellis: packed codes and scales)."""
+    per_expert = shape.expert_weight_bytes(element_bytes) if expert_bytes is None else expert_bytes
+    moved = woken_experts * per_expert + 2 * tokens * shape.hidden * element_bytes
     return moved / (copy_bandwidth_gbs * 1e9) * 1e6
 
 
@@ -206,14 +226,16 @@ def tensor_core_bound_us(shape: MoeShape, tokens: int, matmul_tflops: float) -> 
     return flops / (matmul_tflops * 1e12) * 1e6
 
 
-def crossover_tokens(rows: list[dict]) -> int | None:
+def crossover_tokens(rows: list[dict], gemv_arm: str = "gemv", grouped_arms: tuple = GROUPED_ARMS) -> int | None:
     """Smallest measured n from which the best grouped variant beats GEMV at every larger
-    measured n; None when GEMV or every grouped variant was not measured, or GEMV wins the last."""
+    measured n; None when GEMV or every grouped variant was not measured, or GEMV wins the last.
+    Trellis: (trellis_gemv, (trellis_grouped,)), and (trellis_grouped, (trellis_dequant,)) for the
+    dequantize crossover."""
     crossover = None
     for row in sorted(rows, key=lambda r: r["tokens"], reverse=True):
         arms = row["arms"]
-        grouped = [arms[name]["us"] for name in GROUPED_ARMS if arms.get(name, {}).get("us") is not None]
-        gemv = arms.get("gemv", {}).get("us")
+        grouped = [arms[name]["us"] for name in grouped_arms if arms.get(name, {}).get("us") is not None]
+        gemv = arms.get(gemv_arm, {}).get("us")
         if gemv is None or not grouped:
             return None
         if min(grouped) < gemv:
@@ -374,12 +396,34 @@ def _routing(shape: MoeShape, tokens: int, popularity, device, generator):
     return topk_ids, topk_weights
 
 
+def _random_trellis(shape: MoeShape, code, device, seed: int):
+    """Random packed stacks w13 [E, 2F, D] and w2 [E, D, F] drawn on the device (the decode's cost does not
+    depend on the codes' values), and their dequantized experts in float32 for the reference check (26 GB
+    at v4-shape: in bf16 the reference's own rounding would take a third of the check's tolerance)."""
+    import torch
+
+    from kernels.trellis_reference import dequantize, hadamard_block, random_trellis_matrix
+
+    E, D, F = shape.experts, shape.hidden, shape.intermediate
+    w13 = random_trellis_matrix(E, 2 * F, D, code, seed=seed, device=device, row_block=hadamard_block(F))
+    w2 = random_trellis_matrix(E, D, F, code, seed=seed + 1, device=device)
+    dense = []
+    for stack in (w13, w2):  # expert by expert: float32 rotations of one expert at a time
+        dense.append(torch.stack([dequantize(stack.expert(e))[0] for e in range(E)]))
+    return w13, w2, dense[0], dense[1]
+
+
 def _arm_functions(arms, tile_m: int):
     from kernels.moe_gemv import moe_gemv
     from kernels.moe_grouped import moe_grouped
     from kernels.moe_peer import moe_torch_grouped_mm
+    from kernels.trellis_gemv import moe_trellis_gemv
+    from kernels.trellis_grouped import moe_trellis_dequant, moe_trellis_grouped
 
     table = {
+        "trellis_gemv": moe_trellis_gemv,
+        "trellis_grouped": lambda *a: moe_trellis_grouped(*a, tile_m=tile_m),
+        "trellis_dequant": lambda *a: moe_trellis_dequant(*a, tile_m=tile_m),
         "gemv": moe_gemv,
         "grouped_v0": lambda *a: moe_grouped(*a, tile_m=tile_m, variant=0),
         "grouped_v1": lambda *a: moe_grouped(*a, tile_m=tile_m, variant=1),
@@ -421,7 +465,13 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
     matmul_tflops = _matmul_tflops(timer, device, generator)
     step("matmul rate")
 
-    w13, w2 = _random_weights(shape, device, generator)
+    trellis = config.experts
+    if trellis is None:
+        w13, w2 = _random_weights(shape, device, generator)
+        reference_w13, reference_w2, expert_bytes = w13, w2, None
+    else:
+        w13, w2, reference_w13, reference_w2 = _random_trellis(shape, trellis, device, config.seed)
+        expert_bytes = w13.bytes_per_expert + w2.bytes_per_expert
     popularity = None
     if config.skew > 0:
         permutation = torch.randperm(shape.experts, generator=generator, device=device).tolist()
@@ -438,7 +488,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         """Every arm timed at n = tokens on `sets` (ROTATIONS (x, ids, weights) on the device): one row."""
         nonlocal check_failed
         woken = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
-        reference = moe_reference(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
+        reference = moe_reference(sets[0][0], reference_w13, reference_w2, sets[0][1], sets[0][2]).float()
         reference_norm = reference.norm().item()
         label = extra.get("source", "")
 
@@ -482,7 +532,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         step(f"{label}n={tokens} align")
         del reference
 
-        bandwidth_us = bandwidth_bound_us(shape, tokens, woken, copy_gbs)
+        bandwidth_us = bandwidth_bound_us(shape, tokens, woken, copy_gbs, expert_bytes=expert_bytes)
         tensor_us = tensor_core_bound_us(shape, tokens, matmul_tflops)
         bound = max(bandwidth_us, tensor_us)
         for result in arms_result.values():
@@ -546,7 +596,11 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             "differences": routing_replay.differences(layer_entries, uniform_crossover, formula, config.tile_m),
         }
 
-    crossover = crossover_tokens(rows)
+    if trellis is None:
+        crossover, dequant_crossover = crossover_tokens(rows), None
+    else:
+        crossover = crossover_tokens(rows, "trellis_gemv", ("trellis_grouped",))
+        dequant_crossover = crossover_tokens(rows, "trellis_grouped", ("trellis_dequant",))
     device_name = torch.cuda.get_device_name(device)
     commit = git_commit()
     calibration_file = None
@@ -572,7 +626,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         calibration_note = ("not every arm was timed the runtime's way (--timing graph): the calibration that "
                             "moe_gate=measured reads was not written")
     else:
-        calibration_file = str(calibration.save_entry({
+        entry = {
             "device": device_name,
             "k": shape.top_k,
             "experts": shape.experts,
@@ -584,13 +638,20 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             "commit": commit,
             "timing": "graph",
             **calibrated,
-        }, config.calibration))
+        }
+        if trellis is not None:
+            entry["weight_format"] = calibration.trellis_format(trellis.code, trellis.K)
+            entry["dequant_crossover_tokens"] = dequant_crossover
+        calibration_file = str(calibration.save_entry(entry, config.calibration))
     return {
         "device": device_name,
         "model": config.model,
         "shape": {"experts": shape.experts, "top_k": shape.top_k, "hidden": shape.hidden,
                   "intermediate": shape.intermediate},
         "dtype": "bfloat16",
+        "experts": "bf16" if trellis is None else trellis.describe(),
+        "expert_bytes": shape.expert_weight_bytes() if trellis is None else expert_bytes,
+        "dequant_crossover_tokens": dequant_crossover,
         "tile_m": config.tile_m,
         "skew": config.skew,
         "timing": {"method": config.timing, "describe": TIMING_DESCRIPTIONS[config.timing]},

@@ -20,7 +20,7 @@ A session is a script the TUI records and `moe-inspector run` executes headless:
     fused_mask = "drop"
 
     [[step]]
-    action = "prompt"                # prompt, compare, curve, sweep, check-attention, bench
+    action = "prompt"                # prompt, compare, curve, sweep, check-attention, check-quant, bench
     prompt = "..."
     max_tokens = 8
     config = "drop"                  # optional: run under this config instead of [flags]
@@ -81,6 +81,7 @@ MAX_INTEGER = 2**53
 MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "none")
+QUANT_VERDICTS = ("dequantized", "original", "none")  # engine.quant_check's
 SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -113,6 +114,7 @@ ARMS = Kind(f"a non-empty list of arms from {', '.join(SWEEP_ARMS)}",
             lambda v: isinstance(v, list) and bool(v) and all(x in SWEEP_ARMS for x in v))
 MODE = Kind(f"one of {', '.join(flag_registry.FUSED_MASK_MODES)}", lambda v: v in flag_registry.FUSED_MASK_MODES)
 VERDICT = Kind(f"one of {', '.join(VERDICTS)}", lambda v: v in VERDICTS)
+QUANT_VERDICT = Kind(f"one of {', '.join(QUANT_VERDICTS)}", lambda v: v in QUANT_VERDICTS)
 DTYPE = Kind(f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES)
 
 
@@ -193,6 +195,18 @@ class CheckAttentionStep:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckQuantStep:
+    """A trellis arm against the dequantized and the original experts of one layer (the session's model must
+    be a trellis checkpoint); `expect` the verdict, e.g. dequantized."""
+
+    action = "check-quant"
+    layer: int = _field(NON_NEGATIVE, 0)
+    tokens: list[int] | None = _field(TOKENS)
+    arm: str | None = _field(TEXT)
+    expect: str | None = _field(QUANT_VERDICT)
+
+
+@dataclass(frozen=True, kw_only=True)
 class BenchStep:
     """llama-bench rows (engine.bench) under `config`: a ppN row per prompt length and a tgN row per
     generated count, each at every batch size; `reps` timed repetitions after one warm-up. Token
@@ -209,9 +223,10 @@ class BenchStep:
 BENCH_TG_PROMPT = 32  # prompt tokens of each tg sequence, as `moe-inspector bench --tg-prompt`'s default
 BENCH_DEFAULT_BATCH = (1,)
 
-Step = PromptStep | CompareStep | CurveStep | SweepStep | CheckAttentionStep | BenchStep
+Step = PromptStep | CompareStep | CurveStep | SweepStep | CheckAttentionStep | CheckQuantStep | BenchStep
 STEP_TYPES: dict[str, type] = {cls.action: cls for cls in
-                               (PromptStep, CompareStep, CurveStep, SweepStep, CheckAttentionStep, BenchStep)}
+                               (PromptStep, CompareStep, CurveStep, SweepStep, CheckAttentionStep, CheckQuantStep,
+                                BenchStep)}
 ACTIONS = tuple(STEP_TYPES)
 
 

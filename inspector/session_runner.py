@@ -347,6 +347,10 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         old, new = recorded.get("numbers", {}).get("verdict"), now.get("numbers", {}).get("verdict")
         if old != new:
             differences.append(f"{label}: verdict differs: recorded {old}, now {new}")
+    if recorded["action"] == "check-quant":
+        old, new = ([row.get("verdict") for row in side.get("numbers", {}).get("rows", [])] for side in (recorded, now))
+        if old != new:
+            differences.append(f"{label}: verdicts differ: recorded {old}, now {new}")
     if recorded["action"] == "bench":
         differences += diff_bench(label, recorded.get("numbers", {}), now.get("numbers", {}))
     return differences

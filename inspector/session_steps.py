@@ -29,8 +29,8 @@ from engine import limits
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.tokenizer import ByteTokenizer
-from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CompareStep,
-                               CurveStep, PromptStep, Session, Step, SweepStep, step_to_plain)
+from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CheckQuantStep,
+                               CompareStep, CurveStep, PromptStep, Session, Step, SweepStep, step_to_plain)
 
 OK, CHECK_FAILED = "ok", "check failed"
 
@@ -387,6 +387,34 @@ class CheckAttentionAction(Action):
         return result_line(index, step, [], numbers, check, float(outcome.get("wall_s") or 0.0))
 
 
+class CheckQuantAction(Action):
+    """A trellis arm against the dequantized and the original experts (engine.quant_check.check_quant_engine)."""
+
+    step_type = CheckQuantStep
+
+    def run(self, context, step) -> dict:
+        from engine.quant_check import check_quant_engine
+
+        checkpoint = context.engine.checkpoint or {}
+        directory = Path(checkpoint.get("path") or context.session.engine.model)
+        return {"result": check_quant_engine(context.engine, directory, layer=step.layer,
+                                             tokens=tuple(step.tokens) if step.tokens else None, arm=step.arm,
+                                             seed=context.session.engine.seed)}
+
+    def result(self, context, index, step, outcome) -> dict | None:
+        if outcome.get("result") is None:
+            return None
+        numbers = json_safe(outcome["result"])
+        check = None
+        if step.expect is not None:
+            verdicts = [row["verdict"] for row in numbers["rows"]]
+            held = all(verdict == step.expect for verdict in verdicts)
+            check = {"expect": step.expect, "held": held,
+                     "detail": (f"verdict {step.expect} at every token count, as expected" if held else
+                                f"expected verdict {step.expect}, got {verdicts}: {numbers['sentence']}")}
+        return result_line(index, step, [], numbers, check, float(outcome.get("wall_s") or 0.0))
+
+
 class BenchAction(Action):
     """llama-bench rows (engine.bench.run_bench) under the step's configuration."""
 
@@ -421,7 +449,8 @@ class BenchAction(Action):
 
 
 ACTIONS: dict[type, Action] = {action.step_type: action for action in (
-    PromptAction(), CompareAction(), CurveAction(), SweepAction(), CheckAttentionAction(), BenchAction())}
+    PromptAction(), CompareAction(), CurveAction(), SweepAction(), CheckAttentionAction(), CheckQuantAction(),
+    BenchAction())}
 
 
 def action_for(step: Step) -> Action:

@@ -117,3 +117,60 @@ def test_table_renders_a_result_and_flags_failed_checks():
     table = render_table(json.loads(json.dumps(result)))
     assert "3.0 (2.00)" in table and "6.0 (4.00) CHECK" in table and "n/a" in table
     assert "crossover: 2 tokens" in table and "CHECK FAILED" in table
+
+
+# --- trellis experts: the format's bytes, arms and crossovers -------------------------------------
+
+def test_trellis_bandwidth_bound_counts_packed_bytes():
+    from engine.sweep import parse_experts
+    from kernels.trellis_reference import packed_bytes_per_expert
+
+    shape = moe_shape("v4-shape")
+    code = parse_experts("trellis:K=2,code=hyb")
+    packed = packed_bytes_per_expert(code, 2 * 2048, 4096) + packed_bytes_per_expert(code, 4096, 2048)
+    assert packed == 3 * 4096 * 2048 * 2 // 8 + 4 * (2 * 2048 + 4096)  # 6.03 MiB against 48 MiB in bf16
+    us = bandwidth_bound_us(shape, tokens=1, woken_experts=6, copy_bandwidth_gbs=4200, expert_bytes=packed)
+    assert us == pytest.approx((6 * packed + 2 * 4096 * 2) / 4.2e12 * 1e6)
+    assert 8.9 < us < 9.1
+
+
+@pytest.mark.parametrize("text, expected", [("bf16", None), ("trellis:K=2,code=hyb", ("hyb", 2, 2)),
+                                            ("trellis:code=1mad,K=4", ("1mad", 4, 1)),
+                                            ("trellis:K=3,code=3inst", ("3inst", 3, 1))])
+def test_experts_formats_parse(text, expected):
+    from engine.sweep import parse_experts
+
+    code = parse_experts(text)
+    assert (code if code is None else (code.code, code.K, code.V)) == expected
+
+
+@pytest.mark.parametrize("text", ["int4", "trellis:K=5,code=hyb", "trellis:K=2,code=lut", "trellis:K=2,K=3",
+                                  "trellis:bits=2", "trellis:K=3"])
+def test_bad_experts_format_names_the_value(text):
+    from engine.sweep import parse_experts
+
+    with pytest.raises(UserError, match="--experts"):
+        parse_experts(text)
+
+
+def test_trellis_sweep_takes_trellis_arms_only():
+    from engine.sweep import parse_experts
+
+    code = parse_experts("trellis:K=2,code=hyb")
+    with pytest.raises(UserError, match="cannot run trellis experts"):
+        SweepConfig(model="v4-shape", arms=("gemv",), experts=code)
+    with pytest.raises(UserError, match="cannot run bf16 experts"):
+        SweepConfig(model="v4-shape", arms=("trellis_gemv",))
+    assert SweepConfig(model="v4-shape", arms=parse_arms("trellis_gemv,trellis_dequant"), experts=code).arms == (
+        "trellis_gemv", "trellis_dequant")
+
+
+def test_trellis_crossovers_use_the_trellis_arms():
+    def row(tokens, gemv, grouped, dequant):
+        return {"tokens": tokens, "arms": {"trellis_gemv": {"us": gemv}, "trellis_grouped": {"us": grouped},
+                                           "trellis_dequant": {"us": dequant}}}
+
+    rows = [row(1, 10, 20, 40), row(16, 30, 25, 45), row(4096, 900, 400, 420), row(8192, 1800, 800, 700)]
+    assert crossover_tokens(rows, "trellis_gemv", ("trellis_grouped",)) == 16
+    assert crossover_tokens(rows, "trellis_grouped", ("trellis_dequant",)) == 8192
+    assert crossover_tokens(rows) is None  # the bf16 arms were not measured

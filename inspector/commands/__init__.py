@@ -8,6 +8,7 @@ COMMAND_MODULES = [
     "generate",
     "compare",
     "check_attention",
+    "check_quant",
     "sweep",
     "run",
     "replay",
@@ -15,4 +16,5 @@ COMMAND_MODULES = [
     "ab",
     "flags",
     "routing",
+    "quantize",
 ]

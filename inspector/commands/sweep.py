@@ -16,6 +16,7 @@ from inspector.commands.output import add_format_arguments, output_format
 
 _DEFAULT_TOKENS = "1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
 _ALL_ARMS = "gemv,grouped_v0,grouped_v1,grouped_v2,torch_grouped_mm"
+_TRELLIS_ARMS = "trellis_gemv,trellis_grouped,trellis_dequant"
 
 
 def add_parser(subparsers) -> None:
@@ -30,7 +31,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default="v4-shape",
                         help="tiny, demo, v4-shape (default) or a checkpoint directory (its config.json's MoE shape)")
     parser.add_argument("--tokens", default=_DEFAULT_TOKENS, help=f"token counts, comma separated (default {_DEFAULT_TOKENS})")
-    parser.add_argument("--arms", default=_ALL_ARMS, help=f"arms to time, comma separated (default {_ALL_ARMS})")
+    parser.add_argument("--arms", default=None, help=f"arms to time, comma separated (default {_ALL_ARMS}; with "
+                        f"trellis experts {_TRELLIS_ARMS})")
+    parser.add_argument("--experts", default="bf16", metavar="FORMAT",
+                        help="the experts' format: bf16 (default) or trellis:K=2,code=hyb (random packed codes)")
     parser.add_argument("--skew", default="uniform",
                         help="routing of the timed token sets: uniform (default) or zipf:S (expert popularity "
                              "(rank + 1)^-S over a fixed random order of the experts)")
@@ -54,11 +58,14 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.progress import Progress
-    from engine.sweep import SweepConfig, parse_arms, parse_layers, parse_skew, parse_tokens, require_cuda, run_sweep
+    from engine.sweep import (SweepConfig, parse_arms, parse_experts, parse_layers, parse_skew, parse_tokens,
+                              require_cuda, run_sweep)
     from engine.triton_support import require_triton
 
     fmt = output_format(args)
-    tokens, arms = parse_tokens(args.tokens), parse_arms(args.arms)  # bad options first, GPU or not
+    experts = parse_experts(args.experts)  # bad options first, GPU or not
+    tokens = parse_tokens(args.tokens)
+    arms = parse_arms(args.arms or (_ALL_ARMS if experts is None else _TRELLIS_ARMS))
     check_calibration_path(args.calibration)  # a place it cannot write: before any work
     tile_m = args.tile_m
     if tile_m is None:
@@ -69,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         tokens=tokens,
         arms=arms,
+        experts=experts,
         skew=parse_skew(args.skew),
         tile_m=tile_m,
         seed=args.seed,
@@ -124,7 +132,8 @@ def render_table(result: dict) -> str:
     shape = result["shape"]
     lines = [
         f"MoE arms sweep: {result['model']} (E={shape['experts']}, k={shape['top_k']}, D={shape['hidden']}, "
-        f"F={shape['intermediate']}, {result['dtype']}), tile_m={result['tile_m']}, skew={result['skew']}",
+        f"F={shape['intermediate']}, {result['dtype']}), experts {result.get('experts', 'bf16')}, "
+        f"tile_m={result['tile_m']}, skew={result['skew']}",
         f"device {result['device']}: copy {result['copy_bandwidth_gbs']:,.0f} GB/s, "
         f"bf16 matmul {result['matmul_tflops']:,.0f} TFLOP/s",
         *([f"timing: {result['timing']['method']}: {result['timing']['describe']}"]
@@ -147,6 +156,9 @@ def render_table(result: dict) -> str:
     lines.append(f"GEMV/grouped crossover{' (uniform routing)' if routing else ''}: "
                  f"{'none measured' if crossover is None else f'{crossover} tokens'}"
                  f" (best grouped variant faster than GEMV at every measured n >= it)")
+    if result.get("dequant_crossover_tokens") is not None:
+        lines.append(f"grouped/dequantize crossover: {result['dequant_crossover_tokens']} tokens "
+                     "(trellis_dequant faster than trellis_grouped at every measured n >= it)")
     if routing:
         lines += _routing_section(routing, arms, result)
     if result.get("calibration_path"):

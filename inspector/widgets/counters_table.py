@@ -92,7 +92,9 @@ class CountersTable(Static):
         table.add_column("arm", no_wrap=True)
         for side in SIDES:
             table.add_column(side + ("" if self.final[side] else "*"), justify="right", no_wrap=True)
-        for name in self.arms:
+        # arms only some models run (trellis experts' arms) join the fixed list once one of them counts
+        extra = sorted(name for side in SIDES for name in self.counts[side] if name not in self.arms)
+        for name in self.arms + list(dict.fromkeys(extra)):
             values = [self.counts[side][name] for side in SIDES]
             table.add_row(name, *map(str, values), style="" if any(values) else "dim")
         for kernel in sorted(set(self.kernels[A]) | set(self.kernels[B])):

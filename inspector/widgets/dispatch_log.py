@@ -4,7 +4,8 @@ Columns: configuration, step, layer (these three stay put when the table scrolls
 phase, n tokens, decided→executed arm and variant, woken experts predicted/observed, pairs per
 woken expert predicted/observed, m-tile fill, the attention mask (→ the mask applied, when it
 differs; latent attention adds its cache bytes per token against the decompressed cache's), µs,
-and the whole reason. The header stays on top and over its columns. The line
+and the whole reason (a trellis-coded layer's starts with its format, bits per weight and the
+expert bytes the step moved, the record's `bytes_moved`). The header stays on top and over its columns. The line
 under the table gives the full reason of the row under the cursor (the newest while following);
 Enter opens the row's whole decision (`RecordScreen`).
 
@@ -62,9 +63,17 @@ class LogEntry:
     def mask_dropped(self) -> bool:
         return self.op == "attention" and self.record["mask"] != self.record["applied_mask"]
 
+    def weights_text(self) -> str:
+        """Trellis layers only (bf16 lines are unchanged): the format, bits per weight, expert bytes moved."""
+        r = self.record
+        if self.op != "moe" or not str(r.get("weight_format", "")).startswith("trellis"):
+            return ""
+        moved = "" if r.get("bytes_moved") is None else f", {r['bytes_moved'] / 1e6:.3g} MB"
+        return f"[{r['weight_format']}, {r['bits_per_weight']:.2f} b/w{moved}] "
+
     def reason(self) -> str:
         r = self.record
-        reason = ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
+        reason = self.weights_text() + ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
         return reason + (f" [{r['execution_note']}]" if r.get("execution_note") else "")
 
     def cells(self) -> tuple[str, ...]:

@@ -1,0 +1,108 @@
+"""Compile the trellis kernels for sm_90 on a machine WITHOUT a GPU and report, per code and schedule, the
+registers, spills, shared memory, whether the grouped products are wgmma, and the main loop's
+instructions per weight by pipe (bench/sass_loops.py): the numbers docs/trellis-kernels.md derives
+the issue bound from. The GPU run (bench/trellis_bench.py) recounts them on the kernels it times,
+built by the GPU machine's Triton.
+
+    python3 bench/trellis_sm90_compile.py            (Triton's bundled ptxas and cuobjdump; no GPU)
+
+Specialisations follow the v4-shape launch (D = 4096, F = 2048, k = 6): pointers and the sizes that
+are multiples of 16 get Triton's divisibility hint, as the JIT gives them on the GPU. Built on
+triton.compiler.ASTSource, whose arguments change between releases (written against 3.9).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import sass_loops  # noqa: E402
+from kernels import trellis_gemv, trellis_grouped  # noqa: E402
+from kernels.trellis_decode import CODE_IDS, unit_geometry  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+NOT_MULTIPLE_OF_16 = {"num_experts", "num_pairs", "max_windows"}
+POINTERS = {"codes_ptr": "*i32", "scales_ptr": "*fp32", "table_ptr": "*fp32", "vec_ptr": "*fp32", "ids_ptr": "*i32",
+            "weights_ptr": "*fp32", "out_ptr": "*fp32", "topk_weights_ptr": "*fp32", "x_ptr": "*bf16", "y_ptr": "*bf16",
+            "h_ptr": "*bf16", "pair_out_ptr": "*bf16", "sorted_pair_ids_ptr": "*i32", "tile_expert_ids_ptr": "*i32",
+            "window_first_tiles_ptr": "*i32", "padded_offsets_ptr": "*i32"}
+
+
+def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = POINTERS.get(name, "i32")
+        if signature[name].startswith("*") or name not in NOT_MULTIPLE_OF_16:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def usage(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(kernel.asm["cubin"])
+        handle.flush()
+        text = subprocess.run([sass_loops.cuobjdump(), "-res-usage", handle.name], capture_output=True,
+                              text=True).stdout
+    registers, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return f"regs={registers.group(1) if registers else '?':>3} stack={stack.group(1) if stack else '?'}"
+
+
+def code_constants(code: str, bits: int) -> dict:
+    group, words = unit_geometry(bits)
+    return dict(K=bits, V=2 if code == "hyb" else 1, G=group, WU=words, CODE=CODE_IDS[code], PTX=True)
+
+
+def describe(label: str, kernel, weights_per_thread: float) -> str:
+    loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
+    counts = sass_loops.per_weight(loop, weights_per_thread)
+    pipes = " ".join(f"{pipe}={counts[pipe]:.2f}" for pipe in sass_loops.RATES)
+    wgmma = len(re.findall(r"wgmma.mma_async", kernel.asm["ptx"]))
+    return (f"{label:34s} {usage(kernel)} shared={kernel.metadata.shared // 1024:3d}KB wgmma={wgmma:2d} "
+            f"loop={len(loop):4d} per weight: {pipes}  top {sass_loops.top_opcodes(loop, 6)}")
+
+
+def main() -> int:
+    codes = [("hyb", 2), ("3inst", 2), ("1mad", 2), ("hyb", 3), ("hyb", 4)]
+    print("trellis GEMV (gate-up; down runs the same loop), per weight = loop instructions / weights a thread "
+          "decodes per trip")
+    for name, schedule in trellis_gemv.SCHEDULES.items():
+        for code, bits in codes:
+            constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
+                             BLOCK_TC=schedule.block_tile_columns, USE_GDC=True, WEIGHT_EVICTION="evict_first",
+                             **code_constants(code, bits))
+            kernel = compile_sm90(trellis_gemv._trellis_gemv_kernel, constants, schedule.num_warps, 3)
+            weights = schedule.block_tile_rows * schedule.block_tile_columns * 256 / (32 * schedule.num_warps)
+            print(describe(f"gemv {name} {code} K={bits}", kernel, weights))
+    print("\ntrellis grouped (fused decode), per weight = loop instructions / weights a thread decodes per K step "
+          "(paid once per window)")
+    for name, schedule in trellis_grouped.SCHEDULES.items():
+        for code, bits in codes[:3]:
+            products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, schedule.gate_up_block_n, {"TOP_K": 6}),
+                        ("down", trellis_grouped._trellis_down_kernel, schedule.down_block_n, {}))
+            for label, fn, block_n, extra in products:
+                constants = dict(TILE_M=16, BLOCK_M=schedule.block_m, BLOCK_N=block_n, BLOCK_K=schedule.block_k,
+                                 GROUP_WINDOWS=schedule.group_windows, DENSE=False, DOT_PRECISION="tf32",
+                                 USE_GDC=True, **extra, **code_constants(code, bits))
+                kernel = compile_sm90(fn, constants, schedule.num_warps, schedule.num_stages)
+                tiles = 2 if label == "gate_up" else 1
+                weights = tiles * block_n * schedule.block_k / (32 * schedule.num_warps)
+                print(describe(f"grouped {name} {label} {code} K={bits}", kernel, weights))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""The magnitude check of a trellis MoE arm (`check-quant`): does it compute the dequantized experts, and how
+far are those from the original weights?
+
+For one MoE layer of a trellis checkpoint and each token count, fresh random inputs (rows of N(0, 1), routed
+uniformly, top-k weights from a softmax) go through
+    the arm under test                  (a registered trellis arm, or the torch rotated-basis form)
+    the dequantized reference           kernels.reference.moe_reference on the dequantized stacks, float32
+    the original reference              kernels.reference.moe_reference on the source model's weights
+and the distances, each relative ‖a − b‖ / ‖b‖ in float32, are read beside a control: the relative change
+of the dequantized reference's output moved by one ULP of the working dtype (engine.compare's). Order:
+1. discrimination: ‖dequantized − original‖ must be ≫ the control (the quantization error is visible),
+   else no verdict can tell an arm that decodes from one that reads the original weights;
+2. the arm's distance to each reference;
+3. a verdict: the reference the arm sits on (within SITS_ON_MULTIPLE controls, the other SEPARATION
+   times farther), and, for people, the quantization error itself (dequantized vs original).
+
+Knows nothing of the CLI; returns a plain dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.compare import DTYPES, _relative, resolve_device, ulp_control
+from engine.errors import UserError
+from kernels import launches
+from kernels.reference import moe_reference
+from kernels.trellis_reference import TrellisMatrix, dequantize, moe_trellis_rotated
+
+# The quantization error must exceed this many controls for a verdict: SITS_ON_MULTIPLE (bf16) times
+# SEPARATION. Lower than check-attention's 100: one bf16 ULP is ~0.55 % of the output, and a 2-bit layer's
+# output moves by ~40 % (about 70 controls), a 4-bit one's by ~10 % (about 20), both well clear of an arm's
+# own rounding (~0.3-1 control), which is all the verdict has to separate them from.
+DISCRIMINATION_RATIO = 16.0
+# The other reference must be at least this many times farther than the one the arm sits on.
+SEPARATION = 4.0
+# The arm "sits on" a reference within this many controls:
+# - float32 (the torch rotated form on a CPU): its Hadamard butterflies and products round in another order
+#   than the reference's dequantize-then-multiply: measured 2.1-3.3 controls of 1 fp32 ULP on the tiny test
+#   checkpoint of tests/test_trellis_checkpoint.py; the quantization error sits 10^6 controls away there.
+# - bf16 (kernels on a GPU): the arm multiplies bf16-rounded decoded weights and activations, the reference
+#   is float32 throughout: about one bf16 rounding of each product, averaging down over the sums.
+SITS_ON_MULTIPLE = {torch.float32: 16.0, torch.float16: 4.0, torch.bfloat16: 4.0}
+ROTATED = "rotated-torch"
+DEFAULT_TOKENS = {"cpu": (1, 33), "cuda": (1, 64, 2048)}
+
+
+def trellis_arms(device: str) -> dict[str, object]:
+    """Arms that take trellis stacks: engine.arms' registered `trellis*` MoE arms that run on `device`, and the
+    torch rotated-basis form (always)."""
+    from engine.arms import ARMS
+
+    arms: dict[str, object] = {}
+    for name, arm in ARMS.items():
+        if arm.family == "moe" and name.startswith("trellis") and arm.supports(torch.device(device)):
+            arms[name] = lambda x, w13, w2, ids, weights, launch=arm.launch: launch(x, w13, w2, ids, weights,
+                                                                                   tile_m=16, variant=None)
+    arms[ROTATED] = moe_trellis_rotated
+    return arms
+
+
+def _original_weights(directory: Path, layer: int, original: str | None, device: str):
+    """The source model's w13 and w2 of `layer` (config.json's source, or `original`), float32."""
+    from engine.runtime import Engine
+    from engine.trellis_checkpoint import FORMAT_KEY
+
+    values = json.loads((directory / "config.json").read_text())
+    source = values.get(FORMAT_KEY, {}).get("source", {})
+    model = original or source.get("model")
+    weights = source.get("weights") if source.get("weights") in ("auto", "random") else "auto"
+    if not model:
+        raise UserError(f"{directory}: config.json names no source model: give --original MODEL")
+    try:
+        engine = Engine.load(model, device=device, seed=int(source.get("seed", 0)), weights=weights)
+    except UserError as error:
+        raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give --original "
+                        f"MODEL") from None
+    w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
+    if isinstance(w13, TrellisMatrix):
+        raise UserError(f"--original {model}: its experts are trellis-coded too; give the unquantized model")
+    return w13.float(), w2.float()
+
+
+def check_quant(model: str, layer: int = 0, tokens: tuple[int, ...] | None = None, arm: str | None = None,
+                device: str = "auto", seed: int = 0, original: str | None = None) -> dict:
+    """The check on `model` (a trellis checkpoint directory); UserError for bad options. `result["ok"]` when the
+    arm sits on the dequantized reference at every token count."""
+    from engine.runtime import Engine
+
+    device = resolve_device(device)
+    engine = Engine.load(model, device=device)
+    return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original)
+
+
+def check_quant_engine(engine, directory: Path, layer: int = 0, tokens: tuple[int, ...] | None = None,
+                       arm: str | None = None, seed: int = 0, original: str | None = None) -> dict:
+    """`check_quant` on a loaded engine (a session's) whose model is the trellis directory `directory`."""
+    device = engine.device.type
+    model = str(directory)
+    config = engine.config
+    if not 0 <= layer < config.n_layers:
+        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
+    if not isinstance(w13, TrellisMatrix):
+        raise UserError(f"--model {model}: its experts are not trellis-coded; quantize it first with "
+                        f"`moe-inspector quantize {model} --experts trellis:K=2,code=hyb --out DIR`")
+    arms = trellis_arms(device)
+    arm = arm or next(iter(arms))
+    if arm not in arms:
+        raise UserError(f"--arm {arm}: choose one of {', '.join(arms)} on {device}")
+    tokens = tuple(tokens or DEFAULT_TOKENS[device])
+    working = engine.dtype
+    multiple = SITS_ON_MULTIPLE[working]
+    original13, original2 = _original_weights(Path(directory), layer, original, device)
+    dequantized13, dequantized2 = dequantize(w13), dequantize(w2)  # [E, 2F, D], [E, D, F] float32
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows, before = [], launches.snapshot()
+    for count in tokens:
+        x = torch.randn(count, config.hidden, generator=generator, device=device).to(working)  # [T, D]
+        scores = torch.rand(count, config.n_experts, generator=generator, device=device)
+        ids = scores.topk(config.top_k, dim=1).indices.to(torch.int32)  # [T, k] distinct experts per token
+        weights = torch.softmax(torch.randn(count, config.top_k, generator=generator, device=device), dim=1)
+        weights = weights.to(working)
+        x32, weights32 = x.float(), weights.float()  # exact: the references see the arm's very inputs
+        dequantized_ref = moe_reference(x32, dequantized13, dequantized2, ids, weights32)
+        original_ref = moe_reference(x32, original13, original2, ids, weights32)
+        out = arms[arm](x, w13, w2, ids, weights).float()
+        control = ulp_control(dequantized_ref, working)
+        gap = _relative(dequantized_ref, original_ref)
+        errors = {"dequantized": _relative(out, dequantized_ref), "original": _relative(out, original_ref)}
+        fires = gap > DISCRIMINATION_RATIO * control
+        verdict = "none"
+        if fires:
+            for name, error in errors.items():
+                other = errors["original" if name == "dequantized" else "dequantized"]
+                if error <= multiple * control and other >= SEPARATION * max(error, control):
+                    verdict = name
+        rows.append({"tokens": count, "errors": errors, "control": control, "finite": bool(torch.isfinite(out).all()),
+                     "discrimination": {"dequantized_vs_original": gap, "ratio": gap / control if control else 0.0,
+                                        "threshold": DISCRIMINATION_RATIO, "fires": fires},
+                     "verdict": verdict})
+    ok = all(row["verdict"] == "dequantized" and row["finite"] for row in rows)
+    fires = all(row["discrimination"]["fires"] for row in rows)
+    return {"config": {"model": model, "layer": layer, "tokens": list(tokens), "arm": arm, "device": device,
+                       "dtype": next(name for name, value in DTYPES.items() if value == working), "seed": seed,
+                       "format": w13.code.describe(), "experts": config.n_experts, "top_k": config.top_k,
+                       "hidden": config.hidden, "intermediate": config.intermediate},
+            "rows": rows, "sits_on_multiple": multiple, "ok": ok, "discriminates": fires,
+            "sentence": _sentence(rows, arm, ok, fires, multiple), "launches": launches.since(before)}
+
+
+def _sentence(rows, arm, ok, fires, multiple) -> str:
+    gaps = [row["discrimination"]["dequantized_vs_original"] for row in rows]
+    quantization = f"the quantization error (dequantized vs original) is {min(gaps):.3g}-{max(gaps):.3g} relative"
+    if not fires:
+        return (f"The dequantized and original references are within {DISCRIMINATION_RATIO:g} controls of each other "
+                f"at some token count, so no verdict can tell them apart; {quantization}.")
+    if ok:
+        worst = max(row["errors"]["dequantized"] / row["control"] for row in rows)
+        return (f"{arm} sits on the dequantized reference at every token count (at most {worst:.3g} controls; the "
+                f"bound is {multiple:g}); {quantization}.")
+    wrong = [row["tokens"] for row in rows if row["verdict"] != "dequantized"]
+    return f"{arm} does not sit on the dequantized reference at {wrong} tokens; {quantization}."

@@ -1,0 +1,399 @@
+"""Checkpoint directories with trellis-coded experts (docs/trellis.md): config.json, dense.safetensors,
+one experts-LLLLL.safetensors per layer, quantization.json, and tokenizer.json where the source had one.
+
+Reading: `is_trellis_config` tells engine.hf_loader which directories are these; `read_config` gives the
+engine's ModelConfig and the code; `load_weights` gives the weights dict in which each layer's `w13` and
+`w2` are kernels.trellis_reference.TrellisMatrix stacks (what the trellis arms receive), every other
+tensor a dense tensor. Every tensor's dtype and shape is checked against config.json first, so a
+mismatch is one UserError naming the file and the tensor, and nothing is half loaded.
+
+Writing: the pieces engine.trellis_job assembles (config.json's entry, the layer and dense files), each
+written to a temporary name and renamed, so a file is whole or absent.
+
+Knows nothing of the Viterbi search, dispatch or generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from safetensors.torch import save_file
+
+from engine.checkpoint import FLOAT_DTYPES, Checkpoint
+from engine.config import LayerMask, ModelConfig, YarnScaling
+from engine.errors import UserError
+from engine.progress import Progress
+from kernels.trellis_reference import (HYB_INDEX_BITS, TILE, TrellisCode, TrellisMatrix, hadamard_signs)
+
+FORMAT_KEY = "moe_inspector"
+FORMAT_NAME = "trellis-experts"
+FORMAT_VERSION = 1
+QUANT_METHOD = "trellis"
+DENSE_FILE = "dense.safetensors"
+REPORT_FILE = "quantization.json"
+MATRICES = ("w13", "w2")
+
+
+def layer_file(layer: int) -> str:
+    return f"experts-{layer:05d}.safetensors"
+
+
+def codes_name(matrix: str) -> str:
+    """`layers.L.w13` -> its packed codes' tensor name."""
+    return f"{matrix}.trellis_codes"
+
+
+def scales_name(matrix: str) -> str:
+    return f"{matrix}.trellis_scales"
+
+
+def table_name(layer: int) -> str:
+    return f"layers.{layer}.trellis_table"
+
+
+def expert_matrices(config: ModelConfig) -> list[str]:
+    """Engine names of the matrices a trellis checkpoint codes: every layer's w13 and w2."""
+    return [f"layers.{layer}.{matrix}" for layer in range(config.n_layers) for matrix in MATRICES]
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """config.json's entry for one coded matrix stack."""
+
+    shape: tuple[int, int, int]  # (E, N, C)
+    left_seed: int
+    right_seed: int
+    left_block: int
+    right_block: int
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "left_seed": self.left_seed, "right_seed": self.right_seed,
+                "left_block": self.left_block, "right_block": self.right_block}
+
+
+@dataclass(frozen=True)
+class TrellisLayout:
+    """What config.json says the experts are: the code, the quantizer's seed and each matrix's layout."""
+
+    code: TrellisCode
+    seed: int
+    matrices: dict[str, MatrixLayout]
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "code": self.code.code, "bits_per_weight": self.code.K,
+                "weights_per_step": self.code.V, "state_bits": self.code.L, "tile": TILE,
+                "hyb_index_bits": HYB_INDEX_BITS, "seed": self.seed,
+                "matrices": {name: layout.to_json() for name, layout in self.matrices.items()}}
+
+
+def config_to_json(config: ModelConfig) -> dict:
+    """A ModelConfig as plain JSON values (`config_from_json` reads it back equal)."""
+    values = dataclasses.asdict(config)
+    values["layer_masks"] = [dataclasses.asdict(mask) for mask in config.layer_masks]
+    return values
+
+
+def config_from_json(values: dict, path: Path) -> ModelConfig:
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: {FORMAT_KEY}.model must be an object of the engine's model config")
+    known = {field.name for field in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UserError(f"{path}: {FORMAT_KEY}.model has unknown key {unknown[0]!r}: written by another version of "
+                        f"moe-inspector; quantize the model again")
+    try:
+        fields = dict(values)
+        fields["layer_masks"] = tuple(LayerMask(**mask) for mask in values.get("layer_masks", ()))
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = YarnScaling(**fields["rope_scaling"])
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{path}: {FORMAT_KEY}.model is not a valid model config ({error}); quantize the model "
+                        f"again") from None
+
+
+def is_trellis_config(values: dict) -> bool:
+    """True for a config.json this module reads (our key, or a trellis quantization_config)."""
+    quantization = values.get("quantization_config")
+    return FORMAT_KEY in values or (isinstance(quantization, dict) and quantization.get("quant_method") == QUANT_METHOD)
+
+
+def _integer(entry: dict, key: str, path: Path, where: str) -> int:
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{path}: {where}.{key} is {value!r}, expected an integer: the file is damaged; quantize "
+                        f"the model again")
+    return value
+
+
+def read_config(values: dict, path: Path) -> tuple[ModelConfig, str, TrellisLayout]:
+    """config.json's values (already parsed) -> the engine's config, the family label and the layout."""
+    entry = values.get(FORMAT_KEY)
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT_NAME:
+        raise UserError(f"{path}: a trellis quantization_config without the {FORMAT_KEY!r} entry (format "
+                        f"{FORMAT_NAME!r}): only directories written by `moe-inspector quantize` load")
+    version = entry.get("version")
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path}: {FORMAT_KEY}.version {version!r}, this moe-inspector reads version "
+                        f"{FORMAT_VERSION}: quantize the model again")
+    config = config_from_json(entry.get("model"), path)
+    quantization = values.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
+        raise UserError(f"{path}: quantization_config.quant_method must be {QUANT_METHOD!r}")
+    where = "quantization_config"
+    if quantization.get("tile", TILE) != TILE or quantization.get("hyb_index_bits", HYB_INDEX_BITS) != HYB_INDEX_BITS:
+        raise UserError(f"{path}: {where} declares tile {quantization.get('tile')} / hyb_index_bits "
+                        f"{quantization.get('hyb_index_bits')}; this format has tile {TILE}, hyb_index_bits "
+                        f"{HYB_INDEX_BITS}")
+    try:
+        code = TrellisCode(str(quantization.get("code")), _integer(quantization, "bits_per_weight", path, where),
+                           _integer(quantization, "weights_per_step", path, where),
+                           _integer(quantization, "state_bits", path, where))
+    except ValueError as error:
+        raise UserError(f"{path}: {where}: {error}") from None
+    matrices_entry = quantization.get("matrices")
+    if not isinstance(matrices_entry, dict):
+        raise UserError(f"{path}: {where}.matrices must map each coded matrix to its layout")
+    matrices: dict[str, MatrixLayout] = {}
+    for name in expert_matrices(config):
+        item = matrices_entry.get(name)
+        if not isinstance(item, dict):
+            raise UserError(f"{path}: {where}.matrices has no entry for {name}: every layer's w13 and w2 are coded")
+        shape = item.get("shape")
+        layout = MatrixLayout(tuple(shape) if isinstance(shape, list) else (), *(
+            _integer(item, key, path, f"{where}.matrices.{name}")
+            for key in ("left_seed", "right_seed", "left_block", "right_block")))
+        expected = _dense_shape(config, name)
+        if layout.shape != expected:
+            raise UserError(f"{path}: {where}.matrices.{name}.shape is {list(layout.shape)} but the model config makes "
+                            f"it {list(expected)}: the file is damaged; quantize the model again")
+        _check_blocks(name, layout, config, path)
+        matrices[name] = layout
+    extra = sorted(set(matrices_entry) - set(matrices))
+    if extra:
+        raise UserError(f"{path}: {where}.matrices names {extra[0]}, which the model config does not have")
+    seed = quantization.get("seed", 0)
+    return config, f"trellis {code.code} K={code.K}", TrellisLayout(code, seed if isinstance(seed, int) else 0, matrices)
+
+
+def _dense_shape(config: ModelConfig, matrix: str) -> tuple[int, int, int]:
+    if matrix.endswith(".w13"):
+        return config.n_experts, 2 * config.intermediate, config.hidden
+    return config.n_experts, config.hidden, config.intermediate
+
+
+def _check_blocks(name: str, layout: MatrixLayout, config: ModelConfig, path: Path) -> None:
+    _, rows, columns = layout.shape
+    # w13's rows rotate within gate and within up: its block divides F
+    row_limit = config.intermediate if name.endswith(".w13") else rows
+    for side, block, size in (("left_block", layout.left_block, row_limit), ("right_block", layout.right_block, columns)):
+        if block < 1 or block & (block - 1) or size % block:
+            raise UserError(f"{path}: quantization_config.matrices.{name}.{side} is {block}, not a power of two "
+                            f"dividing {size}: the file is damaged; quantize the model again")
+    if rows % TILE or columns % TILE:
+        raise UserError(f"{path}: {name} is [{rows}, {columns}], not a multiple of the {TILE} x {TILE} tile")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the tensors
+# --------------------------------------------------------------------------------------------
+
+def _expect(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], dtype: str, why: str):
+    entry = checkpoint.entries.get(name)
+    if entry is not None and entry.dtype != dtype:
+        raise UserError(f"{entry.file}: tensor {name} is {entry.dtype}, the trellis format stores it as {dtype} "
+                        f"({why}): the file is damaged or not written by `moe-inspector quantize`")
+    return checkpoint.expect(name, shape, (dtype,), why=why)
+
+
+def _finite(tensor: torch.Tensor, name: str, checkpoint: Checkpoint) -> torch.Tensor:
+    if not torch.isfinite(tensor).all():
+        raise UserError(f"{checkpoint.entries[name].file}: tensor {name} holds NaN or infinite values: the file is "
+                        f"damaged; quantize the model again")
+    return tensor
+
+
+def load_weights(directory: Path, config: ModelConfig, layout: TrellisLayout, device: torch.device,
+                 dtype: torch.dtype, stream: TextIO | None = None) -> dict:
+    """The weights of a trellis directory: dense tensors on `device` in `dtype`, each layer's w13 and w2 a
+    TrellisMatrix on `device`. Checks every tensor's presence, dtype and shape before reading any."""
+    from engine.model import tensor_shapes
+
+    checkpoint = Checkpoint.open(directory)
+    try:
+        shapes = tensor_shapes(config)
+        coded = set(layout.matrices)
+        code = layout.code
+        for name, shape in shapes.items():
+            if name not in coded:
+                checkpoint.expect(name, shape, FLOAT_DTYPES, why=f"a dense tensor of {config.name}")
+        for name, matrix in layout.matrices.items():
+            experts, rows, columns = matrix.shape
+            _expect(checkpoint, codes_name(name), (experts, rows // TILE, columns // TILE, code.words_per_tile), "I32",
+                    f"{code.describe()} codes of {name} [{experts}, {rows}, {columns}]")
+            _expect(checkpoint, scales_name(name), (experts, rows), "F32", f"row scales of {name}")
+        if code.needs_table:
+            for layer in range(config.n_layers):
+                _expect(checkpoint, table_name(layer), (1 << HYB_INDEX_BITS, 2), "F32", "the hyb code table")
+        expected = set(shapes) - coded | {codes_name(n) for n in coded} | {scales_name(n) for n in coded}
+        if code.needs_table:
+            expected |= {table_name(layer) for layer in range(config.n_layers)}
+        unused = sorted(checkpoint.names() - expected)
+        if unused:
+            raise UserError(f"{checkpoint.entries[unused[0]].file}: tensor {unused[0]} is not part of a {code.describe()} "
+                            f"checkpoint of this config.json: the directory mixes files of two checkpoints")
+        weights: dict = {}
+        progress = Progress(len(shapes), f"loading {directory.name}", stream=sys.stderr if stream is None else stream)
+        try:
+            for name in shapes:
+                if name in coded:
+                    weights[name] = _read_matrix(checkpoint, name, layout, device)
+                else:
+                    weights[name] = checkpoint.read(name).to(device=device, dtype=dtype)
+                progress.advance(note=name)
+        finally:
+            progress.close()
+        return weights
+    finally:
+        checkpoint.close()
+
+
+def _read_matrix(checkpoint: Checkpoint, name: str, layout: TrellisLayout, device: torch.device) -> TrellisMatrix:
+    matrix = layout.matrices[name]
+    _, rows, columns = matrix.shape
+    layer = int(name.split(".")[1])
+    table = None
+    if layout.code.needs_table:
+        table = _finite(checkpoint.read(table_name(layer)), table_name(layer), checkpoint)
+    scales = _finite(checkpoint.read(scales_name(name)), scales_name(name), checkpoint)
+    try:
+        return TrellisMatrix(layout.code, checkpoint.read(codes_name(name)), scales, table,
+                             hadamard_signs(matrix.left_seed, rows), hadamard_signs(matrix.right_seed, columns),
+                             matrix.left_block, matrix.right_block, matrix.left_seed, matrix.right_seed).to(device)
+    except ValueError as error:  # shapes were checked; this is a bug's guard, still one line
+        raise UserError(f"{checkpoint.entries[codes_name(name)].file}: {name}: {error}") from None
+
+
+def _config_values(directory: Path) -> dict | None:
+    try:
+        values = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def is_trellis_directory(directory: Path) -> bool:
+    values = _config_values(Path(directory))
+    return values is not None and is_trellis_config(values)
+
+
+def load_directory(directory: Path, device: torch.device, dtype: torch.dtype, stream: TextIO | None = None
+                   ) -> tuple[ModelConfig, str, dict]:
+    """(config, family label, weights) of a trellis directory (`read_config`, `load_weights`)."""
+    directory = Path(directory)
+    values = _config_values(directory)
+    if values is None:
+        raise UserError(f"{directory / 'config.json'}: missing or not a JSON object")
+    config, family, layout = read_config(values, directory / "config.json")
+    return config, family, load_weights(directory, config, layout, device, dtype, stream)
+
+
+def random_weights(directory: Path, config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """`--weights random` for a trellis directory: random dense tensors (engine.model_source.random_weights_on)
+    and random trellis stacks of config.json's code, seeds and blocks (every packed stream is a valid path),
+    drawn on `device`: a v4-shape trellis model without quantizing one."""
+    from engine.model_source import random_weights_on
+    from kernels.trellis_reference import random_trellis_matrix
+
+    values = _config_values(Path(directory))
+    _, _, layout = read_config(values, Path(directory) / "config.json")
+    weights = random_weights_on(config, seed, device, dtype)
+    for index, (name, matrix) in enumerate(layout.matrices.items()):
+        experts, rows, columns = matrix.shape
+        del weights[name]  # the dense draw's expert stack goes before the coded one is drawn
+        drawn = random_trellis_matrix(experts, rows, columns, layout.code, seed=seed * 1000 + index, device=device,
+                                      row_block=matrix.left_block)
+        weights[name] = TrellisMatrix(layout.code, drawn.codes, drawn.scales, drawn.table,
+                                      hadamard_signs(matrix.left_seed, rows).to(device),
+                                      hadamard_signs(matrix.right_seed, columns).to(device), matrix.left_block,
+                                      matrix.right_block, matrix.left_seed, matrix.right_seed)
+    return weights
+
+
+def byte_tokenizer(directory: Path) -> bool:
+    """True when a trellis directory's config.json says its model reads byte tokens (a preset source)."""
+    values = _config_values(Path(directory))
+    entry = values.get(FORMAT_KEY) if values is not None else None
+    return isinstance(entry, dict) and entry.get("tokenizer") == "bytes"
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+def _replace(temporary: Path, final: Path) -> None:
+    with open(temporary, "rb") as handle:  # on disk before the rename makes it visible
+        os.fsync(handle.fileno())
+    os.replace(temporary, final)
+
+
+def write_json(path: Path, values: dict) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(values, indent=1) + "\n")
+    _replace(temporary, path)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file, whole or absent (written to a temporary name, then renamed)."""
+    temporary = path.with_name(path.name + ".tmp")
+    # clones: safetensors refuses tensors that share memory (the engine's wq, wk, wv are views of one buffer)
+    save_file({name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}, str(temporary),
+              metadata={"format": "pt"})
+    _replace(temporary, path)
+
+
+def layer_tensors(layer: int, w13: TrellisMatrix, w2: TrellisMatrix) -> dict[str, torch.Tensor]:
+    """The tensors of experts-LLLLL.safetensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for matrix, stack in ((f"layers.{layer}.w13", w13), (f"layers.{layer}.w2", w2)):
+        tensors[codes_name(matrix)] = stack.codes
+        tensors[scales_name(matrix)] = stack.scales
+    if w13.code.needs_table:
+        if not torch.equal(w13.table.cpu(), w2.table.cpu()):
+            raise ValueError(f"layer {layer}: w13 and w2 must share the hyb table")
+        tensors[table_name(layer)] = w13.table
+    return tensors
+
+
+def matrix_layout(stack: TrellisMatrix) -> MatrixLayout:
+    return MatrixLayout(stack.shape, stack.left_seed, stack.right_seed, stack.left_block, stack.right_block)
+
+
+def config_json(config: ModelConfig, layout: TrellisLayout, source: dict, tokenizer: str) -> dict:
+    """config.json of a trellis directory."""
+    return {FORMAT_KEY: {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer,
+                         "model": config_to_json(config)},
+            "quantization_config": layout.quantization_config()}
+
+
+def expert_bytes(config: ModelConfig, code: TrellisCode) -> int:
+    """Packed bytes of one expert (w13 + w2), what a woken expert costs a step to read."""
+    from kernels.trellis_reference import packed_bytes_per_expert
+
+    return (packed_bytes_per_expert(code, 2 * config.intermediate, config.hidden)
+            + packed_bytes_per_expert(code, config.hidden, config.intermediate))
+
+
+def bf16_expert_bytes(config: ModelConfig) -> int:
+    return 3 * config.hidden * config.intermediate * 2

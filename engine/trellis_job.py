@@ -1,0 +1,366 @@
+"""A quantize run: a model (a preset or a checkpoint directory) -> a trellis checkpoint directory
+(engine.trellis_checkpoint), resumably.
+
+The run writes into a hidden sibling of the output, `.NAME.partial/`, and renames it to NAME only when
+every file is in place, so a kill leaves either no output directory or a complete one. Inside the partial
+directory each layer's experts go to their own file, written whole (temporary name, then rename) with
+its error report beside it; the same command run again finds the partial directory, checks that it was
+started with the same source and code (`job.json`), and skips the layers it finished.
+
+Dense tensors (attention, norms, router, embeddings, head) are copied as they are, in bf16. Seeds: each
+matrix's sign seeds are crc32 of (seed, matrix name, side), recorded in config.json. With a calibration
+text, the model runs it first (reference arms) and each expert's inputs' Hessians weigh its error (LDLQ).
+Knows nothing of argument parsing or screens (inspector.commands.quantize).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from engine import trellis_checkpoint as tc
+from engine.errors import UserError
+from engine.progress import Progress
+from engine.trellis_quantizer import quantization_report, quantize_stack
+from kernels.trellis_reference import (BITS_PER_WEIGHT, CODES, SEQUENCE, TILE, TrellisCode, TrellisMatrix,
+                                       default_hyb_table, dequantize, hadamard_block)
+
+JOB_FILE = "job.json"
+# Experts quantized per call: bounds the float32 copies the search makes of a stack (rotated, normalised,
+# tiles) to about 3 x 4 x 2^26 bytes whatever the model
+_CHUNK_WEIGHTS = 1 << 26
+
+
+def parse_experts(text: str) -> TrellisCode:
+    """`trellis:K=2,code=hyb` (V optional, it must be the code's own) -> the code; UserError otherwise."""
+    allowed = (f"trellis:K=<{'|'.join(map(str, BITS_PER_WEIGHT))}>,code=<{'|'.join(CODES)}>[,V=<1|2>]")
+    kind, _, options = text.partition(":")
+    if kind != "trellis":
+        raise UserError(f"--experts {text!r}: the expert format must be {allowed}")
+    values: dict[str, str] = {}
+    for item in filter(None, options.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or key not in ("K", "V", "code") or key in values:
+            raise UserError(f"--experts {text!r}: {item!r} is not K=, V= or code= (or is given twice); use {allowed}")
+        values[key] = value
+    if "K" not in values or "code" not in values:
+        raise UserError(f"--experts {text!r}: give both K and code, e.g. trellis:K=2,code=hyb")
+    if values["code"] not in CODES:
+        raise UserError(f"--experts {text!r}: unknown code {values['code']!r}; choose one of {', '.join(CODES)}")
+    try:
+        bits = int(values["K"])
+        step = int(values.get("V", CODES[values["code"]]))
+    except ValueError:
+        raise UserError(f"--experts {text!r}: K and V are integers; use {allowed}") from None
+    try:
+        return TrellisCode(values["code"], bits, step)
+    except ValueError as error:
+        raise UserError(f"--experts {text!r}: {error}") from None
+
+
+def matrix_seeds(seed: int, matrix: str) -> tuple[int, int]:
+    return (zlib.crc32(f"{seed}:{matrix}:left".encode()), zlib.crc32(f"{seed}:{matrix}:right".encode()))
+
+
+def partial_directory(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+@dataclass
+class QuantizeResult:
+    out: Path
+    code: TrellisCode
+    matrices: list[dict]  # per matrix: name, shape, mse, relative_mse, max_abs_error, seconds
+    resumed_layers: list[int]
+    seconds: float
+    expert_bytes: int
+    bf16_expert_bytes: int
+
+    def to_json(self) -> dict:
+        return {"out": str(self.out), "code": self.code.describe(), "matrices": self.matrices,
+                "resumed_layers": self.resumed_layers, "seconds": round(self.seconds, 2),
+                "expert_bytes": self.expert_bytes, "bf16_expert_bytes": self.bf16_expert_bytes}
+
+
+def _check_output(out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out}: exists; quantize writes a new directory and never overwrites one: choose "
+                        f"another path or remove it")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: the parent directory {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"--out {out}: {out.parent} is not writable")
+
+
+def _source(engine, model: str, weights: str) -> dict:
+    """What config.json records of the source: enough to load it again (check-quant compares with it)."""
+    where = str(Path(model).resolve()) if engine.checkpoint is not None else model
+    return {"model": where, "weights": weights, "seed": engine.seed, "description": engine.weights_source}
+
+
+def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0, device: str = "auto",
+                   weights: str = "auto", stream: TextIO | None = None, batch: int | None = None,
+                   calibration: str | Path | None = None, calibration_tokens: int = 8192) -> QuantizeResult:
+    """Quantize `model`'s experts into `code` and write the checkpoint directory `out` (module docstring).
+    `calibration`: a text file run through the model first; each expert's error is then weighed by its
+    inputs' Hessian (engine.trellis_quantizer, LDLQ) instead of plain. A UserError, before anything is
+    written, for an output that exists, a model whose experts this format does not compute (biases, clamped
+    SwiGLU), sides that are not multiples of 16 or an unreadable calibration file."""
+    from engine.runtime import Engine
+
+    out = Path(out)
+    _check_output(out)
+    text = None if calibration is None else _calibration_text(Path(calibration))  # before the model loads
+    engine = Engine.load(model, device=device, weights=weights)
+    config = engine.config
+    if not config.plain_experts:
+        raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "
+                        f"trellis arms do not compute; quantize a model with plain SwiGLU experts")
+    if isinstance(engine.weights["layers.0.w13"], TrellisMatrix):
+        raise UserError(f"--model {model}: its experts are trellis-coded already; quantize the original model")
+    for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
+        if size % TILE:
+            raise UserError(f"--model {model}: {what} {size} is not a multiple of the {TILE} x {TILE} trellis tile")
+    source = _source(engine, model, weights)
+    hessians = None
+    if calibration is not None:
+        tokens = engine.encode_prompt(text)[:calibration_tokens]
+        hessians = calibration_hessians(engine, tokens)
+        source["calibration"] = {"file": str(Path(calibration).resolve()), "tokens": len(tokens),
+                                 "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    job = {"format_version": tc.FORMAT_VERSION, "source": source, "code": code.code, "bits_per_weight": code.K,
+           "weights_per_step": code.V, "seed": seed}
+    partial = partial_directory(out)
+    if partial.is_dir() and (partial / JOB_FILE).is_file():
+        try:
+            started = json.loads((partial / JOB_FILE).read_text())
+        except (OSError, ValueError):
+            started = None
+        if started != job:
+            raise UserError(f"{partial}: a quantize run with other settings ({started}) left this partial directory; "
+                            f"rerun that command to finish it, or remove the directory")
+    else:
+        partial.mkdir(exist_ok=True)
+        tc.write_json(partial / JOB_FILE, job)
+    table = default_hyb_table() if code.needs_table else None
+    stream = sys.stderr if stream is None else stream
+    sequences = sum(int(engine.weights[name].numel()) // SEQUENCE for name in tc.expert_matrices(config))
+    progress = Progress(sequences, f"quantizing {config.name} to {code.describe()}", stream=stream)
+    began = time.perf_counter()
+    reports, resumed, layouts = [], [], {}
+    try:
+        for layer in range(config.n_layers):
+            done = _finished_layer(partial, layer)
+            if done is not None:
+                resumed.append(layer)
+                progress.advance(sum(item["sequences"] for item in done), note=f"layer {layer} (kept)")
+            else:
+                done = _quantize_layer(engine, layer, code, seed, table, partial, progress, batch, hessians)
+            for item in done:
+                layouts[item["name"]] = tc.MatrixLayout(tuple(item["shape"]), *item["layout"])
+            reports.extend(done)
+    finally:
+        progress.close()
+    layout = tc.TrellisLayout(code, seed, layouts)
+    tc.write_tensors(partial / tc.DENSE_FILE, {name: engine.weights[name].to(torch.bfloat16)
+                                               for name in _dense_names(config)})
+    # a preset reads bytes; a directory's model its tokenizer.json, or none (prompts refused as its own loader does)
+    tokenizer = "bytes" if engine.checkpoint is None else "none"
+    if engine.checkpoint is not None and (Path(model) / "tokenizer.json").is_file():
+        shutil.copyfile(Path(model) / "tokenizer.json", partial / "tokenizer.json")
+        tokenizer = "tokenizer.json"
+    seconds = time.perf_counter() - began
+    result = QuantizeResult(out, code, [{k: v for k, v in item.items() if k != "layout"} for item in reports],
+                            resumed, seconds, tc.expert_bytes(config, code), tc.bf16_expert_bytes(config))
+    tc.write_json(partial / tc.REPORT_FILE, result.to_json() | {"source": source})
+    tc.write_json(partial / "config.json", tc.config_json(config, layout, source, tokenizer))
+    for path in partial.glob("experts-*.json"):  # the per-layer reports live on in quantization.json
+        path.unlink()
+    (partial / JOB_FILE).unlink()
+    os.replace(partial, out)  # the output appears whole, or not at all
+    return result
+
+
+class _Collector:
+    """Layer hooks around a reference-arm Dispatcher that add each expert's inputs' second moments: for w13 the
+    normed hidden states routed to it, for w2 its SwiGLU activations from the model's own (unquantized) weights."""
+
+    def __init__(self, engine, sums: dict[str, torch.Tensor]) -> None:
+        from engine import flags
+        from engine.dispatcher import Dispatcher
+
+        self.engine, self.sums = engine, sums
+        self.dispatcher = Dispatcher(engine, flags.resolve(["moe_gate=reference", "flash_512=off"]), timed=False)
+
+    def attention(self, *args):
+        return self.dispatcher.attention(*args)
+
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None):
+        inputs, hidden = self.sums[f"layers.{layer}.w13"], self.sums[f"layers.{layer}.w2"]
+        f = w13.shape[1] // 2
+        flat_ids = topk_ids.reshape(-1).long()
+        flat_tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(topk_ids.shape[1])
+        for expert in torch.unique(flat_ids).tolist():
+            x = h[flat_tokens[flat_ids == expert]].float()  # [P, D]
+            gate_up = x @ w13[expert].float().t()
+            activation = torch.nn.functional.silu(gate_up[:, :f]) * gate_up[:, f:]  # [P, F]
+            inputs[expert] += x.t() @ x
+            hidden[expert] += activation.t() @ activation
+        return self.dispatcher.moe(layer, h, w13, w2, topk_ids, topk_weights, experts=experts, woken=woken)
+
+
+def calibration_hessians(engine, tokens: list[int], window: int = 512) -> dict[str, torch.Tensor]:
+    """Per coded matrix, the sum over the calibration tokens routed to each expert of x x^T (float32 [E, C, C]):
+    the Hessians `quantize_stack(hessian=)` weighs the error with. The tokens run in windows of `window` through
+    the reference arms."""
+    from engine.model import KVCache, forward
+
+    config = engine.config
+    needed = config.n_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
+    from engine.model_source import free_bytes, gib
+
+    free = free_bytes(engine.device)
+    if free is not None and needed > 0.5 * free:
+        raise UserError(f"--calibration: the Hessians of {config.name} take {gib(needed)}, more than half the "
+                        f"{gib(free)} free; quantize without --calibration")
+    sums = {}
+    for name in tc.expert_matrices(config):
+        columns = config.hidden if name.endswith(".w13") else config.intermediate
+        sums[name] = torch.zeros(config.n_experts, columns, columns, dtype=torch.float32, device=engine.device)
+    window = min(window, config.max_seq_len)
+    hooks = _Collector(engine, sums)
+    with torch.inference_mode():
+        for begin in range(0, len(tokens), window):
+            piece = torch.tensor([tokens[begin:begin + window]], device=engine.device)
+            cache = KVCache.allocate(config, 1, piece.shape[1], engine.device, engine.dtype)
+            forward(config, engine.weights, piece, 0, cache, hooks)
+    return sums
+
+
+def _dense_names(config) -> list[str]:
+    from engine.model import tensor_shapes
+
+    return [name for name in tensor_shapes(config) if not name.endswith((".w13", ".w2"))]
+
+
+def _layer_report_path(partial: Path, layer: int) -> Path:
+    return partial / tc.layer_file(layer).replace(".safetensors", ".json")
+
+
+def _finished_layer(partial: Path, layer: int) -> list[dict] | None:
+    """The reports of a layer a previous run finished (its tensors and its report both written), else None."""
+    report = _layer_report_path(partial, layer)
+    if not (partial / tc.layer_file(layer)).is_file() or not report.is_file():
+        return None
+    try:
+        return json.loads(report.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _calibration_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--calibration {path}: cannot read it as UTF-8 text ({error})") from None
+    if not text.strip():
+        raise UserError(f"--calibration {path}: the file is empty; give text the model reads")
+    return text
+
+
+def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, partial: Path, progress: Progress,
+                    batch: int | None, hessians: dict | None = None) -> list[dict]:
+    config = engine.config
+    reports, stacks = [], {}
+    for matrix in ("w13", "w2"):
+        name = f"layers.{layer}.{matrix}"
+        weights = engine.weights[name]  # [E, N, C]
+        experts, rows, columns = weights.shape
+        left_seed, right_seed = matrix_seeds(seed, name)
+        left_block = hadamard_block(config.intermediate) if matrix == "w13" else hadamard_block(rows)
+        right_block = hadamard_block(columns)
+        began = time.perf_counter()
+        per_chunk = max(1, _CHUNK_WEIGHTS // (rows * columns))
+        pieces, squared, power, largest = [], 0.0, 0.0, 0.0
+        for start in range(0, experts, per_chunk):
+            chunk = weights[start:start + per_chunk]
+            if not torch.isfinite(chunk).all():
+                raise UserError(f"{name}: experts {start}..{start + len(chunk) - 1} hold NaN or infinite weights; "
+                                f"no code approximates them: fix the source checkpoint")
+            hessian = None if hessians is None else _usable(hessians[name][start:start + per_chunk])
+            stack = quantize_stack(chunk, code, left_seed=left_seed, right_seed=right_seed, left_block=left_block,
+                                   right_block=right_block, table=table, batch=batch, hessian=hessian,
+                                   advance=lambda count, name=name: progress.advance(count, note=name))
+            report = quantization_report(chunk, dequantize(stack))
+            squared += report.mse * report.weights
+            power += float(chunk.double().pow(2).sum())
+            largest = max(largest, report.max_abs_error)
+            pieces.append(stack)
+        stack = _concatenate(pieces)
+        stacks[matrix] = stack
+        count = experts * rows * columns
+        reports.append({"name": name, "shape": [experts, rows, columns], "sequences": count // SEQUENCE,
+                        "mse": squared / count, "relative_mse": squared / power if power > 0 else float("nan"),
+                        "max_abs_error": largest, "seconds": round(time.perf_counter() - began, 2),
+                        "layout": [left_seed, right_seed, left_block, right_block]})
+    tc.write_tensors(partial / tc.layer_file(layer), tc.layer_tensors(layer, stacks["w13"], stacks["w2"]))
+    tc.write_json(_layer_report_path(partial, layer), reports)  # after the tensors: a report means they are whole
+    return reports
+
+
+def _usable(hessian: torch.Tensor) -> torch.Tensor:
+    """An expert no calibration token reached has H = 0: the identity stands in (the plain squared error)."""
+    empty = hessian.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0  # [E]
+    if bool(empty.any()):
+        hessian = hessian.clone()
+        hessian[empty] = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
+    return hessian
+
+
+def _concatenate(pieces: list[TrellisMatrix]) -> TrellisMatrix:
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    return TrellisMatrix(first.code, torch.cat([piece.codes for piece in pieces]),
+                         torch.cat([piece.scales for piece in pieces]), first.table, first.left_signs,
+                         first.right_signs, first.left_block, first.right_block, first.left_seed, first.right_seed)
+
+
+def write_shape_only(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0) -> Path:
+    """`quantize --shape-only`: a trellis directory holding only config.json (the model's shape, the code, each
+    matrix's seeds and blocks), for `--weights random` (random valid codes drawn on the device): a v4-shape
+    trellis model for kernel timing without a quantization run. Nothing is loaded or searched."""
+    from engine.model_source import model_config
+
+    out = Path(out)
+    _check_output(out)
+    config = model_config(model)
+    if not config.plain_experts:
+        raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "
+                        f"trellis arms do not compute")
+    for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
+        if size % TILE:
+            raise UserError(f"--model {model}: {what} {size} is not a multiple of the {TILE} x {TILE} trellis tile")
+    layouts = {}
+    for name in tc.expert_matrices(config):
+        shape = ((config.n_experts, 2 * config.intermediate, config.hidden) if name.endswith(".w13")
+                 else (config.n_experts, config.hidden, config.intermediate))
+        left_block = hadamard_block(config.intermediate) if name.endswith(".w13") else hadamard_block(shape[1])
+        layouts[name] = tc.MatrixLayout(shape, *matrix_seeds(seed, name), left_block, hadamard_block(shape[2]))
+    source = {"model": model, "weights": "none (shape only: load with --weights random)", "seed": seed}
+    partial = partial_directory(out)
+    partial.mkdir(exist_ok=True)
+    tc.write_json(partial / "config.json", tc.config_json(config, tc.TrellisLayout(code, seed, layouts), source,
+                                                          "bytes" if config.vocab_size == 256 else "none"))
+    os.replace(partial, out)
+    return out

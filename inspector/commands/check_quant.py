@@ -1,0 +1,68 @@
+"""`moe-inspector check-quant --model DIR`: the magnitude check of a trellis MoE arm against the dequantized
+reference and the original weights, beside a 1-ULP control (engine.quant_check), as a table or JSON.
+
+Exit 0 when the arm sits on the dequantized reference at every token count; 1 when it sits elsewhere; 2 for
+bad options, or when the quantization error is too small at these sizes to tell the references apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from inspector.commands.check_attention import _json_safe
+from inspector.commands.common import positive_int_list, print_json
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "check-quant", help="does a trellis arm compute the dequantized experts? and how far are they from bf16?",
+        description="Run one MoE layer of a trellis checkpoint through a trellis arm, and compare it with the "
+        "dequantized reference (it must sit on it) and with the source model's original weights (the "
+        "quantization error), beside a 1-ULP control of the working dtype.")
+    parser.add_argument("--model", required=True, help="a trellis checkpoint directory (moe-inspector quantize)")
+    parser.add_argument("--layer", type=int, default=0, help="the MoE layer (default 0)")
+    parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,33 cpu / "
+                                                       "1,64,2048 cuda)")
+    parser.add_argument("--arm", default=None, help="the trellis arm under test (default: the first registered "
+                                                    "trellis arm on this device, else rotated-torch)")
+    parser.add_argument("--original", default=None, metavar="MODEL",
+                        help="the unquantized model (default: the source config.json records)")
+    parser.add_argument("--device", default=argparse.SUPPRESS, help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.quant_check import check_quant  # torch only when run
+
+    tokens = positive_int_list(args.tokens, "--tokens") if args.tokens is not None else None
+    result = check_quant(args.model, layer=args.layer, tokens=tokens, arm=args.arm,
+                         device=getattr(args, "device", "auto"), seed=getattr(args, "seed", 0),
+                         original=args.original)
+    if args.json:
+        print_json(_json_safe(result))
+    else:
+        print(format_result(result))
+    if result["ok"]:
+        return 0
+    return 2 if not result["discriminates"] else 1
+
+
+def format_result(result: dict) -> str:
+    config = result["config"]
+    lines = [f"check-quant  {config['model']}  layer {config['layer']}  {config['format']}  E={config['experts']} "
+             f"k={config['top_k']} D={config['hidden']} F={config['intermediate']}  {config['dtype']}  "
+             f"{config['device']}  seed {config['seed']}",
+             f"arm: {config['arm']}", "",
+             f"{'tokens':>6}  {'control (1 ULP)':>15}  {'vs dequantized':>15}  {'x control':>10}  {'vs original':>12}  "
+             f"{'x control':>10}  {'quantization':>12}  verdict"]
+    for row in result["rows"]:
+        control, errors = row["control"], row["errors"]
+        lines.append(f"{row['tokens']:>6}  {control:>15.3g}  {errors['dequantized']:>15.3g}  "
+                     f"{errors['dequantized'] / control:>10.3g}  {errors['original']:>12.3g}  "
+                     f"{errors['original'] / control:>10.3g}  {row['discrimination']['dequantized_vs_original']:>12.3g}"
+                     f"  {row['verdict']}")
+    lines.append("launches: " + (", ".join(f"{name} x{count}" for name, count in result["launches"].items()) or "none"))
+    lines += ["", result["sentence"]]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""`moe-inspector quantize MODEL --experts trellis:K=2,code=hyb --out DIR`: the model's experts in a trellis
+code, written as a checkpoint directory every command loads with `--model DIR` (engine.trellis_job)."""
+
+from __future__ import annotations
+
+from engine.errors import UserError
+from engine.trellis_job import parse_experts, quantize_model, write_shape_only
+from inspector.commands.common import add_json_argument, print_json
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "quantize", help="code a model's experts in a trellis code (QTIP) and write a checkpoint directory")
+    parser.add_argument("model", metavar="MODEL", help="a preset (tiny, demo, v4-shape) or a checkpoint directory")
+    parser.add_argument("--experts", required=True, metavar="FORMAT",
+                        help="trellis:K=<2|3|4>,code=<1mad|3inst|hyb> (V is the code's own: 1 for 1mad and "
+                             "3inst, 2 for hyb)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="the directory to write; must not exist (a killed run resumes from .DIR.partial)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Hadamard signs (default 0)")
+    parser.add_argument("--device", default="auto", help="where the search runs: auto (the GPU if there is one), "
+                                                         "cpu or cuda")
+    parser.add_argument("--weights", choices=("auto", "random"), default="auto",
+                        help="auto: the model's own weights (a preset's shipped checkpoint); random: random weights "
+                             "of its shape")
+    parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
+                        help="run this text through the model first and weigh each expert's error by its inputs' "
+                             "Hessian (LDLQ); default: the plain squared error")
+    parser.add_argument("--calibration-tokens", type=int, default=8192, metavar="N",
+                        help="tokens of the calibration text to run (default 8192)")
+    parser.add_argument("--shape-only", action="store_true",
+                        help="write config.json alone (shape, code, seeds): load it with --weights random for "
+                             "random valid codes drawn on the device, e.g. a v4-shape trellis model to time")
+    add_json_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    code = parse_experts(args.experts)  # bad input fails before the model loads
+    if args.shape_only:
+        out = write_shape_only(args.model, code, args.out, seed=args.seed)
+        print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
+              f"with --model {out} --weights random")
+        return 0
+    if args.calibration_tokens < 1:
+        raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
+    result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights,
+                            calibration=args.calibration, calibration_tokens=args.calibration_tokens)
+    if args.json:
+        print_json(result.to_json())
+        return 0
+    kept = f"; kept layers {', '.join(map(str, result.resumed_layers))} of an earlier run" if result.resumed_layers else ""
+    print(f"wrote {result.out}: experts in {result.code.describe()}, {result.expert_bytes} bytes per expert against "
+          f"{result.bf16_expert_bytes} in bf16 ({result.bf16_expert_bytes / result.expert_bytes:.2f}x fewer), "
+          f"{result.seconds:.1f} s{kept}")
+    print(f"{'matrix':<18} {'shape':<16} {'mse':>11} {'relative':>9} {'max |error|':>12}")
+    for item in result.matrices:
+        shape = "x".join(map(str, item["shape"]))
+        print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {item['relative_mse']:>9.4f} "
+              f"{item['max_abs_error']:>12.3e}")
+    print(f"load it with --model {result.out}")
+    return 0

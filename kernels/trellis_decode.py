@@ -1,0 +1,274 @@
+"""The trellis decode every trellis kernel runs (states, code values, weights), and the decode-to-buffer arm.
+
+Shape legend: E = experts, N = rows of a matrix (w13: 2F, w2: D), C = its columns (w13: D, w2: F),
+K = bits per weight, V = weights per step. The packed layout is kernels.trellis_reference's: int32 codes
+[E, N/16, C/16, W] with W = 8 K words per 16 x 16 tile, the tile's 256 K stream bits most significant
+first, state t the 16-bit window at stream bit t K V (circular), weight (r, c) of a tile at sequence
+position 16 r + c.
+
+The unit. The kernels walk a tile in *units* of G whole rows whose bits fill whole words:
+
+    K = 2   G = 1 row    WU = 1 word     16 weights
+    K = 3   G = 2 rows   WU = 3 words    32 weights
+    K = 4   G = 1 row    WU = 2 words    16 weights
+
+so a tile is UT = 16 / G units, unit u holds words u WU .. u WU + WU - 1, and every state of a unit lies
+in those words and the first word of the next unit (unit 0's, for the last: the stream is circular). A
+kernel loads WU + 1 words per unit as [units, tile columns] tensors and decodes the unit's steps as a
+third axis, with each step's word and bit offset a compile-time pattern (`_unit_states`): no gather,
+one 64-bit funnel shift per state. Step i of a unit holds the weights of elements V i .. V i + V - 1,
+element e sitting at row e // 16 and column e % 16 of the unit.
+
+The arithmetic is the reference's, operation for operation (kernels/trellis_reference.py's docstring):
+integer work in uint32; 1mad's integer sum converted exactly (the 2^23 bit trick, which is an exact
+int -> float32 conversion for 0 <= y < 2^23, then one exact subtraction); 3inst's two fp16 halves
+widened exactly and added once in fp32; hyb's table read and its sign flipped by xor. A weight is
+value * scale in one fp32 multiply, rounded to the output dtype. So the decode is bit-identical to
+`trellis_reference.dequantize_rotated` (tests/test_trellis_kernels.py compares with torch.equal).
+
+Public: `dequantize_rotated`, the decode-to-buffer launcher (the dequantize arm's first launch, and the
+decode test's window onto the kernels' decode path). Knows nothing of MoE routing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, scratch
+from kernels.moe_checks import check_triton_device
+from kernels.trellis_reference import TILE, TrellisCode, TrellisMatrix
+
+CODE_IDS = {"1mad": 0, "3inst": 1, "hyb": 2}  # the CODE constexpr of every trellis kernel
+DECODE_BLOCK_TILE_ROWS = 4  # tile rows (64 matrix rows) per decode program
+DECODE_BLOCK_TILE_COLUMNS = 8  # tile columns (128 matrix columns) per decode program
+
+
+def compiled(device: torch.device) -> bool:
+    """Whether kernels launched on `device` are compiled for a GPU (PTX allowed), not interpreted."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def unit_geometry(bits_per_weight: int) -> tuple[int, int]:
+    """(G rows per unit, WU words per unit) for K bits per weight (module docstring)."""
+    return {2: (1, 1), 3: (2, 3), 4: (1, 2)}[bits_per_weight]
+
+
+def code_id(code: TrellisCode) -> int:
+    return CODE_IDS[code.code]
+
+
+@triton.jit
+def _unit_words(unit_ptrs, next_ptrs, mask, WU: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
+    """The words a block of units decodes from: uint32 (w0, w1, w2, after), each [U, T].
+
+    unit_ptrs [U, T]: each unit's first word; next_ptrs [U, T]: the first word of the unit after it in its
+    tile (circularly); mask [U, T]: which units exist. w1 and w2 are the unit's second and third words
+    where it has them (WU = 2, 3; else w0 again, unused)."""
+    w0 = tl.load(unit_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    after = tl.load(next_ptrs, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    if WU >= 2:
+        w1 = tl.load(unit_ptrs + 1, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    if WU == 3:
+        w2 = tl.load(unit_ptrs + 2, mask=mask, other=0, eviction_policy=WEIGHT_EVICTION).to(tl.uint32, bitcast=True)
+    return w0, w1, w2, after
+
+
+@triton.jit
+def _states_of(w0, w1, w2, after, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr):
+    """The 16-bit states of every step of a block of units: uint32 [U, T, S] with S = 16 G / V steps, from
+    `_unit_words`. Step i starts at bit p = K V i of the unit: the window of words (p // 32, p // 32 + 1),
+    shifted right by 48 - p % 32."""
+    S: tl.constexpr = 16 * G // V
+    bit = tl.arange(0, S) * (K * V)  # [S]
+    word = (bit // 32)[None, None, :]
+    shift = (48 - bit % 32).to(tl.uint64)[None, None, :]
+    if WU == 1:
+        high = w0[:, :, None]
+        low = after[:, :, None]
+    elif WU == 2:
+        high = tl.where(word == 0, w0[:, :, None], w1[:, :, None])
+        low = tl.where(word == 0, w1[:, :, None], after[:, :, None])
+    else:  # WU == 3
+        high = tl.where(word == 0, w0[:, :, None], tl.where(word == 1, w1[:, :, None], w2[:, :, None]))
+        low = tl.where(word == 0, w1[:, :, None], tl.where(word == 1, w2[:, :, None], after[:, :, None]))
+    window = (high.to(tl.uint64) << 32) | low.to(tl.uint64)
+    return (window >> shift).to(tl.uint32) & 0xFFFF
+
+
+@triton.jit
+def _unit_states(unit_ptrs, next_ptrs, mask, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr,
+                 WU: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
+    """`_states_of(_unit_words(...))`: uint32 [U, T, S] states of a block of units."""
+    w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, mask, WU, WEIGHT_EVICTION)
+    return _states_of(w0, w1, w2, after, K, V, G, WU)
+
+
+@triton.jit
+def _code_values(s, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
+    """uint32 states -> (first value, second value) float32: the code function of each state (the second
+    is hyb's; the computed codes return their one value twice, and V = 1 callers ignore it).
+
+    PTX (compiled kernels only; the interpreter runs no PTX): 1mad's byte sum as one dp4a, the same
+    integer, so the same bits (the GPU decode test compares both with the reference)."""
+    if CODE == 0:  # 1mad: the byte sum of an LCG step, less 510, exactly
+        x = s * 34038481 + 76625530
+        # (2^23 + byte sum) as float32 bits, less 2^23 + 510: both steps exact (the sum is 0 .. 1020)
+        if PTX:
+            biased = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, 16843009, 1258291200;", "=r,r", [x],
+                                               dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            biased = ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)) | 0x4B000000
+        value = biased.to(tl.float32, bitcast=True) - 8389118.0
+        return value, value
+    elif CODE == 1:  # 3inst: two fp16 halves of a masked LCG step, widened and added once in fp32
+        x = s * 89226354 + 64248484
+        if PTX:  # the halves read in place (no shifts to split them), one lop3 for the mask and the xor
+            value = tl.inline_asm_elementwise(
+                "{ .reg .b32 m; .reg .b16 lo, hi; .reg .f32 a, b;\n"
+                "lop3.b32 m, $1, 0x8FFF8FFF, 0x3B603B60, 0x6A;\n"
+                "mov.b32 {lo, hi}, m;\n"
+                "cvt.f32.f16 a, hi;\n"
+                "cvt.f32.f16 b, lo;\n"
+                "add.rn.f32 $0, a, b; }",
+                "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            m = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            high = (m >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            low = (m & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            value = high + low
+        return value, value
+    else:  # hyb: a 9-bit hash index into the [512, 2] table, the first coordinate's sign flipped by bit 15
+        x = s * (s + 1)
+        # one 8-byte load per state: the row's two float32 values, first in the low word (little-endian)
+        pair = tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + ((x >> 6) & 511))
+        first = pair.to(tl.uint32) ^ ((x << 16) & 0x80000000)
+        return first.to(tl.float32, bitcast=True), (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _trellis_dequantize_kernel(
+    codes_ptr,  # [E, N/16, C/16, W] int32
+    scales_ptr,  # [E, N] float32
+    table_ptr,  # [512, 2] float32 (hyb) or any pointer
+    experts_ptr,  # [E] int32: nonzero = decode this expert (e.g. moe_align's expert_counts)
+    out_ptr,  # [E, N, C] out (x's dtype or float32)
+    num_row_tiles,
+    num_column_tiles,
+    stride_ce,
+    stride_se,
+    stride_oe,
+    stride_on,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    BLOCK_TR: tl.constexpr,  # tile rows per program
+    BLOCK_TC: tl.constexpr,  # tile columns per program
+    SELECTED: tl.constexpr,  # read experts_ptr (else every expert is decoded)
+    PTX: tl.constexpr,  # compiled for a GPU (not the interpreter): _code_values' PTX forms
+):
+    """Grid (E, row-tile blocks, column-tile blocks): weights value * scale of BLOCK_TR x BLOCK_TC tiles."""
+    expert = tl.program_id(0)
+    if SELECTED:
+        wanted = tl.load(experts_ptr + expert) != 0
+    else:
+        wanted = True
+    if wanted:
+        UT: tl.constexpr = 16 // G  # units per tile
+        U: tl.constexpr = BLOCK_TR * UT
+        S: tl.constexpr = 16 * G // V
+        unit = tl.arange(0, U)
+        tile_row = tl.program_id(1) * BLOCK_TR + unit // UT  # [U]
+        in_tile = unit % UT
+        tile_col = tl.program_id(2) * BLOCK_TC + tl.arange(0, BLOCK_TC)  # [T]
+        mask = (tile_row < num_row_tiles)[:, None] & (tile_col < num_column_tiles)[None, :]
+        tiles = codes_ptr + expert.to(tl.int64) * stride_ce + (tile_row * num_column_tiles)[:, None] * (8 * K) \
+            + tile_col[None, :] * (8 * K)
+        states = _unit_states(tiles + (in_tile * WU)[:, None], tiles + (((in_tile + 1) % UT) * WU)[:, None], mask,
+                              K, V, G, WU, "")
+        first, second = _code_values(states, table_ptr, CODE, PTX)  # [U, T, S]
+        step = tl.arange(0, S)[None, None, :]
+        rows = tile_row[:, None, None] * 16 + (in_tile * G)[:, None, None] + (V * step) // 16  # [U, 1, S]
+        columns = tile_col[None, :, None] * 16 + (V * step) % 16  # [1, T, S]
+        scale = tl.load(scales_ptr + expert.to(tl.int64) * stride_se + rows, mask=mask[:, :, None], other=0.0)
+        out = out_ptr + expert.to(tl.int64) * stride_oe + rows.to(tl.int64) * stride_on + columns
+        tl.store(out, (first * scale).to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+        if V == 2:
+            tl.store(out + 1, (second * scale).to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+
+
+def dequantize_rotated(matrix: TrellisMatrix, dtype: torch.dtype = torch.float32,
+                       experts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, N, C] rotated weights value * scale in `dtype` (one fp32 multiply, rounded to nearest even), as
+    `trellis_reference.dequantize_rotated` computes them, through the kernels' decode.
+
+    experts: int [E] on the device, nonzero where an expert is to be decoded (the others' rows are left as
+    they are: the dequantize arm decodes the woken experts only, with no host sync); None = all.
+    out: a [E, N, C] buffer of `dtype` to write into (default: a new one)."""
+    check_triton_device(matrix.codes, "trellis dequantize")
+    count, rows, columns = matrix.shape
+    if out is None:
+        out = scratch.empty((count, rows, columns), dtype, matrix.device)
+    elif tuple(out.shape) != (count, rows, columns) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {dtype} [{count}, {rows}, {columns}] with unit column stride, got "
+                         f"{out.dtype} {list(out.shape)}")
+    if experts is not None and (experts.shape != (count,) or experts.device != matrix.device):
+        raise ValueError(f"experts must be [{count}] on {matrix.device}, got {list(experts.shape)} on {experts.device}")
+    code = matrix.code
+    group, words = unit_geometry(code.K)
+    table = matrix.table if matrix.table is not None else matrix.scales
+    row_tiles, column_tiles = rows // TILE, columns // TILE
+    grid = (count, triton.cdiv(row_tiles, DECODE_BLOCK_TILE_ROWS), triton.cdiv(column_tiles, DECODE_BLOCK_TILE_COLUMNS))
+    _trellis_dequantize_kernel[grid](
+        matrix.codes, matrix.scales, table, matrix.codes if experts is None else experts, out,
+        row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0), out.stride(0), out.stride(1),
+        K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
+        BLOCK_TR=DECODE_BLOCK_TILE_ROWS, BLOCK_TC=DECODE_BLOCK_TILE_COLUMNS, SELECTED=experts is not None,
+        PTX=compiled(matrix.device),
+        num_warps=4,
+    )
+    launches.record("trellis.dequantize", kernel=_trellis_dequantize_kernel)
+    return out
+
+
+def check_trellis_moe_inputs(x, w13: TrellisMatrix, w2: TrellisMatrix, topk_ids, topk_weights
+                             ) -> tuple[int, int, int, int, int]:
+    """What every trellis MoE arm needs (the `moe_reference` contract with w13 and w2 trellis stacks);
+    returns (T, D, E, F, k). ValueError naming the argument otherwise; never reads tensor values."""
+    if not isinstance(w13, TrellisMatrix) or not isinstance(w2, TrellisMatrix):
+        raise ValueError(f"w13 and w2 must be TrellisMatrix stacks, got {type(w13).__name__} and {type(w2).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    experts, two_f, columns = w13.shape
+    if columns != hidden or two_f % 32:
+        raise ValueError(f"w13 must be [E, 2F, D={hidden}] with F a multiple of 16, got {list(w13.shape)}")
+    intermediate = two_f // 2
+    if w2.shape != (experts, hidden, intermediate):
+        raise ValueError(f"w2 must be [E={experts}, D={hidden}, F={intermediate}], got {list(w2.shape)}")
+    if w13.left_block != w2.right_block or intermediate % w13.left_block:
+        raise ValueError(f"w13's row block ({w13.left_block}) and w2's column block ({w2.right_block}) must be one "
+                         f"block dividing F={intermediate}: the hidden is turned back and rotated block by block")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids must be [T={tokens}, k], got shape {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (tokens, top_k):
+        raise ValueError(f"topk_weights must be [T={tokens}, k={top_k}] like topk_ids, got {tuple(topk_weights.shape)}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"k (topk_ids.shape[1]) must be in 1..E={experts}, got {top_k}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    devices = {t.device for t in (x, w13.codes, w2.codes, topk_ids, topk_weights)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    for name, matrix in (("w13", w13), ("w2", w2)):
+        if not matrix.codes.is_contiguous() or not matrix.scales.is_contiguous():
+            raise ValueError(f"{name}'s codes and scales must be contiguous")
+    if x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"x must be contiguous along its last dimension (stride {x.stride()})")
+    return tokens, hidden, experts, intermediate, top_k

@@ -1,0 +1,212 @@
+"""Trellis GEMV MoE arm: every (token, expert) pair decodes its expert's packed tiles in registers and
+multiplies them with its vector; no dequantized copy, no alignment.
+
+Shapes: T tokens, k experts per token, E experts, D hidden, F expert intermediate, N = T*k pairs.
+
+    x             [T, D]        activations
+    w13, w2       TrellisMatrix [E, 2F, D] and [E, D, F] (kernels/trellis_reference.py)
+    topk_ids      [T, k]        expert of pair p = t*k + j (ids outside [0, E) contribute nothing)
+    topk_weights  [T, k]
+    x_rot         [T, D]   f32  T_R13 x
+    y_rot         [N, 2F]  f32  scale13 * (W13_rot x_rot) per pair
+    h_rot         [N, F]   f32  T_R2 (silu(g) * u), (g, u) = T_L13^T y_rot
+    z_rot         [N, D]   f32  w_p * scale2 * (W2_rot h_rot) per pair
+    out           [T, D]        T_L2^T (sum over j = 0..k-1 of z_rot[t*k + j])
+
+Launches (five): trellis.rotate, trellis_gemv.gate_up, trellis.swiglu_between, trellis_gemv.down,
+trellis.unrotate_sum. Both products are `_trellis_gemv_kernel`, grid (N, row blocks): one pair and BLOCK_TR tile
+rows (16 BLOCK_TR output rows) per program, walking the columns BLOCK_TC tiles at a time. A step of the
+walk loads each unit's WU + 1 words (kernels/trellis_decode.py), decodes every state of the block as one
+[units, BLOCK_TC, steps] tensor, and accumulates value * vector in fp32 (the vector's matching columns
+loaded as [1, BLOCK_TC, steps]); the row scale and the routing weight are applied once at the end. The
+rotations are the arm's own launches (kernels/trellis_rotate.py); the down product writes one row per
+pair so that the last launch sums a token's k rows in a fixed order before turning them back (no float
+atomics: bit-reproducible).
+
+Why registers and fp32 FMAs rather than tensor cores at n = 1: one token's product reuses no decoded
+weight, so an MMA would save only the FMA (one instruction per weight) while a Triton kernel can hand
+it the weights only through shared memory: 4 bytes of shared traffic per weight (the write and the read),
+a second bound of about 18 us for the six experts of a v4-shape token on an H200, beside a decode that
+stays the same. docs/trellis-kernels.md derives the loop's instruction count per weight from its SASS.
+
+Block shapes are not autotuned (the autotuner times inside CUDA-graph capture); `SCHEDULES` holds the
+few a GPU run compares (bench/trellis_bench.py), `DEFAULT_SCHEDULE` the one the arm uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, pdl, scratch, streaming
+from kernels.moe_checks import check_triton_device
+from kernels.trellis_decode import (_code_values, _states_of, _unit_words, check_trellis_moe_inputs, code_id,
+                                    compiled, unit_geometry)
+from kernels.trellis_reference import TILE, TrellisMatrix
+from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
+
+
+@dataclass(frozen=True)
+class GemvSchedule:
+    block_tile_rows: int  # BLOCK_TR: tile rows (16 output rows each) per program
+    block_tile_columns: int  # BLOCK_TC: tile columns per step of the walk
+    num_warps: int
+
+
+# Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
+# vector values; 4 warps. At v4-shape, n = 1: 6 x 256 / BLOCK_TR programs of each product. The sm_90 build
+# (bench/trellis_sm90_compile.py, triton 3.9) gives, for hyb / 3inst / 1mad, the main loop's instructions
+# per weight and the registers (programs per SM by registers, of 128 threads):
+#   "r1c8"   16 rows x 128 columns a step: 8.6 / 10.6 / 8.6, 40-56 registers (8 programs a SM)
+#   "r1c16"  16 x 256: 7.1 / 9.7 / 7.6, 72-80 registers (6 programs): the loop overhead (the words' layout
+#            conversion, the walk's bookkeeping) spread over twice the weights
+#   "r2c8"   32 x 128: each vector value loaded once for twice the rows, half the programs
+#   "r1c32"  16 x 512: 6.6 / 8.9 / 6.9, 128 registers (4 programs: fewer warps to hide a DRAM round trip)
+SCHEDULES = {
+    "r1c8": GemvSchedule(block_tile_rows=1, block_tile_columns=8, num_warps=4),
+    "r1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4),
+    "r2c8": GemvSchedule(block_tile_rows=2, block_tile_columns=8, num_warps=4),
+    "r1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4),
+}
+DEFAULT_SCHEDULE = "r1c16"
+
+
+@triton.jit
+def _trellis_gemv_kernel(
+    codes_ptr,  # [E, N/16, C/16, W] int32
+    scales_ptr,  # [E, N] float32
+    table_ptr,  # [512, 2] float32 (hyb)
+    vec_ptr,  # [rows of vectors, C] float32: x_rot (per token) or h_rot (per pair)
+    ids_ptr,  # [P] expert of each pair
+    weights_ptr,  # [P] routing weight of each pair (ROUTED)
+    out_ptr,  # [P, N] float32 out
+    num_experts,
+    num_row_tiles,  # N / 16
+    num_column_tiles,  # C / 16
+    stride_ce,
+    stride_se,
+    stride_v,
+    stride_o,
+    VECTOR_PER_TOKEN: tl.constexpr,  # vec row = pair // TOP_K (gate-up) or pair (down)
+    TOP_K: tl.constexpr,
+    ROUTED: tl.constexpr,  # multiply by the pair's routing weight (down)
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_TC: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_GDC: tl.constexpr,
+    WEIGHT_EVICTION: tl.constexpr,
+):
+    """Grid (P, row blocks): out[p, rows] = scale[e, rows] * (routing weight) * sum_c W_rot[e, rows, c] vec[c]."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    if (expert >= 0) & (expert < num_experts):  # an unknown id writes nothing; the sum leaves its row out
+        UT: tl.constexpr = 16 // G
+        U: tl.constexpr = BLOCK_TR * UT
+        S: tl.constexpr = 16 * G // V
+        unit = tl.arange(0, U)
+        tile_row = tl.program_id(1) * BLOCK_TR + unit // UT  # [U]
+        in_tile = unit % UT
+        row_ok = tile_row < num_row_tiles
+        tile_col = tl.arange(0, BLOCK_TC)  # [T]
+        words_per_tile: tl.constexpr = 8 * K
+        row_base = codes_ptr + expert.to(tl.int64) * stride_ce + (tile_row * num_column_tiles * words_per_tile)[:, None]
+        unit_ptrs = row_base + (in_tile * WU)[:, None] + tile_col[None, :] * words_per_tile  # [U, T]
+        next_ptrs = row_base + (((in_tile + 1) % UT) * WU)[:, None] + tile_col[None, :] * words_per_tile
+        step = tl.arange(0, S)
+        if VECTOR_PER_TOKEN:
+            vector = vec_ptr + (pair // TOP_K).to(tl.int64) * stride_v
+        else:
+            vector = vec_ptr + pair.to(tl.int64) * stride_v
+        vec_ptrs = vector + tile_col[None, :, None] * 16 + ((V * step) % 16)[None, None, :]  # [1, T, S]
+        first_sum = tl.zeros([U, BLOCK_TC, S], dtype=tl.float32)
+        second_sum = tl.zeros([U, BLOCK_TC, S], dtype=tl.float32)
+        # the next step's words are loaded before this step decodes (a few registers): the DRAM round trip
+        # overlaps a step's decode instead of stalling every program at the top of each step
+        w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, row_ok[:, None] & (tile_col < num_column_tiles)[None, :],
+                                        WU, WEIGHT_EVICTION)
+        for column0 in range(0, num_column_tiles, BLOCK_TC):
+            column_ok = tile_col < num_column_tiles - column0
+            unit_ptrs += BLOCK_TC * words_per_tile
+            next_ptrs += BLOCK_TC * words_per_tile
+            ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
+            n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
+            states = _states_of(w0, w1, w2, after, K, V, G, WU)
+            first, second = _code_values(states, table_ptr, CODE, PTX)
+            vec_ok = column_ok[None, :, None]
+            first_sum += first * tl.load(vec_ptrs, mask=vec_ok, other=0.0)
+            if V == 2:
+                second_sum += second * tl.load(vec_ptrs + 1, mask=vec_ok, other=0.0)
+            vec_ptrs += BLOCK_TC * 16
+            w0, w1, w2, after = n0, n1, n2, n_after
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        if V == 2:
+            first_sum += second_sum
+        # unit u's element e sits on row u G + e // 16 of the block: steps [0, S/G) are its first row
+        per_row = tl.reshape(tl.sum(tl.reshape(tl.sum(first_sum, axis=1), [U, G, S // G]), axis=2), [U * G])
+        rows = tl.program_id(1) * (BLOCK_TR * 16) + tl.arange(0, U * G)
+        rows_ok = rows < num_row_tiles * 16
+        result = per_row * tl.load(scales_ptr + expert.to(tl.int64) * stride_se + rows, mask=rows_ok, other=0.0)
+        if ROUTED:
+            result = result * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=rows_ok)
+
+
+def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tensor, flat_weights: torch.Tensor,
+             top_k: int, per_token: bool, routed: bool, schedule: GemvSchedule, name: str) -> torch.Tensor:
+    """[P, N] float32: one GEMV launch of `matrix` for every pair (module docstring)."""
+    experts, rows, columns = matrix.shape
+    pairs = flat_ids.numel()
+    out = scratch.empty((pairs, rows), torch.float32, vectors.device)
+    code = matrix.code
+    group, words = unit_geometry(code.K)
+    table = matrix.table if matrix.table is not None else matrix.scales
+    row_tiles = rows // TILE
+    _trellis_gemv_kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
+        matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
+        experts, row_tiles, columns // TILE, matrix.codes.stride(0), matrix.scales.stride(0),
+        vectors.stride(0), out.stride(0),
+        VECTOR_PER_TOKEN=per_token, TOP_K=top_k, ROUTED=routed,
+        K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
+        BLOCK_TR=schedule.block_tile_rows, BLOCK_TC=schedule.block_tile_columns, num_warps=schedule.num_warps,
+        PTX=compiled(vectors.device),
+        **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device),
+    )
+    launches.record(name, kernel=_trellis_gemv_kernel)
+    return out
+
+
+def moe_trellis_gemv(
+    x: torch.Tensor,  # [T, D]
+    w13: TrellisMatrix,  # [E, 2F, D]
+    w2: TrellisMatrix,  # [E, D, F]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k]
+    *,
+    schedule: str = DEFAULT_SCHEDULE,
+) -> torch.Tensor:  # [T, D]
+    """The trellis GEMV arm; the contract of `kernels.reference.moe_reference` over the dequantized stacks
+    (`trellis_reference.dequantize`). Never waits for the device (CUDA-graph capturable)."""
+    tokens, hidden, experts, intermediate, top_k = check_trellis_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    check_triton_device(x, "moe_trellis_gemv")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    chosen = SCHEDULES[schedule]
+    out = scratch.empty((tokens, hidden), x.dtype, x.device)
+    if tokens == 0:
+        return out
+    options = pdl.launch_options(x.device)
+    flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
+    flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
+    x_rot = rotate_rows(x, w13.right_signs, w13.right_block, scratch.empty((tokens, hidden), torch.float32, x.device),
+                        options)
+    y_rot = _product(x_rot, w13, flat_ids, flat_weights, top_k, True, False, chosen, "trellis_gemv.gate_up")
+    h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,
+                           scratch.empty((flat_ids.numel(), intermediate), torch.float32, x.device), options)
+    z_rot = _product(h_rot, w2, flat_ids, flat_weights, top_k, False, True, chosen, "trellis_gemv.down")
+    return unrotate_sum(z_rot, flat_ids, experts, top_k, w2.left_signs, w2.left_block, out, options)

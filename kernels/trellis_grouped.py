@@ -1,0 +1,327 @@
+"""Trellis grouped-GEMM MoE arms: expert-sorted windows multiplied on tensor cores, the weight tiles either
+decoded from the packed codes per K step (`moe_trellis_grouped`, fused decode) or read from a bf16 copy
+the step decoded first (`moe_trellis_dequant`, dequantize-then-grouped).
+
+Shapes: T tokens, k experts per token, E experts, D hidden, F expert intermediate, N = T*k pairs, R rows
+of the alignment (kernels/moe_align.py lists every routing tensor), BM the rows of one window.
+
+    x             [T, D]        activations
+    w13, w2       TrellisMatrix [E, 2F, D] and [E, D, F] (kernels/trellis_reference.py)
+    topk_ids      [T, k]        ids outside [0, E) contribute nothing
+    topk_weights  [T, k]
+    x_rot         [T, D]        T_R13 x, x's dtype (the gate-up product's A rows, gathered by pair)
+    y_rot         [R, 2F]       W13_rot x_rot per row of the expert-sorted layout, x's dtype
+    h_rot         [R, F]        T_R2 (silu(g) * u), (g, u) = T_L13^T y_rot
+    pair_out      [N, D]        w_p * (W2_rot h_rot) per pair, in pair order, x's dtype
+    out           [T, D]        T_L2^T (sum over j of pair_out[t*k + j]), in fp32, then x's dtype
+    dense13/dense2 [E, 2F, D] / [E, D, F]   (dequantize arm) the woken experts' rotated weights, x's dtype
+
+Launches: moe_align (one, or up to three above 512 pairs), trellis.rotate, trellis_grouped.gate_up,
+trellis.swiglu_between, trellis_grouped.down, trellis.unrotate_sum; the dequantize arm adds two
+trellis.dequantize launches (w13 and w2, the experts with a pair only: the alignment's counts) and names
+its products trellis_dequant.gate_up / .down.
+
+One program multiplies one window (up to BM rows of ONE expert, the alignment's consecutive m-tiles of
+it) by one BLOCK_N-wide slice of the expert's rows: per K step of BLOCK_K columns the B tile
+[BLOCK_K, BLOCK_N] is decoded in registers (kernels/trellis_decode.py: BLOCK_N / 16 x BLOCK_K / 16
+packed tiles), multiplied by the row scales, rounded to x's dtype -- exactly the weights the reference
+dequantizes -- and handed to tl.dot, which stages it in shared memory for the tensor cores (wgmma on
+Hopper); A is the window's gathered rows. So a weight is decoded once per window, and its packed bytes
+are read once per window (consecutive windows of an expert share them through L2: the walk takes
+`group_windows` windows together). The dequantize arm runs the same kernels with the tile loaded from
+the bf16 copy instead: the same weights, tiles, K order and MMAs, so the two arms' outputs are equal
+bit for bit (the tests check it) and differ only in where the weights come from.
+
+Why not the bf16 grouped arm (kernels/moe_grouped.py) after dequantizing: its gate-up epilogue fuses
+SiLU, and a trellis stack multiplies in its rotated basis, so the gate and up rows must be turned back
+(T_L13^T) before the SiLU; turning the weights back instead would cost two Hadamard passes over every
+woken expert's weights per step. Its schedule (64-row windows, grouped walk, BLOCK_K = 64) is kept.
+
+Block shapes are not autotuned; `SCHEDULES` holds the few a GPU run compares (bench/trellis_bench.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import launches, pdl, scratch
+from kernels.moe_align import moe_align
+from kernels.moe_checks import check_triton_device
+from kernels.moe_grouped import TILE_M_CHOICES, _window_rows, _work_item
+from kernels.trellis_decode import (_code_values, _unit_states, check_trellis_moe_inputs, code_id, compiled,
+                                    dequantize_rotated, unit_geometry)
+from kernels.trellis_reference import TILE, TrellisMatrix
+from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
+
+DEFAULT_TILE_M = 16
+
+
+@dataclass(frozen=True)
+class GroupedSchedule:
+    block_m: int  # rows per program: the window (a multiple of 64, the wgmma M of a warpgroup)
+    gate_up_block_n: int  # gate rows (and as many up rows) of w13 per program
+    down_block_n: int  # rows of w2 (outputs) per program
+    block_k: int  # columns per K step (a multiple of 16: whole packed tiles)
+    num_warps: int
+    num_stages: int
+    group_windows: int  # windows walked together per n-block (their weight tiles shared through L2)
+
+
+# Registers per thread at 8 warps: the accumulators (BM x BN fp32, twice for gate-up) and one decoded
+# tile (BN x BK, twice for gate-up) at a time. Decoding is paid once per window, so at large n the
+# 128-row windows halve it (n = 8192, v4-shape: 192 pairs per expert, 2 windows of 128 against 3 of 64).
+#   "m64"    64-row windows, the bf16 arm's BLOCK_N 128 / 128 and BLOCK_K 64, 8 warps, 3 stages
+#   "m64n64" 64-row windows, narrower N (half the decode per program and twice the programs: small n)
+#   "m128"   128-row windows (two warpgroups of 64 rows), BLOCK_N 64 / 128
+SCHEDULES = {
+    "m64": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                           num_stages=3, group_windows=4),
+    "m64n64": GroupedSchedule(block_m=64, gate_up_block_n=64, down_block_n=64, block_k=64, num_warps=4,
+                              num_stages=3, group_windows=4),
+    "m128": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
+                            num_stages=3, group_windows=4),
+}
+DEFAULT_SCHEDULE = "m64"
+
+
+@triton.jit
+def _weight_tile(
+    codes_ptr,  # [E, N/16, C/16, W] int32 (decode) or the dense [E, N, C] copy (DENSE)
+    scales_ptr,  # [E, N] float32
+    table_ptr,  # [512, 2] float32
+    expert,
+    row0,  # first of the BLOCK_N rows
+    column0,  # first of the BLOCK_K columns
+    num_row_tiles,
+    num_column_tiles,
+    stride_we,  # codes: per expert (words); dense: per expert (elements)
+    stride_wn,  # dense only: per row
+    stride_se,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DENSE: tl.constexpr, PTX: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """The B operand [BLOCK_K, BLOCK_N]: W_rot[expert, row0 + n, column0 + k] in OUT_DTYPE (value * scale
+    rounded once), zero outside the matrix."""
+    if DENSE:
+        offs_n = row0 + tl.arange(0, BLOCK_N)
+        offs_k = column0 + tl.arange(0, BLOCK_K)
+        mask = (offs_n < num_row_tiles * 16)[None, :] & (offs_k < num_column_tiles * 16)[:, None]
+        pointers = codes_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
+            + offs_k[:, None]
+        return tl.load(pointers, mask=mask, other=0.0)
+    else:
+        UT: tl.constexpr = 16 // G
+        U: tl.constexpr = BLOCK_N // 16 * UT
+        S: tl.constexpr = 16 * G // V
+        T: tl.constexpr = BLOCK_K // 16
+        unit = tl.arange(0, U)
+        tile_row = row0 // 16 + unit // UT  # [U]
+        in_tile = unit % UT
+        tile_col = column0 // 16 + tl.arange(0, T)  # [T]
+        mask = (tile_row < num_row_tiles)[:, None] & (tile_col < num_column_tiles)[None, :]
+        words_per_tile: tl.constexpr = 8 * K
+        tiles = codes_ptr + expert.to(tl.int64) * stride_we \
+            + (tile_row * num_column_tiles * words_per_tile)[:, None] + tile_col[None, :] * words_per_tile
+        states = _unit_states(tiles + (in_tile * WU)[:, None], tiles + (((in_tile + 1) % UT) * WU)[:, None], mask,
+                              K, V, G, WU, "")
+        first, second = _code_values(states, table_ptr, CODE, PTX)  # [U, T, S]
+        if V == 2:
+            values = tl.reshape(tl.join(first, second), [U, T, 16 * G])  # element e = V step + v
+        else:
+            values = first
+        if G == 2:  # a unit is two rows: element e on row e // 16, column e % 16
+            values = tl.reshape(tl.permute(tl.reshape(values, [U, T, 2, 16]), [0, 2, 1, 3]), [BLOCK_N, BLOCK_K])
+        else:
+            values = tl.reshape(values, [BLOCK_N, BLOCK_K])
+        offs_n = row0 + tl.arange(0, BLOCK_N)
+        scale = tl.load(scales_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=offs_n < num_row_tiles * 16,
+                        other=0.0)
+        return tl.trans((values * scale[:, None]).to(OUT_DTYPE))
+
+
+@triton.jit
+def _trellis_gate_up_kernel(
+    x_ptr,  # [T, D] x_rot
+    codes_ptr,  # w13 codes or dense copy
+    scales_ptr,  # [E, 2F]
+    table_ptr,
+    y_ptr,  # [R, 2F] out
+    sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
+    num_pairs, hidden_size, intermediate_size, max_windows,
+    stride_xt, stride_we, stride_wn, stride_se, stride_yr,
+    TOP_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_WINDOWS: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    DENSE: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
+    window, n_block = _work_item(tl.program_id(0), max_windows, num_n_blocks, GROUP_WINDOWS)
+    if tl.load(window_first_tiles_ptr + window) >= 0:
+        expert, rows, pair, row_ok = _window_rows(
+            sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
+            window, num_pairs, TILE_M, BLOCK_M, BLOCK_M)
+        token = pair // TOP_K
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+        n0 = n_block * BLOCK_N
+        gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row_tiles = 2 * intermediate_size // 16
+        column_tiles = hidden_size // 16
+        for k0 in range(0, hidden_size, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < hidden_size - k0)[None, :], other=0.0)
+            gate = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, n0, k0, row_tiles, column_tiles,
+                                stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K, DENSE, PTX,
+                                x_ptr.dtype.element_ty)
+            up = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, intermediate_size + n0, k0, row_tiles,
+                              column_tiles, stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K,
+                              DENSE, PTX, x_ptr.dtype.element_ty)
+            gate_acc = tl.dot(a, gate, gate_acc, input_precision=DOT_PRECISION)
+            up_acc = tl.dot(a, up, up_acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        store_ok = row_ok[:, None] & (offs_n < intermediate_size)[None, :]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yr + offs_n[None, :]
+        tl.store(y_ptrs, gate_acc.to(y_ptr.dtype.element_ty), mask=store_ok)
+        tl.store(y_ptrs + intermediate_size, up_acc.to(y_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _trellis_down_kernel(
+    h_ptr,  # [R, F] h_rot
+    codes_ptr,  # w2 codes or dense copy
+    scales_ptr,  # [E, D]
+    table_ptr,
+    topk_weights_ptr,  # [N]
+    pair_out_ptr,  # [N, D] out
+    sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
+    num_pairs, hidden_size, intermediate_size, max_windows,
+    stride_hr, stride_we, stride_wn, stride_se, stride_pp,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_WINDOWS: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    DENSE: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """Grid (max_windows * D / BLOCK_N,): pair_out[pair, n] = w_pair * (W2_rot h_rot)[row, n]."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
+    window, n_block = _work_item(tl.program_id(0), max_windows, num_n_blocks, GROUP_WINDOWS)
+    if tl.load(window_first_tiles_ptr + window) >= 0:
+        expert, rows, pair, row_ok = _window_rows(
+            sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
+            window, num_pairs, TILE_M, BLOCK_M, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
+        n0 = n_block * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, intermediate_size, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < intermediate_size - k0)[None, :], other=0.0)
+            w = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, n0, k0, hidden_size // 16,
+                             intermediate_size // 16, stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N,
+                             BLOCK_K, DENSE, PTX, h_ptr.dtype.element_ty)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        routing_weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        out_ptrs = pair_out_ptr + pair.to(tl.int64)[:, None] * stride_pp + offs_n[None, :]
+        tl.store(out_ptrs, (acc * routing_weight[:, None]).to(pair_out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_n < hidden_size)[None, :])
+
+
+def _weight_args(matrix: TrellisMatrix, dense: torch.Tensor | None) -> tuple:
+    """(weights pointer, per-expert stride, per-row stride, table, K, V, G, WU, CODE) of a product."""
+    code = matrix.code
+    group, words = unit_geometry(code.K)
+    table = matrix.table if matrix.table is not None else matrix.scales
+    if dense is None:
+        return matrix.codes, matrix.codes.stride(0), 0, table, code.K, code.V, group, words, code_id(code)
+    return dense, dense.stride(0), dense.stride(1), table, code.K, code.V, group, words, code_id(code)
+
+
+def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: bool, label: str) -> torch.Tensor:
+    tokens, hidden, experts, intermediate, top_k = check_trellis_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    check_triton_device(x, label)
+    if tile_m not in TILE_M_CHOICES:
+        raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    chosen = SCHEDULES[schedule]
+    if chosen.block_m < tile_m:
+        raise ValueError(f"schedule {schedule}'s {chosen.block_m}-row windows cannot hold {tile_m}-row m-tiles")
+    out = scratch.empty((tokens, hidden), x.dtype, x.device)
+    if tokens == 0:
+        return out
+    options = pdl.launch_options(x.device)
+    num_pairs = tokens * top_k
+    align = moe_align(topk_ids, experts, tile_m, window_rows=chosen.block_m)
+    max_windows = align.window_first_tiles.numel()
+    flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
+    flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
+    dense13 = dense2 = None
+    if dense_copies:  # the experts with a pair, decoded once: the alignment's counts, no host sync
+        dense13 = dequantize_rotated(w13, x.dtype, experts=align.expert_counts)
+        dense2 = dequantize_rotated(w2, x.dtype, experts=align.expert_counts)
+    x_rot = rotate_rows(x, w13.right_signs, w13.right_block, scratch.empty((tokens, hidden), x.dtype, x.device),
+                        options)
+    rows = align.sorted_pair_ids.numel()
+    y_rot = scratch.empty((rows, 2 * intermediate), x.dtype, x.device)  # [R, 2F]
+    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    ptx = compiled(x.device)
+    meta = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+    gate_up_block_n = max(16, min(chosen.gate_up_block_n, triton.next_power_of_2(intermediate)))
+    down_block_n = max(16, min(chosen.down_block_n, triton.next_power_of_2(hidden)))
+    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13)
+    _trellis_gate_up_kernel[(max_windows * triton.cdiv(intermediate, gate_up_block_n),)](
+        x_rot, weights, w13.scales, table, y_rot,
+        align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
+        num_pairs, hidden, intermediate, max_windows,
+        x_rot.stride(0), stride_we, stride_wn, w13.scales.stride(0), y_rot.stride(0),
+        TOP_K=top_k, TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=gate_up_block_n, BLOCK_K=chosen.block_k,
+        GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
+        DENSE=dense13 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
+    )
+    launches.record(f"{label}.gate_up", kernel=_trellis_gate_up_kernel)
+    h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,
+                           scratch.empty((rows, intermediate), x.dtype, x.device), options)
+    pair_out = scratch.empty((num_pairs, hidden), x.dtype, x.device)  # [N, D]
+    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w2, dense2)
+    _trellis_down_kernel[(max_windows * triton.cdiv(hidden, down_block_n),)](
+        h_rot, weights, w2.scales, table, flat_weights, pair_out,
+        align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
+        num_pairs, hidden, intermediate, max_windows,
+        h_rot.stride(0), stride_we, stride_wn, w2.scales.stride(0), pair_out.stride(0),
+        TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=down_block_n, BLOCK_K=chosen.block_k,
+        GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
+        DENSE=dense2 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
+    )
+    launches.record(f"{label}.down", kernel=_trellis_down_kernel)
+    return unrotate_sum(pair_out, flat_ids, experts, top_k, w2.left_signs, w2.left_block, out, options)
+
+
+def moe_trellis_grouped(x: torch.Tensor, w13: TrellisMatrix, w2: TrellisMatrix, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, *, tile_m: int = DEFAULT_TILE_M,
+                        schedule: str = DEFAULT_SCHEDULE) -> torch.Tensor:
+    """The fused-decode grouped arm; the contract of `kernels.reference.moe_reference` over the dequantized
+    stacks. Never waits for the device (CUDA-graph capturable)."""
+    return _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, False, "trellis_grouped")
+
+
+def moe_trellis_dequant(x: torch.Tensor, w13: TrellisMatrix, w2: TrellisMatrix, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, *, tile_m: int = DEFAULT_TILE_M,
+                        schedule: str = DEFAULT_SCHEDULE) -> torch.Tensor:
+    """The dequantize-then-grouped arm: the woken experts decoded to x's dtype, then the same grouped
+    products. Equal to `moe_trellis_grouped` bit for bit (same weights, tiles and K order)."""
+    return _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, True, "trellis_dequant")

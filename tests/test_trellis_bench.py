@@ -1,0 +1,45 @@
+"""bench/trellis_bench.py's whole flow on the CPU (interpreted kernels, a small shape, host timers), so a bug
+in the script costs no GPU run: every row is filled or names its failure, the report renders, the JSON
+serialises. The numbers mean nothing here (and bf16 is not the interpreter's strength: checks may fail)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import trellis_bench  # noqa: E402
+
+
+def host_timer(calls: list) -> dict:
+    """One call, timed on the host (the flow is what is tested, not the numbers)."""
+    started = time.perf_counter()
+    calls[0]()
+    return {"mean_us": (time.perf_counter() - started) * 1e6, "std_us": 0.0, "samples": 1}
+
+
+@pytest.mark.slow  # about 15 s of interpreter: every arm of the bench runs once, at the smallest shape they take
+def test_the_bench_runs_end_to_end_on_a_small_shape():
+    setup = trellis_bench.Setup(
+        torch.device("cpu"), "cpu", sms=1, bandwidth=1e10, clock=lambda note: (1e9, "test"),
+        graph_timer=host_timer, event_timer=host_timer, experts=12, hidden=32, intermediate=16, gemv_calls=2,
+        grouped_tokens=(5,), codes=("hyb", "1mad"), gemv_schedules=("r2c8",), grouped_schedules=())
+    result = trellis_bench.measure(setup)
+    assert [(row["code"], row["schedule"]) for row in result["trellis_gemv"]] == [
+        ("hyb", "r1c16"), ("1mad", "r1c16"), ("hyb", "r2c8")]  # each code at the default, the first at the others
+    for row in result["trellis_gemv"]:
+        assert "error" in row or (row["mean_us"] > 0 and row["bound_us"] >= row["bytes_bound_us"] > 0
+                                  and row["issue_limit"] == "no SASS")  # interpreted: no cubin to read
+    (grouped,) = result["grouped"]
+    assert [(arm["arm"], arm["code"], arm["schedule"]) for arm in grouped["arms"]] == [
+        ("grouped", "1mad", "m64"), ("dequant", "hyb", "m64")]
+    assert all("error" in arm or arm["x_bf16_grouped"] > 0 for arm in grouped["arms"])
+    text = trellis_bench.report(result)
+    assert "(i) n = 1" in text and "fused == dequantize" in text
+    json.dumps(result, default=str)
