@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 from inspector.commands.check_attention import _json_safe
-from inspector.commands.common import positive_int_list, print_json
+from inspector.commands.common import positive_int_list
+from inspector.commands.output import add_format_arguments, output_format, print_json
 
 
 def add_parser(subparsers) -> None:
@@ -29,18 +30,19 @@ def add_parser(subparsers) -> None:
                         help="the unquantized model (default: the source config.json records)")
     parser.add_argument("--device", default=argparse.SUPPRESS, help="auto, cpu or cuda (default auto)")
     parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_format_arguments(parser, ("text", "json"), "text")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.quant_check import check_quant  # torch only when run
 
+    fmt = output_format(args)
     tokens = positive_int_list(args.tokens, "--tokens") if args.tokens is not None else None
     result = check_quant(args.model, layer=args.layer, tokens=tokens, arm=args.arm,
                          device=getattr(args, "device", "auto"), seed=getattr(args, "seed", 0),
                          original=args.original)
-    if args.json:
+    if fmt == "json":
         print_json(_json_safe(result))
     else:
         print(format_result(result))

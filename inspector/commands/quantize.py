@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.errors import UserError
 from engine.trellis_job import parse_experts, quantize_model, write_shape_only
-from inspector.commands.common import add_json_argument, print_json
+from inspector.commands.output import add_format_arguments, output_format, print_json
 
 
 def add_parser(subparsers) -> None:
@@ -31,11 +31,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--shape-only", action="store_true",
                         help="write config.json alone (shape, code, seeds): load it with --weights random for "
                              "random valid codes drawn on the device, e.g. a v4-shape trellis model to time")
-    add_json_argument(parser)
+    add_format_arguments(parser, ("text", "json"), "text")
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    fmt = output_format(args)
     code = parse_experts(args.experts)  # bad input fails before the model loads
     if args.shape_only:
         out = write_shape_only(args.model, code, args.out, seed=args.seed)
@@ -46,7 +47,7 @@ def run(args) -> int:
         raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
     result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights,
                             calibration=args.calibration, calibration_tokens=args.calibration_tokens)
-    if args.json:
+    if fmt == "json":
         print_json(result.to_json())
         return 0
     kept = f"; kept layers {', '.join(map(str, result.resumed_layers))} of an earlier run" if result.resumed_layers else ""
