@@ -51,7 +51,7 @@ fi
 
 if want sweep; then
   timeout "$(limit 110)" python3 -m inspector sweep --model demo --routing "$RECORDING" \
-    --tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 --arms gemv,grouped_v1,grouped_v2 \
+    --tokens ${ROUTING_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096} --arms gemv,grouped_v1,grouped_v2 \
     --calibration "$WORK/routing-calibration.json" --json > "$WORK/sweep_routing.json" 2> "$WORK/sweep_routing.err"
   rc=$?
   python3 -m inspector.commands.sweep "$WORK/sweep_routing.json" > "$WORK/sweep_routing.md" 2>&1
@@ -61,7 +61,7 @@ if want sweep; then
 fi
 
 if want ab; then
-  for model in v4-shape demo; do
+  for model in ${AB_MODELS:-v4-shape demo}; do
     extra=(); [ "$model" = v4-shape ] && extra=(--gpu-weights)
     timeout "$(limit 75)" python3 -m inspector ab --model "$model" "${extra[@]}" --pp none --tg 128 --batch 1 \
       --tg-prompt 32 --reps 1 --clock wall --a record_routing=off --b record_routing=on --rounds 5 --warmup 1 \
