@@ -20,7 +20,7 @@ one forward for all its rows, and returns each row's next token, with the step's
   sync (its end event): a launch copies nothing, and the step has no device-to-host copy of its own.
   The capture step itself runs eagerly (it is also the warm-up the capture needs), so every step
   computes something real. Steps a graph cannot serve run eagerly, and the step says why.
-- The host path of a replayed step is kept short (issue 7: host time per decode step at batch 1;
+- The host path of a replayed step is kept short (the host-time target: host time per decode step at batch 1;
   bench/host_step.py measures it). Before the launch it does only what the launch needs: the graph
   for a (size, flags) pair (the last replay's, or a lookup on two ints), the inputs check, the
   start event, the replay and the end event. Everything else runs after the launch, while the

@@ -793,10 +793,10 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
 
 
 def device_random_weights(config, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Weights drawn on the GPU from a seeded CUDA generator per tensor (engine.model_source.random_weights_on):
+    """Weights drawn on the GPU from a seeded CUDA generator per tensor (engine.model.random_weights_on):
     seconds instead of the CPU draw's minutes at v4-shape width. For timing only: they are NOT the weights
     `random_weights` gives on the CPU, and the report says so."""
-    from engine.model_source import random_weights_on
+    from engine.model import random_weights_on
 
     return random_weights_on(config, seed, device, dtype)
 

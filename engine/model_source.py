@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import UserError
+from engine.model import random_weights_on  # noqa: F401 (where callers have looked it up)
 
 # Memory a model may take of what is free: the KV cache, activations and the graphs' pools need the rest.
 FIT_SHARE = 0.9
@@ -81,30 +82,6 @@ def describe_checkpoint(directory: Path, family: str, weights: str, seed: int, d
               if weights == "random" else {"source": "files", "files": weight_files(directory)})
     return {"path": str(directory.resolve()), "family": family, "config_sha256": config_hash(directory),
             "weights": source}
-
-
-def random_weights_on(config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype
-                      ) -> dict[str, torch.Tensor]:
-    """Random weights of `config`: drawn on a GPU by a seeded generator per tensor (seconds for a 48-layer
-    model where the CPU draw takes hours), on the CPU by engine.model.random_weights (bit-identical on every
-    machine). Either is deterministic for a device type and seed."""
-    if device.type != "cuda":
-        from engine.model import random_weights
-
-        return random_weights(config, seed, device, dtype)
-    import zlib
-
-    from engine.model import _init_std, tensor_shapes
-
-    weights = {}
-    for name, shape in tensor_shapes(config).items():
-        std = _init_std(name, shape)
-        if std is None:
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
-            continue
-        generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        weights[name] = torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(std)
-    return weights
 
 
 def model_config(model: str, base: str | Path | None = None) -> ModelConfig:

@@ -33,7 +33,7 @@ from engine.devices import device_label, resolve_device  # noqa: F401 - re-expor
 from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 - re-exported for callers
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
-from engine.model import random_weights
+from engine.model import random_weights, random_weights_on
 from engine.records import StepRecord
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -54,7 +54,7 @@ _gc_pause_lock = threading.Lock()
 
 @contextlib.contextmanager
 def cyclic_gc_paused():
-    """Python's cyclic garbage collector off while a batch-generation run steps (issue 7: host time per
+    """Python's cyclic garbage collector off while a batch-generation run steps (the host-time target: host time per
     decode step). Each step keeps its record (a few containers), so the collector started about every
     100 steps, inside a step, and traversed the young objects, or now and then every object of the
     process (with torch, Triton and CUDA loaded, a full collection takes tens of ms): on the H200,
@@ -272,7 +272,7 @@ class Engine:
 
             drawn = (trellis_checkpoint.random_weights(directory, config, seed, device, dtype)
                      if trellis_checkpoint.is_trellis_directory(directory) else
-                     model_source.random_weights_on(config, seed, device, dtype))
+                     random_weights_on(config, seed, device, dtype))
             engine = cls(config, device, seed, weights=drawn, tokenizer=tokenizer,
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
                                         f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")

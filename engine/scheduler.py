@@ -20,7 +20,7 @@ its own length). Knows nothing of tensors, clocks or models: the caller passes t
 A steady decode cohort (the same sequences, step after step) is scheduled without re-deciding:
 once a decode step finds nothing to prefill or admit, the next steps reuse its cohort until a
 sequence is added or finishes. `schedule` runs before every step's launch, so its cost is host
-time per decode step (issue 7).
+time per decode step (the host-time target).
 
 Run-ahead and graphs of several steps (engine.batch_runner): a caller may launch a steady cohort's
 next decode steps before this step's `postprocess`, but only once `reserve_next` said those steps are

@@ -310,10 +310,10 @@ def load_directory(directory: Path, device: torch.device, dtype: torch.dtype, st
 
 
 def random_weights(directory: Path, config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """`--weights random` for a trellis directory: random dense tensors (engine.model_source.random_weights_on)
+    """`--weights random` for a trellis directory: random dense tensors (engine.model.random_weights_on)
     and random trellis stacks of config.json's code, seeds and blocks (every packed stream is a valid path),
     drawn on `device`: a v4-shape trellis model without quantizing one."""
-    from engine.model_source import random_weights_on
+    from engine.model import random_weights_on
     from kernels.trellis_reference import random_trellis_matrix
 
     values = _config_values(Path(directory))

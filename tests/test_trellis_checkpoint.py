@@ -129,11 +129,11 @@ def test_a_loaded_directory_runs_with_the_trellis_experts(source, quantized):
     pytest.importorskip("textual")
     from inspector.widgets.dispatch_log import LogEntry
 
-    shown = LogEntry("A", "moe", record).line().plain
+    shown = LogEntry("A", "moe", record).reason()
     assert record["bytes_moved"] == round(record["woken_predicted"] * record["expert_bytes"])
     assert f"[trellis hyb K=2 V=2 L=16, {record['bits_per_weight']:.2f} b/w, {record['bytes_moved'] / 1e6:.3g} MB]" \
         in shown
-    assert "trellis" not in LogEntry("A", "moe", plain).line().plain  # bf16 lines unchanged
+    assert "trellis" not in LogEntry("A", "moe", plain).reason()  # bf16 rows unchanged
 
 
 def test_quantize_refuses_bad_input_in_one_line(source, quantized, tmp_path, capsys):
@@ -168,7 +168,7 @@ def _rewrite(path: Path, edit) -> None:
     ("scales missing", "tensor layers.2.w2.trellis_scales is missing"),
     ("extra tensor", "tensor layers.0.w13.trellis_signs is not part of"),
     ("bad code", "K=7"),
-    ("nan scale", "NaN or infinite"),
+    ("nan scale", "layers.1.w13.trellis_scales holds 1 NaN"),
 ])
 def test_a_damaged_directory_is_refused_naming_file_and_tensor(quantized, tmp_path, capsys, case, problem):
     def change(copy: Path) -> None:

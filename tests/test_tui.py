@@ -669,3 +669,24 @@ async def test_bench_runs_a_against_b_and_is_there_on_the_next_visit(engine):
         assert again.query_one("#bench-rows").row_count == 4 and len(again.rows) == 4
         assert again.query_one("#bench-config").value == "A,B" and again.query_one("#bench-tg").value == "6"
         assert "kept from your last visit" in str(again.query_one("#bench-status").render())
+
+
+@synchronously
+async def test_profiled_microseconds_that_arrive_with_the_end_of_a_side_reach_the_log(engine):
+    """On a GPU under layer_timing=profile, replayed steps' µs are written into their records when the run
+    ends (engine.layer_timing.attribute): the side's end renders the log's rows again from them."""
+    from engine.layer_timing import PROFILED
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await run_prompt(pilot, app, "hello", max_tokens=3)
+        log = main.query_one(DispatchLog)
+        entry = next(entry for entry in log.shown if entry.side == events.A and entry.op == "moe")
+        assert entry.cells()[10] == ""  # untimed run: no µs yet
+        entry.record["us"], entry.record["us_method"] = 12.3, PROFILED  # what attribute() does, in place
+        generation = main.current_run.generations[events.A]
+        assert any(record is entry.record for step in generation.steps for record in step["moe"])
+        main.on_side_finished(events.SideFinished(main.current_run.id, events.A, generation))
+        await pilot.pause()
+        row = log.shown.index(next(shown for shown in log.shown if shown.record is entry.record))
+        assert str(log.lines.get_row_at(row)[10]) == "12.3"

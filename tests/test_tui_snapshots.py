@@ -40,6 +40,8 @@ async def steady(pilot) -> None:
 async def drop_the_mask_and_run(pilot) -> None:
     """fused_mask=drop in A, then one 12-token run: the panes diverge and the log fills."""
     main = pilot.app.main_screen
+    for widget in main.query("Input, TextArea"):  # before the prompt is drawn again: a TextArea caches its lines
+        widget.cursor_blink = False
     main.set_flag("fused_mask", "drop")
     main.query_one("#prompt").value = PROMPT
     main.query_one("#max-tokens").value = "12"

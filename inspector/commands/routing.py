@@ -31,7 +31,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default=None,
                         help="check the file was recorded on this model's routing shape (MoE layers, experts, k)")
     parser.add_argument("--columns", type=int, default=64, help="cells of each layer's heat strip (default 64)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    from inspector.commands.output import add_format_arguments
+
+    add_format_arguments(parser, ("text", "json", "csv"), "text", "csv: layer,expert,load,share,rank on stdout")
     parser.set_defaults(run=run)
 
 
@@ -49,6 +51,11 @@ def load_checked(path: str, model: str | None = None, base: Path | None = None):
 
 def run(args) -> int:
     from engine import routing_stats
+    from inspector.commands.output import output_format
+
+    fmt = output_format(args)
+    if fmt == "csv" and args.csv is None:
+        args.csv = "-"
 
     if not 1 <= args.top <= 1024:
         raise UserError(f"--top {args.top}: name between 1 and 1024 experts per layer")
@@ -64,7 +71,7 @@ def run(args) -> int:
         return 0
     if args.csv:
         write_text(args.csv, routing_stats.loads_csv(summary))
-    if args.json:
+    if fmt == "json":
         import json
 
         payload = {"file": args.file, "header": recording.header, "truncated": recording.truncated,

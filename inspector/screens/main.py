@@ -27,6 +27,7 @@ from textual.widgets import Footer
 
 from engine.errors import UserError
 from engine.flags import DEFAULT, ResolvedFlags
+from engine.layer_timing import PROFILED
 from engine.runtime import Engine
 from engine.sidebyside import compare, first_divergence
 from inspector import events
@@ -281,6 +282,9 @@ class MainScreen(Screen):
         if message.wall_s is not None:
             run.walls[message.side] = message.wall_s
         self.query_one(CountersTable).set_final(message.side, generation.counters)
+        if any(record.get("us_method") == PROFILED for step in generation.steps
+               for record in step.get("moe", []) + step.get("attention", [])):
+            self.query_one(DispatchLog).refresh_values()  # the profile's µs arrived with the run's end
         count = len(generation.tokens)
         note = f"cancelled after {count} tokens" if generation.cancelled else f"{count} tokens"
         self.query_one(f"#pane-{message.side.lower()}", OutputPane).set_note(note)

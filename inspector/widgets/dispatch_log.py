@@ -198,6 +198,15 @@ class DispatchLog(Vertical):
         self.follow = True
         self._add([entry for entry in self.entries if entry.matches(**self.filters)])
 
+    def refresh_values(self) -> None:
+        """Render every row again from its record, keeping the cursor: a profiled run's per-layer µs of
+        replayed steps are filled into the records when the run ends (engine.layer_timing)."""
+        row, follow = self.lines.cursor_row, self.follow
+        self._rebuild()
+        if not follow:
+            self.follow = False
+            self._move_to(min(row, len(self.shown) - 1))
+
     @property
     def cursor_entry(self) -> LogEntry | None:
         row = self.lines.cursor_row
