@@ -360,6 +360,9 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     # clones: safetensors refuses tensors that share memory (the engine's wq, wk, wv are views of one buffer)
     save_file({name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}, str(temporary),
               metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(temporary, 0o666 & ~mask)  # safetensors creates its file 0600; a plain open() would give this mode
     _replace(temporary, path)
 
 

@@ -60,6 +60,9 @@ def launch(args) -> int:
         existing = bool(session_path) and Path(session_path).exists()
         if existing:  # a malformed session is refused here, before anything is loaded
             model, seed, device, notes = _session_engine(args, load_session(session_path).engine)
+        sweep = getattr(args, "sweep", None)
+        if sweep and not Path(sweep).expanduser().is_file():  # before the model loads; its JSON is read below
+            raise UserError(f"--sweep {sweep}: no such file; give the JSON `moe-inspector sweep --json` wrote")
         if session_path is not None:  # it is saved after every action: it must take a write
             from inspector.output_paths import check_output_path
             from inspector.session_runner import results_path_for
@@ -91,6 +94,14 @@ def launch(args) -> int:
     from inspector.terminal_input import tolerate_invalid_utf8
 
     tolerate_invalid_utf8()  # a pasted byte that is not UTF-8 must not end the app (and the session)
+    if getattr(args, "sweep", None):
+        from inspector.screens.tile_fill import load_sweep
+
+        try:
+            load_sweep(args.sweep)  # a file that is not a sweep: refused here, not on the tile-fill screen
+        except UserError as error:
+            print(f"moe-inspector: error: {one_line(str(error))}", file=sys.stderr)
+            return error.exit_code
 
     # `--sweep FILE` (optional) preloads the tile-fill screen's µs-per-arm plot.
     app = InspectorApp(engine, flags, startup_notes=notes, sweep_path=getattr(args, "sweep", None), session=session,

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
         "ab", help="A/B of a workload under two flag sets or source trees: interleaved rounds, ratio with a "
                    "bootstrap interval, a verdict per row",
         description="Runs the same workload under side A and side B in rounds (A B, B A, ...), each side in its "
-        "own process from its own checkout, and reports per row each side's median, B/A with a 95 %% bootstrap "
+        "own process from its own checkout, and reports per row each side's median, B/A with a 95 % bootstrap "
         "interval and a verdict: faster, slower, no change or insufficient data. Rows that did not measure the "
         "same thing on both sides are refused.")
     sides = parser.add_argument_group("sides")
@@ -172,7 +172,6 @@ def decided_arms(model: str, tokens, flags: dict) -> dict[int, str]:
 
 def run(args) -> int:
     from engine import ab, ab_report, ab_stats
-    from inspector.session import atomic_write_text
 
     fmt = output_format(args)  # --json with another --format: refused before any round runs
     for option, path, wanted in (("--report", args.report, "md"), ("--json-out", args.json_out, "json")):
@@ -180,6 +179,13 @@ def run(args) -> int:
         if named not in (None, wanted):  # a file gets the format its name says, or none at all
             raise UserError(f"{option} {path}: the name says {named}, and this file gets the {wanted} report; "
                             f"name it .{wanted}")
+    from inspector.output_paths import check_output_path, distinct_outputs, write_output
+
+    protect = {"the session file this A/B runs": args.session} if args.session else {}
+    for option, path in (("--report", args.report), ("--json-out", args.json_out)):
+        if path:
+            check_output_path(path, option, protect=protect)
+    distinct_outputs({"--report": args.report, "--json-out": args.json_out})
 
     try:
         rule = ab_stats.Rule(tolerance=args.tolerance / 100, resamples=args.resamples, min_rounds=args.min_rounds,
@@ -202,9 +208,9 @@ def run(args) -> int:
     report = outcome.to_json()
     markdown = ab_report.format_markdown(report, args.fail_on_regression)
     if args.report:
-        atomic_write_text(args.report, markdown)
+        write_output(args.report, markdown, "--report")
     if args.json_out:
-        atomic_write_text(args.json_out, ab_report.format_json(report))
+        write_output(args.json_out, ab_report.format_json(report), "--json-out")
     sys.stdout.write(markdown if fmt == "md" else ab_report.format_json(report))
     if report["failure"]:
         failure = report["failure"]

@@ -122,7 +122,7 @@ def run(args) -> int:
         check_output_path(args.json_out, "--json-out")
     if args.trace:
         check_output_path(args.trace, "--trace")
-        distinct_outputs({"--json-out": args.json_out, "--trace": args.trace})
+    distinct_outputs({"--json-out": args.json_out, "--trace": args.trace, "--record-routing": args.record_routing})
     for values, option in ((pp, "--pp"), (tg, "--tg"), (batches, "--batch")):
         limits.check_list(values, option)
     specs = bench.row_specs(pp, tg, batches, args.tg_prompt)

@@ -157,10 +157,12 @@ def check_generation_size(engine: Engine, prompt: str, max_tokens: int, sequence
 
 
 def check_trace_path(args) -> None:
-    if getattr(args, "trace", None):
-        from inspector.output_paths import check_output_path
+    """--trace (and --record-routing, whose own check is recording_flags'): writable, and not one file."""
+    from inspector.output_paths import check_output_path, distinct_outputs
 
+    if getattr(args, "trace", None):
         check_output_path(args.trace, "--trace")
+    distinct_outputs({"--trace": getattr(args, "trace", None), "--record-routing": getattr(args, "record_routing", None)})
 
 
 def run(args) -> int:

@@ -63,7 +63,9 @@ def run(args) -> int:
         raise UserError(f"--columns {args.columns}: give 8 to 1024 cells")
     scope = routing_stats.parse_scope(args.scope)
     if args.csv not in (None, "-"):
-        check_writable(args.csv, "--csv")
+        from inspector.output_paths import check_output_path
+
+        check_output_path(args.csv, "--csv", protect={"the routing file being read": args.file})
     recording = load_checked(args.file, args.model)
     summary = routing_stats.summarize(recording, scope, args.top)
     if args.csv == "-":
