@@ -271,8 +271,10 @@ def _finished_layer(partial: Path, layer: int) -> list[dict] | None:
 def _calibration_text(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"--calibration {path}: cannot read it as UTF-8 text ({error})") from None
+    except OSError as error:
+        raise UserError(f"--calibration {path}: cannot read it ({error.strerror or error}); give a text file") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"--calibration {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     if not text.strip():
         raise UserError(f"--calibration {path}: the file is empty; give text the model reads")
     return text
