@@ -212,6 +212,8 @@ class Engine:
         self.checkpoint: dict | None = None  # a checkpoint directory's provenance (engine.model_source), or None
         self.model_spec = config.name  # the model as the user named it (`load`: a preset or a directory's path)
         self.text_refusal = ""  # why a text prompt cannot be encoded for this model ("" when it can)
+        # engine.expert_parallel.ExpertGroup once `expert_parallel.shard` kept this rank's experts; None = one device
+        self.expert_group = None
 
     @staticmethod
     def dtype_for(device: torch.device) -> torch.dtype:
@@ -310,7 +312,14 @@ class Engine:
         model = {"name": self.config.name, "weights": self.weights_source}
         if self.checkpoint is not None:
             model["checkpoint"] = self.checkpoint
+        if self.expert_group is not None:
+            model["expert_parallel"] = self.expert_parallel_summary()
         return model
+
+    def expert_parallel_summary(self) -> dict:
+        """What a results header records of an expert-parallel run: ranks, backend, experts per rank."""
+        group = self.expert_group
+        return {"ep": group.size, "backend": group.backend, "local_experts": self.config.n_experts // group.size}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not prompt:
@@ -337,6 +346,8 @@ class Engine:
         is large enough (its captured graphs are reused: the TUI's next prompt replays at once), else a new one
         sized with room to spare (capacity rounded up to a power of two, within the context). `run_ahead`: the
         run's flag run_ahead (None: the runner's default)."""
+        if self.expert_group is not None:  # the exchange's split sizes are read on the host: no graph holds them
+            graphs = False
         runner = self._runner
         if (runner is not None and runner.max_slots >= slots and runner.capacity >= capacity
                 and runner.graphs_requested == graphs):
@@ -346,6 +357,8 @@ class Engine:
         rounded = min(max(256, 1 << max(0, capacity - 1).bit_length()), max(capacity, self.config.max_seq_len))
         self._runner = None  # its cache is freed before the next is allocated
         self._runner = BatchRunner(self, slots, rounded, graphs, run_ahead=run_ahead)
+        if self.expert_group is not None and self.device.type == "cuda":
+            self._runner.graphs_note = "off (expert parallel: each MoE layer reads its exchange's sizes on the host)"
         return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int, flags: ResolvedFlags,
@@ -441,6 +454,10 @@ class Engine:
                 runner.drop_ahead()
         if profiled:
             timing_note = layer_timing.attribute(steps, _device_kernels(profile))
+        if self.expert_group is not None:  # every rank's records to rank 0, side by side (a collective)
+            from engine import expert_parallel
+
+            expert_parallel.gather_records(self.expert_group, steps)
         routing = None
         if dispatcher.routing is not None:
             routing = dispatcher.routing.finish(routing_record.run_header(self, flags, prompts))
