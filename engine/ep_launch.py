@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import sys
 import time
@@ -88,7 +89,8 @@ def _rank_main(index: int, size: int, init_method: str, backend: str, timeout_s:
         if isinstance(payload, dict) and payload.get(FAIL_RANK_KEY) == index:
             os._exit(FAIL_EXIT_CODE)  # the test hook: a rank that dies without a word
         value = target(group, payload)
-        queue.put((index, "done", value if index == 0 else None))
+        # pickled here: a tensor sent as itself would be shared through a file descriptor this process takes away
+        queue.put((index, "done", pickle.dumps(value) if index == 0 else None))
     except UserError as error:
         queue.put((index, "error", str(error)))
         code = 2
@@ -151,7 +153,7 @@ def run(ep: int, target: Callable, payload: Any, device: str = "cpu", timeout_s:
     done = [post for post in posts if post[1] == "done" and post[0] == 0]
     if not done:
         raise UserError(f"--ep {ep}: rank 0 ended without a result; every rank stopped, nothing was written")
-    return done[0][2]
+    return pickle.loads(done[0][2])
 
 
 def _how_ended(failure) -> str:
