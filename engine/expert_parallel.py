@@ -129,7 +129,7 @@ def moe(dispatcher, layer: int, h: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     timer = dispatcher.timer
     # each leg's "us" is set at the step's sync (the dispatcher's pending_times), the sum by `gather_records`
     dispatch, combine = {"bytes": 0, "us": None}, {"bytes": 0, "us": None}
-    started = timer.start() if dispatcher.timed else None
+    started = timer.start()  # always: the bench, which times no layer, reports the exchange's share of a step
 
     # 1. dispatch: this rank's owned pairs, sorted by the rank holding each pair's expert
     ids = topk_ids[lo:hi].reshape(-1).long()  # [P]
@@ -149,8 +149,7 @@ def moe(dispatcher, layer: int, h: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     _all_to_all(meta_in, meta, recv, send, group)
     hidden_in = torch.empty((rows, dim), dtype=h.dtype, device=device)
     _all_to_all(hidden_in, h[pair_token].contiguous(), recv, send, group)  # [R, D]
-    if started is not None:
-        dispatcher.pending_times.append((dispatch, timer.stop(started)))
+    dispatcher.pending_times.append((dispatch, timer.stop(started)))
 
     # 2. the rank's own decision and arm: R rows, one local expert each
     local_ids = meta_in[:, 0].to(torch.int32).reshape(rows, 1)  # [R, 1]
@@ -160,7 +159,7 @@ def moe(dispatcher, layer: int, h: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     record = dispatcher.moe_records[-1]
 
     # 3. combine, 4. gather
-    restarted = timer.start() if dispatcher.timed else None
+    restarted = timer.start()
     back = torch.empty((len(pair_token), dim), dtype=out_rows.dtype, device=device)
     _all_to_all(back, out_rows.contiguous(), send, recv, group)  # [P, D]
     owned = torch.zeros((n_tokens, dim), dtype=torch.float32, device=device)
@@ -172,16 +171,15 @@ def moe(dispatcher, layer: int, h: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     dist.all_gather(pieces, padded, group=group.group)
     out = torch.cat([piece[:b - a] for piece, (a, b) in
                      zip(pieces, (owned_range(n_tokens, other, ranks) for other in range(ranks)))])  # [N, D]
-    if restarted is not None:
-        dispatcher.pending_times.append((combine, timer.stop(restarted)))
+    dispatcher.pending_times.append((combine, timer.stop(restarted)))
 
     # bytes this rank sends: each pair's row and its (id, weight); the rows back; its owned rows to every other rank
     dispatch["bytes"] = len(pair_token) * (dim * h.element_size() + 8)
     combine["bytes"] = rows * dim * out_rows.element_size() + (ranks - 1) * width * dim * h.element_size()
     exchange = {"dispatch": dispatch, "combine": combine, "bytes": dispatch["bytes"] + combine["bytes"], "us": None,
-                "method": (("cuda events" if timer.cuda else "cpu wall clock")
-                           + " around the dispatch, and around the combine with the gather"
-                           if started is not None else "off (layer_timing=off)")}
+                "method": ("cuda events" if timer.cuda else "cpu wall clock")
+                          + " around the dispatch, and around the combine with the gather (a rank's time includes "
+                            "its wait for the slowest peer)"}
     record["ep"] = {"rank": rank, "ranks": ranks, "backend": group.backend, "tokens": n_tokens, "top_k": k,
                     "experts": config.n_experts, "local_experts": per_rank, "first_expert": rank * per_rank,
                     "owned_tokens": hi - lo, "pairs_sent": len(pair_token), "rows": rows,

@@ -346,8 +346,6 @@ class Engine:
         is large enough (its captured graphs are reused: the TUI's next prompt replays at once), else a new one
         sized with room to spare (capacity rounded up to a power of two, within the context). `run_ahead`: the
         run's flag run_ahead (None: the runner's default)."""
-        if self.expert_group is not None:  # the exchange's split sizes are read on the host: no graph holds them
-            graphs = False
         runner = self._runner
         if (runner is not None and runner.max_slots >= slots and runner.capacity >= capacity
                 and runner.graphs_requested == graphs):
@@ -357,8 +355,6 @@ class Engine:
         rounded = min(max(256, 1 << max(0, capacity - 1).bit_length()), max(capacity, self.config.max_seq_len))
         self._runner = None  # its cache is freed before the next is allocated
         self._runner = BatchRunner(self, slots, rounded, graphs, run_ahead=run_ahead)
-        if self.expert_group is not None and self.device.type == "cuda":
-            self._runner.graphs_note = "off (expert parallel: each MoE layer reads its exchange's sizes on the host)"
         return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int, flags: ResolvedFlags,
