@@ -140,3 +140,87 @@ def test_generate_ep_two_end_to_end(capfd):
     assert main(argv + ["--ep", "2", "--json"]) == 0
     payload = json.loads(capfd.readouterr().out)
     assert payload["tokens"] == single["tokens"]
+
+
+SESSION = """[session]
+version = 1
+name = "ep-tiny"
+
+[engine]
+model = "tiny"
+device = "cpu"
+ep = {ep}
+
+[[step]]
+action = "prompt"
+prompt = "hello"
+max_tokens = 3
+"""
+
+
+@pytest.mark.parametrize("value, fragment", [("0", "from 1 to 64"), ('"2"', "an integer from 1 to 64"),
+                                             ("true", "an integer from 1 to 64")])
+def test_session_ep_is_validated(tmp_path, capsys, value, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(SESSION.format(ep=value))
+    assert main(["run", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert "[engine]" in error and "ep" in error and fragment in error and error.count("\n") == 1
+
+
+def test_session_ep_not_dividing_leaves_the_results_as_they_were(tmp_path, capsys):
+    path = tmp_path / "three.toml"
+    path.write_text(SESSION.format(ep=3))
+    results = tmp_path / "three.results.jsonl"
+    results.write_text("recorded before\n")
+    assert main(["run", str(path)]) == 2
+    assert "not divisible by 3 ranks" in capsys.readouterr().err
+    assert results.read_text() == "recorded before\n"
+
+
+def test_session_ep_two_runs_on_two_ranks_and_records_them(tmp_path, capfd):
+    """`[engine] ep = 2`: `run` spawns the ranks; rank 0 writes the results file, whose header records the group,
+    and the tokens are the one-device session's."""
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    one.write_text(SESSION.format(ep=1))
+    two.write_text(SESSION.format(ep=2))
+    assert main(["run", str(one)]) == 0
+    assert main(["run", str(two)]) == 0
+    capfd.readouterr()
+    single = [json.loads(line) for line in (tmp_path / "one.results.jsonl").read_text().splitlines()]
+    parallel = [json.loads(line) for line in (tmp_path / "two.results.jsonl").read_text().splitlines()]
+    assert parallel[0]["ep"] == 2 and parallel[0]["expert_parallel"]["local_experts"] == 4 and "ep" not in single[0]
+    assert parallel[1]["runs"][0]["tokens"] == single[1]["runs"][0]["tokens"]
+
+
+def test_the_tui_refuses_an_ep_session(tmp_path):
+    from types import SimpleNamespace
+
+    from inspector.session import load_session
+    from inspector.tui import _session_engine
+
+    path = tmp_path / "two.toml"
+    path.write_text(SESSION.format(ep=2))
+    args = SimpleNamespace(session=str(path), model="demo", seed=0, device="auto")
+    with pytest.raises(UserError, match="the TUI runs one device"):
+        _session_engine(args, load_session(path).engine)
+
+
+def test_bench_ep_two_reports_the_exchange(capfd):
+    """bench --ep 2: each row's exchange per step beside its step time and its bound over the bandwidth the group
+    measured in the same run; the footer records the group."""
+    assert main(["bench", "--model", "tiny", "--pp", "8", "--tg", "3", "--batch", "2", "--reps", "1",
+                 "--ep", "2", "--no-progress", "--json"]) == 0
+    payload = json.loads(capfd.readouterr().out)
+    parallel = payload["footer"]["expert_parallel"]
+    assert (parallel["ep"], parallel["backend"], parallel["local_experts"]) == (2, "gloo", 4)
+    assert parallel["bandwidth"]["GBps"] > 0
+    for row in payload["rows"]:
+        exchange = row["exchange"]
+        assert exchange["bytes_per_step"] > 0 and 0 < exchange["us_per_step"] < exchange["step_us"]
+        assert 0 < exchange["share"] < 1 and exchange["bound_us"] > 0
+
+
+def test_bench_ep_refuses_profile(capsys):
+    assert main(["bench", "--model", "tiny", "--ep", "2", "--profile"]) == 2
+    assert "--profile with --ep" in capsys.readouterr().err
