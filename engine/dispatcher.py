@@ -29,6 +29,7 @@ from kernels.reference import MaskSpec
 log = logging.getLogger("moe_inspector.engine")
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+NO_ROWS = "none"  # a MoE record's executed arm when no row reached the layer (an expert-parallel rank's)
 
 # (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`_pairs_per_woken`)
 _PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
@@ -206,7 +207,9 @@ class Dispatcher:
         }
         if self.family_fields:
             record.update(self.family_fields)
-        if woken is not None:
+        if n == 0:  # nothing routed here (an expert-parallel rank): no expert woken, no kernel to count them
+            self.pending_woken.append(torch.zeros((), dtype=torch.int64, device=h.device))
+        elif woken is not None:
             self.pending_woken.append(woken)
         elif h.is_cuda:  # one launch (kernels.router); the torch form is three
             from kernels.router import count_distinct
@@ -216,6 +219,11 @@ class Dispatcher:
             woken = torch.zeros(experts_count, device=h.device, dtype=torch.int32)
             woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
             self.pending_woken.append(woken.sum())
+        if n == 0:  # an expert-parallel rank that no pair reached: nothing launches, nothing is counted
+            record.update(executed_arm=NO_ROWS, execution_note="no pair reached this rank's experts: nothing launched",
+                          us=0.0, us_method="nothing launched")
+            self.moe_records.append(record)
+            return h.new_zeros(h.shape)  # [0, D]
         label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
         self.counters.bump(label)
         self._engage("moe", executed.name, decision.variant, self.phase,

@@ -24,25 +24,30 @@ def small_moe_config():
                                top_k=3, shared_experts=SharedExperts(1, 16))
 
 
-def build_engine(model: str) -> Engine:
+def build_engine(model: str, device: str = "cpu") -> Engine:
     config = from_name("tiny") if model == "tiny" else small_moe_config()
-    return Engine(config, torch.device("cpu"), seed=3)
+    return Engine(config, torch.device(device), seed=3)
 
 
-def generate(engine: Engine, max_tokens: int) -> dict:
-    """Greedy tokens, every generated token's logits, and the steps' MoE records of one batch of PROMPTS."""
-    run = engine.generate_batch(PROMPTS, max_tokens, resolve(environ={}), keep_logits=True)
-    return {"tokens": run.tokens, "logits": [torch.stack(rows) for rows in run.logits],
-            "moe": [step["moe"] for step in run.steps], "provenance": engine.provenance()}
+def generate(engine: Engine, max_tokens: int, flags: list[str] = ()) -> dict:
+    """Greedy tokens, every generated token's logits (on the host), the steps' MoE records and the executed arms'
+    counters of one batch of PROMPTS."""
+    run = engine.generate_batch(PROMPTS, max_tokens, resolve(list(flags), environ={}), keep_logits=True)
+    return {"tokens": run.tokens, "logits": [torch.stack(rows).cpu() for rows in run.logits],
+            "moe": [step["moe"] for step in run.steps], "provenance": engine.provenance(),
+            "counters": run.counters["arms"]}
 
 
 def generate_on_rank(group, payload: dict) -> dict:
-    """Every model of payload["models"] on this rank, its experts sharded over the group."""
+    """Every model of payload["models"] on this rank (payload["device"]: cpu, or cuda for GPU `rank`), its experts
+    sharded over the group, under payload["flags"] (FLAG=VALUE strings)."""
+    from engine.ep_launch import rank_device
+
     results = {}
     for model in payload["models"]:
-        engine = build_engine(model)
+        engine = build_engine(model, rank_device(payload.get("device", "cpu"), group.rank))
         expert_parallel.shard(engine, group)
-        results[model] = generate(engine, payload["max_tokens"])
+        results[model] = generate(engine, payload["max_tokens"], payload.get("flags", ()))
     return results
 
 

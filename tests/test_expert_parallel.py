@@ -68,7 +68,10 @@ def test_records_per_rank_and_gathered_on_rank_zero():
             assert record["imbalance"] == pytest.approx(max(rows) / (sum(rows) / 2), abs=1e-3)
             for view in views:
                 assert 0 <= view["woken_observed"] <= min(6, view["rows"])
-                assert view["exchange"]["bytes"] > 0 and view["exchange"]["us"] > 0 and view["us"] > 0
+                assert view["exchange"]["bytes"] > 0 and view["exchange"]["us"] > 0
+                # a rank no pair reached launches nothing and says so; every other rank's arm ran and was timed
+                assert (view["executed_arm"] == "none") == (view["rows"] == 0)
+                assert view["us"] > 0 or view["rows"] == 0
 
 
 def test_owned_ranges_partition_the_tokens():
