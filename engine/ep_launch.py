@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
 import time
@@ -82,7 +83,8 @@ def _leave() -> None:
 
 def _rank_main(index: int, size: int, init_method: str, backend: str, timeout_s: float,
                target: Callable, payload: Any, queue) -> None:
-    """One spawned rank: join, run, post (rank, "done", rank 0's value) or (rank, "error", line), exit."""
+    """One spawned rank: join, run, post (rank, "done", rank 0's value pickled), (rank, "refused", its UserError's
+    line) or (rank, "error", a line naming another exception), exit (0, or 2 after a post of either)."""
     code = 0
     try:
         group = _join(index, size, backend, init_method, timeout_s)
@@ -92,7 +94,7 @@ def _rank_main(index: int, size: int, init_method: str, backend: str, timeout_s:
         # pickled here: a tensor sent as itself would be shared through a file descriptor this process takes away
         queue.put((index, "done", pickle.dumps(value) if index == 0 else None))
     except UserError as error:
-        queue.put((index, "error", str(error)))
+        queue.put((index, "refused", str(error)))
         code = 2
     except Exception as error:  # a peer's death seen from here (a collective's timeout or reset), or a bug
         queue.put((index, "error", f"rank {index} stopped: {type(error).__name__}: {str(error).splitlines()[0]}"
@@ -142,26 +144,35 @@ def run(ep: int, target: Callable, payload: Any, device: str = "cpu", timeout_s:
             break
     while not queue.empty():
         posts.append(queue.get())
-    errors = [post for post in posts if post[1] == "error"]
-    if errors:
-        # the first error posted is the cause; a peer's error after it is its consequence
-        rank, _, line = errors[0]
-        raise UserError(line if failure is None or rank == getattr(failure, "error_index", rank)
-                        else f"{line} (and the run stopped: {_how_ended(failure)})")
+    # The cause, in this order: a rank that died without a word (an exit code no rank of ours returns: not 0, not
+    # 2, not the SIGTERM the join sent the others), a rank's UserError, another exception; a peer's error after
+    # the cause (a collective's reset) is its consequence.
+    deaths = [(index, process.exitcode) for index, process in enumerate(context.processes)
+              if process.exitcode not in (0, 2, -signal.SIGTERM, None)]
+    if deaths:
+        index, code = deaths[0]
+        raise UserError(f"--ep {ep}: {_how_ended(index, code)}; every rank stopped, nothing was written")
+    for kind in ("refused", "error"):
+        lines = [line for _, posted, line in posts if posted == kind]
+        if lines:
+            raise UserError(lines[0])
     if failure is not None:
-        raise UserError(f"--ep {ep}: {_how_ended(failure)}; every rank stopped, nothing was written")
+        ended = _how_ended(failure.error_index, getattr(failure, "exit_code", None))
+        raise UserError(f"--ep {ep}: {ended}; every rank stopped, nothing was written")
     done = [post for post in posts if post[1] == "done" and post[0] == 0]
     if not done:
         raise UserError(f"--ep {ep}: rank 0 ended without a result; every rank stopped, nothing was written")
     return pickle.loads(done[0][2])
 
 
-def _how_ended(failure) -> str:
-    index = getattr(failure, "error_index", "?")
-    signal_name = getattr(failure, "signal_name", None)
-    if signal_name:
-        return f"rank {index} was killed by {signal_name}"
-    return f"rank {index} died (exit code {getattr(failure, 'exit_code', '?')})"
+def _how_ended(index: int, exit_code: int) -> str:
+    if exit_code is not None and exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"rank {index} was killed by {name}"
+    return f"rank {index} died (exit code {exit_code})"
 
 
 def _run_torchrun(ep: int, target: Callable, payload: Any, backend: str, timeout_s: float) -> Any:

@@ -120,6 +120,7 @@ def test_a_dying_rank_ends_every_rank_and_writes_nothing(tmp_path):
     with pytest.raises(UserError) as raised:
         ep_launch.run(2, ep_targets.write_after_collective,
                       {"path": str(path), ep_launch.FAIL_RANK_KEY: 1}, device="cpu", timeout_s=60)
+    # the death is named, not rank 0's consequence of it (its collective reset, exit 2)
     assert "rank 1 died (exit code 9)" in str(raised.value) and "\n" not in str(raised.value)
     assert time.monotonic() - started < 30
     assert not path.exists()
