@@ -249,8 +249,12 @@ class BatchRunner:
         self.cache = KVCache.allocate(engine.config, max_slots, capacity, engine.device, engine.dtype)
         cuda = self.device.type == "cuda"
         self.graphs_requested = graphs  # as asked: None (the default: on where CUDA is), True or False
-        self.graphs_enabled = cuda and (graphs is None or graphs)
+        # an expert-parallel engine reads each MoE layer's exchange sizes on the host: no graph can hold a step
+        expert_parallel = getattr(engine, "expert_group", None) is not None
+        self.graphs_enabled = cuda and (graphs is None or graphs) and not expert_parallel
         self.graphs_note = ("on" if self.graphs_enabled else
+                            "off (expert parallel: each MoE layer reads its exchange's sizes on the host)"
+                            if cuda and expert_parallel else
                             "off (--graphs off)" if cuda else "off (CPU: no CUDA graphs)")
         # Keyed by (size, flags token): the token is a small int per distinct flag values, so a step's
         # lookup hashes two ints, not every flag (`_graph_key`).

@@ -354,6 +354,7 @@ class Row:
     tokens_crc32: int | None = None
     # With the flag record_routing: the last timed repetition's routing (engine.routing_record), never in the JSON
     routing: object = field(default=None, repr=False)
+    exchange: dict | None = None  # an expert-parallel run's exchange per step (engine.ep_bench.row_exchange)
 
     @property
     def admitting(self) -> bool:
@@ -397,6 +398,8 @@ class Row:
                 payload["host_share"] = payload["host_us_per_step"] / payload["device_us_per_step"]
         if self.profile is not None:
             payload["profile"] = {"note": self.profile_note, "kernels": self.profile}
+        if self.exchange is not None:
+            payload["exchange"] = self.exchange
         return payload
 
 
@@ -617,7 +620,14 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
         engine.check_length(list(range(spec.prompt_len)), spec.max_tokens)
     clock = clock or TIME_SOURCE
     rows, profiled = [], []
+    group = getattr(engine, "expert_group", None)
+    bandwidth = None
+    if group is not None:  # the exchange's bound: this group's all-to-all bandwidth, measured before the rows
+        from engine import ep_bench
+
+        bandwidth = ep_bench.measure_bandwidth(group, engine.device)
     for spec in specs:
+        exchanges = []
         floor = depth_floor if depth_floor is not None else default_depth_floor(spec.max_tokens)
         runner = BatchRunner(engine, spec.batch, spec.prompt_len + spec.max_tokens - 1, graphs, run_ahead=flags["run_ahead"])
         repetitions, counts = [], {"arms": {}, "kernels": {}, "graph_replays": 0, "graph_launches": 0}
@@ -635,9 +645,12 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
                 _add_counts(counts, result.counters)
                 tokens_crc = zlib.crc32(repr([list(s.generated) for s in result.sequences]).encode(), tokens_crc)
                 routing = result.routing
+                if group is not None:
+                    exchanges.append(ep_bench.repetition_exchange(result.steps))
             if progress is not None:
                 progress.advance(note=f"{spec.name} {label}")
-        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc, routing=routing)
+        row = Row(spec, repetitions, counts, floor, tokens_crc32=tokens_crc, routing=routing,
+                  exchange=ep_bench.row_exchange(exchanges, bandwidth) if group is not None else None)
         row.counters["steps"] = sum(rep.steps for rep in repetitions)
         row.counters["graphs"] = runner.graphs_note
         if runner.block_notes:  # steps_per_graph asked for a graph this runner could not capture: say so
@@ -658,8 +671,10 @@ def run_bench(engine, flags, specs: list[RowSpec], reps: int, *, graphs: bool | 
             progress.advance(note=f"{row.spec.name} profile")
     del profiled
     targets = _targets(engine, rows)
-    return Report(engine.config.name, engine.device_label, rows,
-                  footer(engine, flags, graphs_note(engine, graphs, flags), weights_note), targets)
+    foot = footer(engine, flags, graphs_note(engine, graphs, flags), weights_note)
+    if bandwidth is not None:
+        foot["expert_parallel"]["bandwidth"] = bandwidth
+    return Report(engine.config.name, engine.device_label, rows, foot, targets)
 
 
 def _run_once(engine, flags, spec: RowSpec, runner, token_budget, clock, repetition: int):
@@ -739,6 +754,8 @@ def graphs_note(engine, graphs: bool | None, flags=None) -> str:
     """How the decode steps launched, in words, as `flags` (None: the registry's defaults and environment) decide."""
     if engine.device.type != "cuda":
         return "off (CPU: no CUDA graphs)"
+    if getattr(engine, "expert_group", None) is not None:
+        return "off (expert parallel: each MoE layer reads its exchange's sizes on the host)"
     if graphs is False:
         return "off (--graphs off)"
     from engine.flags import from_environment, launch_settings
@@ -786,6 +803,8 @@ def footer(engine, flags, graphs: str, weights_note: str) -> dict:
         "graphs": graphs, "decode_glue": engine.decode_glue,
         "weights": weights_note or f"random, seed {engine.seed}, drawn on the CPU",
         **({"checkpoint": engine.checkpoint} if getattr(engine, "checkpoint", None) else {}),
+        **({"expert_parallel": engine.expert_parallel_summary()}
+           if getattr(engine, "expert_group", None) is not None else {}),
         "clocks": ("wall = perf_counter around whole steps; device = CUDA events around each step's work"
                    if engine.device.type == "cuda" else
                    "wall = perf_counter around whole steps; device = n/a (a CPU has no separate device clock)"),
@@ -939,6 +958,9 @@ def format_markdown(report: Report) -> str:
               f"flags: {foot['flags']} · graphs {foot['graphs']} · decode glue: {foot.get('decode_glue', 'n/a')} · "
               f"weights: {foot['weights']}",
               f"clocks: {foot['clocks']}"]
+    from engine.ep_bench import markdown_lines
+
+    lines += markdown_lines(payload["rows"], foot)
     if "checkpoint" in foot:
         checkpoint = foot["checkpoint"]
         lines.append(f"checkpoint: {checkpoint['path']} ({checkpoint['family']}, config.json sha256 "

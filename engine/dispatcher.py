@@ -29,6 +29,7 @@ from kernels.reference import MaskSpec
 log = logging.getLogger("moe_inspector.engine")
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+NO_ROWS = "none"  # a MoE record's executed arm when no row reached the layer (an expert-parallel rank's)
 
 # (MoE pairs, woken experts) -> pairs per woken expert, rounded to 3 digits (`_pairs_per_woken`)
 _PAIRS_PER_WOKEN: dict[tuple[int, int], float] = {}
@@ -40,7 +41,8 @@ def _pairs_per_woken(pairs: int, woken: int) -> float:
     if ratio is None:
         if len(_PAIRS_PER_WOKEN) >= 4096:
             _PAIRS_PER_WOKEN.clear()
-        ratio = _PAIRS_PER_WOKEN[(pairs, woken)] = round(pairs / woken, 3)
+        # an expert-parallel rank may receive no rows: no expert woken, no pairs
+        ratio = _PAIRS_PER_WOKEN[(pairs, woken)] = round(pairs / woken, 3) if woken else 0.0
     return ratio
 
 
@@ -142,7 +144,20 @@ class Dispatcher:
                 record["arm_kernels"] = [launches.device_kernel_name(name) or name for name in launches.log_end()]
 
     def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None):
-        """`experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
+        """A MoE layer: on an expert-parallel engine (`engine.expert_group`), the exchange and this rank's
+        experts (engine.expert_parallel, which calls `moe_arm` on the rows it receives); else `moe_arm`."""
+        if getattr(self.engine, "expert_group", None) is not None:
+            from engine import expert_parallel
+
+            return expert_parallel.moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts, shared)
+        return self.moe_arm(layer, h, w13, w2, topk_ids, topk_weights, experts, woken, shared)
+
+    def moe_arm(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None, *,
+                k: int | None = None, n_experts: int | None = None, record_routing: bool = True):
+        """The gate's decision, the arm's call, its count and its record for h [n, D] and topk_ids [n, k].
+        `k`, `n_experts`: what the gate reads (default the model's top_k and E; an expert-parallel rank gives
+        its rows' 1 and its local experts). `record_routing` False: the caller records the layer's routing.
+        `experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
         e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
         `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
         already counted it (engine.decode_fused); else it is counted here. `shared`: the layer's shared
@@ -150,11 +165,14 @@ class Dispatcher:
         its decision and its timing (the record's `shared_experts` says so)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
-        crossover, source = self.crossover, ""
-        if layer in self.layer_crossovers:
+        top_k = config.top_k if k is None else k
+        experts_count = config.n_experts if n_experts is None else n_experts
+        local = (top_k, experts_count) != (config.top_k, config.n_experts)
+        crossover, source = (self.local_crossover(top_k, experts_count) if local else self.crossover), ""
+        if layer in self.layer_crossovers and not local:
             crossover, source = self.layer_crossovers[layer], f"recorded routing ({self.crossover_file}, layer {layer})"
         gate = dispatch.GateInputs(
-            n_tokens=n, k=config.top_k, n_experts=config.n_experts, tile_m=flags["tile_m"],
+            n_tokens=n, k=top_k, n_experts=experts_count, tile_m=flags["tile_m"],
             policy=flags["moe_gate"], decode_floor=flags["decode_floor"], moe_max_tokens=flags["moe_max_tokens"],
             grouped_variant=flags["grouped_variant"], measured_crossover=crossover, measured_source=source)
         stored = matrices_format(w13, w2)
@@ -174,13 +192,13 @@ class Dispatcher:
             note = (f"{decision.arm} cannot run on {device.type}: the reference arm computes the same function"
                     + (" (it dequantizes the woken experts)" if stored.coded else "")
                     if decision.arm != dispatch.REFERENCE else "")
-        predicted = dispatch.woken_experts(n, config.top_k, config.n_experts)
+        predicted = dispatch.woken_experts(n, top_k, experts_count)
         record = {
-            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": n, "k": config.top_k,
-            "experts": config.n_experts, "tile_m": flags["tile_m"], "woken_predicted": round(predicted, 2),
+            "step": self.step, "layer": layer, "phase": self.phase, "n_tokens": n, "k": top_k,
+            "experts": experts_count, "tile_m": flags["tile_m"], "woken_predicted": round(predicted, 2),
             "woken_observed": None,
-            "pairs_per_woken": round(dispatch.pairs_per_woken_expert(n, config.top_k, config.n_experts), 3),
-            "fill": round(dispatch.tile_fill(n, config.top_k, config.n_experts, flags["tile_m"]), 4),
+            "pairs_per_woken": round(dispatch.pairs_per_woken_expert(n, top_k, experts_count), 3),
+            "fill": round(dispatch.tile_fill(n, top_k, experts_count, flags["tile_m"]), 4),
             "boundary": decision.boundary, "policy": flags["moe_gate"],
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
@@ -189,24 +207,32 @@ class Dispatcher:
         }
         if self.family_fields:
             record.update(self.family_fields)
-        if woken is not None:
+        if n == 0:  # nothing routed here (an expert-parallel rank): no expert woken, no kernel to count them
+            self.pending_woken.append(torch.zeros((), dtype=torch.int64, device=h.device))
+        elif woken is not None:
             self.pending_woken.append(woken)
         elif h.is_cuda:  # one launch (kernels.router); the torch form is three
             from kernels.router import count_distinct
 
-            self.pending_woken.append(count_distinct(topk_ids, config.n_experts))
+            self.pending_woken.append(count_distinct(topk_ids, experts_count))
         else:
-            woken = torch.zeros(config.n_experts, device=h.device, dtype=torch.int32)
+            woken = torch.zeros(experts_count, device=h.device, dtype=torch.int32)
             woken.scatter_(0, topk_ids.reshape(-1).long(), 1)
             self.pending_woken.append(woken.sum())
+        if n == 0:  # an expert-parallel rank that no pair reached: nothing launches, nothing is counted
+            record.update(executed_arm=NO_ROWS, execution_note="no pair reached this rank's experts: nothing launched",
+                          us=0.0, us_method="nothing launched")
+            self.moe_records.append(record)
+            return h.new_zeros(h.shape)  # [0, D]
         label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
         self.counters.bump(label)
+        shape = (f"{n} rows of one expert each over {experts_count} local experts" if local else
+                 f"{n} tokens x top-{top_k} of {experts_count} experts")
         self._engage("moe", executed.name, decision.variant, self.phase,
-                     f"MoE: {label} engaged ({self.phase}, {n} tokens x top-{config.top_k} of {config.n_experts} "
-                     f"experts; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
+                     f"MoE: {label} engaged ({self.phase}, {shape}; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
                      + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
         self.moe_records.append(record)
-        if self.routing is not None:  # held until the step's sync (or, captured, packed by the graph)
+        if self.routing is not None and record_routing:  # held until the step's sync (or, captured, packed by the graph)
             self.pending_routing.append((layer, topk_ids, topk_weights))
         if clamped_gemv:
             from kernels.moe_gemv import moe_gemv_clamped
@@ -246,6 +272,17 @@ class Dispatcher:
                      + (f"; decided {decision.arm}" if executed is not arm else ""))
         self.attention_records.append(record)
         return self._run(record, lambda: executed.launch(config, q, latent_cache[:, :length], kv_b, q_start))
+
+    def local_crossover(self, k: int, n_experts: int) -> int | None:
+        """The measured crossover of an expert-parallel rank's own shape (k rows of n_experts local experts),
+        looked up once per shape: a calibration swept at the model's E does not hold for E / W."""
+        cache = self.__dict__.setdefault("_local_crossovers", {})
+        if (k, n_experts) not in cache:
+            config = self.engine.config
+            entry = calibration.find_entry(device_label(self.engine.device), k, n_experts, config.hidden,
+                                           config.intermediate, self.flags["tile_m"])
+            cache[(k, n_experts)] = None if entry is None else int(entry["crossover_tokens"])
+        return cache[(k, n_experts)]
 
     def trellis_gate(self, w13, w2) -> dict:
         """The GateInputs fields of trellis experts (engine.dispatch): their format, packed and bf16 bytes per

@@ -190,6 +190,9 @@ ENVIRONMENT_ONLY = {
     "MOEI_COMMIT": "the commit a results header names when the tree has no git (a copied checkout)",
     "MOEI_SESSION_DIR": "where the TUI autosaves sessions",
     "TRITON_INTERPRET": "Triton's own: run kernels in its CPU interpreter (the tests set it)",
+    "WORLD_SIZE": "torchrun's own: how many ranks it started (engine.ep_launch checks it against --ep)",
+    "RANK": "torchrun's own: which rank this process is (engine.ep_launch)",
+    "LOCAL_RANK": "torchrun's own: which GPU of the host this rank takes (engine.ep_launch)",
 }
 
 

@@ -212,6 +212,8 @@ class Engine:
         self.checkpoint: dict | None = None  # a checkpoint directory's provenance (engine.model_source), or None
         self.model_spec = config.name  # the model as the user named it (`load`: a preset or a directory's path)
         self.text_refusal = ""  # why a text prompt cannot be encoded for this model ("" when it can)
+        # engine.expert_parallel.ExpertGroup once `expert_parallel.shard` kept this rank's experts; None = one device
+        self.expert_group = None
 
     @staticmethod
     def dtype_for(device: torch.device) -> torch.dtype:
@@ -310,7 +312,14 @@ class Engine:
         model = {"name": self.config.name, "weights": self.weights_source}
         if self.checkpoint is not None:
             model["checkpoint"] = self.checkpoint
+        if self.expert_group is not None:
+            model["expert_parallel"] = self.expert_parallel_summary()
         return model
+
+    def expert_parallel_summary(self) -> dict:
+        """What a results header records of an expert-parallel run: ranks, backend, experts per rank."""
+        group = self.expert_group
+        return {"ep": group.size, "backend": group.backend, "local_experts": self.config.n_experts // group.size}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not prompt:
@@ -441,6 +450,10 @@ class Engine:
                 runner.drop_ahead()
         if profiled:
             timing_note = layer_timing.attribute(steps, _device_kernels(profile))
+        if self.expert_group is not None:  # every rank's records to rank 0, side by side (a collective)
+            from engine import expert_parallel
+
+            expert_parallel.gather_records(self.expert_group, steps)
         routing = None
         if dispatcher.routing is not None:
             routing = dispatcher.routing.finish(routing_record.run_header(self, flags, prompts))

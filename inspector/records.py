@@ -22,6 +22,9 @@ COLUMNS = (
     "execution_note", "policy", "boundary", "k", "experts", "tile_m", "woken_predicted", "woken_observed",
     "pairs_per_woken", "pairs_per_woken_observed", "fill", "fill_text", "head_dim", "mask", "applied_mask",
     "declined", "us", "timing", "graph", "token",
+    # expert-parallel runs (engine.expert_parallel): this rank's place and exchange, and on rank 0 every rank's
+    # view of the layer (`ranks`) with the imbalance of routed pairs across ranks (max/mean)
+    "ep_rank", "ep_ranks", "local_experts", "exchange_bytes", "exchange_us", "imbalance", "ranks",
 )
 
 
@@ -34,6 +37,10 @@ def record_row(config: str, step: dict, family: str, record: dict, device_type: 
                timing=timing_method(record, device_type))
     if family == "moe" and record.get("pairs_per_woken") is not None and record.get("tile_m"):
         row["fill_text"] = fill_text(record["pairs_per_woken"], record["tile_m"])
+    ep = record.get("ep")
+    if ep is not None:
+        row.update(ep_rank=ep["rank"], ep_ranks=ep["ranks"], local_experts=ep["local_experts"],
+                   exchange_bytes=ep["exchange"]["bytes"], exchange_us=ep["exchange"]["us"])
     return row
 
 
@@ -57,7 +64,8 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS), lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows([{key: json.dumps(value) if isinstance(value, (list, dict)) else value
+                       for key, value in row.items()} for row in rows])
     return buffer.getvalue()
 
 

@@ -55,7 +55,7 @@ STEP = {
 HEADER = {
     "kind": TEXT, "schema": INT, "session?": TEXT, "session_file?": TEXT, "device?": TEXT, "device_spec?": TEXT,
     "model?": TEXT, "seed?": INT, "weights?": TEXT, "commit?": TEXT, "package_version?": TEXT, "torch?": TEXT,
-    "triton?": TEXT, "python?": TEXT, "started_at?": TEXT,
+    "triton?": TEXT, "python?": TEXT, "started_at?": TEXT, "ep?": INT,
     "flags?": ("map", {"value": ANY, "source": TEXT}), "configs?": ("map", ("map", ANY)),
 }
 PRINTED_HEADER_KEYS = ("session", "session_file", "device", "device_spec", "model", "weights", "commit",

@@ -11,6 +11,7 @@ A session is a script the TUI records and `moe-inspector run` executes headless:
     model = "demo"                   # tiny, demo, v4-shape
     device = "auto"                  # auto, cpu, cuda, cuda:N  (`run --device` overrides it)
     seed = 0
+    ep = 1                           # optional: experts over N ranks (`moe-inspector run` spawns them)
 
     [flags]                          # the starting flag state, validated like --set
     fused_mask = "honor"
@@ -236,6 +237,7 @@ class EngineSpec:
     device: str = "auto"
     seed: int = 0
     weights: str = "auto"  # auto: shipped or the directory's files; random: random weights of the model's shape
+    ep: int = 1  # ranks the experts are sharded over (engine.expert_parallel); `run` spawns them, 1 = one device
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ class Session:
 
 TABLES = ("session", "engine", "flags", "config", "step")
 SESSION_KEYS = ("version", "name", "description")
-ENGINE_KEYS = ("model", "device", "seed", "weights")
+ENGINE_KEYS = ("model", "device", "seed", "weights", "ep")
 
 
 def _type_name(value: Any) -> str:
@@ -380,6 +382,12 @@ def _parse_engine(data: Mapping, where: str) -> EngineSpec:
         raise _wrong_type(here, "seed", f"an integer from 0 to {MAX_SEED}", table["seed"])
     if "weights" in table and table["weights"] not in ("auto", "random"):
         raise UserError(f"{here}: weights {_shown(table['weights'])} is not allowed; allowed: auto, random")
+    if "ep" in table:
+        from engine.expert_parallel import parse_ep
+
+        if not _is_int(table["ep"]):  # TOML gives an integer; "2" in quotes is a string, refused as one
+            raise _wrong_type(here, "ep", "an integer from 1 to 64", table["ep"])
+        table = {**table, "ep": parse_ep(table["ep"], f"{here}: ep")}
     return EngineSpec(**table)
 
 
@@ -547,6 +555,8 @@ def session_to_plain(session: Session) -> dict[str, Any]:
     engine = {"model": session.engine.model, "device": session.engine.device, "seed": session.engine.seed}
     if session.engine.weights != "auto":
         engine["weights"] = session.engine.weights
+    if session.engine.ep != 1:
+        engine["ep"] = session.engine.ep
     plain: dict[str, Any] = {"session": header, "engine": engine, "flags": _ordered_flags(session.flags)}
     if session.configs:
         plain["config"] = [config_to_plain(config) for config in session.configs]

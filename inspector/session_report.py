@@ -205,7 +205,8 @@ def build_line(header: dict) -> str:
     return (f"moe-inspector {header.get('package_version')} · commit {build} · device {header.get('device')} · "
             f"torch {header.get('torch')} · triton {header.get('triton') or 'not installed'} · "
             f"python {header.get('python')} · model {header.get('model')} seed {header.get('seed')} · "
-            f"{header.get('started_at')}")
+            + (f"expert parallel over {header['ep']} ranks · " if header.get("ep", 1) > 1 else "")
+            + f"{header.get('started_at')}")
 
 
 def flags_line(header: dict) -> str:

@@ -100,7 +100,7 @@ def session_directory(where: str | os.PathLike) -> Path:
 
 def environment_header(session: Session, where: str, device_label: str, device_spec: str,
                        base_flags: flag_registry.ResolvedFlags, weights: str | None = None,
-                       checkpoint: dict | None = None) -> dict:
+                       checkpoint: dict | None = None, expert_parallel: dict | None = None) -> dict:
     import torch
 
     commit, dirty = git_commit()
@@ -112,6 +112,7 @@ def environment_header(session: Session, where: str, device_label: str, device_s
         "device": device_label, "device_spec": device_spec, "model": session.engine.model,
         "seed": session.engine.seed, "weights": weights, "flags": base_flags.to_json(),
         **({"checkpoint": checkpoint} if checkpoint else {}),
+        **({"ep": expert_parallel["ep"], "expert_parallel": expert_parallel} if expert_parallel else {}),
         "configs": {config.name: dict(config.flags) for config in session.configs},
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -186,19 +187,32 @@ class RunOutcome:
 def run_session(session: Session, where: str, device: str | None = None,
                 progress: Callable[[int, int, Step, dict | None], None] | None = None,
                 only_steps: list[int] | None = None, trace=None,
-                cancel: threading.Event | None = None) -> RunOutcome:
+                cancel: threading.Event | None = None, group=None) -> RunOutcome:
     """Run every step (or the 1-based `only_steps`) on `device` (default: the session's); `trace` (an
     engine.trace.Trace) receives the steps of every generation and bench row; once `cancel` is set, no
-    further step starts (the outcome says `cancelled`)."""
+    further step starts (the outcome says `cancelled`). `group`: this rank's engine.expert_parallel.ExpertGroup
+    when the session's [engine] ep > 1 (inspector.commands.run spawns the ranks); every rank runs every step."""
     from engine.runtime import Engine
 
     model, torch_device = preflight(session, where, device or session.engine.device)
     base = base_flags(session)
     # The same weights the TUI and `generate` use: a preset's shipped checkpoint where it has one.
+    if group is not None:
+        from engine import ep_launch
+
+        torch_device = ep_launch.rank_device(str(torch_device), group.rank)
+    elif session.engine.ep > 1:
+        raise UserError(f"{where}: [engine] ep = {session.engine.ep}: only `moe-inspector run {where}` spawns the "
+                        f"ranks (replay and the TUI run one device)")
     engine = Engine.load(session.engine.model, str(torch_device), session.engine.seed, session.engine.weights,
                          base=session_directory(where))
+    if group is not None:
+        from engine import expert_parallel
+
+        expert_parallel.shard(engine, group)
     outcome = RunOutcome(environment_header(session, where, engine.device_label, str(engine.device), base,
-                                            engine.weights_source, engine.checkpoint))
+                                            engine.weights_source, engine.checkpoint,
+                                            engine.expert_parallel_summary() if group is not None else None))
     context = RunContext(session, where, engine, base, trace=trace)
     if trace is not None:
         from engine.trace import enable_nvtx

@@ -31,6 +31,9 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     """Model, seed and device for an existing session: the session's, unless the command line disagrees."""
     notes = []
     model, seed = spec.model, spec.seed
+    if spec.ep > 1:
+        raise UserError(f"--session {args.session}: [engine] ep = {spec.ep}; the TUI runs one device: run it headless "
+                        f"with `moe-inspector run {args.session}`, which spawns the ranks")
     if args.model not in (DEFAULT_MODEL, spec.model):
         raise UserError(f"--session {args.session} records model {spec.model}, and --model says {args.model}: drop "
                         f"--model (the session decides), or start a new session file")

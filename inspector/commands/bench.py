@@ -4,7 +4,9 @@ options and prints. The progress bar goes to stderr, so stdout is the table (or 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from pathlib import Path
 
 from engine import bench, limits
@@ -72,6 +74,9 @@ def add_parser(subparsers) -> None:
 
     add_record_argument(parser, "each row's last timed repetition (FILE for one row, else FILE's name with each "
                                 "row's, e.g. routing.tg128-b8.safetensors)")
+    from inspector.commands.generate import add_ep_argument
+
+    add_ep_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -94,6 +99,26 @@ class StoppingProgress(Progress):
 
 
 def run(args) -> int:
+    """One device, or `--ep N` ranks (engine.ep_launch): every rank runs the same rows, rank 0 prints and writes."""
+    from engine import ep_launch
+    from inspector.commands.generate import expert_parallel_ranks
+
+    ep = expert_parallel_ranks(args)
+    if ep > 1 or ep_launch.under_torchrun():
+        if args.profile:
+            raise UserError("--profile with --ep: the profile of one rank's kernels is not attributed yet; drop "
+                            "--profile (the rows say the exchange's share of each step)")
+        _checked(args)  # bad options are refused here, before a rank is spawned
+        return ep_launch.run(ep, run_rank, args, device=args.device)
+    return run_on(args)
+
+
+def run_rank(group, args) -> int:
+    return run_on(args, group)
+
+
+def _checked(args):
+    """Every option checked before a weight is drawn: (format, flags, rows, config, directory?, device, graphs)."""
     fmt = output_format(args)
     if args.json_out:  # the JSON report, never under a name that says another format
         named = EXTENSIONS.get(Path(args.json_out).suffix.lower().lstrip("."))
@@ -139,11 +164,21 @@ def run(args) -> int:
                             f"{config.max_seq_len}: choose shorter --pp/--tg/--tg-prompt")
     limits.check_bench_request(config, device, Engine.dtype_for(device), specs, args.reps, "bench",
                                weights_loaded=False)
-    weights, weights_note = None, ""
     if args.gpu_weights and device.type != "cuda":
         raise UserError("--gpu-weights draws weights on a GPU; this run is on the CPU: drop the option")
+    return fmt, resolved, specs, config, directory, device, graphs
+
+
+def run_on(args, group=None) -> int:
+    from engine import ep_launch, expert_parallel
+
+    fmt, resolved, specs, config, directory, device, graphs = _checked(args)
+    if group is not None:
+        device = resolve_device(ep_launch.rank_device(args.device, group.rank))
+    rank0 = group is None or group.rank == 0
+    weights, weights_note = None, ""
     if directory:
-        engine = Engine.load(args.model, args.device, args.seed, args.weights)
+        engine = Engine.load(args.model, str(device) if group is not None else args.device, args.seed, args.weights)
         weights_note = engine.weights_source
     else:
         if args.gpu_weights:
@@ -153,16 +188,24 @@ def run(args) -> int:
             weights_note = (f"random, seed {args.seed}, drawn on the GPU by a seeded CUDA generator "
                             "(timing only: not the CPU-drawn weights of generate/compare)")
         engine = Engine(config, device, args.seed, weights=weights)
+    if group is not None:
+        expert_parallel.shard(engine, group)
+    if not rank0:  # the same rows as rank 0, quietly: rank 0 prints and writes
+        bench.run_bench(engine, resolved, specs, args.reps, graphs=graphs, depth_floor=args.depth_floor,
+                        token_budget=args.token_budget, weights_note=weights_note)
+        return 0
     trace = None
     if args.trace:
         from engine import trace as tracing
 
         trace = tracing.Trace()
         tracing.enable_nvtx(device)
-    profile = args.profile or (trace is not None and device.type == "cuda")
+    # a profiled repetition runs on rank 0 alone: never under --ep, where every rank must run the same steps
+    profile = group is None and (args.profile or (trace is not None and device.type == "cuda"))
     rows: list = []  # each row as its timed repetitions finish: what Ctrl-C still prints
     cancelled = False
-    with stop_on_interrupt("stopping after the current repetition") as stop:
+    with (stop_on_interrupt("stopping after the current repetition") if group is None
+          else contextlib.nullcontext(threading.Event())) as stop:  # ranks stop together (Ctrl-C ends them all)
         progress = StoppingProgress(len(specs) * (args.reps + 1 + int(profile)), f"bench {config.name}", stop,
                                     show=not args.no_progress)
         try:

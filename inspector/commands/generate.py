@@ -41,17 +41,30 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write a Chrome/Perfetto trace of the steps, layers and decisions (engine.trace)")
 
 
+def add_ep_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ep", default="1", metavar="N",
+                        help="expert parallelism: the experts sharded over N ranks, tokens exchanged all-to-all "
+                             "(spawns the ranks itself: gloo on CPU, NCCL on GPUs; or run under torchrun); default 1")
+
+
 def add_parser(subparsers) -> None:
     from inspector.commands.routing import add_record_argument
 
     parser = subparsers.add_parser("generate", help="run a prompt at temperature 0 and show which arm ran, and why")
     add_generation_arguments(parser)
+    add_ep_argument(parser)
     add_record_argument(parser)
     parser.set_defaults(run=run)
 
 
 def prompt_of(args: argparse.Namespace) -> str:
     return read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+
+
+def ep_device(device: str, rank: int) -> str:
+    from engine.ep_launch import rank_device
+
+    return rank_device(device, rank)
 
 
 def token_words(engine: Engine, tokens: list[int], index: int | None) -> str:
@@ -73,11 +86,53 @@ def print_records(result: Generation, label: str = "") -> None:
             fill = records.fill_text(record["pairs_per_woken"], record["tile_m"])
             print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
                   f"{decided:<9} {record['executed_arm']:<10} {woken:>11} {fill:>12} {us:>9}  {record['reason']}")
+            if "ranks" in record:
+                print(f"{heading}{'':>30}{rank_line(record)}")
         for record in step["attention"]:
             us = "" if record["us"] is None else f"{record['us']:.1f}"
             print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
                   f"{record['decided_arm']:<9} {record['executed_arm']:<10} {'':>11} {'':>12} {us:>9}  "
                   f"attention: {record['reason']}")
+
+
+def _kilobytes(value: int) -> str:
+    return f"{value / 1e3:.1f} kB"
+
+
+def rank_line(record: dict) -> str:
+    """An expert-parallel MoE record's ranks side by side: each rank's arm, rows over its experts, woken,
+    fill, µs and exchange; then the imbalance of routed pairs (max/mean)."""
+    cells = []
+    for view in record["ranks"]:
+        us = "" if view.get("us") is None else f" {view['us']:.0f}us"
+        exchange = view["exchange"]
+        moved = f" a2a {_kilobytes(exchange['bytes'])}" + ("" if exchange.get("us") is None
+                                                           else f" {exchange['us']:.0f}us")
+        cells.append(f"r{view['rank']} {view['executed_arm']} {view['rows']} rows/{view['local_experts']} "
+                     f"woken {view['woken_observed']} fill {100 * view['fill']:.1f}%{us}{moved}")
+    imbalance = record.get("imbalance")
+    return " | ".join(cells) + f" ; imbalance {'n/a' if imbalance is None else f'{imbalance:.2f}'}"
+
+
+def ep_summary(steps: list[dict]) -> str:
+    """One line for an expert-parallel run: ranks, experts per rank, the exchange's bytes and µs per step beside
+    the MoE layers' µs, and the imbalance across ranks (mean and worst over layers and steps)."""
+    records = [record for step in steps for record in step["moe"] if "ranks" in record]
+    if not records:
+        return "expert parallel: no MoE layer ran"
+    ep = records[0]["ep"]
+    exchange_bytes = sum(record["ep"]["exchange"]["bytes"] for record in records) / len(steps)
+    times = [record["ep"]["exchange"]["us"] for record in records]
+    moe_us = [record["us"] for record in records]
+    spent = ""
+    if all(value is not None for value in times + moe_us) and sum(times) + sum(moe_us):
+        spent = (f", {sum(times) / len(steps):.0f} µs per step: {100 * sum(times) / (sum(times) + sum(moe_us)):.1f}% "
+                 f"of its MoE layers' µs (exchange + arms)")
+    ratios = [record["imbalance"] for record in records if record["imbalance"] is not None]
+    balance = (f"; imbalance of routed pairs (max/mean over ranks) mean {sum(ratios) / len(ratios):.2f}, "
+               f"worst {max(ratios):.2f}" if ratios else "")
+    return (f"expert parallel: {ep['ranks']} ranks ({ep['backend']}), {ep['local_experts']} of {ep['experts']} "
+            f"experts each; rank 0 exchanged {_kilobytes(exchange_bytes)} per step{spent}{balance}")
 
 
 def counters_line(result: Generation) -> str:
@@ -165,24 +220,64 @@ def check_trace_path(args) -> None:
     distinct_outputs({"--trace": getattr(args, "trace", None), "--record-routing": getattr(args, "record_routing", None)})
 
 
+def expert_parallel_ranks(args) -> int:
+    """--ep N, validated against the model before a rank is spawned: N divides its experts."""
+    from engine import ep_launch, expert_parallel
+    from engine.model_source import model_config
+
+    ep = expert_parallel.parse_ep(getattr(args, "ep", "1"))
+    if ep > 1 or ep_launch.under_torchrun():
+        expert_parallel.check_divisible(model_config(args.model).n_experts, ep, args.model)
+    return ep
+
+
 def run(args) -> int:
+    from engine import ep_launch
+
+    ep = expert_parallel_ranks(args)
+    if ep > 1 or ep_launch.under_torchrun():
+        args.prompt, args.prompt_file = prompt_of(args), None  # read once, here: standard input is not the ranks'
+        output_format(args)  # bad options are refused here, before a rank is spawned
+        flag_registry.resolve(args.set_flags)
+        check_trace_path(args)
+        return ep_launch.run(ep, run_rank, args, device=args.device)
+    return run_on(args)
+
+
+def run_rank(group, args) -> int:
+    """One rank of `generate --ep N`: every rank generates; rank 0 alone prints and writes."""
+    return run_on(args, group)
+
+
+def run_on(args, group=None) -> int:
+    from engine import expert_parallel
     from inspector.commands.routing import recording_flags, write_recording
 
     fmt = output_format(args)
     prompt = prompt_of(args)
     resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     check_trace_path(args)
-    engine = Engine.load(args.model, args.device, args.seed, args.weights)
+    engine = Engine.load(args.model, args.device if group is None else ep_device(args.device, group.rank),
+                         args.seed, args.weights)
+    if group is not None:
+        expert_parallel.shard(engine, group)
     check_generation_size(engine, prompt, args.max_tokens)  # before the progress bar starts
+    if group is not None and group.rank != 0:  # the same steps as rank 0, quietly; rank 0 gathers the records
+        engine.generate(prompt, args.max_tokens, resolved)
+        return 0
     if fmt == "text":
         show_engagements()
-        print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}")
+        print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}"
+              + (f", expert parallel over {group.describe()}" if group is not None else ""))
     clock = traced_clock(args, engine)
     progress = progress_for(args, args.max_tokens, f"generate {engine.config.name}")
     try:
-        with stop_on_interrupt("stopping at the next token") as stop:
-            result = engine.generate(prompt, args.max_tokens, resolved, cancel=stop,
-                                     on_step=step_callback(clock, progress))
+        if group is not None:  # every rank must run the same steps: Ctrl-C stops the ranks, not one of them
+            result = engine.generate(prompt, args.max_tokens, resolved, on_step=step_callback(clock, progress))
+        else:
+            with stop_on_interrupt("stopping at the next token") as stop:
+                result = engine.generate(prompt, args.max_tokens, resolved, cancel=stop,
+                                         on_step=step_callback(clock, progress))
     finally:
         if progress is not None:
             progress.close()
@@ -194,6 +289,8 @@ def run(args) -> int:
         print(records.EXPORTS[fmt](records.rows_of("", result.steps, engine.device.type)), end="")
     else:
         print_summary(engine, result, args.max_tokens)
+        if group is not None:
+            print(ep_summary(result.steps))
         if args.records:
             print()
             print_records(result)

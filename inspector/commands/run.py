@@ -68,15 +68,45 @@ def run(args) -> int:
     results_path = results_path_for(args.session, args.results)
     check_outputs(args.session, results_path, args.report, "--results" if args.results else "the results file",
                   args.trace)
+    report_format(args)
+    session = load_session(args.session)
+    from engine import ep_launch
+
+    if session.engine.ep > 1 or ep_launch.under_torchrun():  # [engine] ep = N: every rank runs every step
+        from engine.expert_parallel import check_divisible
+        from engine.model_source import model_config
+        from inspector.session_runner import session_directory
+
+        model = model_config(session.engine.model, session_directory(args.session))
+        check_divisible(model.n_experts, session.engine.ep, session.engine.model)
+        return ep_launch.run(session.engine.ep, run_rank, args, device=args.device or session.engine.device)
+    return run_on(args)
+
+
+def run_rank(group, args) -> int:
+    return run_on(args, group)
+
+
+def run_on(args, group=None) -> int:
+    """The session's steps on this process (one rank of `group`, or one device); rank 0 alone writes the results
+    file (atomically, after every step ran), the report and the trace."""
+    results_path = results_path_for(args.session, args.results)
     fmt = report_format(args)
     session = load_session(args.session)
     trace = None
-    if args.trace:
+    if args.trace and (group is None or group.rank == 0):
         from engine.trace import Trace
 
         trace = Trace()
-    with stop_on_interrupt("stopping after the current step") as stop:
-        outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace, cancel=stop)
+    if group is not None:  # the ranks run the same steps: Ctrl-C ends them all, no rank stops alone
+        outcome = run_session(session, args.session, args.device,
+                              progress_printer("run") if group.rank == 0 else None, trace=trace, group=group)
+        if group.rank != 0:
+            return outcome.exit_code
+    else:
+        with stop_on_interrupt("stopping after the current step") as stop:
+            outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace,
+                                  cancel=stop)
     if trace is not None:
         size = trace.write(args.trace)
         print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
