@@ -149,7 +149,8 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
     try:
         device = resolve_device(device_name)
     except UserError as error:
-        raise UserError(f"{where}: [engine] device: {error}") from None
+        source = f"{where}: [engine] device" if device_name == session.engine.device else "--device"
+        raise UserError(f"{source}: {error}") from None
     for index, step in enumerate(session.steps, start=1):
         preflight_step(where, index, step, model, device)
     return model, device
