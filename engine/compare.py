@@ -65,6 +65,17 @@ DEFAULTS = {
 }
 
 
+def check_mode_and_dtype(mode: str, dtype: str, device: str) -> None:
+    """The options every magnitude check shares (this one and engine.compare_mla's); UserError naming the bad one."""
+    if mode not in MODES:
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "cpu" and dtype == "bf16":
+        raise UserError("--dtype bf16 needs --device cuda: the Triton interpreter computes bf16 tl.dot "
+                        "wrongly; use fp32 or fp16 on the CPU")
+
+
 @dataclass(frozen=True)
 class CheckConfig:
     seq_len: int
@@ -96,13 +107,7 @@ class CheckConfig:
         if not 0 <= self.pad < self.seq_len:
             raise UserError(f"--pad must be in 0..{self.seq_len - 1} (fewer padded keys than --seq-len), "
                             f"got {self.pad}")
-        if self.mode not in MODES:
-            raise UserError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device == "cpu" and self.dtype == "bf16":
-            raise UserError("--dtype bf16 needs --device cuda: the Triton interpreter computes bf16 tl.dot "
-                            "wrongly; use fp32 or fp16 on the CPU")
+        check_mode_and_dtype(self.mode, self.dtype, self.device)
 
     @property
     def spec(self) -> MaskSpec:

@@ -27,12 +27,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.compare import DTYPES, SEPARATION, _relative, resolve_device, ulp_control
+from engine.compare import DTYPES, SEPARATION, _relative, check_mode_and_dtype, resolve_device, ulp_control
 from engine.errors import UserError
 from kernels import launches
 from kernels.reference import mla_decompressed_reference
 
-MODES = ("honor", "drop")
 DISCRIMINATION_RATIO = 100.0
 # The fused output "sits on" a reference within this many controls. The absorbed form sums in another
 # order than the naive one (q W_UK first, then . c, against c W_UK^T first, then . q) and rounds where it does
@@ -75,13 +74,7 @@ class MlaCheckConfig:
         if why:
             raise UserError(f"--kv-lora-rank {self.kv_lora_rank} --rope-dim {self.rope_dim}: the fused MLA kernel "
                             f"takes no such shape ({why})")
-        if self.mode not in MODES:
-            raise UserError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device == "cpu" and self.dtype == "bf16":
-            raise UserError("--dtype bf16 needs --device cuda: the Triton interpreter computes bf16 tl.dot "
-                            "wrongly; use fp32 or fp16 on the CPU")
+        check_mode_and_dtype(self.mode, self.dtype, self.device)
 
     @property
     def scale(self) -> float:

@@ -18,7 +18,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import UserError
-from engine.model import random_weights_on  # noqa: F401 (where callers have looked it up)
 
 # Memory a model may take of what is free: the KV cache, activations and the graphs' pools need the rest.
 FIT_SHARE = 0.9

@@ -283,16 +283,21 @@ class _Timer:
         self.flush_sink = torch.empty((), dtype=torch.float32, device=device)
         self.spin = getattr(torch.cuda, "_sleep", None)
 
-    def median_us(self, fn, budget_ms: float = BUDGET_MS) -> float:
+    def _first_call_ms(self, fn) -> float:
+        """One call of `fn` after a warm-up call (compiles it), timed with events: what a budget is sized from."""
         torch = self.torch
-        fn()  # compile / warm up
+        fn()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        estimate_ms = max(start.elapsed_time(end), 1e-3)
+        return start.elapsed_time(end)
+
+    def median_us(self, fn, budget_ms: float = BUDGET_MS) -> float:
+        torch = self.torch
+        estimate_ms = max(self._first_call_ms(fn), 1e-3)
         reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / estimate_ms)))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for begin, finish in events:
@@ -309,20 +314,12 @@ class _Timer:
             raise MeasurementError(f"a timing came back as {median} µs: refusing to report it")
         return median
 
-
     def graph_us(self, fn, budget_ms: float = BUDGET_MS) -> float:
         """Median device µs per call of `fn` the runtime's way: back-to-back calls captured in one CUDA graph
         (`fn` rotates its inputs per call), replayed; each replay's time over its calls. Raises what the
         capture raises (an arm a graph cannot capture)."""
         torch = self.torch
-        fn()  # compile / warm up, outside the capture
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        estimate_us = max(start.elapsed_time(end) * 1e3, 1.0)
+        estimate_us = max(self._first_call_ms(fn) * 1e3, 1.0)
         calls = int(min(MAX_GRAPH_CALLS, max(ROTATIONS, math.ceil(GRAPH_REPLAY_US / estimate_us / ROTATIONS)
                                              * ROTATIONS)))
         graph = torch.cuda.CUDAGraph()
