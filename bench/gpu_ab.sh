@@ -6,19 +6,20 @@
 #      a bench trace of demo tg128 @ b32 with every kernel inside a graph replay attributed to a layer, < 20 MB
 #   2. bench/sweep_vs_runtime.py: the GEMV arm at n = 1 on v4-shape, sweep (cold, graph) against the runtime's
 #      profiled decode step, ratios printed (target: graph within 5 %)
-#   3. a change of known size: `ab` of moe_gate=measured (A) against moe_gate=reference (B) on v4-shape decode
-#      (tg32 @ b1, 5 rounds), then each side benched on its own ("measured directly"); prints whether the
-#      verdict is slower and whether the direct ratio lies inside the interval
+#   3. changes of known size on v4-shape decode (tg32 @ b1, 5 rounds): `ab` of moe_gate=measured (A) against
+#      moe_gate=grouped (B, stage known), and against moe_gate=reference with --fresh (stage known_reference); then
+#      each side benched on its own ("measured directly"); prints whether the verdict is slower and whether the
+#      direct ratio lies inside the interval
 #   4. a change of nothing: the n where grouped v1 and v2 take the same time (a sweep of both picks it), then
 #      `ab --workload sweep` of grouped_variant=1 against 2 at that n, up to 20 times until the deadline;
 #      prints how many said "no change" (target: at least 19 of 20)
 #
-#   bash bench/gpu_ab.sh [STAGES]   # STAGES: a comma list of tests,arm,known,noop (default all of them); results
+#   bash bench/gpu_ab.sh [STAGES]   # STAGES: a comma list of tests,arm,known,known_reference,noop (default all of them); results
 #                                   # under $OUT (default bench/results/latest): ab_summary.txt and the files
 # BUDGET_S (default 470) is the deadline of the whole call; the no-op loop runs until 20 A/Bs or the deadline,
 # whichever comes first (`bash bench/gpu_ab.sh noop` gives it the whole budget).
 set -uo pipefail
-STAGES=",${1:-tests,arm,known,noop},"
+STAGES=",${1:-tests,arm,known,known_reference,noop},"
 want() { [[ "$STAGES" == *",$1,"* ]]; }
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/moei-ab}
@@ -51,36 +52,48 @@ cat "$WORK/sweep_vs_runtime.log" | tee -a "$SUMMARY"
 say "2. sweep_vs_runtime: rc $rc, $SECONDS s"
 fi
 
-# 3. a change of known size: the reference MoE arm against the measured gate, v4-shape decode
-if want known; then
-BENCH=(--model v4-shape --gpu-weights --pp none --tg 32 --batch 1 --tg-prompt 32)
-t=$(limit 180)
-timeout "$t" python3 -m inspector ab "${BENCH[@]}" --reps 1 --a moe_gate=measured --b moe_gate=reference \
-  --rounds 5 --warmup 1 --allow-different-tokens --json-out "$WORK/known.json" --quiet > "$WORK/known.md" 2> "$WORK/known.err"
-say "3. ab measured vs reference: rc $?, $SECONDS s"
-cat "$WORK/known.md" >> "$SUMMARY"
-for side in measured reference; do
-  t=$(limit 60)
-  timeout "$t" python3 -m inspector bench "${BENCH[@]}" --reps 3 --format json --no-progress --set moe_gate=$side \
-    > "$WORK/direct_$side.json" 2> "$WORK/direct_$side.err"
-done
-python3 - "$WORK" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+# 3. changes of known size on v4-shape decode, each A/B'd and then each side benched on its own ("measured
+#    directly", a fresh process per side): moe_gate=grouped against measured (device-bound: graphs on both sides),
+#    then moe_gate=reference against measured with --fresh (the reference arm is host-bound: its speed is the
+#    process's, so only fresh processes per round sample what a fresh direct run sees)
+known_ab() {  # known_ab NAME B_GATE LIMIT_S [ab options...]
+  local name=$1 gate=$2 budget=$3; shift 3
+  local BENCH=(--model v4-shape --gpu-weights --pp none --tg 32 --batch 1 --tg-prompt 32)
+  t=$(limit "$budget")
+  timeout "$t" python3 -m inspector ab "${BENCH[@]}" --reps 1 --a moe_gate=measured --b moe_gate=$gate \
+    --rounds 5 --warmup 1 --allow-different-tokens "$@" --json-out "$WORK/$name.json" --quiet > "$WORK/$name.md" \
+    2> "$WORK/$name.err"
+  say "3. ab measured vs $gate ($name): rc $?, $SECONDS s"
+  cat "$WORK/$name.md" >> "$SUMMARY"
+  for side in measured $gate; do
+    t=$(limit 60)
+    timeout "$t" python3 -m inspector bench "${BENCH[@]}" --reps 3 --format json --no-progress --set moe_gate=$side \
+      > "$WORK/${name}_direct_$side.json" 2> "$WORK/${name}_direct_$side.err"
+  done
+  python3 - "$WORK" "$name" "$gate" <<'EOF2' 2>&1 | tee -a "$SUMMARY"
 import json, sys
-work = sys.argv[1]
+work, name, gate = sys.argv[1:]
 try:
-    report = json.load(open(f"{work}/known.json"))
+    report = json.load(open(f"{work}/{name}.json"))
     row = report["rows"][0]
-    rates = [json.load(open(f"{work}/direct_{side}.json"))["rows"][0]["tps_device"]["mean"] for side in ("measured", "reference")]
+    rates = [json.load(open(f"{work}/{name}_direct_{side}.json"))["rows"][0]["tps_device"]["mean"]
+             for side in ("measured", gate)]
 except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
-    print(f"   known-size A/B incomplete: {type(error).__name__}: {error}")
+    print(f"   {name}: known-size A/B incomplete: {type(error).__name__}: {error}")
     sys.exit(0)
 direct = rates[0] / rates[1]  # device µs per token of B over A's
 low, high = row["interval"] if row.get("interval") else (float("nan"), float("nan"))
-print(f"   verdict {row.get('verdict')} ({row.get('refused') or row.get('why')}); ratio {row.get('ratio', float('nan')):.3f} "
-      f"[{low:.3f}, {high:.3f}]; measured directly {direct:.3f}: "
+print(f"   {name} ({report.get('processes')}): verdict {row.get('verdict')} ({row.get('refused') or row.get('why')}); "
+      f"ratio {row.get('ratio', float('nan')):.3f} [{low:.3f}, {high:.3f}]; measured directly {direct:.3f}: "
       f"{'inside' if low <= direct <= high else 'OUTSIDE'} the interval; target met: "
-      f"{row.get('verdict') == 'slower' and low <= direct <= high}")
-EOF
+      f"{row.get('verdict') == 'slower' and low <= direct <= high}; notes: {row.get('notes')}")
+EOF2
+}
+if want known; then
+  known_ab known_grouped grouped 150
+fi
+if want known_reference; then
+  known_ab known_reference reference 240 --fresh
 fi
 
 # 4. a change of nothing: grouped v1 against v2 where both take the same time

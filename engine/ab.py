@@ -346,6 +346,10 @@ class Outcome:
             entry["state"] = present[0].state if present else ""
             entry["arms"] = {side: _arm_summary(samples) for side, samples in (("A", a), ("B", b))}
             entry["notes"] = sorted({note for sample in present for note in sample.notes})
+            if self.mode == "one process per side" and any(note.startswith(ab_rows.HOST_BOUND_NOTE)
+                                                           for note in entry["notes"]):
+                entry["notes"].append("a host-bound side's speed varies between processes and this A/B ran one "
+                                      "process per side: --fresh runs each round in a fresh process")
             if not complete:
                 entry.update(refused="no round completed on both sides", verdict=None)
                 entry["values"] = {side: [run["samples"][name].value for run in self.runs

@@ -29,6 +29,13 @@ MOE_ARMS = ("gemv", "grouped_v0", "grouped_v1", "grouped_v2", "torch_grouped_mm"
 ATTENTION_ARMS = ("fused", "unfused")
 
 
+# A bench row whose host is busy for at least this share of the step is host-bound: its speed is the Python
+# process's, which varies from process to process (up to 2x on the H200 hosts), so one process per side measures
+# one process's speed, and a fresh process per run (--fresh) is the A/B that samples it.
+HOST_BOUND_SHARE = 0.5
+HOST_BOUND_NOTE = "host-bound: the host's busy time per step"
+
+
 @dataclass(frozen=True)
 class Sample:
     value: float  # a time, lower is better (unit in `unit`)
@@ -96,6 +103,9 @@ def bench_samples(report: dict, clock: str = "device") -> dict[str, Sample]:
         notes = []
         if counters.get("graph_replays"):
             notes.append(f"{counters['graph_replays']} graph replays")
+        share = row.get("host_share")
+        if isinstance(share, (int, float)) and math.isfinite(share) and share >= HOST_BOUND_SHARE:
+            notes.append(f"{HOST_BOUND_NOTE} ({100 * share:.0f} % of the step)")
         samples[row["test"]] = Sample(value, unit, row.get("state", ""), dict(counters.get("arms", {})),
                                       row.get("tokens_crc32"), tuple(notes))
     return samples

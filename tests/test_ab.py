@@ -162,6 +162,21 @@ def test_stub_timings_give_each_verdict():
     assert run_stub(timings(1.2), rounds=3)["rows"][0]["verdict"] == ab_stats.INSUFFICIENT
 
 
+def test_a_host_bound_side_is_named_and_one_process_per_side_says_so():
+    def outputs(side, call):
+        payload = json.loads(bench_json(100.0 * (30 if side.name == "B" else 1)))
+        payload["rows"][0]["host_share"] = 1.01 if side.name == "B" else 0.12
+        return json.dumps(payload)
+
+    row = run_stub(outputs)["rows"][0]
+    assert any(note.startswith("host-bound: the host's busy time per step (101 %") for note in row["notes"])
+    assert any("--fresh" in note for note in row["notes"])
+    fresh = run_stub(outputs, fresh=True)["rows"][0]  # the launcher is the stub; the mode is what --fresh sets
+    assert not any("--fresh" in note for note in fresh["notes"])
+    quiet = run_stub(lambda side, call: bench_json(100.0))["rows"][0]
+    assert not any(note.startswith("host-bound") for note in quiet["notes"])
+
+
 def test_a_steady_window_against_admission_is_refused():
     report = run_stub(lambda side, call: bench_json(100.0, "admitting" if side.name == "B" else "steady"))
     row = report["rows"][0]
