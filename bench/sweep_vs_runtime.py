@@ -107,7 +107,10 @@ def record_routing(path: Path) -> dict:
         raise MeasurementError("the runtime's row recorded no routing")
     routing_file.save(row.routing, path)
     ids = routing_file.load(path).ids  # [tokens, MoE layers, k]
-    return {"distinct_experts": len({int(e) for e in ids.reshape(-1)}), "recorded_tokens": int(ids.shape[0])}
+    steps = [{int(e) for e in ids[t, 0]} for t in range(ids.shape[0])]
+    shared = [len(steps[t] & steps[t - 1]) for t in range(1, len(steps))]
+    return {"distinct_experts": len({int(e) for e in ids.reshape(-1)}), "recorded_tokens": int(ids.shape[0]),
+            "shared_with_previous_step": statistics.fmean(shared) if shared else None}
 
 
 def runtime_us() -> dict:
@@ -152,16 +155,18 @@ def main() -> int:
         "cold": "sweep --timing cold, uniform",
         "graph": "sweep --timing graph, uniform",
         "graph_again": "sweep --timing graph, uniform",
-        "graph_recorded": "sweep graph, runtime's routing",
-        "graph_recorded_again": "sweep graph, runtime's routing",
+        "graph_recorded": "sweep graph, runtime's steps in order",
+        "graph_recorded_again": "sweep graph, runtime's steps in order",
         "same_inputs": "graph_call_us, one routing",
         "rotating_inputs": "graph_call_us, 4 uniform",
     }
     print(f"GEMV arm, n = 1, v4-shape, {torch.cuda.get_device_name()}, commit {commit_label()}")
     for name, us in figures.items():
         print(f"  {labels[name]:<34} {us:8.2f} us   {ratios[name]:.3f} x runtime")
+    shared = routing["shared_with_previous_step"]
     print(f"  runtime: adds to the step          {reference:8.2f} us   (gate-up + down, profiled tg32 @ b1; its "
-          f"{routing['recorded_tokens']} tokens woke {routing['distinct_experts']} distinct experts)")
+          f"{routing['recorded_tokens']} tokens woke {routing['distinct_experts']} distinct experts, a step "
+          f"{'?' if shared is None else f'{shared:.2f}'} of its experts the step before it woke)")
     print(f"  runtime: own time per call         {runtime['own_us']:8.2f} us   {ratios['own_time']:.3f} x (PDL: "
           "includes each kernel's wait for the one before)")
     worst = max(abs(ratios["graph_recorded"] - 1), abs(ratios["graph_recorded_again"] - 1))

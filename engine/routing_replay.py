@@ -25,12 +25,18 @@ from engine import dispatch
 
 def windows(ids: np.ndarray, weights: np.ndarray, tokens: int, count: int) -> tuple[list, bool]:
     """ids, weights [T, k] of one layer -> (`count` (ids [n, k] int32, weights [n, k] float32) windows of n =
-    `tokens` rows, whether rows had to repeat because n > T)."""
+    `tokens` rows, whether rows had to repeat because n > T). Where the recording holds count x n rows the
+    windows follow each other from the middle of the recording, so the timed calls, cycling through them, replay
+    the recorded steps in order as the runtime ran them (consecutive steps share experts, and what one call
+    leaves in L2 serves the next); else they are spread over the recording."""
     rows = ids.shape[0]
     if rows == 0:
         raise ValueError("a layer with no recorded rows has no routing to replay")
     wrapped = tokens > rows
-    if wrapped:
+    if not wrapped and count * tokens <= rows:
+        first = (rows - count * tokens) // 2
+        starts = [first + index * tokens for index in range(count)]
+    elif wrapped:
         repeats = -(-tokens // rows) + 1
         ids, weights = np.tile(ids, (repeats, 1)), np.tile(weights, (repeats, 1))
         starts = [int(round(index * rows / count)) % rows for index in range(count)]

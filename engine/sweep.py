@@ -584,7 +584,8 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             "file": str(config.routing), "sha256": _sha256(config.routing), "model": recording.header.get("model"),
             "recorded_steps": recording.n_steps, "recorded_tokens": recording.tokens,
             "truncated": recording.truncated,
-            "windows": f"{ROTATIONS} windows of n consecutive recorded tokens per layer (rows repeat where n exceeds "
+            "windows": f"{ROTATIONS} windows of n consecutive recorded tokens per layer, following each other (the "
+                       f"recorded steps in order) where the recording holds {ROTATIONS} x n (rows repeat where n exceeds "
                        f"the {recording.tokens} recorded)",
             "layers": layer_entries,
             "model_crossover_tokens": crossover_tokens(routing_replay.summed_rows([e["rows"] for e in layer_entries])),

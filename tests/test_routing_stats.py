@@ -95,9 +95,12 @@ def test_the_command_prints_the_summary_and_writes_the_csv(tmp_path, capsys):
 def test_windows_are_consecutive_recorded_rows_and_wrap_only_past_the_recording():
     ids = np.arange(20, dtype=np.int32).reshape(10, 2)
     weights = np.full((10, 2), 0.5, np.float32)
-    sets, wrapped = routing_replay.windows(ids, weights, 4, 4)
+    sets, wrapped = routing_replay.windows(ids, weights, 4, 4)  # 16 rows asked of 10: spread over the recording
     assert not wrapped and [s[0][0, 0] for s in sets] == [0, 4, 8, 12]  # starts 0, 2, 4, 6 of 0..6
     assert all((s[0] == ids[s[0][0, 0] // 2:s[0][0, 0] // 2 + 4]).all() for s in sets)
+    sets, wrapped = routing_replay.windows(ids, weights, 2, 4)  # 8 of 10 rows: the steps in order, from the middle
+    assert not wrapped and [int(s[0][0, 0]) // 2 for s in sets] == [1, 3, 5, 7]
+    assert (np.concatenate([s[0] for s in sets]) == ids[1:9]).all()
     sets, wrapped = routing_replay.windows(ids, weights, 25, 4)
     assert wrapped and all(len(s[0]) == 25 for s in sets) and (sets[0][0][10:20] == ids).all()
 
