@@ -53,6 +53,24 @@ DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2 (D / 8 = 512 programs per 
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in turn (measured: 2 beat 1 and 4)
 NUM_WARPS = 4
+# Narrower models (D = 2048, F = 768 or 1408, one token) would launch too few programs to keep enough loads in
+# flight with the blocks above (gate-up 384, down 256 at Qwen3-30B-A3B's shape; v4-shape: 768 and 512): below
+# these counts gate-up runs one block per program and down halves its outputs per program (to 2 at least).
+MIN_GATE_UP_PROGRAMS = 640
+MIN_DOWN_PROGRAMS = 512
+
+
+def schedule(tokens: int, hidden: int, intermediate: int, top_k: int) -> tuple[int, int]:
+    """(gate-up's F_STEPS, down's BLOCK_D) for a call of `tokens` tokens: the table's unless that launches
+    fewer programs than MIN_GATE_UP_PROGRAMS / MIN_DOWN_PROGRAMS (shapes only: CUDA-graph safe)."""
+    pairs = tokens * top_k
+    f_steps = GATE_UP_F_STEPS
+    if pairs * triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps) < MIN_GATE_UP_PROGRAMS:
+        f_steps = 1
+    block_d = DOWN_BLOCK_D
+    while block_d > 2 and tokens * triton.cdiv(hidden, block_d) < MIN_DOWN_PROGRAMS:
+        block_d //= 2
+    return f_steps, block_d
 
 
 @triton.jit
@@ -262,20 +280,21 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
                              CLAMPED=True, HAS_B13=b13 is not None)
         if b2 is not None:
             down_extra = dict(b2_ptr=b2, stride_b2e=b2.stride(0), HAS_B2=True)
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS))](
+    f_steps, down_block_d = schedule(tokens, hidden_size, intermediate, top_k)
+    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=GATE_UP_F_STEPS, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_F=GATE_UP_BLOCK_F, BLOCK_D=gate_up_block_d, F_STEPS=f_steps, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), WEIGHT_EVICTION=streaming.weight_eviction(x.device), **gate_up_extra,
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
-    _down_kernel[(tokens, triton.cdiv(hidden_size, DOWN_BLOCK_D))](
+    _down_kernel[(tokens, triton.cdiv(hidden_size, down_block_d))](
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )

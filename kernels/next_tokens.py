@@ -9,7 +9,11 @@ where the next replay reads its inputs, with the position moved one on.
 Replaces torch.argmax, a copy and an add (three launches, plus a reduce kernel's ramp) at the tail of
 every CUDA-graph decode step (at one row the LM head's GEMV does it instead: kernels.gemv_pick, with
 the same jit functions from kernels.parts). Shapes: logits [B, V] float32; observed [>= B] int64; inputs [2, B]
-int64. Grid: (B,); a program walks its row in BLOCK chunks keeping the running best.
+int64. Grid: (B, S), S = cdiv(V, SPLIT_COLUMNS): each program takes the best key (kernels.order_keys) of its
+columns in BLOCK chunks; with S > 1 it stores it into partials [B, S] int64 and the last of the row's S programs
+(kernels.arrivals, one counter per row) takes the best of them and writes the row's token. A max of keys is
+order-free: the token is the one-program walk's, whichever program ends last. Why split: a 151936-token
+vocabulary is 75 dependent 8 KB chunks for one program, 45.7 µs a step on the H200 (Qwen3-30B-A3B, run 60).
 """
 
 from __future__ import annotations
@@ -18,22 +22,51 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches, pdl
+from kernels import arrivals, launches, pdl, scratch
+from kernels.order_keys import drop, key_of, none_chosen, reversed_index_of
 from kernels.parts import argmax_row, feed_next
 
 BLOCK = 2048
+SPLIT_COLUMNS = 4 * BLOCK  # columns per program: one program up to 8192 tokens (every preset), 19 at 151936
 
 
 @triton.jit
-def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, vocab, stride_l, stride_inputs, BLOCK: tl.constexpr,
-                        FEED: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # programmatic dependent launch (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0)
-    token = argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK)
+def _write_token(observed_ptr, inputs_ptr, stride_inputs, row, token, FEED: tl.constexpr):
     tl.store(observed_ptr + row, token)
     if FEED:
         feed_next(inputs_ptr, stride_inputs, row, token)
+
+
+@triton.jit
+def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, partial_ptr, arrivals_ptr, vocab, stride_l,
+                        stride_inputs, BLOCK: tl.constexpr, FEED: tl.constexpr, USE_GDC: tl.constexpr,
+                        SPLIT: tl.constexpr = 1, SPLIT_PAD: tl.constexpr = 1, COLUMNS: tl.constexpr = BLOCK):
+    if USE_GDC:  # programmatic dependent launch (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_l
+    if SPLIT == 1:
+        _write_token(observed_ptr, inputs_ptr, stride_inputs, row, argmax_row(row_ptr, vocab, BLOCK), FEED)
+    else:
+        part = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        best = none_chosen(BLOCK)
+        end = tl.minimum(part * COLUMNS + COLUMNS, vocab)
+        for start in range(part * COLUMNS, end, BLOCK):
+            index = start + offs
+            values = tl.load(row_ptr + index, mask=index < end, other=float("-inf"), cache_modifier=".cg")
+            values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
+            best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= end))
+        tl.store(partial_ptr + row * SPLIT + part, tl.max(best, axis=0))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the row's last program: the best of its S keys
+            parts = tl.arange(0, SPLIT_PAD)
+            keys = tl.load(partial_ptr + row * SPLIT + parts, mask=parts < SPLIT, other=-9223372036854775807 - 1,
+                           cache_modifier=".cg")
+            token = (0x7FFFFFFF - reversed_index_of(tl.max(keys, axis=0))).to(tl.int64)
+            _write_token(observed_ptr, inputs_ptr, stride_inputs, row, token, FEED)
+            tl.atomic_xchg(arrivals_ptr + row, 0)
 
 
 def next_tokens(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -60,7 +93,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def _launch(logits: torch.Tensor, observed: torch.Tensor, inputs: torch.Tensor, feed: bool) -> None:
     rows, vocab = logits.shape
-    _next_tokens_kernel[(rows,)](logits, observed, inputs, vocab, logits.stride(0), inputs.stride(0) if feed else 0,
-                                 BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), FEED=feed, num_warps=4,
-                                 **pdl.launch_options(logits.device))
+    columns = SPLIT_COLUMNS  # read at call time (tests split small vocabularies)
+    split = triton.cdiv(vocab, columns)
+    if split == 1:
+        partials = counters = observed  # never dereferenced
+    else:
+        partials = scratch.empty((rows, split), torch.int64, logits.device)
+        counters = arrivals.counters(logits.device, rows)
+    _next_tokens_kernel[(rows, split)](logits, observed, inputs, partials, counters, vocab, logits.stride(0),
+                                       inputs.stride(0) if feed else 0, BLOCK=min(BLOCK, triton.next_power_of_2(vocab)),
+                                       FEED=feed, SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split),
+                                       COLUMNS=columns, num_warps=4,
+                                       **pdl.launch_options(logits.device))
     launches.record("next_tokens", kernel=_next_tokens_kernel)

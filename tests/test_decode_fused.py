@@ -446,9 +446,14 @@ def test_topk_softmax_counts_woken_experts_in_the_same_launch(tokens):
     assert int(arrivals.counters(logits.device, 1)[0]) == 0  # left at zero for the next launch
 
 
-@pytest.mark.parametrize("vocab", [256, 5000])
-def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab):
+@pytest.mark.parametrize("vocab, columns", [(256, None), (5000, None), (5000, 1024), (70, 16)])
+def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab, columns, monkeypatch):
+    # columns: the row split over cdiv(V, columns) programs, the last of each row's picking (a large vocabulary)
+    from kernels import arrivals, next_tokens as module
     from kernels.next_tokens import BLOCK, next_tokens
+
+    if columns is not None:
+        monkeypatch.setattr(module, "SPLIT_COLUMNS", columns)
 
     logits = _draw(3, vocab, seed=40)
     logits[1, 7] = logits[1, vocab - 3] = logits[1].max() + 1  # a tie across chunks: the lower id
@@ -461,12 +466,19 @@ def test_next_tokens_is_argmax_and_moves_the_inputs_on(vocab):
     assert torch.equal(tokens, expected) and tokens[1] == 7
     assert torch.equal(inputs, torch.stack([expected, torch.tensor([5, 11, 21])]))
     assert observed[3:].tolist() == [-1, -1]  # past the rows: untouched (the woken counts live there)
+    assert int(arrivals.counters(logits.device, 3).abs().sum()) == 0  # left at zero for the next launch
 
 
-def test_argmax_rows_orders_signs_infinities_and_ties_like_torch():
+@pytest.mark.parametrize("split", [False, True])
+def test_argmax_rows_orders_signs_infinities_and_ties_like_torch(split, monkeypatch):
     # One key per lane (the value's bits above the reversed index): all-negative rows, -0.0 tied with 0.0 (the
-    # lower index), a row of -inf (index 0), NaN ranking first, the best in the last lane of a later chunk
+    # lower index), a row of -inf (index 0), NaN ranking first, the best in the last lane of a later chunk;
+    # split: each row over 3 programs (BLOCK columns each), so ties and NaN cross programs
+    from kernels import next_tokens as module
     from kernels.next_tokens import BLOCK, argmax_rows
+
+    if split:
+        monkeypatch.setattr(module, "SPLIT_COLUMNS", BLOCK)
 
     vocab = BLOCK + 37
     generator = torch.Generator().manual_seed(44)
