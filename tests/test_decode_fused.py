@@ -745,6 +745,34 @@ def test_gemv_fused_rejects_bad_inputs():
 
 
 @pytest.mark.gpu
+def test_gpu_next_tokens_splits_a_large_vocabulary_and_replays_in_a_graph():
+    """At Qwen3's 151936 tokens each row splits over 19 programs: argmax to torch's token (ties across programs,
+    a NaN, the best in the last column), eager and replayed from a CUDA graph with the counters back at 0."""
+    from kernels import arrivals
+    from kernels.next_tokens import SPLIT_COLUMNS, next_tokens
+
+    vocab, device = 151936, "cuda"
+    logits = _draw(4, vocab, device=device, seed=150)
+    logits[0, 3] = logits[0, vocab - 5] = logits[0].max() + 1  # tied across programs: the lower id
+    logits[1, SPLIT_COLUMNS * 7 + 11] = float("nan")  # NaN ranks first
+    logits[2, vocab - 1] = logits[2].max() + 1
+    observed = torch.full((6,), -1, dtype=torch.int64, device=device)
+    inputs = torch.zeros(2, 4, dtype=torch.int64, device=device)
+    expected = torch.argmax(logits, dim=-1)
+    assert torch.equal(next_tokens(logits, observed, inputs), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        next_tokens(logits, observed, inputs)
+    for seed in range(3):
+        logits.copy_(_draw(4, vocab, device=device, seed=151 + seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(observed[:4], torch.argmax(logits, dim=-1)), seed
+    assert inputs[1].tolist() == [4, 4, 4, 4] and observed[4:].tolist() == [-1, -1]
+    assert int(arrivals.counters(torch.device(device), 4).abs().sum()) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [4096, 2880, 256])
 def test_gpu_pick_norms_the_next_step_to_the_bit_of_rms_norm(hidden):
     """The LM head's pick with the next step's norm (one row, the block a step launches it with) writes the

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The decode work on real model shapes, for a lent H200, in one call of at most BUDGET_S seconds (default 400;
+# every stage has its own limit, cut to what is left):
+#   tests    GPU tests of the split argmax (a 151936-token row, graphed) and the Qwen3-MoE family against
+#            transformers (graphed decode equals eager, every replay counted)
+#   blocks   bench/experiments/moe_gemv_blocks.py --shapes qwen3,dsv2: every GEMV schedule candidate beside the pick
+#   qwen3    Qwen3-30B-A3B shape tg128 @ b1 with its kernel profile (bench/gpu_models_profile.sh qwen3)
+#   demo     demo tg128 @ b1 (its figure must hold: run 57 read 21591 t/s)
+#   dsv2     DeepSeek-V2-Lite shape tg128 @ b1 with its kernel profile
+#   mla      bench/mla_bench.py --sweep at 4096 keys, and the MLA GPU tests
+#   trellis  bench/trellis_bench.py, and the trellis GPU tests
+#   bash bench/gpu_decode_shapes.sh [STAGES]     # logs and JSON under $OUT (default bench/results/latest)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGES=",${1:-tests,blocks,qwen3,demo,dsv2,mla,trellis},"
+want() { [[ "$STAGES" == *",$1,"* ]]; }
+OUT=${OUT:-bench/results/latest}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export MOEI_COMMIT=${MOEI_COMMIT:-$(cat bench/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}
+DEADLINE=$((SECONDS + ${BUDGET_S:-400}))
+SUMMARY="$OUT/summary.txt"
+echo "gpu_decode_shapes.sh at $MOEI_COMMIT on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" > "$SUMMARY"
+stage() {  # stage LIMIT_S NAME COMMAND...  (the limit cut to the time left; skipped under 10 s)
+    local want=$1 name=$2 left=$((DEADLINE - SECONDS)); shift 2
+    local limit=$((left < want ? left : want))
+    if [ "$limit" -lt 10 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$SUMMARY"; return; fi
+    echo "== $name (limit ${limit}s, at ${SECONDS}s)" | tee -a "$SUMMARY"
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "   exit $rc$([ $rc -eq 124 ] && echo ' (time limit)')" | tee -a "$SUMMARY"
+    tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-400 | sed 's/^/   | /' | tee -a "$SUMMARY"
+}
+bench_row() {  # bench_row NAME MODEL [bench options...]
+    local name=$1 model=$2; shift 2
+    python3 -m inspector bench --model "$model" --pp none --tg 128 --batch 1 --no-progress --format md \
+        --json-out "$OUT/$name.json" "$@"
+}
+want tests && TAIL=6 stage 90 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused.py::test_gpu_next_tokens_splits_a_large_vocabulary_and_replays_in_a_graph \
+    tests/test_families_gpu.py -k "next_tokens or qwen3 or mixtral"
+want blocks && TAIL=16 stage 60 moe_gemv_blocks env OUT="$OUT" python3 bench/experiments/moe_gemv_blocks.py \
+    --shapes qwen3,dsv2
+want qwen3 && TAIL=30 stage 75 qwen3_tg128 bench_row qwen3_tg128 bench/configs/qwen3-30b-a3b --weights random \
+    --reps 2 --profile
+want demo && TAIL=8 stage 40 demo_tg128 bench_row demo_tg128 demo --reps 3
+want dsv2 && TAIL=30 stage 60 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
+    --reps 2 --profile
+want mla && TAIL=30 stage 70 mla_bench python3 bench/mla_bench.py --sweep --tokens 4096 --out "$OUT/mla_bench.json"
+want mla && TAIL=6 stage 45 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_mla.py
+want trellis && TAIL=30 stage 60 trellis_bench env OUT="$OUT" python3 bench/trellis_bench.py
+want trellis && TAIL=6 stage 45 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_gpu.py
+echo "done in ${SECONDS}s" | tee -a "$SUMMARY"
+exit 0
