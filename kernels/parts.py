@@ -45,9 +45,12 @@ def count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
-                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                     OVER_ALL: tl.constexpr, scale):
     """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
-    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype)."""
+    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype); with
+    OVER_ALL the softmax over every expert, taken at the k chosen (softmax-then-top-k, not renormalised).
+    The weights are multiplied by `scale` (routed_scaling_factor) in float32 before the rounding."""
     # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
     # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
     values = tl.where(values == values, values, float("-inf"))
@@ -65,7 +68,11 @@ def topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
     top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
-    weights = exponent / tl.sum(exponent, axis=0)
+    if OVER_ALL:  # the top logit is every expert's largest: the whole softmax's reference point
+        weights = exponent / tl.sum(tl.where(offs < experts, tl.exp(values - top), 0.0), axis=0)
+    else:
+        weights = exponent / tl.sum(exponent, axis=0)
+    weights = weights * scale
     tl.store(ids_row_ptr + slots, chosen_ids, mask=valid)
     tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid)
 

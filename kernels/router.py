@@ -25,7 +25,9 @@ MAX_EXPERTS = 4096
 @triton.jit
 def _topk_softmax_kernel(
     logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
+    scale,
     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    OVER_ALL: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
@@ -35,7 +37,7 @@ def _topk_softmax_kernel(
     offs = tl.arange(0, E_PAD)
     values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
     topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
-                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD)
+                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, OVER_ALL, scale)
     if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
@@ -44,10 +46,13 @@ def _topk_softmax_kernel(
             tl.atomic_xchg(arrivals_ptr, 0)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False):
+def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False,
+                 over_all: bool = False, scale: float = 1.0):
     """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]; with woken=True
     also the number of distinct experts chosen (0-d int64, what `count_distinct` gives), in the same
-    launch: the last token's program counts them."""
+    launch: the last token's program counts them. `over_all`: the weights are the softmax over all E at
+    the k chosen (engine.model.route's softmax_topk without renormalisation); `scale`: they are multiplied
+    by it (routed_scaling_factor), in float32 before the rounding to weight_dtype."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"topk_softmax: logits must be float32 [N, E] with unit stride, got "
                          f"{logits.dtype} {tuple(logits.shape)}")
@@ -64,8 +69,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
     e_pad = triton.next_power_of_2(experts)
     _topk_softmax_kernel[(tokens,)](
         logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
-        logits.stride(0), ids.stride(0), weights.stride(0),
-        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken,
+        logits.stride(0), ids.stride(0), weights.stride(0), float(scale),
+        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken, OVER_ALL=over_all,
         COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
         num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
