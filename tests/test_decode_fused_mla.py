@@ -21,7 +21,7 @@ from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts
 from engine.model import KVCache, StepLayout, forward, random_weights, route
 from engine.rope import yarn_inverse_frequency
 from engine.runtime import Dispatcher, Engine
-from kernels import scratch
+from kernels import launches, scratch
 from kernels.gemv_fused import Norm, Route, gemv_fused
 from kernels.mla_absorb import absorb, unabsorb
 from kernels.mla_rope_cache import mla_rope_cache
@@ -233,7 +233,17 @@ def test_fused_decode_step_of_deepseek_v2_matches_the_torch_forward(config, rows
     fused_cache, fused_dispatcher = _prefilled(engine)
     torch_cache, torch_dispatcher = _prefilled(engine)
     fused_dispatcher.begin_step(1, "decode", rows)
+    before = launches.snapshot()
     fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 24, slots, fused_cache, fused_dispatcher)
+    launched = launches.since(before)
+    moe_layers, dense_layers = len(config.moe_layers), len(config.dense_layers)
+    assert launched["mla_rope_cache"] == config.n_layers
+    if rows == 1:  # the router's fold per MoE layer; moe_gemv for the shared experts and the dense MLPs
+        assert launched["gemv_route"] == moe_layers and "topk_softmax" not in launched
+        # the routed experts take the reference arm on a CPU: each gate-up launch is a shared or a dense MLP's
+        assert launched["moe_gemv.gate_up"] == moe_layers + dense_layers
+    else:
+        assert launched["topk_softmax"] == moe_layers and "gemv_route" not in launched
     from engine.model import _forward_ragged
 
     reference = _forward_ragged(config, engine.weights, tokens, StepLayout(start, 24, slots), torch_cache,
