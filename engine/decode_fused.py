@@ -13,13 +13,15 @@ tests/test_decode_fused_mla.py).
 
 DeepSeek-V2/V3-family layers take engine.decode_fused_mla: latent attention (its projections, RoPE with
 YaRN, the latent cache write; the arm stays the hooks'), shared experts and dense SwiGLU layers. The
-routers fold softmax-then-top-k with or without renormalisation and routed_scaling_factor.
+routers fold softmax-then-top-k with or without renormalisation and routed_scaling_factor; the
+group-limited routers (V2's group_limited_greedy, V3's sigmoid with its correction bias) take
+rms_norm, the router's GEMV and kernels.router.group_topk, unfolded.
 
 Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
 interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
 it lacks: biases, a full-projection q/k norm, clipping, YaRN outside latent attention, a router bias,
-group-limited routing, a sigmoid-gated shared expert; per-head q/k norms fold into rope_cache); the
+a sigmoid-gated shared expert; per-head q/k norms fold into rope_cache); the
 other families keep the torch forward. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import decode_fused_mla
-from engine.config import ModelConfig
+from engine.config import GROUPED_ROUTERS, ModelConfig
 from engine.rope import rope_inverse_frequency, yarn_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -89,7 +91,6 @@ def ineligible(config: ModelConfig) -> str:
         ("YaRN RoPE outside latent attention", config.rope_scaling is not None and not latent),
         ("a router bias", config.router_bias),
         ("an RMSNorm rounded once (gpt-oss)", config.norm_rounds_once),  # kernels.rms_norm rounds twice
-        (f"group-limited routing ({config.router})", config.router in ("softmax_group_topk", "sigmoid_group_topk")),
         ("q/k/v biases", config.qkv_bias),
         ("a sigmoid-gated shared expert (Qwen2-MoE)", shared is not None and shared.gated),
     ) if present]
@@ -213,7 +214,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
 
     from kernels.gemv_fused import NextNorm, Norm, Pick, Route, gemv_fused, next_norm_fits
     from kernels.rope_cache import rope_cache
-    from kernels.router import topk_softmax
+    from kernels.router import group_topk, topk_softmax
 
     c = config
     batch = tokens.shape[0]
@@ -253,7 +254,14 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             router = weights[p + "router"]
             # softmax over every expert, top k, not renormalised (DeepSeek-V2): the fold divides by the whole sum
             over_all = c.router == "softmax_topk" and not c.norm_topk_prob
-            if _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
+            if c.router in GROUPED_ROUTERS:  # DeepSeek's group-limited routers: not folded (kernels.router.group_topk)
+                x, h = _rms_norm(x, norm)
+                logits = _dense(h if router.dtype == h.dtype else h.to(router.dtype), router, torch.float32)  # [B, E]
+                ids, routing, woken = group_topk(logits, c.top_k, c.n_group, c.topk_group, c.router, h.dtype,
+                                                 bias=weights.get(p + "router_correction"),
+                                                 norm_topk_prob=c.norm_topk_prob, scale=c.routed_scaling_factor,
+                                                 woken=True)
+            elif _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
                 into = None if outputs is None else outputs.observed[batch + moe_index:batch + moe_index + 1]
                 folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
                                     route=Route(c.top_k, x.dtype, into=into, over_all=over_all,

@@ -19,13 +19,14 @@ import torch
 from engine import arms, decode_fused, decode_fused_mla, flags, mla
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.model import KVCache, StepLayout, forward, random_weights, route
+from engine.routing import group_limited_topk
 from engine.rope import yarn_inverse_frequency
 from engine.runtime import Dispatcher, Engine
 from kernels import launches, scratch
 from kernels.gemv_fused import Norm, Route, gemv_fused
 from kernels.mla_absorb import absorb, unabsorb
 from kernels.mla_rope_cache import mla_rope_cache
-from kernels.router import topk_softmax
+from kernels.router import group_topk, topk_softmax
 
 # fp32: the kernels and torch differ in the order of fp32 sums only; fp16: a rounding or two of the output
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -63,6 +64,14 @@ V2_LITE = _config()
 V2_RANKED = _config(name="v2-ranked-tiny", latent_attention=dataclasses.replace(
     V2_LITE.latent_attention, q_lora_rank=24, rope_interleave=False), routed_scaling_factor=1.5, norm_topk_prob=True,
     dense_layers=(), dense_intermediate=0, rope_scaling=None)
+
+# DeepSeek-V3's router: sigmoid scores, the correction bias, the best 2 of 4 groups, renormalised, x2.5
+V3 = _config(name="v3-tiny", router="sigmoid_group_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+             norm_topk_prob=True, shared_experts=SharedExperts(1, 16), latent_attention=dataclasses.replace(
+                 V2_LITE.latent_attention, q_lora_rank=24))
+# DeepSeek-V2's group_limited_greedy: softmax scores, a group's largest, x1.5
+V2_GROUPED = _config(name="v2-grouped-tiny", router="softmax_group_topk", n_group=4, topk_group=2,
+                     routed_scaling_factor=1.5, dense_layers=(), dense_intermediate=0)
 
 
 def _weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -157,6 +166,34 @@ def test_router_weights_over_every_expert_and_scaled_are_engine_models(over_all,
     _close(folded.weights, weights, torch.float32)
 
 
+@pytest.mark.parametrize("kind, normalise, biased", [("softmax_group_topk", False, False),
+                                                     ("sigmoid_group_topk", True, True),
+                                                     ("sigmoid_group_topk", False, False)])
+@pytest.mark.parametrize("experts, n_group, topk_group, k", [(16, 4, 2, 3), (24, 8, 3, 6)])
+def test_group_topk_is_engine_routings_group_limited_router(kind, normalise, biased, experts, n_group, topk_group, k):
+    h, router = _draw(7, 40, seed=15), _draw(experts, 40, seed=16) / 3
+    bias = 0.3 * _draw(experts, seed=17) if biased else None
+    logits = h @ router.t()
+    group = experts // n_group
+    logits[2, :group] = logits[2].max() + 0.5  # a tied group on top: ties to the lowest id
+    expected_ids, expected = group_limited_topk(h, router, k, n_group, topk_group, kind, bias, normalise)
+    with scratch.poison_new_buffers():
+        ids, weights, woken = group_topk(logits, k, n_group, topk_group, kind, torch.float32, bias=bias,
+                                         norm_topk_prob=normalise, scale=2.0, woken=True)
+    # torch's top-k is unsorted: compare as sets, each id with its weight; row 2's tie is checked apart
+    rows = [row for row in range(7) if row != 2]
+    order, expected_order = ids.long().sort(-1), expected_ids.long().sort(-1)
+    assert torch.equal(order.values[rows], expected_order.values[rows])
+    _close(weights.gather(1, order.indices)[rows], 2.0 * expected.gather(1, expected_order.indices)[rows],
+           torch.float32)
+    group_of = ids.long() // group
+    assert all(len(set(row.tolist())) <= topk_group for row in group_of)  # from the kept groups only
+    assert int(woken) == len(set(ids.reshape(-1).tolist()))
+    if not biased:  # the choice is the weight: descending, and the tie in lane order
+        assert torch.all(weights[:, :-1] >= weights[:, 1:])
+        assert ids[2, :min(k, group)].tolist() == list(range(min(k, group)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_swiglu_at_one_row_is_the_torch_mlp(dtype):
     h = _draw(1, 48, dtype=dtype, seed=12)
@@ -185,8 +222,7 @@ def test_eligibility_of_the_deepseek_features():
     one = torch.zeros(1, 1, dtype=torch.long)
     assert decode_fused.ineligible(V2_LITE) == "" and decode_fused.eligible(V2_LITE, one, force=True)
     assert decode_fused.ineligible(V2_RANKED) == ""
-    grouped = _config(router="softmax_group_topk", n_group=4, topk_group=2)
-    assert decode_fused.ineligible(grouped) == "group-limited routing (softmax_group_topk)"
+    assert decode_fused.ineligible(V3) == "" and decode_fused.ineligible(V2_GROUPED) == ""
     gated = _config(shared_experts=SharedExperts(1, 32, gated=True))
     assert decode_fused.ineligible(gated) == "a sigmoid-gated shared expert (Qwen2-MoE)"
     plain = dataclasses.replace(_config(), latent_attention=None, head_dim=32, n_kv_heads=2, shared_experts=None,
@@ -222,8 +258,9 @@ def attention_arm(request, monkeypatch):
 
 @pytest.mark.parametrize("config, rows, slots, packed", [
     (V2_LITE, 1, None, True), (V2_LITE, 3, torch.tensor([2, 0, 1]), True), (V2_LITE, 1, torch.tensor([1]), False),
-    (V2_RANKED, 1, None, True), (V2_RANKED, 3, None, False)], ids=["lite-1", "lite-3-slots", "lite-1-unpacked",
-                                                                    "ranked-1", "ranked-3-unpacked"])
+    (V2_RANKED, 1, None, True), (V2_RANKED, 3, None, False), (V3, 1, None, True), (V3, 3, torch.tensor([1, 2, 0]), True),
+    (V2_GROUPED, 1, None, True)], ids=["lite-1", "lite-3-slots", "lite-1-unpacked", "ranked-1", "ranked-3-unpacked",
+                                       "v3-1", "v3-3-slots", "v2-grouped-1"])
 def test_fused_decode_step_of_deepseek_v2_matches_the_torch_forward(config, rows, slots, packed, attention_arm):
     """One row: GEMVs, the router's fold (softmax over every expert, or scaled), the shared experts and the dense
     layer through kernels.moe_gemv; three rows: torch products between the kernels. The same attention arm on
@@ -238,12 +275,15 @@ def test_fused_decode_step_of_deepseek_v2_matches_the_torch_forward(config, rows
     launched = launches.since(before)
     moe_layers, dense_layers = len(config.moe_layers), len(config.dense_layers)
     assert launched["mla_rope_cache"] == config.n_layers
-    if rows == 1:  # the router's fold per MoE layer; moe_gemv for the shared experts and the dense MLPs
+    if config.router in ("softmax_group_topk", "sigmoid_group_topk"):  # unfolded: its own launch at any width
+        assert launched["group_topk"] == moe_layers and "gemv_route" not in launched
+    elif rows == 1:  # the router's fold per MoE layer
         assert launched["gemv_route"] == moe_layers and "topk_softmax" not in launched
-        # the routed experts take the reference arm on a CPU: each gate-up launch is a shared or a dense MLP's
-        assert launched["moe_gemv.gate_up"] == moe_layers + dense_layers
     else:
         assert launched["topk_softmax"] == moe_layers and "gemv_route" not in launched
+    if rows == 1:  # moe_gemv for the shared experts and the dense MLPs
+        # the routed experts take the reference arm on a CPU: each gate-up launch is a shared or a dense MLP's
+        assert launched["moe_gemv.gate_up"] == moe_layers + dense_layers
     from engine.model import _forward_ragged
 
     reference = _forward_ragged(config, engine.weights, tokens, StepLayout(start, 24, slots), torch_cache,

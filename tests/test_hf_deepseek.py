@@ -247,6 +247,22 @@ def test_every_kernel_arm_end_to_end_under_the_interpreter(built, references, mo
     assert worst <= RELATIVE_TOLERANCE, f"kernel arms: relative error {worst:.2e}"
 
 
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-plain", "deepseek-v2-lite", "deepseek-v2-grouped"])
+def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, monkeypatch):
+    """Every decode step through engine.decode_fused (as on a GPU; here its kernels under the interpreter, the
+    arms the CPU's): transformers' greedy tokens and logits to 1e-4, one prompt per family."""
+    from engine import decode_fused
+
+    eligible = decode_fused.eligible
+    monkeypatch.setattr(decode_fused, "eligible", lambda config, tokens, force=False: eligible(config, tokens, True))
+    steps = []
+    forward_decode = decode_fused.forward_decode
+    monkeypatch.setattr(decode_fused, "forward_decode", lambda *args, **kwargs: steps.append(1)
+                        or forward_decode(*args, **kwargs))
+    _check_generation(built[family][3], references[family][:1], family)
+    assert len(steps) == NEW_TOKENS - 1  # every step after the prefill
+
+
 def test_loaded_configs_carry_each_familys_features(built):
     v3, v3_plain, v2_lite, v2_grouped, qwen = (built[family][3].config for family in FAMILIES)
     latent = v3.latent_attention
@@ -265,9 +281,7 @@ def test_loaded_configs_carry_each_familys_features(built):
     assert "layers.0.bo" not in built["qwen2-moe"][3].weights
     from engine.decode_fused import ineligible  # what the fused decode glue does not compute: each says why
 
-    assert ineligible(v2_lite) == "" and "YaRN" not in ineligible(v3)  # latent attention takes YaRN in the glue
-    assert ineligible(v3_plain) == "group-limited routing (sigmoid_group_topk)"
-    assert ineligible(v2_grouped) == "group-limited routing (softmax_group_topk)"
+    assert ineligible(v3) == ineligible(v3_plain) == ineligible(v2_lite) == ineligible(v2_grouped) == ""
     assert ineligible(qwen) == "q/k/v biases, a sigmoid-gated shared expert (Qwen2-MoE)"
 
 
@@ -283,8 +297,7 @@ def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):
     assert record["kv_cache_bytes_per_token"] == (32 + 16) * 4  # float32 on the CPU
     assert record["naive_kv_cache_bytes_per_token"] == 4 * (16 + 16 + 12) * 4
     assert "cannot run on cpu" in record["execution_note"]
-    assert record["forward"] == "torch forward: engine.decode_fused's decode glue lacks group-limited routing " \
-                                "(sigmoid_group_topk)"
+    assert record["forward"].startswith("decode steps on a GPU: engine.decode_fused's fused glue")
     assert moe[0]["forward"] == record["forward"]
     off = engine.generate("latent attention", 1, flags.resolve(["flash_512=off"], environ={}), timed=False)
     assert off.steps[0]["attention"][0]["decided_arm"] == "mla_reference"
