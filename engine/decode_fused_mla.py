@@ -20,6 +20,8 @@ Knows nothing of flags or dispatch: the hooks decide the attention arm and the r
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from engine.config import ModelConfig
@@ -39,7 +41,7 @@ def packed_rows(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Ten
     if not all(tensor.is_contiguous() for tensor in tensors):
         return None
     size = tensors[0].element_size()
-    for before, after in zip(tensors, tensors[1:]):
+    for before, after in pairwise(tensors):
         if after.data_ptr() != before.data_ptr() + before.numel() * size:
             return None
         if after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():

@@ -19,8 +19,8 @@ import torch
 from engine import arms, decode_fused, decode_fused_mla, flags, mla
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.model import KVCache, StepLayout, forward, random_weights, route
-from engine.routing import group_limited_topk
 from engine.rope import yarn_inverse_frequency
+from engine.routing import group_limited_topk
 from engine.runtime import Dispatcher, Engine
 from kernels import launches, scratch
 from kernels.gemv_fused import Norm, Route, gemv_fused
@@ -329,29 +329,46 @@ def test_yarn_frequencies_reach_the_step():
 # ------------------------------------------------------------------------------------------------ GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(rows):
-    """DeepSeek-V2-Lite's widths (hidden 2048, 16 heads, latent 512 + 64, 64 experts top-6, 2 shared, a dense
-    first layer, YaRN) cut to 3 layers, bf16: the fused step (GEMVs, folds, kernels.mla_rope_cache, the fused MLA
-    arm) against the torch glue with the same arms; bf16's few roundings per term, inside 2e-2."""
-    from engine.hf_loader import read_config
-
+def _v2_lite_widths(variant: str) -> ModelConfig:
+    """bench/configs/deepseek-v2-lite (hidden 2048, 16 heads, latent 512 + 64, 64 experts top-6, 2 shared, a dense
+    first layer, YaRN) cut to 3 layers and a 4096-token vocabulary; `v3-routing`: DeepSeek-V3's router on it
+    (sigmoid, correction bias, the best 4 of 8 groups, renormalised, x2.5) and a q bottleneck of rank 384."""
     from pathlib import Path
 
+    from engine.hf_loader import read_config
+
     config, _ = read_config(Path(__file__).resolve().parents[1] / "bench" / "configs" / "deepseek-v2-lite")
-    config = dataclasses.replace(config, n_layers=3,
-                                 layer_masks=(LayerMask(),) * 3, vocab_size=4096)
+    config = dataclasses.replace(config, n_layers=3, layer_masks=(LayerMask(),) * 3, vocab_size=4096)
+    if variant == "v3-routing":
+        config = dataclasses.replace(config, router="sigmoid_group_topk", n_group=8, topk_group=4,
+                                     norm_topk_prob=True, routed_scaling_factor=2.5,
+                                     latent_attention=dataclasses.replace(config.latent_attention, q_lora_rank=384))
+    return config
+
+
+def _gpu_engine(config: ModelConfig) -> Engine:
     from engine.bench import device_random_weights
 
     device = torch.device("cuda")
-    engine = Engine(config, device, 0, weights=device_random_weights(config, 0, device, torch.bfloat16))
+    return Engine(config, device, 0, weights=device_random_weights(config, 0, device, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v2-lite", "v3-routing"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(variant, rows):
+    """The fused step (GEMVs, folds, kernels.mla_rope_cache, the fused MLA arm, group_topk) against the torch glue
+    with the same arms, bf16: a few roundings per term (moe_gemv's SwiGLU rounds its hidden once where torch
+    rounds four times), inside 2e-2."""
+    from engine.model import _forward_ragged
+
+    config = _v2_lite_widths(variant)
+    engine = _gpu_engine(config)
+    device = engine.device
     assert decode_fused.eligible(config, torch.zeros(rows, 1, dtype=torch.long, device=device))
     caches = [KVCache.allocate(config, rows, 64, device, engine.dtype) for _ in range(2)]
     prompt = torch.randint(0, config.vocab_size, (rows, 20), generator=torch.Generator().manual_seed(5)).cuda()
     dispatcher = Dispatcher(engine, flags.resolve(environ={}), timed=False)
-    from engine.model import _forward_ragged
-
     with torch.inference_mode():
         for cache in caches:
             forward(config, engine.weights, prompt, 0, cache, dispatcher)
@@ -361,4 +378,24 @@ def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(rows):
         assert {record["executed_arm"] for record in dispatcher.attention_records} == {"mla_fused"}
         reference = _forward_ragged(config, engine.weights, tokens, StepLayout(start, 64), caches[1], dispatcher)
     _close(fused, reference, torch.bfloat16)
-    _close(caches[0].k[1], caches[1].k[1], torch.bfloat16)
+    for layer in range(config.n_layers):
+        _close(caches[0].k[layer], caches[1].k[layer], torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_deepseek_decode_equals_eager_and_replays():
+    """Through the runtime every entry point uses: decode steps replay CUDA graphs of the fused step, and give the
+    eager run's tokens and logits to the bit; the footer's decode glue says fused."""
+    engine = _gpu_engine(_v2_lite_widths("v2-lite"))
+    prompt = list(range(11, 31))
+    graphed = engine.generate(prompt, 16, flags.resolve(environ={}))
+    eager = engine.generate(prompt, 16, flags.resolve(["layer_timing=events"], environ={}))
+    assert engine.decode_glue == "fused"
+    assert graphed.graphs == "on" and eager.graphs.startswith("off")
+    assert graphed.tokens == eager.tokens
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
+    decode = [step for step in graphed.steps if step["phase"] == "decode"]
+    assert sum(step["graph"] == "replay" for step in decode) >= len(decode) - 2, \
+        [(step["graph"], step.get("eager_reason")) for step in decode[:3]]
+    assert all(record["executed_arm"] == "mla_fused" for step in decode for record in step["attention"])
+    assert all(record["forward"].startswith("decode steps on a GPU") for step in decode for record in step["moe"])
