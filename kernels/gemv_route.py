@@ -15,8 +15,9 @@ step's output buffer, so no copy gathers it); for one row it is k, stored withou
 With Route.over_all the weights are the softmax over every expert at the k chosen (softmax-then-top-k
 without renormalisation), with Route.scale times routed_scaling_factor (kernels.parts.topk_softmax_row).
 
-Does not: route more than one group of rows per launch, take a router bias or route group-limited
-(engine.decode_fused keeps such models on the torch forward).
+Does not: route more than one group of rows per launch, take a router bias (engine.decode_fused keeps such
+models on the torch forward) or route group-limited (engine.decode_fused launches kernels.router.group_topk
+after an unfused GEMV).
 """
 
 from __future__ import annotations
