@@ -25,6 +25,7 @@ a sigmoid-gated shared expert; per-head q/k norms fold into rope_cache); the
 other families keep the torch forward. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
