@@ -85,12 +85,24 @@ def _attention_unfused(q, k, v, sinks, spec, q_start, key_padding):
 
 
 def _mla_fused(config, q, latent_cache, kv_b, q_start):
-    """The absorbed form (engine.mla): q W_UK, the Triton walk over the latent cache, then W_UV."""
+    """The absorbed form (engine.mla): q W_UK, the Triton walk over the latent cache, then W_UV. At decode widths
+    (B * T <= kernels.mla_absorb.MAX_ROWS query rows) each per-head product is one launch (kernels.mla_absorb)
+    where the einsum and its copies and concatenation are several."""
+    from kernels import mla_absorb
     from kernels.attention_mla import mla_decode
     latent = config.latent_attention
-    out_latent = mla_decode(mla.absorb_query(config, q, kv_b), latent_cache, latent.kv_lora_rank, latent.scale,
+    batch, steps, heads = q.shape[:3]
+    rows = batch * steps
+    if rows > mla_absorb.MAX_ROWS:
+        out_latent = mla_decode(mla.absorb_query(config, q, kv_b), latent_cache, latent.kv_lora_rank, latent.scale,
+                                q_start)  # [B, T, Hq, R]
+        return mla.unabsorb_output(config, out_latent, kv_b)
+    nope, value = latent.qk_nope_head_dim, latent.v_head_dim
+    absorbed = mla_absorb.absorb(q.reshape(rows, heads, q.shape[3]), kv_b, nope, value)  # [B*T, Hq, R + r]
+    out_latent = mla_decode(absorbed.view(batch, steps, heads, -1), latent_cache, latent.kv_lora_rank, latent.scale,
                             q_start)  # [B, T, Hq, R]
-    return mla.unabsorb_output(config, out_latent, kv_b)
+    return mla_absorb.unabsorb(out_latent.view(rows, heads, latent.kv_lora_rank), kv_b, nope,
+                               value).view(batch, steps, heads, value)
 
 
 def _mla_reference(config, q, latent_cache, kv_b, q_start):

@@ -8,15 +8,22 @@ head, the top-k routing and the argmax fold into their GEMVs (kernels.gemv_fused
 torch matmuls between kernels.rms_norm, rope_cache and router launches. With the hooks' `outputs`
 (`StepOutputs`, set by engine.batch_runner around a graphed step) the folds write the step's next
 tokens and woken counts straight into the step's host buffer. Rounding happens where the torch
-forward rounds: the two differ only in the order of fp32 sums (tests/test_decode_fused.py).
+forward rounds: the two differ only in the order of fp32 sums (tests/test_decode_fused.py,
+tests/test_decode_fused_mla.py).
+
+DeepSeek-V2/V3-family layers take engine.decode_fused_mla: latent attention (its projections, RoPE with
+YaRN, the latent cache write; the arm stays the hooks'), shared experts and dense SwiGLU layers. The
+routers fold softmax-then-top-k with or without renormalisation and routed_scaling_factor; the
+group-limited routers (V2's group_limited_greedy, V3's sigmoid with its correction bias) take
+rms_norm, the router's GEMV and kernels.router.group_topk, unfolded.
 
 Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
 interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
-it lacks: biases, a full-projection q/k norm, clipping, YaRN, a router bias, unrenormalised
-softmax-top-k, group-limited routing, routed scaling, latent attention, shared experts, dense layers;
-per-head q/k norms fold into rope_cache); the other families keep the torch forward. The launch table
-per step, and why each fold is where it is: docs/decode-step.md.
+it lacks: biases, a full-projection q/k norm, clipping, YaRN outside latent attention, a router bias,
+a sigmoid-gated shared expert; per-head q/k norms fold into rope_cache); the
+other families keep the torch forward. The launch table per step, and why each fold is where it is:
+docs/decode-step.md.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
-from engine.rope import rope_inverse_frequency
+from engine import decode_fused_mla
+from engine.config import GROUPED_ROUTERS, ModelConfig
+from engine.rope import rope_inverse_frequency, yarn_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 _SINKS: dict[int, tuple] = {}
@@ -74,17 +82,18 @@ def carried_launches(launched: dict[str, int], carried_in: bool, carried_out: bo
 def ineligible(config: ModelConfig) -> str:
     """Why a decode step of this architecture keeps engine.model's torch forward ("" when the fused glue
     computes it): each feature the fused step does not have. Per-head q/k norms (Qwen3-MoE) are folded into
-    rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function."""
+    rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function, and without the
+    renormalisation the router's fold divides by the sum over every expert."""
+    latent = config.latent_attention is not None
+    shared = config.shared_experts
     missing = [feature for feature, present in (
         ("q/k/v/o biases", config.attention_bias), ("a q/k norm over the whole projection", config.qk_norm == "full"),
-        ("clip_qkv", config.clip_qkv is not None), ("YaRN RoPE", config.rope_scaling is not None),
+        ("clip_qkv", config.clip_qkv is not None),
+        ("YaRN RoPE outside latent attention", config.rope_scaling is not None and not latent),
         ("a router bias", config.router_bias),
         ("an RMSNorm rounded once (gpt-oss)", config.norm_rounds_once),  # kernels.rms_norm rounds twice
-        ("softmax-top-k routing without renormalisation", config.router == "softmax_topk" and not config.norm_topk_prob),
-        ("group-limited routing", config.router in ("softmax_group_topk", "sigmoid_group_topk")),
-        ("routed_scaling_factor", config.routed_scaling_factor != 1.0), ("q/k/v biases", config.qkv_bias),
-        ("latent attention", config.latent_attention is not None), ("shared experts", config.shared_experts is not None),
-        ("dense layers", bool(config.dense_layers)),
+        ("q/k/v biases", config.qkv_bias),
+        ("a sigmoid-gated shared expert (Qwen2-MoE)", shared is not None and shared.gated),
     ) if present]
     return ", ".join(missing)
 
@@ -95,7 +104,11 @@ def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> 
 
 def pack_qkv(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Lay each layer's wq, wk, wv out back to back in one buffer and make the dict's entries views
-    of it, so the decode step reads them with one GEMV. Values are unchanged; memory is freed."""
+    of it, so the decode step reads them with one GEMV (latent attention: the query's first projection
+    and wkv_a, engine.decode_fused_mla.pack_latent). Values are unchanged; memory is freed."""
+    if config.latent_attention is not None:
+        decode_fused_mla.pack_latent(config, weights)
+        return
     for layer in range(config.n_layers):
         p = f"layers.{layer}."
         names = [p + "wq", p + "wk", p + "wv"]
@@ -124,8 +137,10 @@ def packed_qkv(weights: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
 
 
 def _inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The model's RoPE frequencies (engine.model.rope_inverse_frequency), computed once per device."""
-    key = (config.rope_theta, config.head_dim, device)
+    """The model's RoPE frequencies (engine.rope: YaRN's where the config scales RoPE), computed once per device."""
+    if config.rope_scaling is not None:
+        return yarn_inverse_frequency(config, device)  # cached there
+    key = (config.rope_theta, config.rotary_dim, device)
     table = _INV_FREQ.get(key)
     if table is None:
         table = _INV_FREQ[key] = rope_inverse_frequency(config, device)
@@ -183,6 +198,13 @@ def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]
     return rms_norm(x, norm.weight, norm.eps, residual=norm.residual)
 
 
+def _plain_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h = RMSNorm(x) * weight of rows x [B, K] (kernels.rms_norm, no residual): latent attention's q_a norm."""
+    from kernels.gemv_fused import Norm
+
+    return _rms_norm(x, Norm(weight, eps))[1]
+
+
 def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
                    start: torch.Tensor, key_length: int, slots: torch.Tensor | None, cache, hooks,
                    q_start: "int | torch.Tensor | None" = None) -> torch.Tensor:
@@ -193,7 +215,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
 
     from kernels.gemv_fused import NextNorm, Norm, Pick, Route, gemv_fused, next_norm_fits
     from kernels.rope_cache import rope_cache
-    from kernels.router import topk_softmax
+    from kernels.router import group_topk, topk_softmax
 
     c = config
     batch = tokens.shape[0]
@@ -203,32 +225,61 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     x = None  # [B, D] the residual stream, once written
     norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
     carried = None if outputs is None else outputs.carried  # x and h of this step's first norm, computed already
+    dense_layers = set(c.dense_layers)
+    gemv_rows = _fused_rows(batch)
+    moe_index = 0  # the MoE layer's ordinal: where its woken count goes in the step's outputs
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         if layer == 0 and carried is not None:
             x, h = carried  # this step's first norm, written by the step before's LM head
         else:
             x, h = _rms_norm(x, norm)
-        qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-        q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
-                                c.n_heads, qk_norm)
-        # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
-        k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
-        attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
-                                   _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
-                                   key_length)  # [B, 1, Hq, hd]
-        o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
-        norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
-        router = weights[p + "router"]
-        if _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
-            into = None if outputs is None else outputs.observed[batch + layer:batch + layer + 1]
-            folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
-                                route=Route(c.top_k, x.dtype, into=into))
-            x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
+        if c.latent_attention is not None:
+            o = decode_fused_mla.attention(c, weights, layer, h, _dense, _plain_norm, inv_freq, start, key_length,
+                                           slots, cache, hooks, q_start)  # [B, D]
         else:
+            qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
+            q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
+                                    c.n_heads, qk_norm)
+            # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
+            k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
+            attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
+                                       _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
+                                       key_length)  # [B, 1, Hq, hd]
+            o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
+        norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
+        if layer in dense_layers:  # a dense SwiGLU MLP: no router, no experts, no MoE record
             x, h = _rms_norm(x, norm)
-            ids, routing, woken = topk_softmax(_dense(h, router, torch.float32), c.top_k, h.dtype, woken=True)
-        expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)  # [B, D]
+            expert_out = decode_fused_mla.swiglu(h, weights[p + "mlp_gate_up"], weights[p + "mlp_down"], gemv_rows)
+        else:
+            router = weights[p + "router"]
+            # softmax over every expert, top k, not renormalised (DeepSeek-V2): the fold divides by the whole sum
+            over_all = c.router == "softmax_topk" and not c.norm_topk_prob
+            if c.router in GROUPED_ROUTERS:  # DeepSeek's group-limited routers: not folded (kernels.router.group_topk)
+                x, h = _rms_norm(x, norm)
+                logits = _dense(h if router.dtype == h.dtype else h.to(router.dtype), router, torch.float32)  # [B, E]
+                ids, routing, woken = group_topk(logits, c.top_k, c.n_group, c.topk_group, c.router, h.dtype,
+                                                 bias=weights.get(p + "router_correction"),
+                                                 norm_topk_prob=c.norm_topk_prob, scale=c.routed_scaling_factor,
+                                                 woken=True)
+            elif _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
+                into = None if outputs is None else outputs.observed[batch + moe_index:batch + moe_index + 1]
+                folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
+                                    route=Route(c.top_k, x.dtype, into=into, over_all=over_all,
+                                                scale=c.routed_scaling_factor))
+                x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
+            else:
+                x, h = _rms_norm(x, norm)
+                ids, routing, woken = topk_softmax(_dense(h, router, torch.float32), c.top_k, h.dtype, woken=True,
+                                                   over_all=over_all, scale=c.routed_scaling_factor)
+            if c.shared_experts is not None:
+                shared = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"], weights[p + "shared_down"],
+                                                              gemv_rows)
+                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
+                                       shared=shared)  # [B, D]
+            else:
+                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)
+            moe_index += 1
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]

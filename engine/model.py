@@ -35,7 +35,7 @@ import torch
 
 from engine import decode_fused, mla, routing
 from engine.config import GROUPED_ROUTERS, ModelConfig, SharedExperts
-from engine.rope import apply_rope, rope_inverse_frequency
+from engine.rope import apply_rope, rope_inverse_frequency, yarn_inverse_frequency
 from kernels.reference import moe_reference_gpt_oss
 
 
@@ -216,40 +216,9 @@ def _yarn_rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[tor
     frequencies agree to the last bit: dimensions that turn fewer than `beta_slow` times over the
     original context are interpolated (divided by `factor`), more than `beta_fast` times kept, a
     linear ramp between; cos and sin carry the attention factor."""
-    angles = positions.float()[:, None] * _yarn_inverse_frequency(config, positions.device)[None, :]  # [T, hd/2]
+    angles = positions.float()[:, None] * yarn_inverse_frequency(config, positions.device)[None, :]  # [T, hd/2]
     scale = config.rope_scaling.resolved_attention_factor
     return angles.cos() * scale, angles.sin() * scale
-
-
-_YARN_FREQUENCIES: dict[tuple, torch.Tensor] = {}
-
-
-def _yarn_inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """YaRN's inverse frequencies [hd/2], computed on the CPU (as transformers does) and kept per device:
-    the first call is an eager step's, so a CUDA graph's capture copies nothing from the host."""
-    key = (config.rope_scaling, config.rotary_dim, config.rope_theta, str(device))
-    cached = _YARN_FREQUENCIES.get(key)
-    if cached is None:
-        cached = _YARN_FREQUENCIES[key] = _yarn_inverse_frequency_cpu(config).to(device)
-    return cached
-
-
-def _yarn_inverse_frequency_cpu(config: ModelConfig) -> torch.Tensor:
-    yarn, dim, base = config.rope_scaling, config.rotary_dim, config.rope_theta
-
-    def correction_dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
-        return dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dimension(yarn.beta_fast), correction_dimension(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [hd/2]
-    position_frequency = base ** (torch.arange(0, dim, 2).float() / dim)  # [hd/2]
-    extrapolation = 1 - ramp  # 1: keep the original frequency
-    return (1.0 / (yarn.factor * position_frequency)) * (1 - extrapolation) + (1.0 / position_frequency) * extrapolation
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | None = None,

@@ -67,10 +67,14 @@ def record_fields(config) -> dict:
         fields["routing"] = describe(config.router, config.n_group, config.topk_group, config.n_experts) \
             + (f"; weights x {config.routed_scaling_factor:g}" if config.routed_scaling_factor != 1.0 else "")
     if config.shared_experts is not None:
-        fields["shared_experts"] = (f"{config.shared_experts.describe()}: always on, every token; torch dense "
-                                    f"SwiGLU added after the routed arm, outside the GEMV/grouped decision")
+        fields["shared_experts"] = (f"{config.shared_experts.describe()}: always on, every token; a dense SwiGLU "
+                                    f"(kernels.moe_gemv at a one-row fused decode step, torch otherwise) added after "
+                                    f"the routed arm, outside the GEMV/grouped decision")
     if config.latent_attention is not None or config.shared_experts is not None or config.dense_layers:
         from engine.decode_fused import ineligible
 
-        fields["forward"] = f"torch forward: engine.decode_fused's decode glue lacks {ineligible(config)}"
+        reason = ineligible(config)
+        fields["forward"] = (f"torch forward: engine.decode_fused's decode glue lacks {reason}" if reason else
+                             "decode steps on a GPU: engine.decode_fused's fused glue; prefill and CPU steps: the "
+                             "torch forward")
     return fields

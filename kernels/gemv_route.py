@@ -12,8 +12,12 @@ logits past L1 and routes them with kernels.parts.topk_softmax_row, the function
 same ids and weights as the unfused launches. The woken count goes into Route.into when given (the graphed
 step's output buffer, so no copy gathers it); for one row it is k, stored without reading the ids again.
 
-Does not: route more than one group of rows per launch, or take a router bias (engine.decode_fused keeps
-such models on the torch forward).
+With Route.over_all the weights are the softmax over every expert at the k chosen (softmax-then-top-k
+without renormalisation), with Route.scale times routed_scaling_factor (kernels.parts.topk_softmax_row).
+
+Does not: route more than one group of rows per launch, take a router bias (engine.decode_fused keeps such
+models on the torch forward) or route group-limited (engine.decode_fused launches kernels.router.group_topk
+after an unfused GEMV).
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from kernels.router import MAX_EXPERTS
 @dataclass(frozen=True)
 class Route:
     """Top-k softmax of the float32 logits, as kernels.router.topk_softmax (woken: also the count of
-    distinct experts chosen)."""
+    distinct experts chosen; over_all and scale: as there)."""
 
     top_k: int
     weight_dtype: torch.dtype
     woken: bool = True
     into: torch.Tensor | None = None  # one int64 element the count is written into (else a scratch buffer)
+    over_all: bool = False  # the softmax over every expert, not renormalised over the k chosen (DeepSeek-V2)
+    scale: float = 1.0  # routed_scaling_factor: the weights times it
 
 
 @triton.jit
@@ -46,11 +52,12 @@ def _gemv_route_kernel(
     x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
     rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
-    ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, stride_ids, stride_weights,
+    ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, stride_ids, stride_weights, route_scale,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
     WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    OVER_ALL: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
@@ -67,7 +74,8 @@ def _gemv_route_kernel(
             logits = tl.load(out_ptr + tl.cast(row, tl.int64) * stride_om + offs_e, mask=offs_e < n_out,
                              other=float("-inf"), cache_modifier=".cg")
             topk_softmax_row(logits, offs_e, n_out, ids_ptr + tl.cast(row, tl.int64) * stride_ids,
-                             weights_ptr + tl.cast(row, tl.int64) * stride_weights, E_PAD, TOP_K, K_PAD)
+                             weights_ptr + tl.cast(row, tl.int64) * stride_weights, E_PAD, TOP_K, K_PAD,
+                             OVER_ALL, route_scale)
         if WOKEN:
             if M_PAD == 1:  # one row: its k ids are distinct (the top-k never takes an id twice)
                 tl.store(woken_ptr, tl.full([], TOP_K, tl.int64))
@@ -96,8 +104,8 @@ def gemv_route(x: torch.Tensor | None, w: torch.Tensor, *, route: Route, norm: N
     e_pad = triton.next_power_of_2(fold.n_out)
     _gemv_route_kernel[(fold.programs,)](
         *fold.args, result.ids, result.weights, count, arrivals.counters(device, 1),
-        result.ids.stride(0), result.weights.stride(0),
-        TOP_K=route.top_k, K_PAD=triton.next_power_of_2(route.top_k), E_PAD=e_pad, WOKEN=route.woken,
+        result.ids.stride(0), result.weights.stride(0), float(route.scale),
+        TOP_K=route.top_k, OVER_ALL=route.over_all, K_PAD=triton.next_power_of_2(route.top_k), E_PAD=e_pad, WOKEN=route.woken,
         COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(rows * route.top_k))),
         **fold.constexprs,
     )

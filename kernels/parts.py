@@ -6,6 +6,7 @@ kernels.rms_norm does) calls the same function here, so both compute the same bi
 inlined into its caller at compile time: a call costs nothing, and the caller's constexprs specialise it.
 
     topk_softmax_row   one token's top-k of its logits and their softmax   kernels.router, kernels.gemv_route
+    group_topk_row     one token's group-limited top-k (DeepSeek-V2/V3)      kernels.router, kernels.gemv_route
     count_ids          distinct experts among ids (the woken count)          kernels.router, kernels.gemv_route
     argmax_row         a float32 row's argmax, ties to the lowest id       kernels.next_tokens, kernels.gemv_pick
     feed_next          the next graph replay's token and position           kernels.next_tokens, kernels.gemv_pick
@@ -45,9 +46,12 @@ def count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
-                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                     OVER_ALL: tl.constexpr, scale):
     """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
-    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype)."""
+    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype); with
+    OVER_ALL the softmax over every expert, taken at the k chosen (softmax-then-top-k, not renormalised).
+    The weights are multiplied by `scale` (routed_scaling_factor) in float32 before the rounding."""
     # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
     # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
     values = tl.where(values == values, values, float("-inf"))
@@ -65,9 +69,67 @@ def topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
     top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
-    weights = exponent / tl.sum(exponent, axis=0)
+    if OVER_ALL:  # the top logit is every expert's largest: the whole softmax's reference point
+        weights = exponent / tl.sum(tl.where(offs < experts, tl.exp(values - top), 0.0), axis=0)
+    else:
+        weights = exponent / tl.sum(exponent, axis=0)
+    weights = weights * scale
     tl.store(ids_row_ptr + slots, chosen_ids, mask=valid)
     tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def group_topk_row(values, bias, offs, experts, ids_row_ptr, weights_row_ptr,
+                   E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                   G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, NORMALISE: tl.constexpr,
+                   scale):
+    """One token's group-limited routing from its float32 logits `values` [E_PAD] (lanes offs >= experts never
+    chosen), engine.routing.group_limited_topk's function: SIGMOID False (DeepSeek-V2 group_limited_greedy) the
+    softmax over every expert, a group scored by its largest; SIGMOID True (V3 noaux_tc) sigmoid scores, `bias`
+    [E_PAD] (the correction bias, float32) added for the choice only, a group scored by its two largest. The
+    TOPK_GROUP best of the N_GROUP groups (E / N_GROUP experts each, in order) are kept; the k best choices among
+    their experts, in descending order (ties to the lowest id), weighed by their unbiased scores (NORMALISE:
+    divided by their sum + 1e-20, V3's norm_topk_prob), times `scale` (routed_scaling_factor)."""
+    valid = offs < experts
+    values = tl.where(valid & (values == values), values, float("-inf"))  # NaN never chosen
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-values))
+        choice = tl.where(valid, scores + bias, float("-inf"))
+    else:
+        exponent = tl.where(valid, tl.exp(values - tl.max(values, axis=0)), 0.0)
+        scores = exponent / tl.sum(exponent, axis=0)
+        choice = tl.where(valid, scores, float("-inf"))
+    group_of = offs // (experts // N_GROUP)
+    group_slots = tl.arange(0, G_PAD)
+    group_scores = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    for g in tl.static_range(N_GROUP):
+        member = valid & (group_of == g)
+        best = tl.max(tl.where(member, choice, float("-inf")), axis=0)
+        if SIGMOID:  # the sum of the two largest: the best taken once (its lowest lane), then the next
+            first = tl.min(tl.where(member & (choice == best), offs, E_PAD), axis=0)
+            best = best + tl.max(tl.where(member & (offs != first), choice, float("-inf")), axis=0)
+        group_scores = tl.where(group_slots == g, best, group_scores)
+    kept = offs < 0  # no expert kept yet
+    for j in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_scores, axis=0)
+        chosen_group = tl.min(tl.where(group_scores == best, group_slots, G_PAD), axis=0)
+        kept = kept | (group_of == chosen_group)
+        group_scores = tl.where(group_slots == chosen_group, float("-inf"), group_scores)
+    keys = drop(key_of(choice, E_PAD - 1 - offs), (offs >= experts) | ~kept)
+    slots = tl.arange(0, K_PAD)
+    chosen_ids = tl.zeros([K_PAD], dtype=tl.int32)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best_id = (E_PAD - 1 - reversed_index_of(tl.max(keys, axis=0))).to(tl.int32)
+        chosen_ids = tl.where(slots == j, best_id, chosen_ids)
+        weights = tl.where(slots == j, tl.sum(tl.where(offs == best_id, scores, 0.0), axis=0), weights)
+        keys = drop(keys, offs == best_id)
+    valid_slots = slots < TOP_K
+    if NORMALISE:
+        weights = weights / (tl.sum(tl.where(valid_slots, weights, 0.0), axis=0) + 1e-20)
+    weights = weights * scale
+    tl.store(ids_row_ptr + slots, chosen_ids, mask=valid_slots)
+    tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid_slots)
 
 
 @triton.jit

@@ -8,6 +8,8 @@ What engine.model's `route` (kind `topk_softmax`) does with torch.topk, a softma
 Shapes: N tokens, E experts, k chosen.  logits [N, E] float32 -> ids [N, k] int32, weights [N, k].
 Grid: (N,); a program holds its token's E logits (E <= MAX_EXPERTS). The per-token work is
 kernels.parts.topk_softmax_row, which the router's fused GEMV (kernels.gemv_route) calls too.
+`group_topk`: DeepSeek's group-limited routers (engine.routing) in the same shape of launch
+(kernels.parts.group_topk_row).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
-from kernels.parts import count_ids, topk_softmax_row
+from kernels.parts import count_ids, group_topk_row, topk_softmax_row
 
 MAX_EXPERTS = 4096
 
@@ -25,7 +27,9 @@ MAX_EXPERTS = 4096
 @triton.jit
 def _topk_softmax_kernel(
     logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
+    scale,
     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    OVER_ALL: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
@@ -35,7 +39,7 @@ def _topk_softmax_kernel(
     offs = tl.arange(0, E_PAD)
     values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
     topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
-                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD)
+                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, OVER_ALL, scale)
     if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
@@ -44,10 +48,13 @@ def _topk_softmax_kernel(
             tl.atomic_xchg(arrivals_ptr, 0)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False):
+def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False,
+                 over_all: bool = False, scale: float = 1.0):
     """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]; with woken=True
     also the number of distinct experts chosen (0-d int64, what `count_distinct` gives), in the same
-    launch: the last token's program counts them."""
+    launch: the last token's program counts them. `over_all`: the weights are the softmax over all E at
+    the k chosen (engine.model.route's softmax_topk without renormalisation); `scale`: they are multiplied
+    by it (routed_scaling_factor), in float32 before the rounding to weight_dtype."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"topk_softmax: logits must be float32 [N, E] with unit stride, got "
                          f"{logits.dtype} {tuple(logits.shape)}")
@@ -64,13 +71,86 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
     e_pad = triton.next_power_of_2(experts)
     _topk_softmax_kernel[(tokens,)](
         logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
-        logits.stride(0), ids.stride(0), weights.stride(0),
-        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken,
+        logits.stride(0), ids.stride(0), weights.stride(0), float(scale),
+        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken, OVER_ALL=over_all,
         COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
         num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
     )
     launches.record("topk_softmax", kernel=_topk_softmax_kernel)
+    return (ids, weights, count[0]) if woken else (ids, weights)
+
+
+@triton.jit
+def _group_topk_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i,
+    stride_w, scale,
+    E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, NORMALISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs, mask=offs < experts, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([E_PAD], dtype=tl.float32)
+    group_topk_row(values, bias, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
+                   weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP,
+                   SIGMOID, NORMALISE, scale)
+    if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        if arrived == tokens - 1:
+            tl.store(woken_ptr, count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
+            tl.atomic_xchg(arrivals_ptr, 0)
+
+
+def group_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, kind: str,
+               weight_dtype: torch.dtype, *, bias: torch.Tensor | None = None, norm_topk_prob: bool = False,
+               scale: float = 1.0, woken: bool = False):
+    """DeepSeek's group-limited routing from float32 logits [N, E] in one launch (engine.routing.group_limited_topk,
+    then routed_scaling_factor `scale`): `kind` softmax_group_topk (V2) or sigmoid_group_topk (V3, with the
+    correction `bias` [E] and `norm_topk_prob`). Returns (ids [N, k] int32 in descending order of choice, weights
+    [N, k] in weight_dtype) and, with woken=True, the number of distinct experts chosen (0-d int64)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"group_topk: logits must be float32 [N, E] with unit stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    if kind not in ("softmax_group_topk", "sigmoid_group_topk"):
+        raise ValueError(f"group_topk: {kind!r} is not a group-limited router")
+    tokens, experts = logits.shape
+    if experts > MAX_EXPERTS or n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group \
+            or not 1 <= top_k <= topk_group * (experts // n_group):
+        raise ValueError(f"group_topk: need E <= {MAX_EXPERTS} in n_group equal groups, 1 <= topk_group <= n_group "
+                         f"and 1 <= k <= topk_group x E / n_group; got E={experts}, n_group={n_group}, "
+                         f"topk_group={topk_group}, k={top_k}")
+    if bias is not None and (bias.shape != (experts,) or bias.device != logits.device):
+        raise ValueError(f"group_topk: bias must be [{experts}] on {logits.device}, got {tuple(bias.shape)}")
+    ids = scratch.empty((tokens, top_k), torch.int32, logits.device)
+    weights = scratch.empty((tokens, top_k), weight_dtype, logits.device)
+    count = scratch.empty((1,), torch.int64, logits.device)
+    if tokens == 0:
+        if woken:
+            count.zero_()
+        return (ids, weights, count[0]) if woken else (ids, weights)
+    e_pad = triton.next_power_of_2(experts)
+    _group_topk_kernel[(tokens,)](
+        logits, logits if bias is None else bias, ids, weights, count,
+        arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
+        logits.stride(0), ids.stride(0), weights.stride(0), float(scale),
+        E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group,
+        G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, SIGMOID=kind == "sigmoid_group_topk",
+        NORMALISE=norm_topk_prob and kind == "sigmoid_group_topk", HAS_BIAS=bias is not None, WOKEN=woken,
+        COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
+        num_warps=1 if experts <= 256 else 4,
+        **pdl.launch_options(logits.device),
+    )
+    launches.record("group_topk", kernel=_group_topk_kernel)
     return (ids, weights, count[0]) if woken else (ids, weights)
 
 

@@ -355,9 +355,10 @@ def test_eligibility():
     assert not decode_fused.eligible(tiny, torch.zeros(2, 3, dtype=torch.long), force=True)  # prefill
     from dataclasses import replace
     assert not decode_fused.eligible(replace(tiny, attention_bias=True), one, force=True)
-    # softmax over all E, top k, renormalised is top-k-then-softmax: fused; without the renormalisation it is not
+    # softmax over all E, top k, renormalised is top-k-then-softmax: fused; without the renormalisation the fold
+    # divides by the sum over every expert (tests/test_decode_fused_mla.py)
     assert decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
-    assert not decode_fused.eligible(replace(tiny, router="softmax_topk", norm_topk_prob=False), one, force=True)
+    assert decode_fused.eligible(replace(tiny, router="softmax_topk", norm_topk_prob=False), one, force=True)
     assert decode_fused.eligible(replace(tiny, qk_norm="per_head"), one, force=True)  # folded into rope_cache
     assert not decode_fused.eligible(replace(tiny, qk_norm="full"), one, force=True)
     assert decode_fused.ineligible(replace(tiny, attention_bias=True, router_bias=True)) == \

@@ -247,6 +247,22 @@ def test_every_kernel_arm_end_to_end_under_the_interpreter(built, references, mo
     assert worst <= RELATIVE_TOLERANCE, f"kernel arms: relative error {worst:.2e}"
 
 
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-plain", "deepseek-v2-lite", "deepseek-v2-grouped"])
+def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, monkeypatch):
+    """Every decode step through engine.decode_fused (as on a GPU; here its kernels under the interpreter, the
+    arms the CPU's): transformers' greedy tokens and logits to 1e-4, one prompt per family."""
+    from engine import decode_fused
+
+    eligible = decode_fused.eligible
+    monkeypatch.setattr(decode_fused, "eligible", lambda config, tokens, force=False: eligible(config, tokens, True))
+    steps = []
+    forward_decode = decode_fused.forward_decode
+    monkeypatch.setattr(decode_fused, "forward_decode", lambda *args, **kwargs: steps.append(1)
+                        or forward_decode(*args, **kwargs))
+    _check_generation(built[family][3], references[family][:1], family)
+    assert len(steps) == NEW_TOKENS - 1  # every step after the prefill
+
+
 def test_loaded_configs_carry_each_familys_features(built):
     v3, v3_plain, v2_lite, v2_grouped, qwen = (built[family][3].config for family in FAMILIES)
     latent = v3.latent_attention
@@ -263,9 +279,10 @@ def test_loaded_configs_carry_each_familys_features(built):
     assert (v2_grouped.router, v2_grouped.routed_scaling_factor) == ("softmax_group_topk", 1.5)
     assert qwen.qkv_bias and not qwen.attention_bias and qwen.shared_experts.gated and qwen.dense_layers == (1,)
     assert "layers.0.bo" not in built["qwen2-moe"][3].weights
-    from engine.decode_fused import ineligible  # the fused decode glue computes none of these: each says why
+    from engine.decode_fused import ineligible  # what the fused decode glue does not compute: each says why
 
-    assert "shared experts" in ineligible(qwen) and "latent attention" in ineligible(v3_plain)
+    assert ineligible(v3) == ineligible(v3_plain) == ineligible(v2_lite) == ineligible(v2_grouped) == ""
+    assert ineligible(qwen) == "q/k/v biases, a sigmoid-gated shared expert (Qwen2-MoE)"
 
 
 def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):
@@ -280,13 +297,14 @@ def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):
     assert record["kv_cache_bytes_per_token"] == (32 + 16) * 4  # float32 on the CPU
     assert record["naive_kv_cache_bytes_per_token"] == 4 * (16 + 16 + 12) * 4
     assert "cannot run on cpu" in record["execution_note"]
-    assert "latent attention, shared experts, dense layers" in record["forward"] and "YaRN" in record["forward"]
+    assert record["forward"].startswith("decode steps on a GPU: engine.decode_fused's fused glue")
     assert moe[0]["forward"] == record["forward"]
     off = engine.generate("latent attention", 1, flags.resolve(["flash_512=off"], environ={}), timed=False)
     assert off.steps[0]["attention"][0]["decided_arm"] == "mla_reference"
     assert "flash_512=off" in off.steps[0]["attention"][0]["reason"]
     plain = built["deepseek-v2-lite"][3].generate("experts", 1, flags.resolve(environ={}), timed=False)
     assert "routing" not in plain.steps[0]["moe"][0]  # greedy: no group limit to state
+    assert plain.steps[0]["moe"][0]["forward"].startswith("decode steps on a GPU: engine.decode_fused's fused glue")
 
 
 def test_a_latent_rank_the_kernel_does_not_take_declines_to_the_reference(built, tmp_path):

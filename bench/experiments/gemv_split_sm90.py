@@ -33,7 +33,7 @@ COMMON = dict(M_PAD=1, BLOCK_N=2, BLOCK_K=4096, SLICE=32, NORM=True, EXACT=True,
               USE_GDC=True, PRELOAD=True)
 SPECS = {
     "router (norm, top-k, woken)": ("route", dict(WRITE_X=True, WRITE_H=True, TOP_K=TOP_K, K_PAD=8, E_PAD=256,
-                                                  WOKEN=True, COUNT_BLOCK=8)),
+                                                  WOKEN=True, COUNT_BLOCK=8, OVER_ALL=False)),
     "LM head (norm, argmax, feed)": ("pick", dict(WRITE_X=False, WRITE_H=False, FEED=True, PICK_BLOCK=256,
                                                   NEXT_NORM=False, NEXT_BLOCK=4096)),
     "LM head (norm, argmax, feed, next norm)": ("pick", dict(WRITE_X=False, WRITE_H=False, FEED=True, PICK_BLOCK=256,
@@ -43,7 +43,8 @@ SPECS = {
 # The kernels whose per-row work moved into kernels.parts (the same jit functions, called from there now).
 MOVED = {
     "router: topk_softmax": ("router", "_topk_softmax_kernel",
-                             dict(E_PAD=256, TOP_K=TOP_K, K_PAD=8, WOKEN=True, COUNT_BLOCK=8, USE_GDC=True), 1),
+                             dict(E_PAD=256, TOP_K=TOP_K, K_PAD=8, WOKEN=True, COUNT_BLOCK=8, OVER_ALL=False,
+                                  USE_GDC=True), 1),
     "next_tokens": ("next_tokens", "_next_tokens_kernel", dict(BLOCK=256, FEED=True, USE_GDC=True), 4),
     "rms_norm (residual)": ("rms_norm", "_rms_norm_kernel",
                             dict(BLOCK_D=4096, HAS_RESIDUAL=True, GATHER=False, USE_GDC=True), 4),
@@ -54,7 +55,7 @@ OLD_OFF = dict(ROUTE=False, TOP_K=1, K_PAD=1, E_PAD=1, WOKEN=False, COUNT_BLOCK=
 
 def _type(name: str) -> str:
     if not name.endswith("_ptr"):
-        return "fp32" if name in ("eps", "next_eps") else "i32"
+        return "fp32" if name in ("eps", "next_eps", "scale", "route_scale") else "i32"
     if name in ("ids_ptr", "arrivals_ptr", "position32_ptr"):
         return "*i32"
     if name in ("woken_ptr", "tokens_ptr", "feed_ptr", "index_ptr", "position_ptr", "slot_ptr", "observed_ptr",
