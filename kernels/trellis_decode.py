@@ -152,6 +152,59 @@ def _code_values(s, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _unit_word(w0, w1, w2, after, J: tl.constexpr, WU: tl.constexpr):
+    """Word J of a unit (J = WU: the first word of the next unit), from `_unit_words`."""
+    if J == WU:
+        return after
+    elif J == 0:
+        return w0
+    elif J == 1:
+        return w1
+    else:
+        return w2
+
+
+@triton.jit
+def _step_window(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
+    """uint32, any shape: the unit's stream from bit P (a compile-time offset) with the state of that step in
+    the low 16 bits and earlier stream bits above it (not masked off: hyb's hash does not see them, the
+    computed codes mask). One shift, or one funnel shift where the state straddles two words."""
+    R: tl.constexpr = P % 32
+    high = _unit_word(w0, w1, w2, after, P // 32, WU)
+    if R <= 16:
+        return high >> (16 - R)
+    else:
+        low = _unit_word(w0, w1, w2, after, P // 32 + 1, WU)
+        return (high << (R - 16)) | (low >> (48 - R))  # LLVM's funnel shift: one SHF.L.W
+
+
+@triton.jit
+def _window_values(t, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr, SIGNED_TABLE: tl.constexpr):
+    """`_step_window` words -> (first value, second value) float32 of their states, as `_code_values` but
+    in 32-bit integer work only, and for hyb with the hash taken in the top half of a word:
+
+        x16 = (s * (s + 1)) << 16 = (t << 16) * t + (t << 16)   (mod 2^32; the bits of t above its
+                                                                 state drop out of both products)
+
+    so the 9 index bits are x16 >> 22 & 511 and the flip is x16's own sign bit. SIGNED_TABLE: table_ptr
+    is `trellis_reference.signed_hyb_table` ([1024, 2], rows 512.. the first 512 with v0 negated), read
+    at the 10 bits x16 >> 22 (flip and index) with no sign work."""
+    if CODE == 2:
+        high = t << 16
+        x16 = high * t + high
+        rows = table_ptr.to(tl.pointer_type(tl.uint64))
+        if SIGNED_TABLE:
+            pair = tl.load(rows + (x16 >> 22))
+            first = pair.to(tl.uint32)
+        else:
+            pair = tl.load(rows + ((x16 >> 22) & 511))
+            first = pair.to(tl.uint32) ^ (x16 & 0x80000000)
+        return first.to(tl.float32, bitcast=True), (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        return _code_values(t & 0xFFFF, table_ptr, CODE, PTX)
+
+
+@triton.jit
 def _trellis_dequantize_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32

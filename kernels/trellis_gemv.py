@@ -43,8 +43,8 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _states_of, _unit_words, check_trellis_moe_inputs, code_id,
-                                    compiled, unit_geometry)
+from kernels.trellis_decode import (_code_values, _states_of, _step_window, _unit_words, _window_values,
+                                    check_trellis_moe_inputs, code_id, compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
@@ -54,6 +54,7 @@ class GemvSchedule:
     block_tile_rows: int  # BLOCK_TR: tile rows (16 output rows each) per program
     block_tile_columns: int  # BLOCK_TC: tile columns per step of the walk
     num_warps: int
+    unrolled: bool = False  # `_trellis_gemv_steps_kernel` (steps unrolled, [units, tile columns] tensors)
 
 
 # Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
@@ -70,6 +71,11 @@ SCHEDULES = {
     "r1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4),
     "r2c8": GemvSchedule(block_tile_rows=2, block_tile_columns=8, num_warps=4),
     "r1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4),
+    "u1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True),
+    "u2c16": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True),
+    "u1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4, unrolled=True),
+    "u2c32": GemvSchedule(block_tile_rows=2, block_tile_columns=32, num_warps=4, unrolled=True),
+    "u4c16": GemvSchedule(block_tile_rows=4, block_tile_columns=16, num_warps=4, unrolled=True),
 }
 DEFAULT_SCHEDULE = "r1c16"
 
@@ -157,6 +163,125 @@ def _trellis_gemv_kernel(
         tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=rows_ok)
 
 
+@triton.jit
+def _opaque(x):
+    """x itself (int32), through an asm move the compiler's pointer analysis cannot see into (PTX only)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _trellis_gemv_steps_kernel(
+    codes_ptr,  # [E, N/16, C/16, W] int32
+    scales_ptr,  # [E, N] float32
+    table_ptr,  # [1024, 2] float32 (hyb, SIGNED_TABLE: trellis_reference.signed_hyb_table) or [512, 2]
+    vec_ptr,  # [rows of vectors, C] float32: x_rot (per token) or h_rot (per pair)
+    ids_ptr,  # [P] expert of each pair
+    weights_ptr,  # [P] routing weight of each pair (ROUTED)
+    out_ptr,  # [P, N] float32 out
+    num_experts,
+    num_row_tiles,  # N / 16
+    num_column_tiles,  # C / 16
+    stride_ce,
+    stride_se,
+    stride_v,
+    stride_o,
+    VECTOR_PER_TOKEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    ROUTED: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_TC: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_GDC: tl.constexpr,
+    WEIGHT_EVICTION: tl.constexpr,
+    SIGNED_TABLE: tl.constexpr,
+    EVEN_COLUMNS: tl.constexpr,  # num_column_tiles % BLOCK_TC == 0: no column masks
+):
+    """`_trellis_gemv_kernel`'s contract, with the steps of a unit unrolled at compile time: every tensor is
+    [units, tile columns], so each thread decodes every state of its own units from its own words (no
+    layout change of the words, a constant shift per state: `_step_window`), and reads each vector value
+    once for all of its units."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    if (expert >= 0) & (expert < num_experts):
+        UT: tl.constexpr = 16 // G
+        U: tl.constexpr = BLOCK_TR * UT
+        S: tl.constexpr = 16 * G // V
+        unit = tl.arange(0, U)
+        tile_row = tl.program_id(1) * BLOCK_TR + unit // UT  # [U]
+        in_tile = unit % UT
+        row_ok = tile_row < num_row_tiles
+        tile_col = tl.arange(0, BLOCK_TC)  # [T]
+        words_per_tile: tl.constexpr = 8 * K
+        row_base = codes_ptr + expert.to(tl.int64) * stride_ce + (tile_row * num_column_tiles * words_per_tile)[:, None]
+        unit_offsets = (in_tile * WU)[:, None] + tile_col[None, :] * words_per_tile  # [U, T]
+        next_offsets = (((in_tile + 1) % UT) * WU)[:, None] + tile_col[None, :] * words_per_tile
+        if PTX:
+            # hide the units' contiguity from the coalescing pass: a thread's words then come in the layout of
+            # the vector's [1, T] loads (one per tile column), not in runs of units that must change layout
+            unit_offsets = _opaque(unit_offsets)
+            next_offsets = _opaque(next_offsets)
+        unit_ptrs = row_base + unit_offsets
+        next_ptrs = row_base + next_offsets
+        if VECTOR_PER_TOKEN:
+            vector = vec_ptr + (pair // TOP_K).to(tl.int64) * stride_v
+        else:
+            vector = vec_ptr + pair.to(tl.int64) * stride_v
+        vec_ptrs = vector + tile_col[None, :] * 16  # [1, T]: each tile column's first column
+        sum0 = tl.zeros([U, BLOCK_TC], dtype=tl.float32)  # the unit's first row
+        sum1 = tl.zeros([U, BLOCK_TC], dtype=tl.float32)  # its second row (G = 2)
+        w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, row_ok[:, None] & (tile_col < num_column_tiles)[None, :],
+                                        WU, WEIGHT_EVICTION)
+        for column0 in range(0, num_column_tiles, BLOCK_TC):
+            unit_ptrs += BLOCK_TC * words_per_tile
+            next_ptrs += BLOCK_TC * words_per_tile
+            if EVEN_COLUMNS:
+                column_ok = tile_col[None, :] >= 0
+                ahead = row_ok[:, None] & (column0 + BLOCK_TC < num_column_tiles)
+            else:
+                column_ok = (tile_col < num_column_tiles - column0)[None, :]
+                ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
+            n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
+            for step in tl.static_range(S):
+                # step's first element of the unit: row (V step) // 16, column (V step) % 16
+                window = _step_window(w0, w1, w2, after, K * V * step, WU)
+                first, second = _window_values(window, table_ptr, CODE, PTX, SIGNED_TABLE)
+                if EVEN_COLUMNS:
+                    x_first = tl.load(vec_ptrs + (V * step) % 16)
+                    x_second = x_first
+                    if V == 2:
+                        x_second = tl.load(vec_ptrs + (V * step) % 16 + 1)
+                else:
+                    x_first = tl.load(vec_ptrs + (V * step) % 16, mask=column_ok, other=0.0)
+                    x_second = x_first
+                    if V == 2:
+                        x_second = tl.load(vec_ptrs + (V * step) % 16 + 1, mask=column_ok, other=0.0)
+                if (V * step) // 16 == 0:  # one FFMA per weight into its row's sum
+                    sum0 += first * x_first
+                    if V == 2:
+                        sum0 += second * x_second
+                else:
+                    sum1 += first * x_first
+                    if V == 2:
+                        sum1 += second * x_second
+            vec_ptrs += BLOCK_TC * 16
+            w0, w1, w2, after = n0, n1, n2, n_after
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        rows = tile_row * 16 + in_tile * G  # [U]: each unit's first row
+        scale_row = scales_ptr + expert.to(tl.int64) * stride_se + rows
+        result = tl.sum(sum0, axis=1) * tl.load(scale_row, mask=row_ok, other=0.0)
+        if ROUTED:
+            result = result * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=row_ok)
+        if G == 2:
+            result = tl.sum(sum1, axis=1) * tl.load(scale_row + 1, mask=row_ok, other=0.0)
+            if ROUTED:
+                result = result * tl.load(weights_ptr + pair).to(tl.float32)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows + 1, result, mask=row_ok)
+
+
 def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tensor, flat_weights: torch.Tensor,
              top_k: int, per_token: bool, routed: bool, schedule: GemvSchedule, name: str) -> torch.Tensor:
     """[P, N] float32: one GEMV launch of `matrix` for every pair (module docstring)."""
@@ -166,18 +291,25 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
     code = matrix.code
     group, words = unit_geometry(code.K)
     table = matrix.table if matrix.table is not None else matrix.scales
-    row_tiles = rows // TILE
-    _trellis_gemv_kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
+    row_tiles, column_tiles = rows // TILE, columns // TILE
+    kernel, extra = _trellis_gemv_kernel, {}
+    if schedule.unrolled:
+        kernel = _trellis_gemv_steps_kernel
+        if matrix.signed_table is not None:
+            table = matrix.signed_table
+        extra = dict(SIGNED_TABLE=matrix.signed_table is not None,
+                     EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0)
+    kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
         matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
-        experts, row_tiles, columns // TILE, matrix.codes.stride(0), matrix.scales.stride(0),
+        experts, row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0),
         vectors.stride(0), out.stride(0),
         VECTOR_PER_TOKEN=per_token, TOP_K=top_k, ROUTED=routed,
         K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
         BLOCK_TR=schedule.block_tile_rows, BLOCK_TC=schedule.block_tile_columns, num_warps=schedule.num_warps,
         PTX=compiled(vectors.device),
-        **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device),
+        **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device), **extra,
     )
-    launches.record(name, kernel=_trellis_gemv_kernel)
+    launches.record(name, kernel=kernel)
     return out
 
 

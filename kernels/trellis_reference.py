@@ -63,7 +63,7 @@ search in engine.trellis_quantizer), read or write files, know models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -348,8 +348,12 @@ class TrellisMatrix:
     left_seed: int
     right_seed: int
 
+    signed_table: torch.Tensor | None = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         check_matrix(self)
+        # made once here, never inside a kernel launch (a CUDA-graph capture would leave it unwritten)
+        object.__setattr__(self, "signed_table", None if self.table is None else signed_hyb_table(self.table))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -389,6 +393,13 @@ def packed_bytes_per_expert(code: TrellisCode, rows: int, columns: int) -> int:
     """Bytes one expert's [rows, columns] matrix occupies and a kernel reads: K bits per weight of codes
     plus a float32 scale per row (signs and the hyb table are per layer, a few KB, not counted)."""
     return rows * columns * code.K // 8 + 4 * rows
+
+
+def signed_hyb_table(table: torch.Tensor) -> torch.Tensor:
+    """float32 [1024, 2] from hyb's [512, 2] table: row f * 512 + i is (table[i, 0] * (1 - 2 f), table[i, 1]),
+    the code's sign flip taken ahead of time (exact), so a kernel reads a state's vector at the ten bits
+    (flip, index) with no sign work. Lives beside `table` on a TrellisMatrix (`signed_table`)."""
+    return torch.cat([table, table * torch.tensor([-1.0, 1.0], device=table.device)]).contiguous()
 
 
 def check_matrix(matrix: TrellisMatrix) -> None:
