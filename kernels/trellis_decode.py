@@ -179,29 +179,46 @@ def _step_window(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
 
 
 @triton.jit
-def _window_values(t, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr, SIGNED_TABLE: tl.constexpr):
+def _window_values(t, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
     """`_step_window` words -> (first value, second value) float32 of their states, as `_code_values` but
-    in 32-bit integer work only, and for hyb with the hash taken in the top half of a word:
-
-        x16 = (s * (s + 1)) << 16 = (t << 16) * t + (t << 16)   (mod 2^32; the bits of t above its
-                                                                 state drop out of both products)
-
-    so the 9 index bits are x16 >> 22 & 511 and the flip is x16's own sign bit. SIGNED_TABLE: table_ptr
-    is `trellis_reference.signed_hyb_table` ([1024, 2], rows 512.. the first 512 with v0 negated), read
-    at the 10 bits x16 >> 22 (flip and index) with no sign work."""
+    in 32-bit integer work only; for hyb, table_ptr is `trellis_reference.signed_hyb_table` ([1024, 2]) and
+    the row is `_hyb_hash_rows`."""
     if CODE == 2:
-        high = t << 16
-        x16 = high * t + high
-        rows = table_ptr.to(tl.pointer_type(tl.uint64))
-        if SIGNED_TABLE:
-            pair = tl.load(rows + (x16 >> 22))
-            first = pair.to(tl.uint32)
-        else:
-            pair = tl.load(rows + ((x16 >> 22) & 511))
-            first = pair.to(tl.uint32) ^ (x16 & 0x80000000)
-        return first.to(tl.float32, bitcast=True), (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        return _hyb_values_of_rows(tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + _hyb_hash_rows(t)))
     else:
         return _code_values(t & 0xFFFF, table_ptr, CODE, PTX)
+
+
+@triton.jit
+def _hyb_hash_rows(t):
+    """hyb: `_step_window` words -> int32 rows of the signed table ([1024, 2]: rows 512.. the first 512 with
+    v0 negated), the hash taken in the top half of a word:
+
+        x16 = (s * (s + 1)) << 16 = (t << 16) * t + (t << 16)   (mod 2^32: the bits of t above its state
+                                                                 drop out of both products)
+
+    so x16 >> 22 is the flip (x's bit 15) above the 9 index bits (x's bits 6..14): the signed row."""
+    high = t << 16
+    return ((high * t + high) >> 22).to(tl.int32)
+
+
+@triton.jit
+def _hyb_values_of_rows(pair):
+    """uint64 signed-table rows (v1 in the high word) -> (first, second) float32."""
+    return pair.to(tl.uint32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hyb_gather4(table, a, b, c, d):
+    """Four equal-shape int32 tensors of signed-table rows -> their uint64 rows, from `table` ([1024] uint64
+    in registers) in ONE tl.gather: the gather goes through shared memory (the table written, a barrier,
+    the reads), so four steps share one copy of the table."""
+    rows = tl.join(tl.join(a, b), tl.join(c, d))  # [..., 2 (ab | cd), 2]
+    pairs = tl.reshape(tl.gather(table, tl.reshape(rows, [rows.numel]), 0), rows.shape)
+    ab, cd = tl.split(pairs)
+    pa, pb = tl.split(ab)
+    pc, pd = tl.split(cd)
+    return pa, pb, pc, pd
 
 
 @triton.jit

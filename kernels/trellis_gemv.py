@@ -43,7 +43,8 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _states_of, _step_window, _unit_words, _window_values,
+from kernels.trellis_decode import (_code_values, _hyb_gather4, _hyb_hash_rows, _hyb_values_of_rows, _states_of,
+                                    _step_window, _unit_words, _window_values,
                                     check_trellis_moe_inputs, code_id, compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
@@ -55,6 +56,7 @@ class GemvSchedule:
     block_tile_columns: int  # BLOCK_TC: tile columns per step of the walk
     num_warps: int
     unrolled: bool = False  # `_trellis_gemv_steps_kernel` (steps unrolled, [units, tile columns] tensors)
+    hyb_table: str = "shared"  # unrolled hyb: the signed table through shared memory, or "global" (L1 gathers)
 
 
 # Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
@@ -73,11 +75,12 @@ SCHEDULES = {
     "r1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4),
     "u1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True),
     "u2c16": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True),
-    "u1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4, unrolled=True),
+    "u2c16g": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, hyb_table="global"),
     "u2c32": GemvSchedule(block_tile_rows=2, block_tile_columns=32, num_warps=4, unrolled=True),
     "u4c16": GemvSchedule(block_tile_rows=4, block_tile_columns=16, num_warps=4, unrolled=True),
 }
-DEFAULT_SCHEDULE = "r1c16"
+DEFAULT_SCHEDULE = "u2c16"
+BASELINE_SCHEDULE = "r1c16"  # the tensor-form kernel's default before the unrolled one: the bench times both
 
 
 @triton.jit
@@ -170,10 +173,31 @@ def _opaque(x):
 
 
 @triton.jit
+def _accumulate_pair(sum0, sum1, pair, vec_ptrs, STEP: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
+    """hyb step STEP of a unit (elements 2 STEP, 2 STEP + 1): its signed-table rows times the vector, into
+    the sum of its row (the unit's first for STEP < 8, else its second)."""
+    first, second = _hyb_values_of_rows(pair)
+    column = (2 * STEP) % 16
+    if EVEN_COLUMNS:
+        x_first = tl.load(vec_ptrs + column)
+        x_second = tl.load(vec_ptrs + column + 1)
+    else:
+        x_first = tl.load(vec_ptrs + column, mask=column_ok, other=0.0)
+        x_second = tl.load(vec_ptrs + column + 1, mask=column_ok, other=0.0)
+    if STEP < 8:
+        sum0 += first * x_first
+        sum0 += second * x_second
+    else:
+        sum1 += first * x_first
+        sum1 += second * x_second
+    return sum0, sum1
+
+
+@triton.jit
 def _trellis_gemv_steps_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32
-    table_ptr,  # [1024, 2] float32 (hyb, SIGNED_TABLE: trellis_reference.signed_hyb_table) or [512, 2]
+    table_ptr,  # [1024, 2] float32 (hyb: trellis_reference.signed_hyb_table) or any pointer
     vec_ptr,  # [rows of vectors, C] float32: x_rot (per token) or h_rot (per pair)
     ids_ptr,  # [P] expert of each pair
     weights_ptr,  # [P] routing weight of each pair (ROUTED)
@@ -193,7 +217,7 @@ def _trellis_gemv_steps_kernel(
     PTX: tl.constexpr,
     USE_GDC: tl.constexpr,
     WEIGHT_EVICTION: tl.constexpr,
-    SIGNED_TABLE: tl.constexpr,
+    TABLE_IN_SHARED: tl.constexpr,  # hyb: the signed table read through shared memory (tl.gather), not L1
     EVEN_COLUMNS: tl.constexpr,  # num_column_tiles % BLOCK_TC == 0: no column masks
 ):
     """`_trellis_gemv_kernel`'s contract, with the steps of a unit unrolled at compile time: every tensor is
@@ -233,20 +257,34 @@ def _trellis_gemv_steps_kernel(
         sum1 = tl.zeros([U, BLOCK_TC], dtype=tl.float32)  # its second row (G = 2)
         w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, row_ok[:, None] & (tile_col < num_column_tiles)[None, :],
                                         WU, WEIGHT_EVICTION)
+        table = table_ptr
+        if TABLE_IN_SHARED:
+            table = tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + tl.arange(0, 1024))
         for column0 in range(0, num_column_tiles, BLOCK_TC):
             unit_ptrs += BLOCK_TC * words_per_tile
             next_ptrs += BLOCK_TC * words_per_tile
             if EVEN_COLUMNS:
                 column_ok = tile_col[None, :] >= 0
-                ahead = row_ok[:, None] & (column0 + BLOCK_TC < num_column_tiles)
+                ahead = row_ok[:, None] & (tl.full([1, BLOCK_TC], column0 + BLOCK_TC, tl.int32) < num_column_tiles)
             else:
                 column_ok = (tile_col < num_column_tiles - column0)[None, :]
                 ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
             n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
-            for step in tl.static_range(S):
+            if TABLE_IN_SHARED:  # hyb: four steps a gather
+                for quad in tl.static_range(S // 4):
+                    pa, pb, pc, pd = _hyb_gather4(
+                        table, _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad), WU)),
+                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 1), WU)),
+                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 2), WU)),
+                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 3), WU)))
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, pa, vec_ptrs, 4 * quad, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, pb, vec_ptrs, 4 * quad + 1, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, pc, vec_ptrs, 4 * quad + 2, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, pd, vec_ptrs, 4 * quad + 3, column_ok, EVEN_COLUMNS)
+            for step in tl.static_range(0 if TABLE_IN_SHARED else S):
                 # step's first element of the unit: row (V step) // 16, column (V step) % 16
                 window = _step_window(w0, w1, w2, after, K * V * step, WU)
-                first, second = _window_values(window, table_ptr, CODE, PTX, SIGNED_TABLE)
+                first, second = _window_values(window, table, CODE, PTX)
                 if EVEN_COLUMNS:
                     x_first = tl.load(vec_ptrs + (V * step) % 16)
                     x_second = x_first
@@ -295,9 +333,9 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
     kernel, extra = _trellis_gemv_kernel, {}
     if schedule.unrolled:
         kernel = _trellis_gemv_steps_kernel
-        if matrix.signed_table is not None:
+        if code.needs_table:
             table = matrix.signed_table
-        extra = dict(SIGNED_TABLE=matrix.signed_table is not None,
+        extra = dict(TABLE_IN_SHARED=code.needs_table and schedule.hyb_table == "shared",
                      EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0)
     kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
         matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
