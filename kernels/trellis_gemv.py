@@ -43,8 +43,8 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _hyb_gather4, _hyb_hash_rows, _hyb_values_of_rows, _states_of,
-                                    _step_window, _unit_words, _window_values,
+from kernels.trellis_decode import (_code_values, _hyb_gather8, _hyb_hash_rows, _hyb_values_of_rows, _states_of,
+                                    _step_state, _step_window, _unit_words, _window_values,
                                     check_trellis_moe_inputs, code_id, compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
@@ -76,6 +76,7 @@ SCHEDULES = {
     "u1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True),
     "u2c16": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True),
     "u2c16g": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, hyb_table="global"),
+    "u1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4, unrolled=True),
     "u2c32": GemvSchedule(block_tile_rows=2, block_tile_columns=32, num_warps=4, unrolled=True),
     "u4c16": GemvSchedule(block_tile_rows=4, block_tile_columns=16, num_warps=4, unrolled=True),
 }
@@ -173,17 +174,29 @@ def _opaque(x):
 
 
 @triton.jit
+def _hyb_rows_at(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
+    """hyb: the signed-table rows of the step at stream bit P of a block of units."""
+    return _hyb_hash_rows(_step_window(w0, w1, w2, after, P, WU))
+
+
+@triton.jit
+def _vector_pair(vec_ptrs, COLUMN: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
+    """The vector's columns COLUMN and COLUMN + 1 (COLUMN even) of each tile column, float32 [1, T] each, in
+    one 8-byte load (a vector row starts 64-byte aligned: C is a multiple of 16)."""
+    pointers = (vec_ptrs + COLUMN).to(tl.pointer_type(tl.uint64))
+    if EVEN_COLUMNS:
+        both = tl.load(pointers)
+    else:
+        both = tl.load(pointers, mask=column_ok, other=0)
+    return both.to(tl.uint32).to(tl.float32, bitcast=True), (both >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _accumulate_pair(sum0, sum1, pair, vec_ptrs, STEP: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
     """hyb step STEP of a unit (elements 2 STEP, 2 STEP + 1): its signed-table rows times the vector, into
     the sum of its row (the unit's first for STEP < 8, else its second)."""
     first, second = _hyb_values_of_rows(pair)
-    column = (2 * STEP) % 16
-    if EVEN_COLUMNS:
-        x_first = tl.load(vec_ptrs + column)
-        x_second = tl.load(vec_ptrs + column + 1)
-    else:
-        x_first = tl.load(vec_ptrs + column, mask=column_ok, other=0.0)
-        x_second = tl.load(vec_ptrs + column + 1, mask=column_ok, other=0.0)
+    x_first, x_second = _vector_pair(vec_ptrs, (2 * STEP) % 16, column_ok, EVEN_COLUMNS)
     if STEP < 8:
         sum0 += first * x_first
         sum0 += second * x_second
@@ -270,31 +283,39 @@ def _trellis_gemv_steps_kernel(
                 column_ok = (tile_col < num_column_tiles - column0)[None, :]
                 ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
             n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
-            if TABLE_IN_SHARED:  # hyb: four steps a gather
-                for quad in tl.static_range(S // 4):
-                    pa, pb, pc, pd = _hyb_gather4(
-                        table, _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad), WU)),
-                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 1), WU)),
-                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 2), WU)),
-                        _hyb_hash_rows(_step_window(w0, w1, w2, after, K * V * (4 * quad + 3), WU)))
-                    sum0, sum1 = _accumulate_pair(sum0, sum1, pa, vec_ptrs, 4 * quad, column_ok, EVEN_COLUMNS)
-                    sum0, sum1 = _accumulate_pair(sum0, sum1, pb, vec_ptrs, 4 * quad + 1, column_ok, EVEN_COLUMNS)
-                    sum0, sum1 = _accumulate_pair(sum0, sum1, pc, vec_ptrs, 4 * quad + 2, column_ok, EVEN_COLUMNS)
-                    sum0, sum1 = _accumulate_pair(sum0, sum1, pd, vec_ptrs, 4 * quad + 3, column_ok, EVEN_COLUMNS)
+            if TABLE_IN_SHARED:  # hyb: eight steps a gather (S is 8 or 16)
+                for octet in tl.static_range(S // 8):
+                    p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_gather8(
+                        table, _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 1), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 2), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 3), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 4), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 5), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 6), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 7), WU))
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p0, vec_ptrs, 8 * octet, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p1, vec_ptrs, 8 * octet + 1, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p2, vec_ptrs, 8 * octet + 2, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p3, vec_ptrs, 8 * octet + 3, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p4, vec_ptrs, 8 * octet + 4, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p5, vec_ptrs, 8 * octet + 5, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p6, vec_ptrs, 8 * octet + 6, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p7, vec_ptrs, 8 * octet + 7, column_ok, EVEN_COLUMNS)
             for step in tl.static_range(0 if TABLE_IN_SHARED else S):
                 # step's first element of the unit: row (V step) // 16, column (V step) % 16
-                window = _step_window(w0, w1, w2, after, K * V * step, WU)
-                first, second = _window_values(window, table, CODE, PTX)
-                if EVEN_COLUMNS:
-                    x_first = tl.load(vec_ptrs + (V * step) % 16)
-                    x_second = x_first
-                    if V == 2:
-                        x_second = tl.load(vec_ptrs + (V * step) % 16 + 1)
+                if CODE == 2:
+                    first, second = _window_values(_step_window(w0, w1, w2, after, K * V * step, WU), table, CODE, PTX)
                 else:
-                    x_first = tl.load(vec_ptrs + (V * step) % 16, mask=column_ok, other=0.0)
+                    first, second = _code_values(_step_state(w0, w1, w2, after, K * step, WU, PTX), table, CODE, PTX)
+                if V == 2:
+                    x_first, x_second = _vector_pair(vec_ptrs, (2 * step) % 16, column_ok, EVEN_COLUMNS)
+                elif step % 2 == 0:  # V = 1: this step's column and the next step's, in one load
+                    x_first, x_next = _vector_pair(vec_ptrs, step % 16, column_ok, EVEN_COLUMNS)
                     x_second = x_first
-                    if V == 2:
-                        x_second = tl.load(vec_ptrs + (V * step) % 16 + 1, mask=column_ok, other=0.0)
+                else:
+                    x_first = x_next
+                    x_second = x_first
                 if (V * step) // 16 == 0:  # one FFMA per weight into its row's sum
                     sum0 += first * x_first
                     if V == 2:
