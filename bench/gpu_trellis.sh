@@ -25,7 +25,7 @@ status=0
 
 if [[ " $STAGES " == *" tests "* ]]; then
     stage "GPU tests (decode bit for bit, arms vs reference in bf16, graph replay)"
-    timeout 300 python3 -m pytest -m gpu tests/test_trellis_kernels.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
+    timeout 300 python3 -m pytest -m gpu tests/test_trellis_kernels.py tests/test_trellis_gemv_unrolled.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -29,6 +29,11 @@ it the weights only through shared memory: 4 bytes of shared traffic per weight 
 a second bound of about 18 us for the six experts of a v4-shape token on an H200, beside a decode that
 stays the same. docs/trellis-kernels.md derives the loop's instruction count per weight from its SASS.
 
+Two kernels run that walk. `_trellis_gemv_kernel` (the `r` schedules) decodes [units, BLOCK_TC, steps]
+tensors. `_trellis_gemv_steps_kernel` (the `u` schedules, the default) unrolls the steps at compile time
+over [units, BLOCK_TC] tensors: no layout change of the words per step, a constant shift per state, hyb's
+signed table read through shared memory. docs/trellis-kernels.md counts both.
+
 Block shapes are not autotuned (the autotuner times inside CUDA-graph capture); `SCHEDULES` holds the
 few a GPU run compares (bench/trellis_bench.py), `DEFAULT_SCHEDULE` the one the arm uses.
 """
@@ -68,6 +73,12 @@ class GemvSchedule:
 #            conversion, the walk's bookkeeping) spread over twice the weights
 #   "r2c8"   32 x 128: each vector value loaded once for twice the rows, half the programs
 #   "r1c32"  16 x 512: 6.6 / 8.9 / 6.9, 128 registers (4 programs: fewer warps to hide a DRAM round trip)
+# The unrolled kernel (`_trellis_gemv_steps_kernel`), hyb / 3inst / 1mad:
+#   "u1c16"  16 x 256: 4.8 / 8.7 / 6.7, 40-56 registers
+#   "u2c16"  32 x 256: 4.4 / 8.4 / 6.4, 80-96 registers (5-6 programs): 768 programs a product at v4-shape
+#   "u2c16g" u2c16 with hyb's table read through L1 (5.5 for hyb), to time against the shared-memory reads
+#   "u1c32"  16 x 512: 4.4 / 8.3 / 6.3, 80-96 registers, half the steps per program of u2c16
+#   "u2c32", "u4c16"  4.2 / 8.2 / 6.2, 128 registers (4 programs)
 SCHEDULES = {
     "r1c8": GemvSchedule(block_tile_rows=1, block_tile_columns=8, num_warps=4),
     "r1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4),
@@ -353,6 +364,9 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
     row_tiles, column_tiles = rows // TILE, columns // TILE
     kernel, extra = _trellis_gemv_kernel, {}
     if schedule.unrolled:
+        if vectors.data_ptr() % 8 or vectors.stride(0) % 2:  # _vector_pair's 8-byte loads
+            raise ValueError(f"the unrolled GEMV reads its vectors 8 bytes at a time: they must start 8-byte aligned "
+                             f"with an even row stride, got stride {vectors.stride(0)}")
         kernel = _trellis_gemv_steps_kernel
         if code.needs_table:
             table = matrix.signed_table
