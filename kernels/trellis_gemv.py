@@ -289,7 +289,7 @@ def _trellis_gemv_steps_kernel(
             next_ptrs += BLOCK_TC * words_per_tile
             if EVEN_COLUMNS:
                 column_ok = tile_col[None, :] >= 0
-                ahead = row_ok[:, None] & (tl.full([1, BLOCK_TC], column0 + BLOCK_TC, tl.int32) < num_column_tiles)
+                ahead = row_ok[:, None] & (tile_col * 0 + (column0 + BLOCK_TC) < num_column_tiles)[None, :]
             else:
                 column_ok = (tile_col < num_column_tiles - column0)[None, :]
                 ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
@@ -313,28 +313,31 @@ def _trellis_gemv_steps_kernel(
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p5, vec_ptrs, 8 * octet + 5, column_ok, EVEN_COLUMNS)
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p6, vec_ptrs, 8 * octet + 6, column_ok, EVEN_COLUMNS)
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p7, vec_ptrs, 8 * octet + 7, column_ok, EVEN_COLUMNS)
-            for step in tl.static_range(0 if TABLE_IN_SHARED else S):
-                # step's first element of the unit: row (V step) // 16, column (V step) % 16
-                if CODE == 2:
-                    first, second = _window_values(_step_window(w0, w1, w2, after, K * V * step, WU), table, CODE, PTX)
-                else:
-                    first, second = _code_values(_step_state(w0, w1, w2, after, K * step, WU, PTX), table, CODE, PTX)
-                if V == 2:
-                    x_first, x_second = _vector_pair(vec_ptrs, (2 * step) % 16, column_ok, EVEN_COLUMNS)
-                elif step % 2 == 0:  # V = 1: this step's column and the next step's, in one load
-                    x_first, x_next = _vector_pair(vec_ptrs, step % 16, column_ok, EVEN_COLUMNS)
-                    x_second = x_first
-                else:
-                    x_first = x_next
-                    x_second = x_first
-                if (V * step) // 16 == 0:  # one FFMA per weight into its row's sum
-                    sum0 += first * x_first
+            else:
+                for step in tl.static_range(S):
+                    # step's first element of the unit: row (V step) // 16, column (V step) % 16
+                    if CODE == 2:
+                        window = _step_window(w0, w1, w2, after, K * V * step, WU)
+                        first, second = _window_values(window, table, CODE, PTX)
+                    else:
+                        state = _step_state(w0, w1, w2, after, K * step, WU, PTX)
+                        first, second = _code_values(state, table, CODE, PTX)
                     if V == 2:
-                        sum0 += second * x_second
-                else:
-                    sum1 += first * x_first
-                    if V == 2:
-                        sum1 += second * x_second
+                        x_first, x_second = _vector_pair(vec_ptrs, (2 * step) % 16, column_ok, EVEN_COLUMNS)
+                    elif step % 2 == 0:  # V = 1: this step's column and the next step's, in one load
+                        x_first, x_next = _vector_pair(vec_ptrs, step % 16, column_ok, EVEN_COLUMNS)
+                        x_second = x_first
+                    else:
+                        x_first = x_next
+                        x_second = x_first
+                    if (V * step) // 16 == 0:  # one FFMA per weight into its row's sum
+                        sum0 += first * x_first
+                        if V == 2:
+                            sum0 += second * x_second
+                    else:
+                        sum1 += first * x_first
+                        if V == 2:
+                            sum1 += second * x_second
             vec_ptrs += BLOCK_TC * 16
             w0, w1, w2, after = n0, n1, n2, n_after
         if USE_GDC:

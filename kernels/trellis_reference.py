@@ -333,6 +333,8 @@ class TrellisMatrix:
     left_signs   float32 [N]  +-1          T_L's signs (from left_seed), shared by the E experts
     right_signs  float32 [C]  +-1          T_R's signs (from right_seed), shared by the E experts
     left_block, right_block                the Hadamard blocks of each side
+    signed_table float32 [1024, 2] | None  hyb's table with the flip folded in (`signed_hyb_table`), made
+                                           from `table` at construction (the unrolled GEMV reads it)
 
     The signs are shared along E so an arm rotates each token's input once for all its experts (and
     can sum w2's outputs in the rotated basis before one unrotation)."""
