@@ -1,7 +1,8 @@
 """Trellis MoE arms on an H200 at v4-shape (E = 256, k = 6, D = 4096, F = 2048), against the bf16 arms and
 their own bounds, in ONE run (about 3 minutes, most of it Triton compiling):
 
-  (i)   n = 1: trellis GEMV (each code at K = 2 with the default schedule, hyb with every schedule)
+  (i)   n = 1: trellis GEMV (each code at K = 2 with the default schedule and the baseline one, hyb with every
+        schedule)
         against the bf16 GEMV arm (target: >= 3x faster) and against its own bound
         max(packed bytes / copy bandwidth, issue time of its main loop) (target: <= 1.5x)
   (ii)  n = 2048 and 8192: the fused-decode grouped arm (hyb with every schedule, the other codes with the
@@ -303,10 +304,14 @@ def measure(setup: Setup) -> dict:
 
     gemv_rows = []
     configs = [(code, trellis_gemv.DEFAULT_SCHEDULE) for code in setup.codes]
-    configs += [(first, name) for name in setup.gemv_schedules if name != trellis_gemv.DEFAULT_SCHEDULE]
+    if trellis_gemv.BASELINE_SCHEDULE != trellis_gemv.DEFAULT_SCHEDULE:  # old against new, every code, same run
+        configs += [(code, trellis_gemv.BASELINE_SCHEDULE) for code in setup.codes]
+    configs += [(first, name) for name in setup.gemv_schedules if (first, name) not in configs]
     for code, schedule in configs:
         w13, w2 = stacks[code]
-        before = cache_keys(trellis_gemv._trellis_gemv_kernel)
+        chosen = trellis_gemv.SCHEDULES[schedule]
+        kernel = trellis_gemv._trellis_gemv_steps_kernel if chosen.unrolled else trellis_gemv._trellis_gemv_kernel
+        before = cache_keys(kernel)
         try:
             out = trellis_gemv.moe_trellis_gemv(x1, w13, w2, ids_sets[0], weights1, schedule=schedule)
             error = relative_error(out, reference(code, x1, ids_sets[0], weights1, 1))
@@ -318,9 +323,8 @@ def measure(setup: Setup) -> dict:
             gemv_rows.append({"code": code, "schedule": schedule, "error": failed[-1]})
             torch.cuda.synchronize()
             continue
-        chosen = trellis_gemv.SCHEDULES[schedule]
         per_thread = chosen.block_tile_rows * chosen.block_tile_columns * 256 / (32 * chosen.num_warps)
-        counts = loop_counts(compiled_since(trellis_gemv._trellis_gemv_kernel, before), per_thread)
+        counts = loop_counts(compiled_since(kernel, before), per_thread)
         weights = 6 * 3 * D * F
         bytes_us = (6 * packed_bytes + 2 * D * 2) / bandwidth * 1e6
         gemv_rows.append({"code": code, "schedule": schedule, **timing, "rel_err": error, "bytes_bound_us": bytes_us,

@@ -66,6 +66,18 @@ def code_constants(code: str, bits: int) -> dict:
     return dict(K=bits, V=2 if code == "hyb" else 1, G=group, WU=words, CODE=CODE_IDS[code], PTX=True)
 
 
+def gemv_kernel(schedule, code: str, bits: int) -> tuple:
+    """(kernel function, constexprs) of the GEMV product `schedule` launches at v4-shape, as
+    kernels.trellis_gemv._product chooses them (D = 4096: the column tiles divide every schedule's step)."""
+    constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
+                     BLOCK_TC=schedule.block_tile_columns, USE_GDC=True, WEIGHT_EVICTION="evict_first",
+                     **code_constants(code, bits))
+    if not schedule.unrolled:
+        return trellis_gemv._trellis_gemv_kernel, constants
+    constants.update(TABLE_IN_SHARED=code == "hyb" and schedule.hyb_table == "shared", EVEN_COLUMNS=True)
+    return trellis_gemv._trellis_gemv_steps_kernel, constants
+
+
 def describe(label: str, kernel, weights_per_thread: float) -> str:
     loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
     counts = sass_loops.per_weight(loop, weights_per_thread)
@@ -81,10 +93,7 @@ def main() -> int:
           "decodes per trip")
     for name, schedule in trellis_gemv.SCHEDULES.items():
         for code, bits in codes:
-            constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
-                             BLOCK_TC=schedule.block_tile_columns, USE_GDC=True, WEIGHT_EVICTION="evict_first",
-                             **code_constants(code, bits))
-            kernel = compile_sm90(trellis_gemv._trellis_gemv_kernel, constants, schedule.num_warps, 3)
+            kernel = compile_sm90(*gemv_kernel(schedule, code, bits), schedule.num_warps, 3)
             weights = schedule.block_tile_rows * schedule.block_tile_columns * 256 / (32 * schedule.num_warps)
             print(describe(f"gemv {name} {code} K={bits}", kernel, weights))
     print("\ntrellis grouped (fused decode), per weight = loop instructions / weights a thread decodes per K step "

@@ -152,6 +152,107 @@ def _code_values(s, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _unit_word(w0, w1, w2, after, J: tl.constexpr, WU: tl.constexpr):
+    """Word J of a unit (J = WU: the first word of the next unit), from `_unit_words`."""
+    if J == WU:
+        return after
+    elif J == 0:
+        return w0
+    elif J == 1:
+        return w1
+    else:
+        return w2
+
+
+@triton.jit
+def _step_window(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
+    """uint32, any shape: the unit's stream from bit P (a compile-time offset) with the state of that step in
+    the low 16 bits and earlier stream bits above it (not masked off: hyb's hash does not see them, the
+    computed codes mask). One shift, or one funnel shift where the state straddles two words."""
+    R: tl.constexpr = P % 32
+    high = _unit_word(w0, w1, w2, after, P // 32, WU)
+    if R <= 16:
+        return high >> (16 - R)
+    else:
+        low = _unit_word(w0, w1, w2, after, P // 32 + 1, WU)
+        return (high << (R - 16)) | (low >> (48 - R))  # LLVM's funnel shift: one SHF.L.W
+
+
+@triton.jit
+def _step_state(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr, PTX: tl.constexpr):
+    """uint32, any shape: the 16-bit state at stream bit P of the unit (masked), for the computed codes. A
+    state at bit 8 B + k of word j (k < 8) is bytes (B, B + 1) of the word funnel-shifted left by k, which
+    the states with the same j and k share (one funnel shift each k): B = 0 one shift, B = 1 one byte
+    permute (PTX's prmt, zero bytes above), B = 2 one mask; only B = 3 (the state's second byte in the next
+    word) takes a funnel shift and a mask of its own. K = 2: 23 instructions for 16 states, not 32."""
+    R: tl.constexpr = P % 32
+    B: tl.constexpr = R // 8
+    SHIFT: tl.constexpr = R % 8
+    high = _unit_word(w0, w1, w2, after, P // 32, WU)
+    if B == 3:
+        return _step_window(w0, w1, w2, after, P, WU) & 0xFFFF
+    if SHIFT == 0:
+        word = high
+    else:
+        word = (high << SHIFT) | (_unit_word(w0, w1, w2, after, P // 32 + 1, WU) >> (32 - SHIFT))
+    if B == 0:
+        return word >> 16
+    elif B == 1:
+        if PTX:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4421;", "=r,r", [word], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
+        else:
+            return (word >> 8) & 0xFFFF
+    else:
+        return word & 0xFFFF
+
+
+@triton.jit
+def _window_values(t, table_ptr, CODE: tl.constexpr, PTX: tl.constexpr):
+    """`_step_window` words -> (first value, second value) float32 of their states, as `_code_values` but
+    in 32-bit integer work only; for hyb, table_ptr is `trellis_reference.signed_hyb_table` ([1024, 2]) and
+    the row is `_hyb_hash_rows`."""
+    if CODE == 2:
+        return _hyb_values_of_rows(tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + _hyb_hash_rows(t)))
+    else:
+        return _code_values(t & 0xFFFF, table_ptr, CODE, PTX)
+
+
+@triton.jit
+def _hyb_hash_rows(t):
+    """hyb: `_step_window` words -> int32 rows of the signed table ([1024, 2]: rows 512.. the first 512 with
+    v0 negated). x = t * (t + 1) mod 2^32 agrees with s * (s + 1) in its low 16 bits (the bits of t above
+    its state only reach bits 16 and up), and those hold both the flip (bit 15) and the index (bits
+    6..14): the signed row is (x >> 6) & 1023. One IMAD (t * t + t), and the shift and mask fold into
+    the row's address."""
+    x = t * t + t
+    return ((x >> 6) & 1023).to(tl.int32)
+
+
+@triton.jit
+def _hyb_values_of_rows(pair):
+    """uint64 signed-table rows (v1 in the high word) -> (first, second) float32."""
+    return pair.to(tl.uint32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hyb_gather8(table, a, b, c, d, e, f, g, h):
+    """Eight equal-shape int32 tensors of signed-table rows -> their uint64 rows, from `table` ([1024] uint64
+    in registers) in ONE tl.gather. A gather goes through shared memory (the table written, a barrier, the
+    reads: 32-bit addresses, no L1 gathers), so eight steps share one copy of the table."""
+    rows = tl.join(tl.join(tl.join(a, b), tl.join(c, d)), tl.join(tl.join(e, f), tl.join(g, h)))
+    pairs = tl.reshape(tl.gather(table, tl.reshape(rows, [rows.numel]), 0), rows.shape)
+    abcd, efgh = tl.split(pairs)
+    ab, cd = tl.split(abcd)
+    ef, gh = tl.split(efgh)
+    pa, pb = tl.split(ab)
+    pc, pd = tl.split(cd)
+    pe, pf = tl.split(ef)
+    pg, ph = tl.split(gh)
+    return pa, pb, pc, pd, pe, pf, pg, ph
+
+
+@triton.jit
 def _trellis_dequantize_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32

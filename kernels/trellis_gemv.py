@@ -29,6 +29,11 @@ it the weights only through shared memory: 4 bytes of shared traffic per weight 
 a second bound of about 18 us for the six experts of a v4-shape token on an H200, beside a decode that
 stays the same. docs/trellis-kernels.md derives the loop's instruction count per weight from its SASS.
 
+Two kernels run that walk. `_trellis_gemv_kernel` (the `r` schedules) decodes [units, BLOCK_TC, steps]
+tensors. `_trellis_gemv_steps_kernel` (the `u` schedules, the default) unrolls the steps at compile time
+over [units, BLOCK_TC] tensors: no layout change of the words per step, a constant shift per state, hyb's
+signed table read through shared memory. docs/trellis-kernels.md counts both.
+
 Block shapes are not autotuned (the autotuner times inside CUDA-graph capture); `SCHEDULES` holds the
 few a GPU run compares (bench/trellis_bench.py), `DEFAULT_SCHEDULE` the one the arm uses.
 """
@@ -43,8 +48,9 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _states_of, _unit_words, check_trellis_moe_inputs, code_id,
-                                    compiled, unit_geometry)
+from kernels.trellis_decode import (_code_values, _hyb_gather8, _hyb_hash_rows, _hyb_values_of_rows, _states_of,
+                                    _step_state, _step_window, _unit_words, _window_values,
+                                    check_trellis_moe_inputs, code_id, compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
@@ -54,6 +60,8 @@ class GemvSchedule:
     block_tile_rows: int  # BLOCK_TR: tile rows (16 output rows each) per program
     block_tile_columns: int  # BLOCK_TC: tile columns per step of the walk
     num_warps: int
+    unrolled: bool = False  # `_trellis_gemv_steps_kernel` (steps unrolled, [units, tile columns] tensors)
+    hyb_table: str = "shared"  # unrolled hyb: the signed table through shared memory, or "global" (L1 gathers)
 
 
 # Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
@@ -65,13 +73,26 @@ class GemvSchedule:
 #            conversion, the walk's bookkeeping) spread over twice the weights
 #   "r2c8"   32 x 128: each vector value loaded once for twice the rows, half the programs
 #   "r1c32"  16 x 512: 6.6 / 8.9 / 6.9, 128 registers (4 programs: fewer warps to hide a DRAM round trip)
+# The unrolled kernel (`_trellis_gemv_steps_kernel`), hyb / 3inst / 1mad:
+#   "u1c16"  16 x 256: 4.8 / 8.7 / 6.7, 40-56 registers
+#   "u2c16"  32 x 256: 4.4 / 8.4 / 6.4, 80-96 registers (5-6 programs): 768 programs a product at v4-shape
+#   "u2c16g" u2c16 with hyb's table read through L1 (5.5 for hyb), to time against the shared-memory reads
+#   "u1c32"  16 x 512: 4.4 / 8.3 / 6.3, 80-96 registers, half the steps per program of u2c16
+#   "u2c32", "u4c16"  4.2 / 8.2 / 6.2, 128 registers (4 programs)
 SCHEDULES = {
     "r1c8": GemvSchedule(block_tile_rows=1, block_tile_columns=8, num_warps=4),
     "r1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4),
     "r2c8": GemvSchedule(block_tile_rows=2, block_tile_columns=8, num_warps=4),
     "r1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4),
+    "u1c16": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True),
+    "u2c16": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True),
+    "u2c16g": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, hyb_table="global"),
+    "u1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4, unrolled=True),
+    "u2c32": GemvSchedule(block_tile_rows=2, block_tile_columns=32, num_warps=4, unrolled=True),
+    "u4c16": GemvSchedule(block_tile_rows=4, block_tile_columns=16, num_warps=4, unrolled=True),
 }
-DEFAULT_SCHEDULE = "r1c16"
+DEFAULT_SCHEDULE = "u2c16"
+BASELINE_SCHEDULE = "r1c16"  # the tensor-form kernel's default before the unrolled one: the bench times both
 
 
 @triton.jit
@@ -157,6 +178,183 @@ def _trellis_gemv_kernel(
         tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=rows_ok)
 
 
+@triton.jit
+def _opaque(x):
+    """x itself (int32), through an asm move the compiler's pointer analysis cannot see into (PTX only)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _hyb_rows_at(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
+    """hyb: the signed-table rows of the step at stream bit P of a block of units."""
+    return _hyb_hash_rows(_step_window(w0, w1, w2, after, P, WU))
+
+
+@triton.jit
+def _vector_pair(vec_ptrs, COLUMN: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
+    """The vector's columns COLUMN and COLUMN + 1 (COLUMN even) of each tile column, float32 [1, T] each, in
+    one 8-byte load (a vector row starts 64-byte aligned: C is a multiple of 16)."""
+    pointers = (vec_ptrs + COLUMN).to(tl.pointer_type(tl.uint64))
+    if EVEN_COLUMNS:
+        both = tl.load(pointers)
+    else:
+        both = tl.load(pointers, mask=column_ok, other=0)
+    return both.to(tl.uint32).to(tl.float32, bitcast=True), (both >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _accumulate_pair(sum0, sum1, pair, vec_ptrs, STEP: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
+    """hyb step STEP of a unit (elements 2 STEP, 2 STEP + 1): its signed-table rows times the vector, into
+    the sum of its row (the unit's first for STEP < 8, else its second)."""
+    first, second = _hyb_values_of_rows(pair)
+    x_first, x_second = _vector_pair(vec_ptrs, (2 * STEP) % 16, column_ok, EVEN_COLUMNS)
+    if STEP < 8:
+        sum0 += first * x_first
+        sum0 += second * x_second
+    else:
+        sum1 += first * x_first
+        sum1 += second * x_second
+    return sum0, sum1
+
+
+@triton.jit
+def _trellis_gemv_steps_kernel(
+    codes_ptr,  # [E, N/16, C/16, W] int32
+    scales_ptr,  # [E, N] float32
+    table_ptr,  # [1024, 2] float32 (hyb: trellis_reference.signed_hyb_table) or any pointer
+    vec_ptr,  # [rows of vectors, C] float32: x_rot (per token) or h_rot (per pair)
+    ids_ptr,  # [P] expert of each pair
+    weights_ptr,  # [P] routing weight of each pair (ROUTED)
+    out_ptr,  # [P, N] float32 out
+    num_experts,
+    num_row_tiles,  # N / 16
+    num_column_tiles,  # C / 16
+    stride_ce,
+    stride_se,
+    stride_v,
+    stride_o,
+    VECTOR_PER_TOKEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    ROUTED: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_TC: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_GDC: tl.constexpr,
+    WEIGHT_EVICTION: tl.constexpr,
+    TABLE_IN_SHARED: tl.constexpr,  # hyb: the signed table read through shared memory (tl.gather), not L1
+    EVEN_COLUMNS: tl.constexpr,  # num_column_tiles % BLOCK_TC == 0: no column masks
+):
+    """`_trellis_gemv_kernel`'s contract, with the steps of a unit unrolled at compile time: every tensor is
+    [units, tile columns], so each thread decodes every state of its own units from its own words (no
+    layout change of the words, a constant shift per state: `_step_window`), and reads each vector value
+    once for all of its units."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    if (expert >= 0) & (expert < num_experts):
+        UT: tl.constexpr = 16 // G
+        U: tl.constexpr = BLOCK_TR * UT
+        S: tl.constexpr = 16 * G // V
+        unit = tl.arange(0, U)
+        tile_row = tl.program_id(1) * BLOCK_TR + unit // UT  # [U]
+        in_tile = unit % UT
+        row_ok = tile_row < num_row_tiles
+        tile_col = tl.arange(0, BLOCK_TC)  # [T]
+        words_per_tile: tl.constexpr = 8 * K
+        row_base = codes_ptr + expert.to(tl.int64) * stride_ce + (tile_row * num_column_tiles * words_per_tile)[:, None]
+        unit_offsets = (in_tile * WU)[:, None] + tile_col[None, :] * words_per_tile  # [U, T]
+        next_offsets = (((in_tile + 1) % UT) * WU)[:, None] + tile_col[None, :] * words_per_tile
+        if PTX:
+            # hide the units' contiguity from the coalescing pass: a thread's words then come in the layout of
+            # the vector's [1, T] loads (one per tile column), not in runs of units that must change layout
+            unit_offsets = _opaque(unit_offsets)
+            next_offsets = _opaque(next_offsets)
+        unit_ptrs = row_base + unit_offsets
+        next_ptrs = row_base + next_offsets
+        if VECTOR_PER_TOKEN:
+            vector = vec_ptr + (pair // TOP_K).to(tl.int64) * stride_v
+        else:
+            vector = vec_ptr + pair.to(tl.int64) * stride_v
+        vec_ptrs = vector + tile_col[None, :] * 16  # [1, T]: each tile column's first column
+        sum0 = tl.zeros([U, BLOCK_TC], dtype=tl.float32)  # the unit's first row
+        sum1 = tl.zeros([U, BLOCK_TC], dtype=tl.float32)  # its second row (G = 2)
+        w0, w1, w2, after = _unit_words(unit_ptrs, next_ptrs, row_ok[:, None] & (tile_col < num_column_tiles)[None, :],
+                                        WU, WEIGHT_EVICTION)
+        table = table_ptr
+        if TABLE_IN_SHARED:
+            table = tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + tl.arange(0, 1024))
+        for column0 in range(0, num_column_tiles, BLOCK_TC):
+            unit_ptrs += BLOCK_TC * words_per_tile
+            next_ptrs += BLOCK_TC * words_per_tile
+            if EVEN_COLUMNS:
+                column_ok = tile_col[None, :] >= 0
+                ahead = row_ok[:, None] & (tile_col * 0 + (column0 + BLOCK_TC) < num_column_tiles)[None, :]
+            else:
+                column_ok = (tile_col < num_column_tiles - column0)[None, :]
+                ahead = row_ok[:, None] & (tile_col < num_column_tiles - column0 - BLOCK_TC)[None, :]
+            n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
+            if TABLE_IN_SHARED:  # hyb: eight steps a gather (S is 8 or 16)
+                for octet in tl.static_range(S // 8):
+                    p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_gather8(
+                        table, _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 1), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 2), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 3), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 4), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 5), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 6), WU),
+                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 7), WU))
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p0, vec_ptrs, 8 * octet, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p1, vec_ptrs, 8 * octet + 1, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p2, vec_ptrs, 8 * octet + 2, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p3, vec_ptrs, 8 * octet + 3, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p4, vec_ptrs, 8 * octet + 4, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p5, vec_ptrs, 8 * octet + 5, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p6, vec_ptrs, 8 * octet + 6, column_ok, EVEN_COLUMNS)
+                    sum0, sum1 = _accumulate_pair(sum0, sum1, p7, vec_ptrs, 8 * octet + 7, column_ok, EVEN_COLUMNS)
+            else:
+                for step in tl.static_range(S):
+                    # step's first element of the unit: row (V step) // 16, column (V step) % 16
+                    if CODE == 2:
+                        window = _step_window(w0, w1, w2, after, K * V * step, WU)
+                        first, second = _window_values(window, table, CODE, PTX)
+                    else:
+                        state = _step_state(w0, w1, w2, after, K * step, WU, PTX)
+                        first, second = _code_values(state, table, CODE, PTX)
+                    if V == 2:
+                        x_first, x_second = _vector_pair(vec_ptrs, (2 * step) % 16, column_ok, EVEN_COLUMNS)
+                    elif step % 2 == 0:  # V = 1: this step's column and the next step's, in one load
+                        x_first, x_next = _vector_pair(vec_ptrs, step % 16, column_ok, EVEN_COLUMNS)
+                        x_second = x_first
+                    else:
+                        x_first = x_next
+                        x_second = x_first
+                    if (V * step) // 16 == 0:  # one FFMA per weight into its row's sum
+                        sum0 += first * x_first
+                        if V == 2:
+                            sum0 += second * x_second
+                    else:
+                        sum1 += first * x_first
+                        if V == 2:
+                            sum1 += second * x_second
+            vec_ptrs += BLOCK_TC * 16
+            w0, w1, w2, after = n0, n1, n2, n_after
+        if USE_GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        rows = tile_row * 16 + in_tile * G  # [U]: each unit's first row
+        scale_row = scales_ptr + expert.to(tl.int64) * stride_se + rows
+        result = tl.sum(sum0, axis=1) * tl.load(scale_row, mask=row_ok, other=0.0)
+        if ROUTED:
+            result = result * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=row_ok)
+        if G == 2:
+            result = tl.sum(sum1, axis=1) * tl.load(scale_row + 1, mask=row_ok, other=0.0)
+            if ROUTED:
+                result = result * tl.load(weights_ptr + pair).to(tl.float32)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows + 1, result, mask=row_ok)
+
+
 def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tensor, flat_weights: torch.Tensor,
              top_k: int, per_token: bool, routed: bool, schedule: GemvSchedule, name: str) -> torch.Tensor:
     """[P, N] float32: one GEMV launch of `matrix` for every pair (module docstring)."""
@@ -166,18 +364,28 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
     code = matrix.code
     group, words = unit_geometry(code.K)
     table = matrix.table if matrix.table is not None else matrix.scales
-    row_tiles = rows // TILE
-    _trellis_gemv_kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
+    row_tiles, column_tiles = rows // TILE, columns // TILE
+    kernel, extra = _trellis_gemv_kernel, {}
+    if schedule.unrolled:
+        if vectors.data_ptr() % 8 or vectors.stride(0) % 2:  # _vector_pair's 8-byte loads
+            raise ValueError(f"the unrolled GEMV reads its vectors 8 bytes at a time: they must start 8-byte aligned "
+                             f"with an even row stride, got stride {vectors.stride(0)}")
+        kernel = _trellis_gemv_steps_kernel
+        if code.needs_table:
+            table = matrix.signed_table
+        extra = dict(TABLE_IN_SHARED=code.needs_table and schedule.hyb_table == "shared",
+                     EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0)
+    kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
         matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
-        experts, row_tiles, columns // TILE, matrix.codes.stride(0), matrix.scales.stride(0),
+        experts, row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0),
         vectors.stride(0), out.stride(0),
         VECTOR_PER_TOKEN=per_token, TOP_K=top_k, ROUTED=routed,
         K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
         BLOCK_TR=schedule.block_tile_rows, BLOCK_TC=schedule.block_tile_columns, num_warps=schedule.num_warps,
         PTX=compiled(vectors.device),
-        **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device),
+        **pdl.launch_options(vectors.device), WEIGHT_EVICTION=streaming.weight_eviction(vectors.device), **extra,
     )
-    launches.record(name, kernel=_trellis_gemv_kernel)
+    launches.record(name, kernel=kernel)
     return out
 
 

@@ -63,7 +63,7 @@ search in engine.trellis_quantizer), read or write files, know models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -333,6 +333,8 @@ class TrellisMatrix:
     left_signs   float32 [N]  +-1          T_L's signs (from left_seed), shared by the E experts
     right_signs  float32 [C]  +-1          T_R's signs (from right_seed), shared by the E experts
     left_block, right_block                the Hadamard blocks of each side
+    signed_table float32 [1024, 2] | None  hyb's table with the flip folded in (`signed_hyb_table`), made
+                                           from `table` at construction (the unrolled GEMV reads it)
 
     The signs are shared along E so an arm rotates each token's input once for all its experts (and
     can sum w2's outputs in the rotated basis before one unrotation)."""
@@ -348,8 +350,12 @@ class TrellisMatrix:
     left_seed: int
     right_seed: int
 
+    signed_table: torch.Tensor | None = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         check_matrix(self)
+        # made once here, never inside a kernel launch (a CUDA-graph capture would leave it unwritten)
+        object.__setattr__(self, "signed_table", None if self.table is None else signed_hyb_table(self.table))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -389,6 +395,13 @@ def packed_bytes_per_expert(code: TrellisCode, rows: int, columns: int) -> int:
     """Bytes one expert's [rows, columns] matrix occupies and a kernel reads: K bits per weight of codes
     plus a float32 scale per row (signs and the hyb table are per layer, a few KB, not counted)."""
     return rows * columns * code.K // 8 + 4 * rows
+
+
+def signed_hyb_table(table: torch.Tensor) -> torch.Tensor:
+    """float32 [1024, 2] from hyb's [512, 2] table: row f * 512 + i is (table[i, 0] * (1 - 2 f), table[i, 1]),
+    the code's sign flip taken ahead of time (exact), so a kernel reads a state's vector at the ten bits
+    (flip, index) with no sign work. Lives beside `table` on a TrellisMatrix (`signed_table`)."""
+    return torch.cat([table, table * torch.tensor([-1.0, 1.0], device=table.device)]).contiguous()
 
 
 def check_matrix(matrix: TrellisMatrix) -> None:

@@ -264,7 +264,8 @@ def test_gpu_arms_match_the_reference_bf16(tokens, top_k, experts, hidden, inter
     want = expected(x, w13, w2, ids, weights)
     # every schedule on hyb K = 2 (the bench times them all), the defaults on the other codes (compile time)
     everything = (code_name, bits) == ("hyb", 2)
-    gemv_schedules = list(gemv_module.SCHEDULES) if everything else [gemv_module.DEFAULT_SCHEDULE]
+    gemv_schedules = (list(gemv_module.SCHEDULES) if everything
+                      else [gemv_module.DEFAULT_SCHEDULE, gemv_module.BASELINE_SCHEDULE])
     grouped_schedules = list(grouped_module.SCHEDULES) if everything else [grouped_module.DEFAULT_SCHEDULE]
     outputs = {}
     args = (x, w13, w2, ids, weights.bfloat16())

@@ -42,10 +42,8 @@ sys.path.insert(0, "bench")
 import sass_loops, trellis_sm90_compile as report
 from kernels import trellis_gemv
 schedule = trellis_gemv.SCHEDULES[trellis_gemv.DEFAULT_SCHEDULE]
-constants = dict(VECTOR_PER_TOKEN=True, TOP_K=6, ROUTED=False, BLOCK_TR=schedule.block_tile_rows,
-                 BLOCK_TC=schedule.block_tile_columns, USE_GDC=False, WEIGHT_EVICTION="evict_first",
-                 **report.code_constants("hyb", 2))
-kernel = report.compile_sm90(trellis_gemv._trellis_gemv_kernel, constants, schedule.num_warps, 3)
+function, constants = report.gemv_kernel(schedule, "hyb", 2)
+kernel = report.compile_sm90(function, dict(constants, USE_GDC=False), schedule.num_warps, 3)
 loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
 weights = schedule.block_tile_rows * schedule.block_tile_columns * 256 / (32 * schedule.num_warps)
 print(json.dumps(sass_loops.per_weight(loop, weights)))
@@ -66,6 +64,7 @@ def test_the_gemv_loop_of_the_sm90_build_is_found():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    # hyb: two FFMAs per step of two weights, one funnel shift per state: the loop found is the decode loop
+    # hyb: two FFMAs per step of two weights, and at least a shift, the hash and the table read per state:
+    # the loop found is the decode loop (about 3.5 a weight at the least, docs/trellis-kernels.md)
     assert counts["fma"] == pytest.approx(1.0, abs=0.1)
-    assert 5.0 < counts["issue"] < 12.0
+    assert 3.0 < counts["issue"] < 12.0
