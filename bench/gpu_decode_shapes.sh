@@ -6,9 +6,11 @@
 #   blocks   bench/experiments/moe_gemv_blocks.py --shapes qwen3,dsv2: every GEMV schedule candidate beside the pick
 #   qwen3    Qwen3-30B-A3B shape tg128 @ b1 with its kernel profile (bench/gpu_models_profile.sh qwen3)
 #   demo     demo tg128 @ b1 (its figure must hold: run 57 read 21591 t/s)
-#   dsv2     DeepSeek-V2-Lite shape tg128 @ b1 with its kernel profile
+#   dsv2     the DeepSeek fused step's GPU tests (V2-Lite widths cut to 3 layers, against the torch glue, graphed),
+#            and the DeepSeek-V2-Lite shape tg128 @ b1 with its kernel profile
 #   mla      bench/mla_bench.py --sweep at 4096 keys, and the MLA GPU tests
-#   trellis  bench/trellis_bench.py, and the trellis GPU tests
+#   trellis  bench/trellis_bench.py --gemv-only (each code at the new default and the old schedule), and the
+#            unrolled GEMV's GPU tests
 #   bash bench/gpu_decode_shapes.sh [STAGES]     # logs and JSON under $OUT (default bench/results/latest)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,12 +46,14 @@ want blocks && TAIL=16 stage 60 moe_gemv_blocks env OUT="$OUT" python3 bench/exp
 want qwen3 && TAIL=30 stage 75 qwen3_tg128 bench_row qwen3_tg128 bench/configs/qwen3-30b-a3b --weights random \
     --reps 2 --profile
 want demo && TAIL=8 stage 40 demo_tg128 bench_row demo_tg128 demo --reps 3
+want dsv2 && TAIL=6 stage 90 pytest_dsv2 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused_mla.py
 want dsv2 && TAIL=30 stage 60 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
     --reps 2 --profile
 want mla && TAIL=30 stage 70 mla_bench python3 bench/mla_bench.py --sweep --tokens 4096 --out "$OUT/mla_bench.json"
 want mla && TAIL=6 stage 45 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_mla.py
-want trellis && TAIL=30 stage 60 trellis_bench env OUT="$OUT" python3 bench/trellis_bench.py
+want trellis && TAIL=30 stage 100 trellis_bench python3 bench/trellis_bench.py --gemv-only --out "$OUT"
 want trellis && TAIL=6 stage 45 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-    tests/test_trellis_gpu.py
+    tests/test_trellis_gemv_unrolled.py
 echo "done in ${SECONDS}s" | tee -a "$SUMMARY"
 exit 0

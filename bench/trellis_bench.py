@@ -38,6 +38,7 @@ arms equal bit for bit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -239,6 +240,9 @@ class Setup:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "bench" / "results")))
+    parser.add_argument("--gemv-only", action="store_true",
+                        help="part (i) alone, each code at the default and the baseline schedule (no other "
+                             "schedules, no grouped rows): a minute where the whole run takes several")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("trellis_bench needs a CUDA GPU", file=sys.stderr)
@@ -246,6 +250,8 @@ def main() -> int:
     device = torch.device("cuda")
     setup = Setup(device, torch.cuda.get_device_name(), torch.cuda.get_device_properties(device).multi_processor_count,
                   copy_bandwidth(device)["bytes_per_s"], sm_clock)
+    if args.gemv_only:
+        setup = dataclasses.replace(setup, gemv_schedules=(), grouped_tokens=())
     result = measure(setup)
     print(report(result))
     out_dir = Path(args.out)
