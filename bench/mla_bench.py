@@ -53,13 +53,15 @@ LATENT, ROPE, NOPE, V = 512, 64, 128, 128
 TOLERANCE = 1.6e-2
 # (block_m, block_n, warps, stages[, MlaConfig's structure flags]): the old 64 x 32 default, deeper pipelines
 # of 32-key tiles, the 64 x 64 default, the unchained walk (P through a scratch: the score dot no longer
-# computed twice, kernels/attention_mla.py), and two smaller row blocks. bench/mla_sm90_compile.py's table
-# dropped the lazy-rescale builds (they spill at this shape), 64 x 64 at 3 stages (288 KB of shared memory),
-# 64 x 16 (spilled in run 59) and 128 x 32 at 16 warps (ptxas refuses it).
+# computed twice), the key tiles through TMA, both, and a smaller row block (kernels/attention_mla.py).
+# bench/mla_sm90_compile.py's table dropped the lazy-rescale builds (they spill at this shape), 64 x 64 at
+# 3 stages (288 KB of shared memory), 64 x 16 (spilled in run 59), 128 x 32 at 16 warps (ptxas refuses it).
+UNCHAINED, TMA, BOTH = {"unchained": True}, {"tma": True}, {"unchained": True, "tma": True}
 SWEEP = [
     (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 64, 8, 2),
-    (64, 64, 8, 2, {"unchained": True}), (64, 32, 8, 3, {"unchained": True}), (64, 32, 8, 4, {"unchained": True}),
-    (32, 32, 4, 2), (16, 32, 4, 2),
+    (64, 64, 8, 2, UNCHAINED), (64, 32, 8, 3, UNCHAINED), (64, 32, 8, 4, UNCHAINED),
+    (64, 64, 8, 2, TMA), (64, 32, 8, 4, TMA), (64, 64, 8, 2, BOTH), (64, 32, 8, 4, BOTH),
+    (32, 32, 4, 2),
 ]
 SWEEP_SPLITS = (1, 2)  # run 59: more splits were slower at every config (128 programs already fill 132 SMs)
 

@@ -54,6 +54,14 @@ CANDIDATES = [
     MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True),
     MlaConfig(64, 128, 8, 1, unchained=True),
     MlaConfig(64, 64, 8, 3),
+    MlaConfig(64, 64, 8, 2, tma=True),
+    MlaConfig(64, 32, 8, 3, tma=True),
+    MlaConfig(64, 32, 8, 4, tma=True),
+    MlaConfig(64, 64, 8, 2, unchained=True, tma=True),
+    MlaConfig(64, 32, 8, 3, unchained=True, tma=True),
+    MlaConfig(64, 32, 8, 4, unchained=True, tma=True),
+    MlaConfig(64, 64, 8, 2, lazy_rescale=True, tma=True),
+    MlaConfig(64, 64, 8, 2, lazy_rescale=True, unchained=True, tma=True),
 ]
 
 
@@ -61,7 +69,7 @@ def compile_sm90(config: MlaConfig, latent: int = 512, rope: int = 64):
     fn = _mla_split_kernel
     constexprs = dict(LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n, OUTPUT="direct",
                       DOT_PRECISION="tf32", LAZY_RESCALE=config.lazy_rescale, UNCHAINED=config.unchained,
-                      PTX=True, WIDE_OFFSETS=False, num_splits=1)
+                      PTX=True, WIDE_OFFSETS=False, TMA=config.tma, num_splits=1)
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:

@@ -70,6 +70,7 @@ class MlaConfig:
     # Structure candidates, off by default until bench/mla_bench.py --sweep has timed them (docs/mla.md):
     lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > RESCALE_THRESHOLD
     unchained: bool = False  # P and the rescale factors pass through a global scratch (see _attend_tile)
+    tma: bool = False  # key tiles through device-side tensor descriptors (TMA), not pointer arithmetic
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -78,8 +79,9 @@ class MlaConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
     def label(self) -> str:
-        """"64x64 w8 s2" plus the candidates switched on ("+lazy", "+unchained")."""
-        flags = "".join(f" +{name}" for name, on in (("lazy", self.lazy_rescale), ("unchained", self.unchained)) if on)
+        """"64x64 w8 s2" plus the candidates switched on ("+lazy", "+unchained", "+tma")."""
+        flags = "".join(f" +{name}" for name, on in (("lazy", self.lazy_rescale), ("unchained", self.unchained),
+                                                     ("tma", self.tma)) if on)
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
 
 
@@ -106,13 +108,14 @@ def default_config(kv_lora_rank: int, rows: int) -> MlaConfig:
 @triton.jit
 def _attend_tile(
     q_latent, q_rope,  # [BLOCK_M, R], [BLOCK_M, r]
-    cache_base, stride_ct, start, walk_end, position,  # position [BLOCK_M]: each row's last visible key
+    cache_base, latent_desc, rope_desc,  # the sequence's cache rows; its tensor descriptors (TMA only)
+    stride_ct, start, walk_end, position,  # position [BLOCK_M]: each row's last visible key
     qk_scale_log2,
     running_max, running_sum, accumulator,  # [BLOCK_M], [BLOCK_M], [BLOCK_M, R] float32
     scratch_p, scratch_alpha,  # this program's slot of the step's parity (UNCHAINED only)
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LAZY_RESCALE: tl.constexpr, UNCHAINED: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr, TMA: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (running_max, running_sum, accumulator).
     running_max is the reference max both the sum and the accumulator are scaled to (with LAZY_RESCALE
@@ -127,9 +130,13 @@ def _attend_tile(
     rope_dims = tl.arange(0, ROPE)
     keys = start + tl.arange(0, BLOCK_N)
     key_valid = keys < walk_end
-    key_rows = cache_base + (keys.to(tl.int64) if WIDE_OFFSETS else keys)[:, None] * stride_ct  # int32: fewer registers
-    latent = tl.load(key_rows + latent_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, R]
-    key_rope = tl.load(key_rows + LATENT + rope_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, r]
+    if TMA:  # zero past the descriptors' last_key rows; keys in [walk_end, last_key) are real and masked below
+        latent = latent_desc.load([start, 0])  # [BLOCK_N, R]
+        key_rope = rope_desc.load([start, LATENT])  # [BLOCK_N, r]
+    else:
+        key_rows = cache_base + (keys.to(tl.int64) if WIDE_OFFSETS else keys)[:, None] * stride_ct  # int32: fewer regs
+        latent = tl.load(key_rows + latent_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, R]
+        key_rope = tl.load(key_rows + LATENT + rope_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, r]
     if UNCHAINED:  # the RoPE dot first: a dot feeding a dot takes the duplicated layout, so let it be the small one
         scores = tl.dot(q_rope, tl.trans(key_rope), input_precision=DOT_PRECISION)
         scores = tl.dot(q_latent, tl.trans(latent), scores, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -208,6 +215,7 @@ def _mla_split_kernel(
     UNCHAINED: tl.constexpr,
     PTX: tl.constexpr,  # compiled for a GPU (inline PTX allowed), not interpreted
     WIDE_OFFSETS: tl.constexpr,  # key offsets Tk x stride_ct reach 2^31: int64 (else int32, fewer registers)
+    TMA: tl.constexpr,  # the key tiles through tensor descriptors (TMA on Hopper), not pointer arithmetic
 ):
     """One program: BLOCK_M query rows of one sequence, split pid_split of its key walk."""
     pid_m, pid_split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -226,6 +234,14 @@ def _mla_split_kernel(
     walk_end = tl.minimum(((pid_split + 1) * walk_tiles // num_splits) * BLOCK_N, last_key)
 
     cache_base = cache_ptr + batch.to(tl.int64) * stride_cb
+    if TMA:  # device-side descriptors bounded by the block's causal end: TMA zero-fills the keys past it
+        latent_desc = tl.make_tensor_descriptor(cache_base, shape=[last_key, LATENT + ROPE], strides=[stride_ct, 1],
+                                                block_shape=[BLOCK_N, LATENT])
+        rope_desc = tl.make_tensor_descriptor(cache_base, shape=[last_key, LATENT + ROPE], strides=[stride_ct, 1],
+                                              block_shape=[BLOCK_N, ROPE])
+    else:
+        latent_desc = cache_base
+        rope_desc = cache_base
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, LATENT], dtype=tl.float32)
@@ -235,10 +251,10 @@ def _mla_split_kernel(
     for start in range(walk_begin, walk_end, BLOCK_N):
         parity = ((start - walk_begin) // BLOCK_N) % 2
         running_max, running_sum, accumulator = _attend_tile(
-            q_latent, q_rope, cache_base, stride_ct, start, walk_end, position, qk_scale_log2,
+            q_latent, q_rope, cache_base, latent_desc, rope_desc, stride_ct, start, walk_end, position, qk_scale_log2,
             running_max, running_sum, accumulator,
             scratch_p + parity * (BLOCK_M * BLOCK_N), scratch_alpha + parity * BLOCK_M,
-            LATENT, ROPE, BLOCK_M, BLOCK_N, LAZY_RESCALE, UNCHAINED, DOT_PRECISION, PTX, WIDE_OFFSETS)
+            LATENT, ROPE, BLOCK_M, BLOCK_N, LAZY_RESCALE, UNCHAINED, DOT_PRECISION, PTX, WIDE_OFFSETS, TMA)
 
     seen = running_sum > 0.0
     normalised = accumulator / tl.where(seen, running_sum, 1.0)[:, None]  # [BLOCK_M, R]; 0 where nothing was seen
@@ -307,6 +323,20 @@ def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, s
     return max(1, min(MAX_SPLITS, sms // programs_per_split, tiles // MIN_TILES_PER_SPLIT))
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a global scratch Triton asks its allocator for at each launch
+    (128 B per descriptor and program); set ours unless the caller has set one (a context variable, so
+    each launching thread needs it)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
+
+
 def needs_wide_offsets(key_len: int, token_stride: int, width: int) -> bool:
     """Whether a key's element offset within its sequence (key x token stride + column) can reach 2^31: the
     walk then computes offsets in int64, else in int32 (fewer registers in the loop: 252 against 255 at
@@ -373,6 +403,17 @@ def mla_decode(
         partials = torch.empty(num_splits, batch, rows, kv_lora_rank, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_splits, batch, rows, dtype=torch.float32, device=q.device)
     cache_rows = cache[:, :, 0]  # [B, Tk, R + r]
+    compiled_for_gpu = q.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    if config.tma:
+        misaligned = [what for what, value in (("address", cache_rows.data_ptr()),
+                                               ("batch stride", cache_rows.stride(0) * cache.element_size()),
+                                               ("token stride", cache_rows.stride(1) * cache.element_size()))
+                      if value % 16]
+        if misaligned:
+            raise ValueError(f"config {config.label()} reads the cache through TMA, which needs 16-byte aligned "
+                             f"rows; the cache's {', '.join(misaligned)} is not (use a config without tma)")
+        if compiled_for_gpu:
+            _ensure_descriptor_allocator()
     grid = (triton.cdiv(rows, config.block_m), num_splits, batch)
     if config.unchained:
         programs = grid[0] * grid[1] * grid[2]
@@ -389,8 +430,8 @@ def mla_decode(
         LATENT=kv_lora_rank, ROPE=width - kv_lora_rank, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         OUTPUT=output, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY_RESCALE=config.lazy_rescale, UNCHAINED=config.unchained,
-        PTX=q.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
-        WIDE_OFFSETS=needs_wide_offsets(key_len, cache_rows.stride(1), width),
+        PTX=compiled_for_gpu,
+        WIDE_OFFSETS=needs_wide_offsets(key_len, cache_rows.stride(1), width), TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     launches.record("mla_split", kernel=_mla_split_kernel)

@@ -61,6 +61,8 @@ STRUCTURES = [  # MlaConfig's structure candidates at interpreter-sized blocks
     MlaConfig(16, 16, 4, 1, lazy_rescale=True),
     MlaConfig(16, 16, 4, 2, unchained=True),
     MlaConfig(32, 16, 4, 2, lazy_rescale=True, unchained=True),
+    MlaConfig(16, 32, 4, 2, tma=True),
+    MlaConfig(16, 16, 4, 2, unchained=True, tma=True),
 ]
 
 
@@ -81,7 +83,7 @@ def test_structure_candidates_match_the_reference(case, config, dtype):
 
 
 @pytest.mark.parametrize("growth", [0.0, 3.0, 40.0], ids=["flat", "under-threshold", "past-threshold"])
-@pytest.mark.parametrize("config", STRUCTURES[::2], ids=lambda config: config.label().replace(" ", ""))
+@pytest.mark.parametrize("config", STRUCTURES[:3:2], ids=lambda config: config.label().replace(" ", ""))
 def test_lazy_rescaling_is_exact_whether_or_not_the_max_grows(growth, config):
     """Scores that climb by `growth` (log2 units) per 16-key tile: flat keeps the first tile's max to the
     end (probabilities up to 2^8 accumulate unscaled), 3 per tile rescales every few tiles, 40 every tile.
@@ -114,7 +116,22 @@ def test_wide_offsets_path_and_its_decision(monkeypatch):
 
 def test_config_labels():
     assert MlaConfig(64, 64, 8, 2).label() == "64x64 w8 s2"
-    assert MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True).label() == "64x32 w8 s3 +lazy +unchained"
+    assert MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True, tma=True).label() == \
+        "64x32 w8 s3 +lazy +unchained +tma"
+
+
+def test_tma_refuses_a_misaligned_cache_and_reads_a_strided_view():
+    """TMA needs 16-byte aligned rows: a cache one element into its buffer is refused, naming what; an
+    aligned view (every other batch row, keys up to a length) computes the reference's output."""
+    q, cache = _inputs(2, 1, 3, 32, 16, 20, torch.float32, seed=4)
+    shifted = torch.empty(cache.numel() + 1)[1:].view_as(cache).copy_(cache)
+    with pytest.raises(ValueError, match="16-byte aligned rows; the cache's address is not"):
+        mla_decode(q, shifted, 32, 0.2, 19, config=MlaConfig(16, 16, 4, 2, tma=True))
+    big = torch.randn(4, 30, 1, 48)
+    view = big[::2, :23]
+    expected = mla_latent_reference(q, view, 32, 0.2, torch.tensor([22, 7]))
+    out = mla_decode(q, view, 32, 0.2, torch.tensor([22, 7]), config=MlaConfig(16, 16, 4, 2, tma=True), num_splits=2)
+    assert _relative(out, expected) <= TOLERANCE[torch.float32]
 
 
 def test_strided_cache_views_and_block_configs():
@@ -223,6 +240,8 @@ GPU_STRUCTURES = [
     MlaConfig(64, 32, 8, 3, unchained=True),
     MlaConfig(64, 64, 8, 2, lazy_rescale=True),
     MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True),
+    MlaConfig(64, 64, 8, 2, tma=True),
+    MlaConfig(64, 32, 8, 4, unchained=True, tma=True),
 ]
 
 
