@@ -111,6 +111,23 @@ def ptxas_usage(ptx: str) -> dict:
             "error": None if registers else text.strip().splitlines()[-1][:120] if text.strip() else "no output"}
 
 
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the longest loop closed by a CONDITIONAL backward branch. bench/sass_loops.main_loop takes
+    any backward branch, and a TMA build's out-of-line mbarrier retry block jumps back into the walk with an
+    unconditional one, which would count that block and everything between as the loop."""
+    lines = [(int(match.group(1), 16), match.group(2).strip()) for match in map(sass_loops._LINE.match, sass.splitlines())
+             if match]
+    index_of = {address: index for index, (address, _) in enumerate(lines)}
+    best: list[str] = []
+    for index, (address, text) in enumerate(lines):
+        branch = re.match(r"@!?U?P[T0-9]+\s+BRA\s+(?:`\()?(?:0x([0-9a-f]+))", text)
+        if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in index_of:
+            body = lines[index_of[int(branch.group(1), 16)]:index + 1]
+            if len(body) > len(best):
+                best = [sass_loops._OPCODE.match(op).group(1) for _, op in body if sass_loops._OPCODE.match(op)]
+    return best
+
+
 def dot_layouts(ttgir: str) -> list[str]:
     """warpsPerCTA and instrShape of each warp_group_dot's result encoding, in program order."""
     encodings = {name: body for name, body in re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{(.*?)\}>", ttgir, re.M)}
@@ -129,7 +146,7 @@ def describe(config: MlaConfig) -> dict:
         return {"config": config.label(), "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     usage = ptxas_usage(ptx)
-    loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
+    loop = main_loop(sass_loops.sass_of(kernel.asm["cubin"]))
     pipes = sass_loops.pipe_counts(loop)
     shared = kernel.metadata.shared
     spills = usage["spill_stores"]

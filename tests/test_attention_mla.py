@@ -235,13 +235,11 @@ def test_gpu_kernel_matches_the_reference_in_bf16(case):
     assert _relative(out, expected) <= TOLERANCE[torch.bfloat16]
 
 
-GPU_STRUCTURES = [
+GPU_STRUCTURES = [  # the sweep's unchained and TMA builds, and lazy rescaling (compiled, though it spills here)
     MlaConfig(64, 64, 8, 2, unchained=True),
-    MlaConfig(64, 32, 8, 3, unchained=True),
-    MlaConfig(64, 64, 8, 2, lazy_rescale=True),
-    MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True),
     MlaConfig(64, 64, 8, 2, tma=True),
     MlaConfig(64, 32, 8, 4, unchained=True, tma=True),
+    MlaConfig(64, 64, 8, 2, lazy_rescale=True),
 ]
 
 
