@@ -24,10 +24,10 @@ q_start), so a graph that reads the whole cache still walks only the visible key
 The combine kernel: grid (cdiv(M, BLOCK_M_COMBINE), B, R // BLOCK_D), splits merged in order 0..S-1
 (deterministic). With one split the split kernel writes `out` itself: one launch.
 
-Block sizes at R = 512, r = 64, bf16 (the H200 shape; `MLA_CONFIGS`): q 64 x 576 x 2 B = 72 KB, per
-stage a key tile 32 x 576 x 2 B = 36 KB, 2 stages: about 144 KB of shared memory; the accumulator
-64 x 512 fp32 is 128 registers per thread at 8 warps. Not measured yet: bench/mla_bench.py sweeps
-the alternatives on the GPU and prints the compiler's registers, spills and shared memory.
+Block sizes at R = 512, r = 64, bf16 (the H200 shape; `default_config`): 64 rows x 64 keys, 8 warps, 2
+stages: q 64 x 576 x 2 B = 72 KB and two 72 KB key tiles, 216 KB of shared memory; the accumulator
+64 x 512 fp32 is 128 registers per thread at 8 warps. `MlaConfig`'s structure candidates (`unchained`, `tma`, `lazy_rescale`) are off until
+bench/mla_bench.py --sweep has timed them; docs/mla.md gives the roofline and why each exists.
 Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
 (S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles, at most MAX_SPLITS.
 """
@@ -51,7 +51,7 @@ MIN_DIM, MAX_LATENT, MAX_ROPE = 16, 512, 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 64
 # Each split walks at least this many key tiles: a split costs its q tile, its pipeline's prologue and
-# M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about four 32-key tiles of 36 KB). Predicted.
+# M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about two 64-key tiles of 72 KB). Predicted.
 MIN_TILES_PER_SPLIT = 4
 # Lazy rescaling keeps a row's reference max until the tile max passes it by more than this (log2 units):
 # the probabilities are then at most 2^8 (bf16 and fp16 hold it; the fp32 sum over any walk too), and the
@@ -97,8 +97,7 @@ def supports(kv_lora_rank: int, rope_dim: int) -> str:
 def default_config(kv_lora_rank: int, rows: int) -> MlaConfig:
     """The launch config for `rows` query rows per sequence (M = Tq x Hq) at latent rank R: BLOCK_M the
     rows rounded up to a power of two, at most 64; 8 warps once the accumulator is 64 x 512 fp32, and then
-    64-key tiles (H200, batch 64, 128 heads: 290 / 562 us against 399 / 788 us for 32-key tiles at 4096 /
-    8192 keys, bench/RESULTS.md; 216 KB of shared memory, 255 registers, no spills)."""
+    64-key tiles: the fastest block shape of the H200 sweep at 128 heads (bench/RESULTS.md, docs/mla.md)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     warps = 8 if block_m * kv_lora_rank >= 64 * 512 else 4
     block_n = 64 if warps == 8 or kv_lora_rank < 256 else 32
