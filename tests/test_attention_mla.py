@@ -209,6 +209,44 @@ def test_split_count_fills_one_wave_of_the_h200():
     assert default_num_splits(1, 16, 160, small, sms=132) == 1  # 5 tiles: one split, no combine launch
 
 
+_COMPILE = """
+import json, sys
+sys.path.insert(0, "bench")
+import mla_sm90_compile as report
+from kernels.attention_mla import MlaConfig
+rows = [report.describe(config) for config in (MlaConfig(64, 64, 8, 2), MlaConfig(64, 64, 8, 2, unchained=True))]
+print(json.dumps(rows))
+"""
+
+
+def test_the_sm90_build_shows_the_duplicated_score_dot_and_the_unchained_fix():
+    """bench/mla_sm90_compile.py on the default and the unchained build (a child process: the tests'
+    interpreter cannot build for a GPU). What holds on every Triton it was written against: the default's
+    score dot has 8 warps over its 64 rows, the unchained one splits the keys and issues fewer wgmma, and
+    its P is read after the barrier, not prefetched."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sass_loops
+
+    if sass_loops.cuobjdump() is None:
+        pytest.skip("no cuobjdump in this Triton")
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[1], env=environment,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    default, unchained = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "failed" not in default and "failed" not in unchained, (default, unchained)
+    assert default["dots"] == ["64x64:[8,1]", "64x64:[8,1]", "64x512:[4,2]"]
+    assert unchained["dots"] == ["64x64:[8,1]", "64x64:[4,2]", "64x512:[4,2]"]  # the RoPE dot, then the latent one
+    assert unchained["wgmma"] < default["wgmma"] and unchained["loop_mufu"] < default["loop_mufu"]
+    assert unchained["p_prefetched"] == 0 and default["shared_bytes"] <= 227 * 1024 and default["loop_instructions"]
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------
