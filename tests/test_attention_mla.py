@@ -373,3 +373,41 @@ def test_mla_bench_target_line_says_when_the_bytes_target_is_out_of_reach():
     bytes_bound = {"ratio_to_bytes_bound": 1.1, "ratio_to_roofline": 1.1, "bytes_bound_us": 100.0,
                    "flops_bound_us": 40.0}
     assert bench.target_line(bytes_bound) == "target <= 1.2x bytes: met (1.100x); roofline max(bytes, FLOP): 1.100x"
+
+
+def test_mla_bench_main_runs_both_passes_on_a_cpu_stub(monkeypatch, tmp_path, capsys):
+    """main() end to end with the device calls stubbed (the interpreter, a fixed 1 us timer): the default rows
+    for every cache length first, then each sweep, each sweep row printed as it is made, then the table and
+    the JSON; a broken launch in the sweep is a row, not the end of the run."""
+    import functools
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import engine.bench
+
+    spec = importlib.util.spec_from_file_location("mla_bench", Path(__file__).parents[1] / "bench" / "mla_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def stub_timer(fn, calls):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "stub")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(engine.bench, "graph_call_us", stub_timer)
+    monkeypatch.setattr(bench, "_matmul_flops", lambda timer: {"shape": "stub", "flops_per_s": 1e12})
+    monkeypatch.setattr(bench, "bench_cache", functools.partial(bench.bench_cache, device="cpu", latent=64, rope=16))
+    small_problem = bench._problem
+    monkeypatch.setattr(bench, "_problem", lambda batch, heads, tokens, device, latent, rope:
+                        small_problem(batch, heads, tokens, "cpu", 64, 16))
+    monkeypatch.setattr(bench, "SWEEP", [(16, 16, 4, 1, {"unchained": True}), (16, 8, 4, 1)])
+    out = tmp_path / "mla.json"
+    assert bench.main(["--batch", "2", "--heads", "4", "--tokens", "40,23", "--sweep", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("sweep 40: {") < printed.index("sweep 23: {") < printed.index("bf16 matmul")
+    written = json.loads(out.read_text())
+    assert [row["tokens"] for row in written["rows"]] == [40, 23] and written["stopped"] is None
+    assert [("us" in entry) for entry in written["rows"][1]["sweep"]] == [True, True, False, False]
