@@ -18,12 +18,22 @@ against kernels.reference.mla_latent_reference (two batch rows, float32) before 
                H200's ridge (989 TFLOP/s dense bf16 over 4.8 TB/s: 206 FLOP/B), so the FLOP bound may be the
                larger one and the bytes-bound target (<= 1.2x) out of reach for any kernel; both ratios print
 
-`--sweep` also times other block configs and split counts (each in its own try: a config that does not
-compile is reported, not fatal) and prints the compiler's registers, spills and shared memory.
+Each row prints both ratios and a target line: the issue's bytes target (<= 1.2x) beside the ratio to the
+roofline (the larger bound), saying so when the FLOP bound measured in the run lies above 1.2x the bytes
+bound (then no kernel meets the bytes target; the roofline ratio is the figure to push down).
+
+`--sweep` also times other block configs, the structure candidates of kernels.attention_mla.MlaConfig
+(SWEEP) and split counts (each in its own try: a config that does not compile or does not match the
+reference is reported, not fatal), every row with both ratios, and prints the compiler's registers,
+spills and shared memory of everything launched (bench/mla_sm90_compile.py predicts them without a GPU).
 
 Needs torch, triton, numpy (no textual). JSON to --out (default $OUT/mla_bench.json, else bench/results/).
-Exit 0: every row correct; 1: a correctness check failed; 2: no GPU or an invalid measurement.
-Run: python bench/mla_bench.py [--sweep] [--out FILE]   (about 1-2 minutes on an H200 with --sweep)
+Exit 0: every row correct; 1: a correctness check of a default row failed, or a launch broke the device
+(the rows measured before it are still printed and written); 2: no GPU or an invalid measurement. A
+sweep config that fails (compile, fit, correctness) is a row saying so; each sweep row is also printed
+as a JSON line the moment it is measured.
+Run: python bench/mla_bench.py [--sweep] [--out FILE]   (about 2-3 minutes on an H200 with --sweep, most of it
+Triton compiling the sweep's configs)
 """
 
 from __future__ import annotations
@@ -44,10 +54,19 @@ TARGET_RATIO = 1.2
 LATENT, ROPE, NOPE, V = 512, 64, 128, 128
 # Relative max error of the kernel's bf16 output against the float32 reference (tests/test_attention_mla.py)
 TOLERANCE = 1.6e-2
-SWEEP = [  # (block_m, block_n, warps, stages)
-    (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2), (128, 32, 16, 2), (16, 32, 4, 2),
+# (block_m, block_n, warps, stages[, MlaConfig's structure flags]): the old 64 x 32 default, deeper pipelines
+# of 32-key tiles, the 64 x 64 default, the unchained walk (P through a scratch: the score dot no longer
+# computed twice), the key tiles through TMA, both, and a smaller row block (kernels/attention_mla.py).
+# bench/mla_sm90_compile.py's table dropped the lazy-rescale builds (they spill at this shape), 64 x 64 at
+# 3 stages (288 KB of shared memory), 64 x 16 (spilled in run 59), 128 x 32 at 16 warps (ptxas refuses it).
+UNCHAINED, TMA, BOTH = {"unchained": True}, {"tma": True}, {"unchained": True, "tma": True}
+SWEEP = [
+    (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 64, 8, 2),
+    (64, 64, 8, 2, UNCHAINED), (64, 32, 8, 3, UNCHAINED), (64, 32, 8, 4, UNCHAINED),
+    (64, 64, 8, 2, TMA), (64, 32, 8, 4, TMA), (64, 64, 8, 2, BOTH), (64, 32, 8, 4, BOTH),
+    (32, 32, 4, 2),
 ]
-
+SWEEP_SPLITS = (1, 2)  # run 59: more splits were slower at every config (128 programs already fill 132 SMs)
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
@@ -69,33 +88,78 @@ def _matmul_flops(graph_call_us) -> dict:
     return {"shape": "8192^3 bf16", "us": us, "flops_per_s": 2 * 8192 ** 3 / (us * 1e-6)}
 
 
-def bench_cache(batch: int, heads: int, tokens: int, sweep: bool, graph_call_us, flops: dict,
-                device: str = "cuda", latent: int = LATENT, rope: int = ROPE) -> dict:
-    """One cache length's rows. `device`, `latent`, `rope` and a stub `graph_call_us` let
-    tests/test_attention_mla.py run every path at a small shape on a CPU (no timing meaning there)."""
-    from kernels.attention_mla import MlaConfig, default_config, default_num_splits, mla_decode
+def _problem(batch: int, heads: int, tokens: int, device: str, latent: int, rope: int) -> dict:
+    """Fresh random q and cache (seeded by the cache length), the output buffer and the float32 reference of
+    the first two batch rows."""
     from kernels.reference import mla_latent_reference
 
-    cuda = device == "cuda"
     generator = torch.Generator(device=device).manual_seed(tokens)
     scale = (NOPE + rope) ** -0.5
-    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 tl.dot is wrong
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     q = torch.randn(batch, 1, heads, latent + rope, generator=generator, device=device).to(dtype)
     cache = torch.randn(batch, tokens, 1, latent + rope, generator=generator, device=device).to(dtype)
     q_start = torch.full((batch,), tokens - 1, dtype=torch.int32, device=device)
     out = torch.empty(batch, 1, heads, latent, dtype=dtype, device=device)
     expected = mla_latent_reference(q[:2].float(), cache[:2].float(), latent, scale, q_start[:2])
+    return {"q": q, "cache": cache, "q_start": q_start, "out": out, "expected": expected, "scale": scale,
+            "latent": latent, "cuda": device == "cuda"}
 
-    def checked(label: str, config=None, splits=None) -> float:
-        out.fill_(float("nan"))
-        mla_decode(q, cache, latent, scale, q_start, out=out, config=config, num_splits=splits)
-        if cuda:
-            torch.cuda.synchronize()
-        error = _relative(out[:2], expected)
-        if not (math.isfinite(error) and error <= TOLERANCE):
-            raise AssertionError(f"{label}: relative error {error:.3e} > {TOLERANCE} against the reference")
-        return error
 
+def _launch(problem: dict, config=None, splits=None):
+    from kernels.attention_mla import mla_decode
+
+    return mla_decode(problem["q"], problem["cache"], problem["latent"], problem["scale"], problem["q_start"],
+                      out=problem["out"], config=config, num_splits=splits)
+
+
+def _checked(problem: dict, label: str, config=None, splits=None) -> float:
+    """The relative error of one launch (output poisoned first); AssertionError past TOLERANCE."""
+    problem["out"].fill_(float("nan"))
+    _launch(problem, config, splits)
+    if problem["cuda"]:
+        torch.cuda.synchronize()
+    error = _relative(problem["out"][:2], problem["expected"])
+    if not (math.isfinite(error) and error <= TOLERANCE):
+        raise AssertionError(f"{label}: relative error {error:.3e} > {TOLERANCE} against the reference")
+    return error
+
+
+def sweep_configs(problem: dict, bytes_bound_us: float, flops_bound_us: float, graph_call_us,
+                  report=None) -> list[dict]:
+    """SWEEP x SWEEP_SPLITS on one problem, each checked then timed in its own try (a config that does not
+    compile, fit or match is a row saying why); `report(row)` sees each row as it is made (a log that a
+    hung candidate cuts short still names the ones before it)."""
+    from kernels.attention_mla import MlaConfig
+
+    rows, roofline_us = [], max(bytes_bound_us, flops_bound_us)
+    for entry in SWEEP:
+        for split_count in SWEEP_SPLITS:
+            label = f"{'x'.join(map(str, entry[:2]))} w{entry[2]} s{entry[3]} splits {split_count}"
+            try:
+                candidate = MlaConfig(*entry[:4], **(entry[4] if len(entry) > 4 else {}))
+                label = f"{candidate.label()} splits {split_count}"
+                error = _checked(problem, label, candidate, split_count)
+                us = graph_call_us(lambda: _launch(problem, candidate, split_count), calls=10)
+                rows.append({"config": label, "us": us, "ratio_to_bytes_bound": us / bytes_bound_us,
+                             "ratio_to_roofline": us / roofline_us, "error": error})
+            except Exception as error:  # noqa: BLE001 - reported, not fatal
+                rows.append({"config": label, "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"})
+            if report is not None:
+                report(rows[-1])
+    return rows
+
+
+def bench_cache(batch: int, heads: int, tokens: int, sweep: bool, graph_call_us, flops: dict,
+                device: str = "cuda", latent: int = LATENT, rope: int = ROPE) -> dict:
+    """One cache length's rows (and its sweep when `sweep`). `device`, `latent`, `rope` and a stub
+    `graph_call_us` let tests/test_attention_mla.py run every path at a small shape on a CPU (no timing
+    meaning there)."""
+    from kernels.attention_mla import default_config, default_num_splits, mla_decode
+
+    cuda = device == "cuda"
+    problem = _problem(batch, heads, tokens, device, latent, rope)
+    q, cache, q_start, out, scale = (problem[name] for name in ("q", "cache", "q_start", "out", "scale"))
+    dtype = q.dtype
     cache_bytes = batch * tokens * (latent + rope) * cache.element_size()
     copy = _copy_bandwidth(cache_bytes, graph_call_us, device)
     bytes_bound_us = cache_bytes / copy["bytes_per_s"] * 1e6
@@ -104,16 +168,17 @@ def bench_cache(batch: int, heads: int, tokens: int, sweep: bool, graph_call_us,
     config = default_config(latent, heads)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else None
     splits = default_num_splits(batch, heads, tokens, config, sms)
-    error = checked("kernel")
-    kernel_us = graph_call_us(lambda: mla_decode(q, cache, latent, scale, q_start, out=out), calls=20)
+    error = _checked(problem, "kernel")
+    kernel_us = graph_call_us(lambda: _launch(problem), calls=20)
     row = {"tokens": tokens, "batch": batch, "heads": heads, "cache_bytes": cache_bytes, "copy": copy,
            "bytes_bound_us": bytes_bound_us, "flops": kernel_flops, "flops_bound_us": flops_bound_us,
-           "kernel": {"us": kernel_us, "config": vars(config), "splits": splits, "error": error,
+           "kernel": {"us": kernel_us, "config": vars(config), "label": config.label(), "splits": splits,
+                      "error": error,
                       "achieved_bytes_per_s": cache_bytes / (kernel_us * 1e-6),
                       "achieved_flops_per_s": kernel_flops / (kernel_us * 1e-6)},
            "ratio_to_bytes_bound": kernel_us / bytes_bound_us,
            "ratio_to_roofline": kernel_us / max(bytes_bound_us, flops_bound_us),
-           "target_ratio": TARGET_RATIO}
+           "target_ratio": TARGET_RATIO, "bytes_target_reachable": flops_bound_us <= TARGET_RATIO * bytes_bound_us}
 
     # The engine's whole fused arm: absorption and the value projection around the kernel.
     w_uk = (torch.randn(heads, NOPE, latent, device=device) / latent ** 0.5).to(dtype)
@@ -145,47 +210,48 @@ def bench_cache(batch: int, heads: int, tokens: int, sweep: bool, graph_call_us,
         del key, value, query
 
     if sweep:
-        row["sweep"] = []
-        for block_m, block_n, warps, stages in SWEEP:
-            for split_count in (1, 2, 4):
-                label = f"{block_m}x{block_n} w{warps} s{stages} splits {split_count}"
-                try:
-                    candidate = MlaConfig(block_m, block_n, warps, stages)
-                    candidate_error = checked(label, candidate, split_count)
-                    us = graph_call_us(lambda: mla_decode(q, cache, latent, scale, q_start, out=out, config=candidate,
-                                                          num_splits=split_count), calls=10)
-                    row["sweep"].append({"config": label, "us": us, "ratio_to_bytes_bound": us / bytes_bound_us,
-                                         "error": candidate_error})
-                except Exception as error:  # noqa: BLE001 - a config that does not compile or fit: reported
-                    row["sweep"].append({"config": label, "failed": f"{type(error).__name__}: "
-                                                                     f"{str(error).splitlines()[0][:160]}"})
-    del q, cache, out
+        row["sweep"] = sweep_configs(problem, bytes_bound_us, flops_bound_us, graph_call_us)
+    del q, cache, out, problem
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def target_line(row: dict) -> str:
+    """The issue's bytes target and the roofline ratio side by side, and whether the bytes target is reachable
+    at all: when the FLOP bound measured in this run exceeds the bytes bound, no kernel gets under
+    flops_bound / bytes_bound times the bytes bound."""
+    met = "met" if row["ratio_to_bytes_bound"] <= TARGET_RATIO else "missed"
+    line = (f"target <= {TARGET_RATIO}x bytes: {met} ({row['ratio_to_bytes_bound']:.3f}x); "
+            f"roofline max(bytes, FLOP): {row['ratio_to_roofline']:.3f}x")
+    floor = row["flops_bound_us"] / row["bytes_bound_us"]
+    if floor > TARGET_RATIO:
+        line += (f"; the bytes target lies below the FLOP bound measured here ({row['flops_bound_us']:.1f} us > "
+                 f"{TARGET_RATIO} x {row['bytes_bound_us']:.1f} us): no kernel gets under {floor:.2f}x bytes")
+    return line
 
 
 def format_rows(rows: list[dict], flops: dict) -> str:
     lines = [f"\nbf16 matmul {flops['flops_per_s'] / 1e12:.0f} TFLOP/s ({flops.get('shape', '')}); "
              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}",
              f"{'tokens':>7} {'kernel us':>10} {'bytes bnd':>10} {'x bytes':>8} {'flop bnd':>9} {'x roof':>7} "
-             f"{'GB/s':>7} {'TFLOP/s':>8} {'arm us':>8} {'sdpa us':>9} {'sdpa/kern':>9}  target"]
+             f"{'GB/s':>7} {'TFLOP/s':>8} {'arm us':>8} {'sdpa us':>9} {'sdpa/kern':>9}  config"]
     for row in rows:
         kernel, sdpa = row["kernel"], row["sdpa"]
         sdpa_us = f"{sdpa['us']:.1f}" if "us" in sdpa else "skip"
         speedup = f"{sdpa['kernel_speedup']:.2f}x" if "us" in sdpa else "-"
-        met = "met" if row["ratio_to_bytes_bound"] <= TARGET_RATIO else "missed"
         lines.append(f"{row['tokens']:>7} {kernel['us']:>10.1f} {row['bytes_bound_us']:>10.1f} "
                      f"{row['ratio_to_bytes_bound']:>7.3f}x {row['flops_bound_us']:>9.1f} "
                      f"{row['ratio_to_roofline']:>6.3f}x {kernel['achieved_bytes_per_s'] / 1e9:>7.0f} "
                      f"{kernel['achieved_flops_per_s'] / 1e12:>8.1f} {row['arm']['us']:>8.1f} {sdpa_us:>9} "
-                     f"{speedup:>9}  <= {TARGET_RATIO}x bytes: {met}")
+                     f"{speedup:>9}  {kernel.get('label', '')} splits {kernel['splits']}")
+        lines.append(f"        {target_line(row)}")
         if "skipped" in sdpa:
             lines.append(f"        sdpa skipped: {sdpa['skipped']}")
         for entry in row.get("sweep", []):
-            result = (f"{entry['us']:.1f} us, {entry['ratio_to_bytes_bound']:.3f}x bytes" if "us" in entry
-                      else f"FAILED {entry['failed']}")
-            lines.append(f"        sweep {entry['config']:<28} {result}")
+            result = (f"{entry['us']:.1f} us, {entry['ratio_to_bytes_bound']:.3f}x bytes, "
+                      f"{entry['ratio_to_roofline']:.3f}x roofline" if "us" in entry else f"FAILED {entry['failed']}")
+            lines.append(f"        sweep {entry['config']:<34} {result}")
     return "\n".join(lines)
 
 
@@ -204,26 +270,39 @@ def main(argv: list[str] | None = None) -> int:
     from engine.errors import MeasurementError
     from kernels.attention_common import format_resource_report, resource_report
 
+    rows, stopped = [], None
     try:
         flops = _matmul_flops(graph_call_us)
-        rows = [bench_cache(args.batch, args.heads, int(tokens), args.sweep, graph_call_us, flops)
+        rows = [bench_cache(args.batch, args.heads, int(tokens), False, graph_call_us, flops)
                 for tokens in args.tokens.split(",")]
+        if args.sweep:  # after every default row: a candidate that breaks the CUDA context costs only the sweep
+            for row in rows:
+                problem = _problem(args.batch, args.heads, row["tokens"], "cuda", LATENT, ROPE)
+                row["sweep"] = sweep_configs(problem, row["bytes_bound_us"], row["flops_bound_us"], graph_call_us,
+                                             report=lambda entry, tokens=row["tokens"]: print(
+                                                 f"sweep {tokens}: {json.dumps(entry)}", flush=True))
+                del problem
+                torch.cuda.empty_cache()
     except AssertionError as error:
         print(f"mla_bench: correctness check failed: {error}", file=sys.stderr)
         return 1
     except MeasurementError as error:
         print(f"mla_bench: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 - a launch that broke the device: keep what was measured
+        stopped = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        print(f"mla_bench: stopped after {len(rows)} rows: {stopped}", file=sys.stderr)
+        if not rows:
+            return 1
     resources = resource_report()
     print(format_resource_report(resources))
     print(format_rows(rows, flops))
     out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ROOT / "bench" / "results") / "mla_bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "matmul": flops, "resources": resources,
+    out.write_text(json.dumps({"rows": rows, "matmul": flops, "resources": resources, "stopped": stopped,
                                "device": torch.cuda.get_device_name(0), "torch": torch.__version__}, indent=2))
     print(f"\nJSON: {out}")
-    return 0
-
+    return 1 if stopped else 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -24,16 +24,17 @@ q_start), so a graph that reads the whole cache still walks only the visible key
 The combine kernel: grid (cdiv(M, BLOCK_M_COMBINE), B, R // BLOCK_D), splits merged in order 0..S-1
 (deterministic). With one split the split kernel writes `out` itself: one launch.
 
-Block sizes at R = 512, r = 64, bf16 (the H200 shape; `MLA_CONFIGS`): q 64 x 576 x 2 B = 72 KB, per
-stage a key tile 32 x 576 x 2 B = 36 KB, 2 stages: about 144 KB of shared memory; the accumulator
-64 x 512 fp32 is 128 registers per thread at 8 warps. Not measured yet: bench/mla_bench.py sweeps
-the alternatives on the GPU and prints the compiler's registers, spills and shared memory.
+Block sizes at R = 512, r = 64, bf16 (the H200 shape; `default_config`): 64 rows x 64 keys, 8 warps, 2
+stages: q 64 x 576 x 2 B = 72 KB and two 72 KB key tiles, 216 KB of shared memory; the accumulator
+64 x 512 fp32 is 128 registers per thread at 8 warps. `MlaConfig`'s structure candidates (`unchained`, `tma`, `lazy_rescale`) are off until
+bench/mla_bench.py --sweep has timed them; docs/mla.md gives the roofline and why each exists.
 Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
 (S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles, at most MAX_SPLITS.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,14 @@ MIN_DIM, MAX_LATENT, MAX_ROPE = 16, 512, 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 64
 # Each split walks at least this many key tiles: a split costs its q tile, its pipeline's prologue and
-# M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about four 32-key tiles of 36 KB). Predicted.
+# M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about two 64-key tiles of 72 KB). Predicted.
 MIN_TILES_PER_SPLIT = 4
+# Lazy rescaling keeps a row's reference max until the tile max passes it by more than this (log2 units):
+# the probabilities are then at most 2^8 (bf16 and fp16 hold it; the fp32 sum over any walk too), and the
+# accumulator's 64 x 512 multiply is skipped on most tiles. Exact either way: the sum and the accumulator
+# always share one reference max.
+RESCALE_THRESHOLD = 8.0
+_RESCALE_THRESHOLD = tl.constexpr(RESCALE_THRESHOLD)  # what the jit reads (a global must be a constexpr)
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,22 @@ class MlaConfig:
     block_n: int  # keys per step of the walk
     num_warps: int
     num_stages: int
+    # Structure candidates, off by default until bench/mla_bench.py --sweep has timed them (docs/mla.md):
+    lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > RESCALE_THRESHOLD
+    unchained: bool = False  # P and the rescale factors pass through a global scratch (see _attend_tile)
+    tma: bool = False  # key tiles through device-side tensor descriptors (TMA), not pointer arithmetic
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or not is_power_of_two(value):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+    def label(self) -> str:
+        """"64x64 w8 s2" plus the candidates switched on ("+lazy", "+unchained", "+tma")."""
+        flags = "".join(f" +{name}" for name, on in (("lazy", self.lazy_rescale), ("unchained", self.unchained),
+                                                     ("tma", self.tma)) if on)
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
 
 
 def supports(kv_lora_rank: int, rope_dim: int) -> str:
@@ -79,11 +96,93 @@ def supports(kv_lora_rank: int, rope_dim: int) -> str:
 
 def default_config(kv_lora_rank: int, rows: int) -> MlaConfig:
     """The launch config for `rows` query rows per sequence (M = Tq x Hq) at latent rank R: BLOCK_M the
-    rows rounded up to a power of two, at most 64; 8 warps once the accumulator is 64 x 512 fp32."""
+    rows rounded up to a power of two, at most 64; 8 warps once the accumulator is 64 x 512 fp32, and then
+    64-key tiles: the fastest block shape of the H200 sweep at 128 heads (bench/RESULTS.md, docs/mla.md)."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     warps = 8 if block_m * kv_lora_rank >= 64 * 512 else 4
-    block_n = 32 if kv_lora_rank >= 256 else 64
+    block_n = 64 if warps == 8 or kv_lora_rank < 256 else 32
     return MlaConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2)
+
+
+@triton.jit
+def _attend_tile(
+    q_latent, q_rope,  # [BLOCK_M, R], [BLOCK_M, r]
+    cache_base, latent_desc, rope_desc,  # the sequence's cache rows; its tensor descriptors (TMA only)
+    stride_ct, start, walk_end, position,  # position [BLOCK_M]: each row's last visible key
+    qk_scale_log2,
+    running_max, running_sum, accumulator,  # [BLOCK_M], [BLOCK_M], [BLOCK_M, R] float32
+    scratch_p, scratch_alpha,  # this program's slot of the step's parity (UNCHAINED only)
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, UNCHAINED: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr, TMA: tl.constexpr,
+):
+    """One key tile of the online softmax: returns the updated (running_max, running_sum, accumulator).
+    running_max is the reference max both the sum and the accumulator are scaled to (with LAZY_RESCALE
+    it may trail the true max by up to RESCALE_THRESHOLD).
+
+    UNCHAINED: Triton lays out a dot whose result feeds another dot with every warp along M; at BLOCK_M
+    64 and 8 warps that is 128 rows of warps over 64 rows, so both warpgroups compute the whole score
+    tile (and its exp2) twice. Passing P and the rescale factors through a global scratch (a CTA
+    barrier between the store and the load; two slots by step parity, so one barrier per step) cuts the
+    dataflow from the score dot to the value dot, and the score dot's warps split the keys instead."""
+    latent_dims = tl.arange(0, LATENT)
+    rope_dims = tl.arange(0, ROPE)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_valid = keys < walk_end
+    if TMA:  # zero past the descriptors' last_key rows; keys in [walk_end, last_key) are real and masked below
+        latent = latent_desc.load([start, 0])  # [BLOCK_N, R]
+        key_rope = rope_desc.load([start, LATENT])  # [BLOCK_N, r]
+    else:
+        key_rows = cache_base + (keys.to(tl.int64) if WIDE_OFFSETS else keys)[:, None] * stride_ct  # int32: fewer regs
+        latent = tl.load(key_rows + latent_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, R]
+        key_rope = tl.load(key_rows + LATENT + rope_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, r]
+    if UNCHAINED:  # the RoPE dot first: a dot feeding a dot takes the duplicated layout, so let it be the small one
+        scores = tl.dot(q_rope, tl.trans(key_rope), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_latent, tl.trans(latent), scores, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    else:
+        scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_rope, tl.trans(key_rope), scores, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
+    scores = tl.where(visible, scores * qk_scale_log2, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    if LAZY_RESCALE:  # keep the reference max unless some row's max grew past the threshold (block-uniform)
+        growth = tl.where(new_max > running_max, new_max - running_max, 0.0)  # inf at a row's first key
+        rescaled = tl.max(growth, 0) > _RESCALE_THRESHOLD
+        new_max = tl.where(rescaled, new_max, running_max)
+    # 1 exactly where the reference max stays (or nothing is visible yet: no NaN from -inf - -inf)
+    rescale = tl.where(new_max == float("-inf"), 1.0, tl.math.exp2(running_max - new_max))
+    running_sum = running_sum * rescale
+    running_max = new_max
+    if not UNCHAINED:
+        if LAZY_RESCALE:
+            if rescaled:
+                accumulator = accumulator * rescale[:, None]
+        else:
+            accumulator = accumulator * rescale[:, None]
+    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    probabilities = tl.math.exp2(scores - safe_max[:, None])  # [BLOCK_M, BLOCK_N], <= 2^RESCALE_THRESHOLD
+    running_sum = running_sum + tl.sum(probabilities, 1)
+    probabilities = probabilities.to(latent.dtype)
+    if UNCHAINED:
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(scratch_p + tile, probabilities)
+        tl.store(scratch_alpha + tl.arange(0, BLOCK_M), rescale)
+        if PTX:  # bar.sync as inline asm: Triton 3.6 does not software-pipeline a loop holding gpu.barrier;
+            # the loads' addresses take its result (0) so that the pipeliner cannot prefetch them past it
+            after = tl.inline_asm_elementwise("bar.sync 0;\n mov.u32 $0, 0;", "=r,r", [start], dtype=tl.int32,
+                                              is_pure=False, pack=1)
+        else:
+            tl.debug_barrier()  # every thread's P and factors stored before any thread reads them back
+            after = 0
+        probabilities = tl.load(scratch_p + after + tile, volatile=True)
+        alpha = tl.load(scratch_alpha + after + tl.arange(0, BLOCK_M), volatile=True)
+        if LAZY_RESCALE:
+            if tl.min(alpha, 0) < 1.0:  # a rescaled step has a row grown past the threshold: its factor < 1
+                accumulator = accumulator * alpha[:, None]
+        else:
+            accumulator = accumulator * alpha[:, None]
+    accumulator = tl.dot(probabilities, latent, accumulator, input_precision=DOT_PRECISION)
+    return running_max, running_sum, accumulator
 
 
 @triton.jit
@@ -94,6 +193,8 @@ def _mla_split_kernel(
     partial_ptr,  # [S, B, M, R] float32 (OUTPUT "partials")
     lse_ptr,  # [S, B, M] float32 (OUTPUT "partials")
     q_start_ptr,  # [B] int32
+    scratch_ptr,  # [programs, 2, BLOCK_M, BLOCK_N] q's dtype (UNCHAINED only; else never dereferenced)
+    alpha_ptr,  # [programs, 2, BLOCK_M] float32 (UNCHAINED only)
     heads,  # Hq
     rows,  # M
     key_len,  # Tk
@@ -109,6 +210,11 @@ def _mla_split_kernel(
     BLOCK_N: tl.constexpr,
     OUTPUT: tl.constexpr,  # "direct" (S == 1) or "partials"
     DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    UNCHAINED: tl.constexpr,
+    PTX: tl.constexpr,  # compiled for a GPU (inline PTX allowed), not interpreted
+    WIDE_OFFSETS: tl.constexpr,  # key offsets Tk x stride_ct reach 2^31: int64 (else int32, fewer registers)
+    TMA: tl.constexpr,  # the key tiles through tensor descriptors (TMA on Hopper), not pointer arithmetic
 ):
     """One program: BLOCK_M query rows of one sequence, split pid_split of its key walk."""
     pid_m, pid_split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -117,7 +223,6 @@ def _mla_split_kernel(
     position = tl.load(q_start_ptr + batch) + row // heads  # [BLOCK_M] each row's last visible key
     latent_dims = tl.arange(0, LATENT)
     rope_dims = tl.arange(0, ROPE)
-
     q_rows = q_ptr + batch.to(tl.int64) * stride_qb + row.to(tl.int64)[:, None] * stride_qm
     q_latent = tl.load(q_rows + latent_dims[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, R]
     q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, r]
@@ -128,27 +233,27 @@ def _mla_split_kernel(
     walk_end = tl.minimum(((pid_split + 1) * walk_tiles // num_splits) * BLOCK_N, last_key)
 
     cache_base = cache_ptr + batch.to(tl.int64) * stride_cb
+    if TMA:  # device-side descriptors bounded by the block's causal end: TMA zero-fills the keys past it
+        latent_desc = tl.make_tensor_descriptor(cache_base, shape=[last_key, LATENT + ROPE], strides=[stride_ct, 1],
+                                                block_shape=[BLOCK_N, LATENT])
+        rope_desc = tl.make_tensor_descriptor(cache_base, shape=[last_key, LATENT + ROPE], strides=[stride_ct, 1],
+                                              block_shape=[BLOCK_N, ROPE])
+    else:
+        latent_desc = cache_base
+        rope_desc = cache_base
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     accumulator = tl.zeros([BLOCK_M, LATENT], dtype=tl.float32)
+    program = (batch * tl.num_programs(1) + pid_split) * tl.num_programs(0) + pid_m
+    scratch_p = scratch_ptr + program.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+    scratch_alpha = alpha_ptr + program.to(tl.int64) * (2 * BLOCK_M)
     for start in range(walk_begin, walk_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_valid = keys < walk_end
-        key_rows = cache_base + keys.to(tl.int64)[:, None] * stride_ct
-        latent = tl.load(key_rows + latent_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, R]
-        key_rope = tl.load(key_rows + LATENT + rope_dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK_N, r]
-        scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_rope, tl.trans(key_rope), scores, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
-        scores = tl.where(visible, scores * qk_scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing visible yet: no NaN from -inf - -inf
-        rescale = tl.math.exp2(running_max - safe_max)
-        probabilities = tl.math.exp2(scores - safe_max[:, None])  # [BLOCK_M, BLOCK_N]
-        running_sum = running_sum * rescale + tl.sum(probabilities, 1)
-        accumulator = accumulator * rescale[:, None]
-        accumulator = tl.dot(probabilities.to(latent.dtype), latent, accumulator, input_precision=DOT_PRECISION)
-        running_max = new_max
+        parity = ((start - walk_begin) // BLOCK_N) % 2
+        running_max, running_sum, accumulator = _attend_tile(
+            q_latent, q_rope, cache_base, latent_desc, rope_desc, stride_ct, start, walk_end, position, qk_scale_log2,
+            running_max, running_sum, accumulator,
+            scratch_p + parity * (BLOCK_M * BLOCK_N), scratch_alpha + parity * BLOCK_M,
+            LATENT, ROPE, BLOCK_M, BLOCK_N, LAZY_RESCALE, UNCHAINED, DOT_PRECISION, PTX, WIDE_OFFSETS, TMA)
 
     seen = running_sum > 0.0
     normalised = accumulator / tl.where(seen, running_sum, 1.0)[:, None]  # [BLOCK_M, R]; 0 where nothing was seen
@@ -217,6 +322,27 @@ def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, s
     return max(1, min(MAX_SPLITS, sms // programs_per_split, tiles // MIN_TILES_PER_SPLIT))
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a global scratch Triton asks its allocator for at each launch
+    (128 B per descriptor and program); set ours unless the caller has set one (a context variable, so
+    each launching thread needs it)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
+
+
+def needs_wide_offsets(key_len: int, token_stride: int, width: int) -> bool:
+    """Whether a key's element offset within its sequence (key x token stride + column) can reach 2^31: the
+    walk then computes offsets in int64, else in int32 (fewer registers in the loop: 252 against 255 at
+    the 64 x 64 default, bench/mla_sm90_compile.py)."""
+    return key_len * token_stride + width >= 2 ** 31
+
+
 def mla_decode(
     q: torch.Tensor,  # [B, Tq, Hq, R + r] absorbed queries
     cache: torch.Tensor,  # [B, Tk, 1, R + r] latents then RoPE keys
@@ -276,19 +402,40 @@ def mla_decode(
         partials = torch.empty(num_splits, batch, rows, kv_lora_rank, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_splits, batch, rows, dtype=torch.float32, device=q.device)
     cache_rows = cache[:, :, 0]  # [B, Tk, R + r]
+    compiled_for_gpu = q.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    if config.tma:
+        misaligned = [what for what, value in (("address", cache_rows.data_ptr()),
+                                               ("batch stride", cache_rows.stride(0) * cache.element_size()),
+                                               ("token stride", cache_rows.stride(1) * cache.element_size()))
+                      if value % 16]
+        if misaligned:
+            raise ValueError(f"config {config.label()} reads the cache through TMA, which needs 16-byte aligned "
+                             f"rows; the cache's {', '.join(misaligned)} is not (use a config without tma)")
+        if compiled_for_gpu:
+            _ensure_descriptor_allocator()
     grid = (triton.cdiv(rows, config.block_m), num_splits, batch)
+    if config.unchained:
+        programs = grid[0] * grid[1] * grid[2]
+        scratch = torch.empty(programs, 2, config.block_m, config.block_n, dtype=q.dtype, device=q.device)
+        alpha = torch.empty(programs, 2, config.block_m, dtype=torch.float32, device=q.device)
+    else:
+        scratch = alpha = q_start  # never dereferenced
     compiled = _mla_split_kernel[grid](
-        q_rows, cache_rows, out_rows, partials, lse, q_start,
+        q_rows, cache_rows, out_rows, partials, lse, q_start, scratch, alpha,
         heads, rows, key_len, num_splits, tiles, float(scale) * LOG2_E,
         q_rows.stride(0), q_rows.stride(1),
         cache_rows.stride(0), cache_rows.stride(1),
         out_rows.stride(0), out_rows.stride(1),
         LATENT=kv_lora_rank, ROPE=width - kv_lora_rank, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         OUTPUT=output, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        LAZY_RESCALE=config.lazy_rescale, UNCHAINED=config.unchained,
+        PTX=compiled_for_gpu,
+        WIDE_OFFSETS=needs_wide_offsets(key_len, cache_rows.stride(1), width), TMA=config.tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     launches.record("mla_split", kernel=_mla_split_kernel)
-    remember_compiled(f"mla_split R{kv_lora_rank} r{width - kv_lora_rank} {q.dtype} {output} {config}", compiled)
+    remember_compiled(f"mla_split R{kv_lora_rank} r{width - kv_lora_rank} {q.dtype} {output} {config.label()}",
+                      compiled)
     if output == "direct":
         return out
     block_d = min(kv_lora_rank, 128)

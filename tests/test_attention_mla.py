@@ -57,6 +57,83 @@ def test_kernel_matches_the_reference_under_the_interpreter(case, dtype):
     assert _relative(out, expected) <= TOLERANCE[dtype]
 
 
+STRUCTURES = [  # MlaConfig's structure candidates at interpreter-sized blocks
+    MlaConfig(16, 16, 4, 1, lazy_rescale=True),
+    MlaConfig(16, 16, 4, 2, unchained=True),
+    MlaConfig(32, 16, 4, 2, lazy_rescale=True, unchained=True),
+    MlaConfig(16, 32, 4, 2, tma=True),
+    MlaConfig(16, 16, 4, 2, unchained=True, tma=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", STRUCTURES, ids=lambda config: config.label().replace(" ", ""))
+@pytest.mark.parametrize("case", CASES[1:], ids=[f"B{c[0]}T{c[1]}H{c[2]}R{c[3]}r{c[4]}K{c[5]}" for c in CASES[1:]])
+def test_structure_candidates_match_the_reference(case, config, dtype):
+    """Lazy rescaling and the unchained walk compute the same function: odd sizes, ragged and causal rows,
+    splits (one of them empty for a row), rows past a block."""
+    batch, query_len, heads, rank, rope, keys, start, splits = case
+    q, cache = _inputs(batch, query_len, heads, rank, rope, keys, dtype, seed=sum(case[:6]) + 1)
+    q_start = torch.tensor(start) if isinstance(start, list) else start
+    out = torch.full((batch, query_len, heads, rank), float("nan"), dtype=dtype)
+    mla_decode(q, cache, rank, 0.17, q_start, out=out, num_splits=splits, config=config)
+    expected = mla_latent_reference(q.float(), cache.float(), rank, 0.17, q_start)
+    assert torch.isfinite(out).all()
+    assert _relative(out, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("growth", [0.0, 3.0, 40.0], ids=["flat", "under-threshold", "past-threshold"])
+@pytest.mark.parametrize("config", STRUCTURES[:3:2], ids=lambda config: config.label().replace(" ", ""))
+def test_lazy_rescaling_is_exact_whether_or_not_the_max_grows(growth, config):
+    """Scores that climb by `growth` (log2 units) per 16-key tile: flat keeps the first tile's max to the
+    end (probabilities up to 2^8 accumulate unscaled), 3 per tile rescales every few tiles, 40 every tile.
+    fp16, where a probability past 2^16 would overflow: the reference max must bound them."""
+    generator = torch.Generator().manual_seed(int(growth) + 3)
+    q = torch.randn(2, 1, 6, 64 + 16, generator=generator)
+    cache = torch.randn(2, 150, 1, 64 + 16, generator=generator) * 0.05
+    ramp = torch.arange(150).div(16).floor() * growth  # the tile's offset, along one latent direction
+    q[..., 0] = 1.0
+    cache[:, :, 0, 0] += ramp / (0.3 * attention_mla.LOG2_E)
+    q, cache = q.half(), cache.half()
+    expected = mla_latent_reference(q.float(), cache.float(), 64, 0.3, torch.tensor([149, 90]))
+    out = torch.full((2, 1, 6, 64), float("nan"), dtype=torch.float16)
+    mla_decode(q, cache, 64, 0.3, torch.tensor([149, 90]), out=out, num_splits=1, config=config)
+    assert torch.isfinite(out).all()
+    assert _relative(out, expected) <= TOLERANCE[torch.float16]
+
+
+def test_wide_offsets_path_and_its_decision(monkeypatch):
+    """Key offsets switch to int64 once Tk x token stride can reach 2^31; the int64 walk, forced at a small
+    shape, computes the same output."""
+    assert not attention_mla.needs_wide_offsets(8192, 576, 576)
+    assert attention_mla.needs_wide_offsets(2 ** 31 // 576 + 1, 576, 576)
+    assert attention_mla.needs_wide_offsets(2 ** 31 // 576, 576, 576) == (2 ** 31 // 576 * 576 + 576 >= 2 ** 31)
+    q, cache = _inputs(2, 1, 5, 64, 16, 45, torch.float32, seed=9)
+    expected = mla_latent_reference(q, cache, 64, 0.2, 44)
+    monkeypatch.setattr(attention_mla, "needs_wide_offsets", lambda *shape: True)
+    assert _relative(mla_decode(q, cache, 64, 0.2, 44, num_splits=2), expected) <= TOLERANCE[torch.float32]
+
+
+def test_config_labels():
+    assert MlaConfig(64, 64, 8, 2).label() == "64x64 w8 s2"
+    assert MlaConfig(64, 32, 8, 3, lazy_rescale=True, unchained=True, tma=True).label() == \
+        "64x32 w8 s3 +lazy +unchained +tma"
+
+
+def test_tma_refuses_a_misaligned_cache_and_reads_a_strided_view():
+    """TMA needs 16-byte aligned rows: a cache one element into its buffer is refused, naming what; an
+    aligned view (every other batch row, keys up to a length) computes the reference's output."""
+    q, cache = _inputs(2, 1, 3, 32, 16, 20, torch.float32, seed=4)
+    shifted = torch.empty(cache.numel() + 1)[1:].view_as(cache).copy_(cache)
+    with pytest.raises(ValueError, match="16-byte aligned rows; the cache's address is not"):
+        mla_decode(q, shifted, 32, 0.2, 19, config=MlaConfig(16, 16, 4, 2, tma=True))
+    big = torch.randn(4, 30, 1, 48)
+    view = big[::2, :23]
+    expected = mla_latent_reference(q, view, 32, 0.2, torch.tensor([22, 7]))
+    out = mla_decode(q, view, 32, 0.2, torch.tensor([22, 7]), config=MlaConfig(16, 16, 4, 2, tma=True), num_splits=2)
+    assert _relative(out, expected) <= TOLERANCE[torch.float32]
+
+
 def test_strided_cache_views_and_block_configs():
     """A cache row read through a view (every other batch row of a larger cache, keys up to a length), and
     each block shape the benchmark sweeps: the same output."""
@@ -64,7 +141,7 @@ def test_strided_cache_views_and_block_configs():
     big = torch.randn(4, 50, 1, 80)
     cache = big[::2, :41]  # [2, 41, 1, 80], batch stride 2 x 50 x 80
     expected = mla_latent_reference(q, cache, 64, 0.2, 40)
-    for config in (None, MlaConfig(16, 16, 4, 1), MlaConfig(32, 64, 4, 2)):
+    for config in (None, MlaConfig(16, 16, 4, 1), MlaConfig(32, 64, 4, 2), MlaConfig(16, 32, 4, 2, unchained=True)):
         assert _relative(mla_decode(q, cache, 64, 0.2, 40, config=config), expected) <= TOLERANCE[torch.float32]
 
 
@@ -124,12 +201,50 @@ def test_split_count_fills_one_wave_of_the_h200():
     """Host-side, shapes only (graph-safe). The bench's shape: 64 rows x 128 heads in 64-row blocks is 128
     programs already: one split. Batch 1 at V2-Lite's 16 heads: the walk is split over the SMs."""
     config = attention_mla.default_config(512, 128)
-    assert (config.block_m, config.block_n, config.num_warps) == (64, 32, 8)
+    assert config == MlaConfig(64, 64, 8, 2)  # run 59's fastest at R = 512 (bench/RESULTS.md); candidates off
     assert default_num_splits(64, 128, 8192, config, sms=132) == 1
     small = attention_mla.default_config(512, 16)
     assert small.block_m == 16 and small.num_warps == 4
     assert default_num_splits(1, 16, 4096, small, sms=132) == 32  # 128 tiles / 4 per split
     assert default_num_splits(1, 16, 160, small, sms=132) == 1  # 5 tiles: one split, no combine launch
+
+
+_COMPILE = """
+import json, sys
+sys.path.insert(0, "bench")
+import mla_sm90_compile as report
+from kernels.attention_mla import MlaConfig
+rows = [report.describe(config) for config in (MlaConfig(64, 64, 8, 2), MlaConfig(64, 64, 8, 2, unchained=True))]
+print(json.dumps(rows))
+"""
+
+
+def test_the_sm90_build_shows_the_duplicated_score_dot_and_the_unchained_fix():
+    """bench/mla_sm90_compile.py on the default and the unchained build (a child process: the tests'
+    interpreter cannot build for a GPU). What holds on every Triton it was written against: the default's
+    score dot has 8 warps over its 64 rows, the unchained one splits the keys and issues fewer wgmma, and
+    its P is read after the barrier, not prefetched."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sass_loops
+
+    if sass_loops.cuobjdump() is None:
+        pytest.skip("no cuobjdump in this Triton")
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[1], env=environment,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    default, unchained = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "failed" not in default and "failed" not in unchained, (default, unchained)
+    assert default["dots"] == ["64x64:[8,1]", "64x64:[8,1]", "64x512:[4,2]"]
+    assert unchained["dots"] == ["64x64:[8,1]", "64x64:[4,2]", "64x512:[4,2]"]  # the RoPE dot, then the latent one
+    assert unchained["wgmma"] < default["wgmma"] and unchained["loop_mufu"] < default["loop_mufu"]
+    assert unchained["p_prefetched"] == 0 and default["shared_bytes"] <= 227 * 1024 and default["loop_instructions"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,6 +268,30 @@ def test_gpu_kernel_matches_the_reference_in_bf16(case):
     q_start = keys - 1 if start is None else torch.tensor(start, device="cuda")
     out = torch.full((batch, query_len, heads, rank), float("nan"), dtype=torch.bfloat16, device="cuda")
     mla_decode(q, cache, rank, 192 ** -0.5, q_start, out=out)
+    expected = mla_latent_reference(q.float(), cache.float(), rank, 192 ** -0.5, q_start)
+    assert torch.isfinite(out).all()
+    assert _relative(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+GPU_STRUCTURES = [  # the sweep's unchained and TMA builds, and lazy rescaling (compiled, though it spills here)
+    MlaConfig(64, 64, 8, 2, unchained=True),
+    MlaConfig(64, 64, 8, 2, tma=True),
+    MlaConfig(64, 32, 8, 4, unchained=True, tma=True),
+    MlaConfig(64, 64, 8, 2, lazy_rescale=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_STRUCTURES, ids=lambda config: config.label().replace(" ", ""))
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[2]], ids=["bench-shape", "ragged"])
+def test_gpu_structure_candidates_match_the_reference_in_bf16(case, config):
+    """The compiled candidates: the unchained walk's scratch round trip (a barrier the interpreter does not
+    have) and lazy rescaling, at the benchmark's shape and on ragged rows, two splits for the second."""
+    batch, query_len, heads, rank, rope, keys, start = case
+    q, cache = _inputs(batch, query_len, heads, rank, rope, keys, torch.bfloat16, "cuda", seed=keys + 1)
+    q_start = keys - 1 if start is None else torch.tensor(start, device="cuda")
+    out = torch.full((batch, query_len, heads, rank), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_decode(q, cache, rank, 192 ** -0.5, q_start, out=out, config=config, num_splits=1 if start is None else 2)
     expected = mla_latent_reference(q.float(), cache.float(), rank, 192 ** -0.5, q_start)
     assert torch.isfinite(out).all()
     assert _relative(out, expected) <= TOLERANCE[torch.bfloat16]
@@ -197,7 +336,8 @@ def test_mla_bench_runs_every_path_on_a_cpu_stub(monkeypatch):
     spec = importlib.util.spec_from_file_location("mla_bench", Path(__file__).parents[1] / "bench" / "mla_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "SWEEP", [(16, 16, 4, 1), (16, 8, 4, 1)])  # block_n 8: refused by MlaConfig
+    monkeypatch.setattr(bench, "SWEEP", [(16, 16, 4, 1), (16, 16, 4, 1, {"unchained": True, "lazy_rescale": True}),
+                                         (16, 8, 4, 1)])  # block_n 8: refused by MlaConfig
 
     def stub_timer(fn, calls):
         fn()
@@ -206,6 +346,68 @@ def test_mla_bench_runs_every_path_on_a_cpu_stub(monkeypatch):
     row = bench.bench_cache(2, 4, 40, True, stub_timer, {"flops_per_s": 1e12}, device="cpu", latent=64, rope=16)
     assert row["kernel"]["error"] <= TOLERANCE[torch.float32] and row["ratio_to_bytes_bound"] > 0
     assert row["cache_bytes"] == 2 * 40 * 80 * 4 and "us" in row["arm"] and "kernel_speedup" in row["sdpa"]
-    assert [("us" in entry, "failed" in entry) for entry in row["sweep"]] == [(True, False)] * 3 + [(False, True)] * 3
+    splits = len(bench.SWEEP_SPLITS)
+    assert [("us" in entry, "failed" in entry) for entry in row["sweep"]] == \
+        [(True, False)] * (2 * splits) + [(False, True)] * splits
+    assert row["sweep"][splits]["config"] == "16x16 w4 s1 +lazy +unchained splits 1"
+    assert all(entry["ratio_to_roofline"] > 0 for entry in row["sweep"][:2 * splits])
     table = bench.format_rows([row], {"flops_per_s": 1e12})
-    assert "<= 1.2x bytes" in table and "FAILED ValueError: block_n must be a power of two" in table
+    assert "target <= 1.2x bytes" in table and "FAILED ValueError: block_n must be a power of two" in table
+    assert "x roofline" in table and "16x16 w4 s1 +lazy +unchained splits 2" in table
+
+
+def test_mla_bench_target_line_says_when_the_bytes_target_is_out_of_reach():
+    """Run 59's figures (bench/RESULTS.md): the FLOP bound 92.3 us over the bytes bound 72.1 us is 1.28x,
+    past the 1.2x target; at a bytes-bound shape the sentence is absent."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("mla_bench", Path(__file__).parents[1] / "bench" / "mla_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    compute_bound = {"ratio_to_bytes_bound": 290.5 / 72.1, "ratio_to_roofline": 290.5 / 92.3, "bytes_bound_us": 72.1,
+                     "flops_bound_us": 92.3}
+    line = bench.target_line(compute_bound)
+    assert line.startswith("target <= 1.2x bytes: missed (4.029x); roofline max(bytes, FLOP): 3.147x")
+    assert "lies below the FLOP bound" in line and "no kernel gets under 1.28x bytes" in line
+    bytes_bound = {"ratio_to_bytes_bound": 1.1, "ratio_to_roofline": 1.1, "bytes_bound_us": 100.0,
+                   "flops_bound_us": 40.0}
+    assert bench.target_line(bytes_bound) == "target <= 1.2x bytes: met (1.100x); roofline max(bytes, FLOP): 1.100x"
+
+
+def test_mla_bench_main_runs_both_passes_on_a_cpu_stub(monkeypatch, tmp_path, capsys):
+    """main() end to end with the device calls stubbed (the interpreter, a fixed 1 us timer): the default rows
+    for every cache length first, then each sweep, each sweep row printed as it is made, then the table and
+    the JSON; a broken launch in the sweep is a row, not the end of the run."""
+    import functools
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import engine.bench
+
+    spec = importlib.util.spec_from_file_location("mla_bench", Path(__file__).parents[1] / "bench" / "mla_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def stub_timer(fn, calls):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "stub")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(engine.bench, "graph_call_us", stub_timer)
+    monkeypatch.setattr(bench, "_matmul_flops", lambda timer: {"shape": "stub", "flops_per_s": 1e12})
+    monkeypatch.setattr(bench, "bench_cache", functools.partial(bench.bench_cache, device="cpu", latent=64, rope=16))
+    small_problem = bench._problem
+    monkeypatch.setattr(bench, "_problem", lambda batch, heads, tokens, device, latent, rope:
+                        small_problem(batch, heads, tokens, "cpu", 64, 16))
+    monkeypatch.setattr(bench, "SWEEP", [(16, 16, 4, 1, {"unchained": True}), (16, 8, 4, 1)])
+    out = tmp_path / "mla.json"
+    assert bench.main(["--batch", "2", "--heads", "4", "--tokens", "40,23", "--sweep", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("sweep 40: {") < printed.index("sweep 23: {") < printed.index("bf16 matmul")
+    written = json.loads(out.read_text())
+    assert [row["tokens"] for row in written["rows"]] == [40, 23] and written["stopped"] is None
+    assert [("us" in entry) for entry in written["rows"][1]["sweep"]] == [True, True, False, False]
