@@ -8,7 +8,8 @@
 #   demo     demo tg128 @ b1 (its figure must hold: run 57 read 21591 t/s)
 #   dsv2     the DeepSeek fused step's GPU tests (V2-Lite widths cut to 3 layers, against the torch glue, graphed),
 #            and the DeepSeek-V2-Lite shape tg128 @ b1 with its kernel profile
-#   mla      bench/mla_bench.py --sweep at 4096 keys, and the MLA GPU tests
+#   mla      bench/mla_bench.py --sweep --sweep-quick at 4096 keys (the default and the structure candidates),
+#            and the MLA GPU tests
 #   trellis  bench/trellis_bench.py --gemv-only (each code at the new default and the old schedule), and the
 #            unrolled GEMV's GPU tests
 #   bash bench/gpu_decode_shapes.sh [STAGES]     # logs and JSON under $OUT (default bench/results/latest)
@@ -50,7 +51,8 @@ want dsv2 && TAIL=6 stage 90 pytest_dsv2 python3 -m pytest -m gpu -q -p no:cache
     tests/test_decode_fused_mla.py
 want dsv2 && TAIL=30 stage 60 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
     --reps 2 --profile
-want mla && TAIL=30 stage 70 mla_bench python3 bench/mla_bench.py --sweep --tokens 4096 --out "$OUT/mla_bench.json"
+want mla && TAIL=40 stage 110 mla_bench python3 bench/mla_bench.py --sweep --sweep-quick --tokens 4096 \
+    --out "$OUT/mla_bench.json"
 want mla && TAIL=6 stage 45 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_mla.py
 want trellis && TAIL=30 stage 100 trellis_bench python3 bench/trellis_bench.py --gemv-only --out "$OUT"
 want trellis && TAIL=6 stage 45 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \

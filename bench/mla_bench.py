@@ -261,8 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--tokens", default="4096,8192", help="cache lengths (default 4096,8192)")
     parser.add_argument("--sweep", action="store_true", help="also time other block configs and split counts")
+    parser.add_argument("--sweep-quick", action="store_true",
+                        help="with --sweep: one split, and only the 64 x 64 default and the structure candidates "
+                             "(unchained, tma, both): about a third of the sweep")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/mla_bench.json, else bench/results/)")
     args = parser.parse_args(argv)
+    if args.sweep_quick:
+        global SWEEP, SWEEP_SPLITS
+        SWEEP = [entry for entry in SWEEP if len(entry) > 4 or tuple(entry[:4]) == (64, 64, 8, 2)]
+        SWEEP_SPLITS = (1,)
     if not torch.cuda.is_available():
         print("mla_bench: no CUDA GPU visible: this benchmark runs on a GPU", file=sys.stderr)
         return 2
