@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The decode work on real model shapes, for a lent H200, in one call of at most BUDGET_S seconds (default 400;
-# every stage has its own limit, cut to what is left):
-#   tests    GPU tests of the split argmax (a 151936-token row, graphed) and the Qwen3-MoE family against
-#            transformers (graphed decode equals eager, every replay counted)
-#   blocks   bench/experiments/moe_gemv_blocks.py --shapes qwen3,dsv2: every GEMV schedule candidate beside the pick
-#   qwen3    Qwen3-30B-A3B shape tg128 @ b1 with its kernel profile (bench/gpu_models_profile.sh qwen3)
-#   demo     demo tg128 @ b1 (its figure must hold: run 57 read 21591 t/s)
+# every stage has its own limit, cut to what is left; they run in this order, most needed first):
+#   qwen3    Qwen3-30B-A3B shape tg128 @ b1 with its kernel profile (random weights from bench/configs)
 #   dsv2     the DeepSeek fused step's GPU tests (V2-Lite widths cut to 3 layers, against the torch glue, graphed),
 #            and the DeepSeek-V2-Lite shape tg128 @ b1 with its kernel profile
-#   mla      bench/mla_bench.py --sweep --sweep-quick at 4096 keys (the default and the structure candidates),
-#            and the MLA GPU tests
-#   trellis  bench/trellis_bench.py --gemv-only (each code at the new default and the old schedule), and the
-#            unrolled GEMV's GPU tests
+#   blocks   bench/experiments/moe_gemv_blocks.py --shapes qwen3,dsv2: every GEMV schedule candidate beside the pick
+#   tests    GPU tests of the split argmax (a 151936-token row, graphed) and the Qwen3-MoE family (graphed decode
+#            equals eager, every replay counted)
+#   trellis  bench/trellis_bench.py --gemv-only (each code at the new default and the old schedule, each row
+#            checked against the reference decode); later, the unrolled GEMV's GPU tests
+#   mla      bench/mla_bench.py --sweep --sweep-quick at 4096 keys (every row checked against the reference: the
+#            default and the structure candidates); later, the MLA GPU tests
+#   demo     demo tg128 @ b1 (its figure must hold: run 57 read 21591 t/s)
 #   bash bench/gpu_decode_shapes.sh [STAGES]     # logs and JSON under $OUT (default bench/results/latest)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=",${1:-tests,blocks,qwen3,demo,dsv2,mla,trellis},"
+STAGES=",${1:-qwen3,dsv2,blocks,tests,trellis,mla,demo},"
 want() { [[ "$STAGES" == *",$1,"* ]]; }
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -39,22 +39,22 @@ bench_row() {  # bench_row NAME MODEL [bench options...]
     python3 -m inspector bench --model "$model" --pp none --tg 128 --batch 1 --no-progress --format md \
         --json-out "$OUT/$name.json" "$@"
 }
-want tests && TAIL=6 stage 90 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-    tests/test_decode_fused.py::test_gpu_next_tokens_splits_a_large_vocabulary_and_replays_in_a_graph \
-    tests/test_families_gpu.py -k "next_tokens or qwen3 or mixtral"
-want blocks && TAIL=16 stage 60 moe_gemv_blocks env OUT="$OUT" python3 bench/experiments/moe_gemv_blocks.py \
-    --shapes qwen3,dsv2
-want qwen3 && TAIL=30 stage 75 qwen3_tg128 bench_row qwen3_tg128 bench/configs/qwen3-30b-a3b --weights random \
+want qwen3 && TAIL=30 stage 65 qwen3_tg128 bench_row qwen3_tg128 bench/configs/qwen3-30b-a3b --weights random \
     --reps 2 --profile
-want demo && TAIL=8 stage 40 demo_tg128 bench_row demo_tg128 demo --reps 3
-want dsv2 && TAIL=6 stage 90 pytest_dsv2 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+want dsv2 && TAIL=6 stage 60 pytest_dsv2 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused_mla.py
-want dsv2 && TAIL=30 stage 60 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
+want dsv2 && TAIL=30 stage 55 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
     --reps 2 --profile
+want blocks && TAIL=16 stage 45 moe_gemv_blocks env OUT="$OUT" python3 bench/experiments/moe_gemv_blocks.py \
+    --shapes qwen3,dsv2
+want tests && TAIL=6 stage 50 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused.py::test_gpu_next_tokens_splits_a_large_vocabulary_and_replays_in_a_graph \
+    tests/test_families_gpu.py -k "next_tokens or qwen3"
+want trellis && TAIL=30 stage 85 trellis_bench python3 bench/trellis_bench.py --gemv-only --out "$OUT"
 want mla && TAIL=40 stage 110 mla_bench python3 bench/mla_bench.py --sweep --sweep-quick --tokens 4096 \
     --out "$OUT/mla_bench.json"
+want demo && TAIL=8 stage 40 demo_tg128 bench_row demo_tg128 demo --reps 3
 want mla && TAIL=6 stage 45 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_mla.py
-want trellis && TAIL=30 stage 100 trellis_bench python3 bench/trellis_bench.py --gemv-only --out "$OUT"
 want trellis && TAIL=6 stage 45 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_trellis_gemv_unrolled.py
 echo "done in ${SECONDS}s" | tee -a "$SUMMARY"
