@@ -34,17 +34,13 @@ stage() {  # stage LIMIT_S NAME COMMAND...  (the limit cut to the time left; ski
     echo "   exit $rc$([ $rc -eq 124 ] && echo ' (time limit)')" | tee -a "$SUMMARY"
     tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-400 | sed 's/^/   | /' | tee -a "$SUMMARY"
 }
-bench_row() {  # bench_row NAME MODEL [bench options...]
-    local name=$1 model=$2; shift 2
-    python3 -m inspector bench --model "$model" --pp none --tg 128 --batch 1 --no-progress --format md \
-        --json-out "$OUT/$name.json" "$@"
-}
-want qwen3 && TAIL=30 stage 65 qwen3_tg128 bench_row qwen3_tg128 bench/configs/qwen3-30b-a3b --weights random \
-    --reps 2 --profile
+BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)  # timeout runs no function
+want qwen3 && TAIL=30 stage 65 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random \
+    --reps 2 --profile --json-out "$OUT/qwen3_tg128.json"
 want dsv2 && TAIL=6 stage 60 pytest_dsv2 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused_mla.py
-want dsv2 && TAIL=30 stage 55 dsv2_tg128 bench_row dsv2_tg128 bench/configs/deepseek-v2-lite --weights random \
-    --reps 2 --profile
+want dsv2 && TAIL=30 stage 55 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deepseek-v2-lite --weights random \
+    --reps 2 --profile --json-out "$OUT/dsv2_tg128.json"
 want blocks && TAIL=16 stage 45 moe_gemv_blocks env OUT="$OUT" python3 bench/experiments/moe_gemv_blocks.py \
     --shapes qwen3,dsv2
 want tests && TAIL=6 stage 50 pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -53,7 +49,7 @@ want tests && TAIL=6 stage 50 pytest_gpu python3 -m pytest -m gpu -q -p no:cache
 want trellis && TAIL=30 stage 85 trellis_bench python3 bench/trellis_bench.py --gemv-only --out "$OUT"
 want mla && TAIL=40 stage 110 mla_bench python3 bench/mla_bench.py --sweep --sweep-quick --tokens 4096 \
     --out "$OUT/mla_bench.json"
-want demo && TAIL=8 stage 40 demo_tg128 bench_row demo_tg128 demo --reps 3
+want demo && TAIL=8 stage 40 demo_tg128 "${BENCH[@]}" --model demo --reps 3 --json-out "$OUT/demo_tg128.json"
 want mla && TAIL=6 stage 45 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_attention_mla.py
 want trellis && TAIL=6 stage 45 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_trellis_gemv_unrolled.py

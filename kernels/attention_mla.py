@@ -35,7 +35,7 @@ Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -97,11 +97,20 @@ def supports(kv_lora_rank: int, rope_dim: int) -> str:
 def default_config(kv_lora_rank: int, rows: int) -> MlaConfig:
     """The launch config for `rows` query rows per sequence (M = Tq x Hq) at latent rank R: BLOCK_M the
     rows rounded up to a power of two, at most 64; 8 warps once the accumulator is 64 x 512 fp32, and then
-    64-key tiles: the fastest block shape of the H200 sweep at 128 heads (bench/RESULTS.md, docs/mla.md)."""
+    64-key tiles read through TMA: the fastest of the H200 sweep at 128 heads (bench/RESULTS.md, run 63:
+    249.4 µs against 278.3 through pointers; docs/mla.md). `mla_decode` drops TMA for a misaligned cache."""
     block_m = max(16, min(64, triton.next_power_of_2(rows)))
     warps = 8 if block_m * kv_lora_rank >= 64 * 512 else 4
     block_n = 64 if warps == 8 or kv_lora_rank < 256 else 32
-    return MlaConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2)
+    return MlaConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=2,
+                     tma=warps == 8 and block_n == 64)
+
+
+def _tma_misaligned(cache: torch.Tensor) -> list[str]:
+    """What of the cache [B, Tk, 1, R + r] is not 16-byte aligned, as TMA needs (empty: it may use TMA)."""
+    size = cache.element_size()
+    return [what for what, value in (("address", cache.data_ptr()), ("batch stride", cache.stride(0) * size),
+                                     ("token stride", cache.stride(1) * size)) if value % 16]
 
 
 @triton.jit
@@ -388,7 +397,10 @@ def mla_decode(
     if rows == 0 or batch == 0:
         return out
     out_rows = out.view(batch, rows, kv_lora_rank)
-    config = config or default_config(kv_lora_rank, rows)
+    if config is None:
+        config = default_config(kv_lora_rank, rows)
+        if config.tma and _tma_misaligned(cache):
+            config = replace(config, tma=False)
     tiles = max(1, triton.cdiv(key_len, config.block_n))
     if num_splits is None:
         num_splits = default_num_splits(batch, rows, key_len, config, _device_sms(q.device))
@@ -404,10 +416,7 @@ def mla_decode(
     cache_rows = cache[:, :, 0]  # [B, Tk, R + r]
     compiled_for_gpu = q.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     if config.tma:
-        misaligned = [what for what, value in (("address", cache_rows.data_ptr()),
-                                               ("batch stride", cache_rows.stride(0) * cache.element_size()),
-                                               ("token stride", cache_rows.stride(1) * cache.element_size()))
-                      if value % 16]
+        misaligned = _tma_misaligned(cache)
         if misaligned:
             raise ValueError(f"config {config.label()} reads the cache through TMA, which needs 16-byte aligned "
                              f"rows; the cache's {', '.join(misaligned)} is not (use a config without tma)")

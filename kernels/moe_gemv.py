@@ -53,11 +53,12 @@ DOWN_BLOCK_D = 8  # outputs per program: 8 rows of w2 (D / 8 = 512 programs per 
 DOWN_BLOCK_F = 1024  # intermediate elements per step: 8 x 1024 bf16 = 16 KB in flight per program
 GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in turn (measured: 2 beat 1 and 4)
 NUM_WARPS = 4
-# Narrower models (D = 2048, F = 768 or 1408, one token) would launch too few programs to keep enough loads in
-# flight with the blocks above (gate-up 384, down 256 at Qwen3-30B-A3B's shape; v4-shape: 768 and 512): below
-# these counts gate-up runs one block per program and down halves its outputs per program (to 2 at least).
+# A narrower model (D = 2048, F = 768, one token) launches few gate-up programs at two blocks each (384 at
+# Qwen3-30B-A3B's shape; v4-shape 768): below this count gate-up runs one block per program. Run 63: gate-up
+# added 702 µs to a Qwen3 step against 852 (run 60). Down halving its outputs per program below 512 programs
+# (256 there) added 773 µs against 606, so down keeps its table block (MIN_DOWN_PROGRAMS 0: never halves).
 MIN_GATE_UP_PROGRAMS = 640
-MIN_DOWN_PROGRAMS = 512
+MIN_DOWN_PROGRAMS = 0
 
 
 def schedule(tokens: int, hidden: int, intermediate: int, top_k: int) -> tuple[int, int]:

@@ -134,6 +134,17 @@ def test_tma_refuses_a_misaligned_cache_and_reads_a_strided_view():
     assert _relative(out, expected) <= TOLERANCE[torch.float32]
 
 
+def test_the_default_reads_through_tma_where_it_can_and_through_pointers_where_not():
+    """At 64 rows and R = 512 the default config reads the cache through TMA; a misaligned cache gets the same
+    config without it, not a refusal: the same output either way."""
+    q, cache = _inputs(1, 1, 64, 512, 64, 5, torch.float32, seed=6)
+    assert attention_mla.default_config(512, 64).tma
+    expected = mla_latent_reference(q, cache, 512, 0.05, 4)
+    shifted = torch.empty(cache.numel() + 1)[1:].view_as(cache).copy_(cache)
+    for source in (cache, shifted):
+        assert _relative(mla_decode(q, source, 512, 0.05, 4), expected) <= TOLERANCE[torch.float32]
+
+
 def test_strided_cache_views_and_block_configs():
     """A cache row read through a view (every other batch row of a larger cache, keys up to a length), and
     each block shape the benchmark sweeps: the same output."""
@@ -201,10 +212,10 @@ def test_split_count_fills_one_wave_of_the_h200():
     """Host-side, shapes only (graph-safe). The bench's shape: 64 rows x 128 heads in 64-row blocks is 128
     programs already: one split. Batch 1 at V2-Lite's 16 heads: the walk is split over the SMs."""
     config = attention_mla.default_config(512, 128)
-    assert config == MlaConfig(64, 64, 8, 2)  # run 59's fastest at R = 512 (bench/RESULTS.md); candidates off
+    assert config == MlaConfig(64, 64, 8, 2, tma=True)  # run 63's fastest at R = 512 (bench/RESULTS.md)
     assert default_num_splits(64, 128, 8192, config, sms=132) == 1
     small = attention_mla.default_config(512, 16)
-    assert small.block_m == 16 and small.num_warps == 4
+    assert small.block_m == 16 and small.num_warps == 4 and not small.tma
     assert default_num_splits(1, 16, 4096, small, sms=132) == 32  # 128 tiles / 4 per split
     assert default_num_splits(1, 16, 160, small, sms=132) == 1  # 5 tiles: one split, no combine launch
 
