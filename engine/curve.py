@@ -35,8 +35,10 @@ def routing_from(model: str | None, k: int | None, experts: int | None) -> tuple
 def curve(k: int | None, experts: int | None, tile_m: int, tokens: list[int] | tuple[int, ...] = CURVE_TOKENS,
           model: str | None = None) -> dict:
     routing, name = routing_from(model, k, experts)
-    if tile_m < 1:
-        raise UserError(f"--tile-m {tile_m}: must be >= 1")
+    from engine.flags import TILE_M_CHOICES  # the gate's tiles: a fill of any other size decides nothing
+
+    if tile_m not in TILE_M_CHOICES:
+        raise UserError(f"--tile-m {tile_m}: the grouped GEMM's m-tiles are {', '.join(map(str, TILE_M_CHOICES))}")
     check_curve_request(routing.k, routing.n_experts, tile_m, tokens, "curve")
     result = {"k": routing.k, "experts": routing.n_experts, "tile_m": tile_m,
               "min_tokens": dispatch.min_tokens(routing.k, routing.n_experts, tile_m),

@@ -89,9 +89,13 @@ def check_quant(model: str, layer: int = 0, tokens: tuple[int, ...] | None = Non
                 device: str = "auto", seed: int = 0, original: str | None = None) -> dict:
     """The check on `model` (a trellis checkpoint directory); UserError for bad options. `result["ok"]` when the
     arm sits on the dequantized reference at every token count."""
+    from engine.model_source import model_config
     from engine.runtime import Engine
 
     device = resolve_device(device)
+    config = model_config(model)  # config.json alone: a bad --layer is refused before a weight loads
+    if not 0 <= layer < config.n_layers:
+        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
     engine = Engine.load(model, device=device)
     return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original)
 

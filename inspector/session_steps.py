@@ -275,6 +275,9 @@ class CurveAction(Action):
         k, experts = step.k or model.top_k, step.experts or model.n_experts
         if k > experts:
             raise UserError(f"{here}: k {k} is more than experts {experts}; need 1 <= k <= experts")
+        if step.tile_m is not None and step.tile_m not in flag_registry.TILE_M_CHOICES:
+            raise UserError(f"{here}: tile_m {step.tile_m}: the grouped GEMM's m-tiles are "
+                            f"{', '.join(map(str, flag_registry.TILE_M_CHOICES))}")
         limits.check_curve_request(k, experts, step.tile_m or 1, step.tokens or [], here)
 
     def result(self, context, index, step, outcome) -> dict:

@@ -63,6 +63,8 @@ def test_compare_drop_vs_honor_on_demo_diverges(capsys):
     (["generate", "--model", "huge", "--prompt", "x"], "unknown model 'huge'"),
     (["generate", "--model", "tiny", "--prompt", "x", "--set", "warp_speed=on"], "unknown flag 'warp_speed'"),
     (["generate", "--model", "tiny", "--prompt", "x", "--set", "tile_m=48"], "allowed: 16, 32 or 64"),
+    (["curve", "--tile-m", "17"], "--tile-m 17: the grouped GEMM's m-tiles are 16, 32, 64"),
+    (["curve", "--tile-m", "0"], "--tile-m 0: the grouped GEMM's m-tiles are 16, 32, 64"),
     (["generate", "--model", "tiny", "--prompt", "x" * 600], "longer than the tiny context of 512"),
     (["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["compare", "--model", "tiny", "--prompt", "x", "--a", "fused_mask=sometimes"], "fused_mask in --a"),

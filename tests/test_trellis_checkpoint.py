@@ -263,6 +263,17 @@ def test_check_quant_catches_an_arm_that_computes_the_original_weights(quantized
     assert "original" in out.splitlines()[4] and "does not sit on the dequantized reference" in out
 
 
+def test_check_quant_refuses_a_layer_the_model_lacks_before_loading_it(quantized, capsys, monkeypatch):
+    from engine.runtime import Engine as Loaded
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before --layer was checked")
+
+    monkeypatch.setattr(Loaded, "load", never)
+    code, _, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--layer", 99], capsys)
+    assert code == 2 and "--layer 99" in err and "has layers 0.." in err and "Traceback" not in err
+
+
 def test_check_quant_refuses_a_model_without_trellis_experts(source, capsys):
     code, _, err = _run(["check-quant", "--model", source, "--device", "cpu"], capsys)
     assert code == 2 and "not trellis-coded" in err and "Traceback" not in err
