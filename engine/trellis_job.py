@@ -108,6 +108,23 @@ def _source(engine, model: str, weights: str) -> dict:
     return {"model": where, "weights": weights, "seed": engine.seed, "description": engine.weights_source}
 
 
+def _check_not_trellis(model: str) -> None:
+    """Refuse a trellis checkpoint directory from its config.json alone, before its weights load."""
+    import json
+
+    from engine.trellis_checkpoint import is_trellis_config
+
+    config_path = Path(model).expanduser() / "config.json"
+    if not config_path.is_file():
+        return  # a preset, or a directory the loader refuses with its own line
+    try:
+        values = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # unreadable: the loader names the problem
+    if isinstance(values, dict) and is_trellis_config(values):
+        raise UserError(f"--model {model}: its experts are trellis-coded already; quantize the original model")
+
+
 def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int = 0, device: str = "auto",
                    weights: str = "auto", stream: TextIO | None = None, batch: int | None = None,
                    calibration: str | Path | None = None, calibration_tokens: int = 8192) -> QuantizeResult:
@@ -121,6 +138,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     out = Path(out)
     _check_output(out)
     text = None if calibration is None else _calibration_text(Path(calibration))  # before the model loads
+    _check_not_trellis(model)
     engine = Engine.load(model, device=device, weights=weights)
     config = engine.config
     if not config.plain_experts:

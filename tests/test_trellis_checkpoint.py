@@ -274,6 +274,18 @@ def test_check_quant_refuses_a_layer_the_model_lacks_before_loading_it(quantized
     assert code == 2 and "--layer 99" in err and "has layers 0.." in err and "Traceback" not in err
 
 
+def test_quantize_refuses_a_trellis_checkpoint_before_loading_it(quantized, tmp_path, capsys, monkeypatch):
+    from engine.runtime import Engine as Loaded
+
+    def never(*args, **kwargs):
+        raise AssertionError("the trellis checkpoint was loaded before it was refused")
+
+    monkeypatch.setattr(Loaded, "load", never)
+    out = tmp_path / "again"
+    code, _, err = _run(["quantize", quantized, "--experts", "trellis:K=2,code=hyb", "--out", out], capsys)
+    assert code == 2 and "trellis-coded already" in err and "Traceback" not in err and not out.exists()
+
+
 def test_check_quant_refuses_a_model_without_trellis_experts(source, capsys):
     code, _, err = _run(["check-quant", "--model", source, "--device", "cpu"], capsys)
     assert code == 2 and "not trellis-coded" in err and "Traceback" not in err
