@@ -111,29 +111,12 @@ def pack_qkv(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         return
     for layer in range(config.n_layers):
         p = f"layers.{layer}."
-        names = [p + "wq", p + "wk", p + "wv"]
-        if any(name not in weights for name in names) or packed_qkv(weights, p) is not None:
-            continue
-        packed = torch.cat([weights[name] for name in names], dim=0)
-        start = 0
-        for name in names:
-            rows = weights[name].shape[0]
-            weights[name] = packed[start:start + rows]
-            start += rows
+        decode_fused_mla.pack_rows(weights, [p + "wq", p + "wk", p + "wv"])
 
 
 def packed_qkv(weights: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
     """The [Nq + Nk + Nv, D] matrix wq, wk, wv form when they lie back to back in memory, else None."""
-    wq, wk, wv = weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]
-    if not (wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
-        return None
-    size = wq.element_size()
-    if wk.data_ptr() != wq.data_ptr() + wq.numel() * size or wv.data_ptr() != wk.data_ptr() + wk.numel() * size:
-        return None
-    if wq.untyped_storage().data_ptr() != wv.untyped_storage().data_ptr():
-        return None
-    rows = wq.shape[0] + wk.shape[0] + wv.shape[0]
-    return torch.as_strided(wq, (rows, wq.shape[1]), (wq.shape[1], 1))
+    return decode_fused_mla.packed_rows(weights, [p + "wq", p + "wk", p + "wv"])
 
 
 def _inverse_frequency(config: ModelConfig, device: torch.device) -> torch.Tensor:
