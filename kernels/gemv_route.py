@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels import arrivals, launches, scratch
 from kernels.gemv_norm import Fused, Norm, check_fold
 from kernels.parts import count_ids, fold_gemv, topk_softmax_row
-from kernels.router import MAX_EXPERTS
+from kernels.router import MAX_EXPERTS, count_block
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def gemv_route(x: torch.Tensor | None, w: torch.Tensor, *, route: Route, norm: N
         *fold.args, result.ids, result.weights, count, arrivals.counters(device, 1),
         result.ids.stride(0), result.weights.stride(0), float(route.scale),
         TOP_K=route.top_k, OVER_ALL=route.over_all, K_PAD=triton.next_power_of_2(route.top_k), E_PAD=e_pad, WOKEN=route.woken,
-        COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(rows * route.top_k))),
+        COUNT_BLOCK=count_block(e_pad, rows * route.top_k),
         **fold.constexprs,
     )
     launches.record("gemv_route", kernel=_gemv_route_kernel)

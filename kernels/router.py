@@ -48,6 +48,17 @@ def _topk_softmax_kernel(
             tl.atomic_xchg(arrivals_ptr, 0)
 
 
+def count_block(e_pad: int, pairs: int) -> int:
+    """Ids kernels.parts.count_ids takes per step: at most 64 and the pairs, with block x E_PAD <= 16384 flags."""
+    return max(1, min(64, 16384 // e_pad, triton.next_power_of_2(pairs)))
+
+
+def _outputs(tokens: int, top_k: int, weight_dtype: torch.dtype, device: torch.device):
+    """ids [T, k] int32, weights [T, k] and the woken count's one int64, as scratch buffers."""
+    return (scratch.empty((tokens, top_k), torch.int32, device), scratch.empty((tokens, top_k), weight_dtype, device),
+            scratch.empty((1,), torch.int64, device))
+
+
 def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *, woken: bool = False,
                  over_all: bool = False, scale: float = 1.0):
     """(ids [N, k] int32, weights [N, k] in weight_dtype) from float32 logits [N, E]; with woken=True
@@ -61,9 +72,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
     tokens, experts = logits.shape
     if not 1 <= top_k <= experts or experts > MAX_EXPERTS:
         raise ValueError(f"topk_softmax: need 1 <= k <= E <= {MAX_EXPERTS}, got k={top_k}, E={experts}")
-    ids = scratch.empty((tokens, top_k), torch.int32, logits.device)
-    weights = scratch.empty((tokens, top_k), weight_dtype, logits.device)
-    count = scratch.empty((1,), torch.int64, logits.device)
+    ids, weights, count = _outputs(tokens, top_k, weight_dtype, logits.device)
     if tokens == 0:
         if woken:
             count.zero_()
@@ -73,7 +82,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
         logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
         logits.stride(0), ids.stride(0), weights.stride(0), float(scale),
         E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken, OVER_ALL=over_all,
-        COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
+        COUNT_BLOCK=count_block(e_pad, tokens * top_k),
         num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
     )
@@ -131,9 +140,7 @@ def group_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, 
                          f"topk_group={topk_group}, k={top_k}")
     if bias is not None and (bias.shape != (experts,) or bias.device != logits.device):
         raise ValueError(f"group_topk: bias must be [{experts}] on {logits.device}, got {tuple(bias.shape)}")
-    ids = scratch.empty((tokens, top_k), torch.int32, logits.device)
-    weights = scratch.empty((tokens, top_k), weight_dtype, logits.device)
-    count = scratch.empty((1,), torch.int64, logits.device)
+    ids, weights, count = _outputs(tokens, top_k, weight_dtype, logits.device)
     if tokens == 0:
         if woken:
             count.zero_()
@@ -146,7 +153,7 @@ def group_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, 
         E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group,
         G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, SIGMOID=kind == "sigmoid_group_topk",
         NORMALISE=norm_topk_prob and kind == "sigmoid_group_topk", HAS_BIAS=bias is not None, WOKEN=woken,
-        COUNT_BLOCK=max(1, min(64, 16384 // e_pad, triton.next_power_of_2(tokens * top_k))),
+        COUNT_BLOCK=count_block(e_pad, tokens * top_k),
         num_warps=1 if experts <= 256 else 4,
         **pdl.launch_options(logits.device),
     )
