@@ -15,9 +15,16 @@ import dataclasses
 
 import pytest
 import torch
+from test_decode_fused import _close, _draw  # the other families' draws and tolerances
 
 from engine import arms, decode_fused, decode_fused_mla, flags, mla
-from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
+from engine.config import (
+    LatentAttention,
+    LayerMask,
+    ModelConfig,
+    SharedExperts,
+    YarnScaling,
+)
 from engine.model import KVCache, StepLayout, forward, random_weights, route
 from engine.rope import yarn_inverse_frequency
 from engine.routing import group_limited_topk
@@ -27,21 +34,6 @@ from kernels.gemv_fused import Norm, Route, gemv_fused
 from kernels.mla_absorb import absorb, unabsorb
 from kernels.mla_rope_cache import mla_rope_cache
 from kernels.router import group_topk, topk_softmax
-
-# fp32: the kernels and torch differ in the order of fp32 sums only; fp16: a rounding or two of the output
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def _draw(*shape, dtype=torch.float32, device="cpu", seed=0):
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(*shape, generator=generator, device=device).to(dtype)
-
-
-def _close(actual, expected, dtype):
-    scale = expected.float().abs().max().clamp_min(1e-6)
-    error = (actual.float() - expected.float()).abs().max() / scale
-    assert torch.isfinite(actual.float()).all()
-    assert error <= TOLERANCE[dtype], f"relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
 
 
 def _config(**changes) -> ModelConfig:
