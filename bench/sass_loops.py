@@ -110,3 +110,19 @@ def issue_bound_us(instructions_per_weight: dict[str, float], weights: float, sm
 
 def top_opcodes(opcodes: list[str], count: int = 10) -> list[tuple[str, int]]:
     return Counter(opcodes).most_common(count)
+
+
+def compiled_in_child(code: str, timeout: float = 300.0):
+    """Run `code` (Python whose last printed line is JSON) in a child process from the repository's root, without
+    TRITON_INTERPRET: an sm_90 build cannot run under the interpreter the tests set. The parsed JSON; a
+    RuntimeError with the child's stderr tail when it fails."""
+    import json
+    import sys
+    from pathlib import Path
+
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=environment,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the sm_90 build's child exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -235,9 +235,6 @@ def test_the_sm90_build_shows_the_duplicated_score_dot_and_the_unchained_fix():
     interpreter cannot build for a GPU). What holds on every Triton it was written against: the default's
     score dot has 8 warps over its 64 rows, the unchained one splits the keys and issues fewer wgmma, and
     its P is read after the barrier, not prefetched."""
-    import json
-    import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -246,11 +243,7 @@ def test_the_sm90_build_shows_the_duplicated_score_dot_and_the_unchained_fix():
 
     if sass_loops.cuobjdump() is None:
         pytest.skip("no cuobjdump in this Triton")
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[1], env=environment,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    default, unchained = json.loads(done.stdout.strip().splitlines()[-1])
+    default, unchained = sass_loops.compiled_in_child(_COMPILE)
     assert "failed" not in default and "failed" not in unchained, (default, unchained)
     assert default["dots"] == ["64x64:[8,1]", "64x64:[8,1]", "64x512:[4,2]"]
     assert unchained["dots"] == ["64x64:[8,1]", "64x64:[4,2]", "64x512:[4,2]"]  # the RoPE dot, then the latent one

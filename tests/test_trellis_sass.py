@@ -52,18 +52,10 @@ print(json.dumps(sass_loops.per_weight(loop, weights)))
 
 def test_the_gemv_loop_of_the_sm90_build_is_found():
     """Compiled in a child process: the tests' interpreter (TRITON_INTERPRET=1) cannot build for a GPU."""
-    import json
-    import os
-    import subprocess
-
     pytest.importorskip("triton")
     if sass_loops.cuobjdump() is None:
         pytest.skip("no cuobjdump in this Triton")
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[1], env=environment,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = sass_loops.compiled_in_child(_COMPILE)
     # hyb: two FFMAs per step of two weights, and at least a shift, the hash and the table read per state:
     # the loop found is the decode loop (about 3.5 a weight at the least, docs/trellis-kernels.md)
     assert counts["fma"] == pytest.approx(1.0, abs=0.1)
