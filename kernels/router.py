@@ -25,6 +25,17 @@ MAX_EXPERTS = 4096
 
 
 @triton.jit
+def _count_woken(ids_ptr, woken_ptr, arrivals_ptr, tokens, experts, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                 COUNT_BLOCK: tl.constexpr):
+    """The last token's program counts the distinct experts of all (kernels.arrivals) into woken_ptr."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+    if arrived == tokens - 1:
+        tl.store(woken_ptr, count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
+        tl.atomic_xchg(arrivals_ptr, 0)
+
+
+@triton.jit
 def _topk_softmax_kernel(
     logits_ptr, ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, tokens, experts, stride_l, stride_i, stride_w,
     scale,
@@ -40,12 +51,8 @@ def _topk_softmax_kernel(
     values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
     topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
                      weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, OVER_ALL, scale)
-    if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
-        if arrived == tokens - 1:
-            tl.store(woken_ptr, count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
-            tl.atomic_xchg(arrivals_ptr, 0)
+    if WOKEN:
+        _count_woken(ids_ptr, woken_ptr, arrivals_ptr, tokens, experts, TOP_K, E_PAD, COUNT_BLOCK)
 
 
 def count_block(e_pad: int, pairs: int) -> int:
@@ -112,12 +119,8 @@ def _group_topk_kernel(
     group_topk_row(values, bias, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
                    weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP,
                    SIGMOID, NORMALISE, scale)
-    if WOKEN:  # the last token's program counts the distinct experts of all (kernels.arrivals)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
-        if arrived == tokens - 1:
-            tl.store(woken_ptr, count_ids(ids_ptr, tokens * TOP_K, experts, E_PAD, COUNT_BLOCK).to(tl.int64))
-            tl.atomic_xchg(arrivals_ptr, 0)
+    if WOKEN:
+        _count_woken(ids_ptr, woken_ptr, arrivals_ptr, tokens, experts, TOP_K, E_PAD, COUNT_BLOCK)
 
 
 def group_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, kind: str,
