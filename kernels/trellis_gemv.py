@@ -191,6 +191,19 @@ def _hyb_rows_at(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
 
 
 @triton.jit
+def _hyb_octet(table, w0, w1, w2, after, FIRST: tl.constexpr, STEP_BITS: tl.constexpr, WU: tl.constexpr):
+    """hyb: the table pairs of the eight steps FIRST..FIRST + 7 (STEP_BITS = K V stream bits each), one gather."""
+    return _hyb_gather8(table, _hyb_rows_at(w0, w1, w2, after, STEP_BITS * FIRST, WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 1), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 2), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 3), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 4), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 5), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 6), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 7), WU))
+
+
+@triton.jit
 def _vector_pair(vec_ptrs, COLUMN: tl.constexpr, column_ok, EVEN_COLUMNS: tl.constexpr):
     """The vector's columns COLUMN and COLUMN + 1 (COLUMN even) of each tile column, float32 [1, T] each, in
     one 8-byte load (a vector row starts 64-byte aligned: C is a multiple of 16)."""
@@ -296,15 +309,7 @@ def _trellis_gemv_steps_kernel(
             n0, n1, n2, n_after = _unit_words(unit_ptrs, next_ptrs, ahead, WU, WEIGHT_EVICTION)
             if TABLE_IN_SHARED:  # hyb: eight steps a gather (S is 8 or 16)
                 for octet in tl.static_range(S // 8):
-                    p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_gather8(
-                        table, _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 1), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 2), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 3), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 4), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 5), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 6), WU),
-                        _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 7), WU))
+                    p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_octet(table, w0, w1, w2, after, 8 * octet, K * V, WU)
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p0, vec_ptrs, 8 * octet, column_ok, EVEN_COLUMNS)
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p1, vec_ptrs, 8 * octet + 1, column_ok, EVEN_COLUMNS)
                     sum0, sum1 = _accumulate_pair(sum0, sum1, p2, vec_ptrs, 8 * octet + 2, column_ok, EVEN_COLUMNS)

@@ -1,6 +1,6 @@
 """The unrolled-steps trellis GEMV (kernels/trellis_gemv.py `_trellis_gemv_steps_kernel`): its 32-bit decode
-(kernels/trellis_decode.py `_step_state`, `_step_window`, `_window_values`, `_hyb_hash_rows`,
-`_hyb_gather8`) bit for bit against the reference, the signed hyb table, and the arm on both of its column
+(kernels/trellis_decode.py `_step_state`, `_step_window`, `_window_values`, `_hyb_hash_rows`;
+kernels/trellis_gemv.py `_hyb_octet`) bit for bit against the reference, the signed hyb table, and the arm on both of its column
 paths (masked, and the EVEN_COLUMNS walk with no masks) and both hyb table paths (shared memory, L1).
 
 CPU: the interpreter (conftest), which runs the decode's plain forms; GPU (`-m gpu`): the same checks through
@@ -17,9 +17,9 @@ import triton.language as tl
 from kernels import scratch
 from kernels import trellis_gemv as gemv_module
 from kernels import trellis_reference as reference
-from kernels.trellis_decode import (_code_values, _hyb_gather8, _hyb_values_of_rows, _step_state, _step_window,
+from kernels.trellis_decode import (_code_values, _hyb_values_of_rows, _step_state, _step_window,
                                     _unit_words, _window_values, code_id, compiled, unit_geometry)
-from kernels.trellis_gemv import GemvSchedule, _hyb_rows_at, moe_trellis_gemv
+from kernels.trellis_gemv import GemvSchedule, _hyb_octet, moe_trellis_gemv
 from kernels.trellis_reference import TrellisCode, random_trellis_matrix
 
 from test_trellis_kernels import TOLERANCE, expected, make_routing, make_stacks, relative_error
@@ -50,15 +50,7 @@ def _decode_tiles_kernel(codes_ptr, table_ptr, out_ptr, K: tl.constexpr, V: tl.c
     if GATHER:
         table = tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + tl.arange(0, 1024))
         for octet in tl.static_range(S // 8):
-            p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_gather8(
-                table, _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 1), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 2), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 3), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 4), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 5), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 6), WU),
-                _hyb_rows_at(w0, w1, w2, after, K * V * (8 * octet + 7), WU))
+            p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_octet(table, w0, w1, w2, after, 8 * octet, K * V, WU)
             _store_pair(out + 16 * octet, p0)
             _store_pair(out + 16 * octet + 2, p1)
             _store_pair(out + 16 * octet + 4, p2)
