@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, pdl, scratch
-from kernels.order_keys import drop, key_of, none_chosen, reversed_index_of
-from kernels.parts import argmax_row, feed_next
+from kernels.parts import argmax_row, best_key, feed_next, token_of
 
 BLOCK = 2048
 SPLIT_COLUMNS = 4 * BLOCK  # columns per program: one program up to 8192 tokens (every preset), 19 at 151936
@@ -49,22 +48,15 @@ def _next_tokens_kernel(logits_ptr, observed_ptr, inputs_ptr, partial_ptr, arriv
         _write_token(observed_ptr, inputs_ptr, stride_inputs, row, argmax_row(row_ptr, vocab, BLOCK), FEED)
     else:
         part = tl.program_id(1)
-        offs = tl.arange(0, BLOCK)
-        best = none_chosen(BLOCK)
-        end = tl.minimum(part * COLUMNS + COLUMNS, vocab)
-        for start in range(part * COLUMNS, end, BLOCK):
-            index = start + offs
-            values = tl.load(row_ptr + index, mask=index < end, other=float("-inf"), cache_modifier=".cg")
-            values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
-            best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= end))
-        tl.store(partial_ptr + row * SPLIT + part, tl.max(best, axis=0))
+        best = best_key(row_ptr, part * COLUMNS, tl.minimum(part * COLUMNS + COLUMNS, vocab), BLOCK)
+        tl.store(partial_ptr + row * SPLIT + part, best)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # the row's last program: the best of its S keys
             parts = tl.arange(0, SPLIT_PAD)
             keys = tl.load(partial_ptr + row * SPLIT + parts, mask=parts < SPLIT, other=-9223372036854775807 - 1,
                            cache_modifier=".cg")
-            token = (0x7FFFFFFF - reversed_index_of(tl.max(keys, axis=0))).to(tl.int64)
+            token = token_of(tl.max(keys, axis=0))
             _write_token(observed_ptr, inputs_ptr, stride_inputs, row, token, FEED)
             tl.atomic_xchg(arrivals_ptr + row, 0)
 

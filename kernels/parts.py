@@ -9,6 +9,7 @@ inlined into its caller at compile time: a call costs nothing, and the caller's 
     group_topk_row     one token's group-limited top-k (DeepSeek-V2/V3)      kernels.router, kernels.gemv_route
     count_ids          distinct experts among ids (the woken count)          kernels.router, kernels.gemv_route
     argmax_row         a float32 row's argmax, ties to the lowest id       kernels.next_tokens, kernels.gemv_pick
+    best_key, token_of  the argmax of some columns as a key, and its index  kernels.next_tokens (a split row)
     feed_next          the next graph replay's token and position           kernels.next_tokens, kernels.gemv_pick
     norm_row           one row's RMSNorm times its weight                   kernels.rms_norm, kernels.gemv_pick
     fold_gemv          a GEMV of M <= 8 rows with the RMSNorm in front      kernels.gemv_norm, gemv_route, gemv_pick
@@ -133,18 +134,32 @@ def group_topk_row(values, bias, offs, experts, ids_row_ptr, weights_row_ptr,
 
 
 @triton.jit
+def best_key(row_ptr, begin, end, BLOCK: tl.constexpr):
+    """The largest key (kernels.order_keys: the value, then the lowest index) of a float32 row's columns
+    [begin, end), NaN ranking first (torch.argmax): walked in BLOCK chunks keeping each lane's running best, one
+    block reduction at the end. Loads go past L1 (".cg"), so a program may read a row other programs of its own
+    launch wrote (kernels.gemv_pick, kernels.arrivals)."""
+    offs = tl.arange(0, BLOCK)
+    best = none_chosen(BLOCK)
+    for start in range(begin, end, BLOCK):
+        index = start + offs
+        values = tl.load(row_ptr + index, mask=index < end, other=float("-inf"), cache_modifier=".cg")
+        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
+        best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= end))
+    return tl.max(best, axis=0)
+
+
+@triton.jit
+def token_of(key):
+    """The column index a `best_key` key holds, as int64."""
+    return (0x7FFFFFFF - reversed_index_of(key)).to(tl.int64)
+
+
+@triton.jit
 def argmax_row(row_ptr, vocab, BLOCK: tl.constexpr):
     """The index of a float32 row's largest value, the lowest on ties, NaN ranking first (torch.argmax), as
-    int64: walked in BLOCK chunks keeping the running best. Loads go past L1 (".cg"), so a program may read
-    a row other programs of its own launch wrote (kernels.gemv_pick, kernels.arrivals)."""
-    offs = tl.arange(0, BLOCK)
-    best = none_chosen(BLOCK)  # each lane's running best key (kernels.order_keys): one block reduction at the end
-    for start in range(0, vocab, BLOCK):
-        index = start + offs
-        values = tl.load(row_ptr + index, mask=index < vocab, other=float("-inf"), cache_modifier=".cg")
-        values = tl.where(values != values, float("inf"), values)  # NaN ranks first, as in torch.argmax
-        best = tl.maximum(best, drop(key_of(values, 0x7FFFFFFF - index), index >= vocab))
-    return (0x7FFFFFFF - reversed_index_of(tl.max(best, axis=0))).to(tl.int64)
+    int64 (`best_key` over the whole row)."""
+    return token_of(best_key(row_ptr, 0, vocab, BLOCK))
 
 
 @triton.jit
