@@ -55,23 +55,17 @@ GATE_UP_F_STEPS = 2  # blocks of GATE_UP_BLOCK_F hidden units per program, in tu
 NUM_WARPS = 4
 # A narrower model (D = 2048, F = 768, one token) launches few gate-up programs at two blocks each (384 at
 # Qwen3-30B-A3B's shape; v4-shape 768): below this count gate-up runs one block per program. Run 63: gate-up
-# added 702 µs to a Qwen3 step against 852 (run 60). Down halving its outputs per program below 512 programs
-# (256 there) added 773 µs against 606, so down keeps its table block (MIN_DOWN_PROGRAMS 0: never halves).
+# added 702 µs to a Qwen3 step against 852 (run 60). Down halving its outputs per program there (256 programs
+# to 512) added 773 µs against 606, so down keeps DOWN_BLOCK_D at every shape.
 MIN_GATE_UP_PROGRAMS = 640
-MIN_DOWN_PROGRAMS = 0
 
 
-def schedule(tokens: int, hidden: int, intermediate: int, top_k: int) -> tuple[int, int]:
-    """(gate-up's F_STEPS, down's BLOCK_D) for a call of `tokens` tokens: the table's unless that launches
-    fewer programs than MIN_GATE_UP_PROGRAMS / MIN_DOWN_PROGRAMS (shapes only: CUDA-graph safe)."""
-    pairs = tokens * top_k
-    f_steps = GATE_UP_F_STEPS
-    if pairs * triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps) < MIN_GATE_UP_PROGRAMS:
-        f_steps = 1
-    block_d = DOWN_BLOCK_D
-    while block_d > 2 and tokens * triton.cdiv(hidden, block_d) < MIN_DOWN_PROGRAMS:
-        block_d //= 2
-    return f_steps, block_d
+def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
+    """Gate-up's F_STEPS for a call of `tokens` tokens: the table's unless that launches fewer programs than
+    MIN_GATE_UP_PROGRAMS, then 1 (shapes only: CUDA-graph safe)."""
+    if tokens * top_k * triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS) < MIN_GATE_UP_PROGRAMS:
+        return 1
+    return GATE_UP_F_STEPS
 
 
 @triton.jit
@@ -281,7 +275,7 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
                              CLAMPED=True, HAS_B13=b13 is not None)
         if b2 is not None:
             down_extra = dict(b2_ptr=b2, stride_b2e=b2.stride(0), HAS_B2=True)
-    f_steps, down_block_d = schedule(tokens, hidden_size, intermediate, top_k)
+    f_steps = gate_up_f_steps(tokens, intermediate, top_k)
     _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
@@ -291,11 +285,11 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
-    _down_kernel[(tokens, triton.cdiv(hidden_size, down_block_d))](
+    _down_kernel[(tokens, triton.cdiv(hidden_size, DOWN_BLOCK_D))](
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )

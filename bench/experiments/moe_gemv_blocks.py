@@ -3,8 +3,8 @@ timed replayed from a CUDA graph, beside the bandwidth bound of the bytes read.
 
 Shapes: v4-shape (D = 4096, F = 2048, E = 256, top-6) at n = 1 and 8 tokens: the block table's candidates;
 `--shapes qwen3,dsv2` (Qwen3-30B-A3B: D 2048, F 768, E 128, top-8; DeepSeek-V2-Lite: D 2048, F 1408, E 64,
-top-6) at n = 1: the schedule's candidates (gate-up F_STEPS 1 or 2 x down BLOCK_D 2, 4 or 8, the thresholds
-off) beside what kernels.moe_gemv.schedule picks. bf16, routing drawn at random (k distinct experts per
+top-6) at n = 1: the schedule's candidates (gate-up F_STEPS 1 or 2 x down BLOCK_D 2, 4 or 8, the threshold
+off) beside what kernels.moe_gemv picks (gate_up_f_steps, DOWN_BLOCK_D). bf16, routing drawn at random (k distinct experts per
 token). The module constants of kernels.moe_gemv are set per candidate (the launcher reads them at call
 time); the entry in use is marked. Bound: w13 and w2 bytes of the distinct experts touched, over the
 device-to-device copy bandwidth measured in this run.
@@ -31,7 +31,7 @@ from kernels import moe_gemv  # noqa: E402
 from kernels.reference import moe_reference  # noqa: E402
 
 SHAPES = {"v4": (4096, 2048, 256, 6), "qwen3": (2048, 768, 128, 8), "dsv2": (2048, 1408, 64, 6)}
-SCHEDULE_FIELDS = ("GATE_UP_F_STEPS", "DOWN_BLOCK_D", "MIN_GATE_UP_PROGRAMS", "MIN_DOWN_PROGRAMS")
+SCHEDULE_FIELDS = ("GATE_UP_F_STEPS", "DOWN_BLOCK_D", "MIN_GATE_UP_PROGRAMS")
 # (BLOCK_F, BLOCK_D). Measured at n = 1 (results under bench/results/): run 10 timed (4, 512), (8, 1024), (16, 256)
 # and (4, 1024): none beat (8, 512); run 45 added tl.range software pipelining (2-4 stages through shared memory) to
 # (8, 512), (4, 512), (8, 256), (16, 256), (16, 512) and (4, 1024): within 0.5 % in the arm, slower in the v4 step.
@@ -96,11 +96,11 @@ def main() -> int:
                     for field, value in saved.items():
                         setattr(moe_gemv, field, value)
         else:
-            picked = moe_gemv.schedule(1, D, F, K)
+            picked = (moe_gemv.gate_up_f_steps(1, F, K), moe_gemv.DOWN_BLOCK_D)
             for f_steps in (1, 2):
                 for block_d in (2, 4, 8):
                     moe_gemv.GATE_UP_F_STEPS, moe_gemv.DOWN_BLOCK_D = f_steps, block_d
-                    moe_gemv.MIN_GATE_UP_PROGRAMS = moe_gemv.MIN_DOWN_PROGRAMS = 0  # exactly these blocks
+                    moe_gemv.MIN_GATE_UP_PROGRAMS = 0  # exactly these blocks
                     label = {"shape": shape, "top_k": K, "gate_up": (f_steps,), "down": (block_d,),
                              "table": (f_steps, block_d) == picked}
                     failed |= not _time(1, w13, w2, generator, bandwidth, label, rows)
