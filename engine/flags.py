@@ -261,7 +261,10 @@ class ResolvedFlags:
         return {name: {"value": self.values[name], "source": self.sources[name]} for name in SPECS}
 
     def describe(self) -> str:
-        return ", ".join(f"{name}={format_value(name, self.values[name])}" for name in SPECS)
+        """`name=value` for every flag, each value not taken from the default followed by its source
+        (`moe_gate=grouped (cli)`): a footer says what was set and where, as the headers' JSON does."""
+        return ", ".join(f"{name}={format_value(name, self.values[name])}"
+                         + ("" if self.sources[name] == DEFAULT else f" ({self.sources[name]})") for name in SPECS)
 
 
 def environment_name(name: str) -> str:

@@ -104,7 +104,12 @@ def test_the_environment_names_the_launch_switches_as_before():
     assert resolved["stream_weights"] is False and resolved["pdl_preload"] == "gemv+down"
     assert {resolved.sources[name] for name in ("run_ahead", "pdl", "pdl_preload", "carry_norm", "stream_weights")} \
         == {flags.ENVIRONMENT}
-    assert "pdl_preload=gemv+down" in resolved.describe() and "run_ahead=off" in resolved.describe()
+    assert "pdl_preload=gemv+down (environment)" in resolved.describe()
+    assert "run_ahead=off (environment)" in resolved.describe()
+    # a value left at its default names no source; a command line's says so
+    assert "moe_gate=" in resolved.describe() and "moe_gate=measured (" not in resolved.describe()
+    overridden = resolved.with_overrides({"moe_gate": "grouped"}, flags.COMMAND_LINE)
+    assert "moe_gate=grouped (command line)" in overridden.describe()
 
 
 def test_every_variable_read_by_hand_is_a_flag_or_says_why_it_is_not():
