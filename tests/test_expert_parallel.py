@@ -34,7 +34,8 @@ def test_outputs_match_the_one_device_run(one_device, ranks, steps):
     """tiny (8 experts, top-2) and a small random MoE (12 experts, top-3, a shared expert) over 1, 2 and 4 ranks:
     the same greedy tokens and the same logits within fp32 tolerance, on ragged prompts (mixed steps, token
     counts that do not divide by the ranks: uneven owned slices, ranks that receive no row)."""
-    started = time.monotonic()
+    # a hang fails through the launcher's own deadline (ep_launch.TIMEOUT_S); how fast the ranks run is a
+    # benchmark's business: a wall-clock bound here failed under a loaded CI machine, not under a slow change
     results = ep_launch.run(ranks, ep_targets.generate_on_rank,
                             {"models": ["tiny", "small"], "max_tokens": steps}, device="cpu")
     for model, reference in one_device.items():
@@ -45,7 +46,6 @@ def test_outputs_match_the_one_device_run(one_device, ranks, steps):
             assert got.abs().max() > 0.1  # a real distribution, not an all-zero tensor
             torch.testing.assert_close(got, expected, **LOGIT_TOLERANCE)
         assert result["provenance"]["expert_parallel"]["ep"] == ranks
-    assert time.monotonic() - started < 40
 
 
 def test_records_per_rank_and_gathered_on_rank_zero():
@@ -119,10 +119,10 @@ def test_a_dying_rank_ends_every_rank_and_writes_nothing(tmp_path):
     started = time.monotonic()
     with pytest.raises(UserError) as raised:
         ep_launch.run(2, ep_targets.write_after_collective,
-                      {"path": str(path), ep_launch.FAIL_RANK_KEY: 1}, device="cpu", timeout_s=60)
+                      {"path": str(path), ep_launch.FAIL_RANK_KEY: 1}, device="cpu", timeout_s=120)
     # the death is named, not rank 0's consequence of it (its collective reset, exit 2)
     assert "rank 1 died (exit code 9)" in str(raised.value) and "\n" not in str(raised.value)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 90  # ended by the death, well before the launcher's deadline
     assert not path.exists()
 
 
