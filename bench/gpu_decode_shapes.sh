@@ -15,25 +15,8 @@
 #   bash bench/gpu_decode_shapes.sh [STAGES]     # logs and JSON under $OUT (default bench/results/latest)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=",${1:-qwen3,dsv2,blocks,tests,trellis,mla,demo},"
-want() { [[ "$STAGES" == *",$1,"* ]]; }
-OUT=${OUT:-bench/results/latest}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export MOEI_COMMIT=${MOEI_COMMIT:-$(cat bench/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}
-DEADLINE=$((SECONDS + ${BUDGET_S:-400}))
-SUMMARY="$OUT/summary.txt"
-echo "gpu_decode_shapes.sh at $MOEI_COMMIT on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" > "$SUMMARY"
-stage() {  # stage LIMIT_S NAME COMMAND...  (the limit cut to the time left; skipped under 10 s)
-    local want=$1 name=$2 left=$((DEADLINE - SECONDS)); shift 2
-    local limit=$((left < want ? left : want))
-    if [ "$limit" -lt 10 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$SUMMARY"; return; fi
-    echo "== $name (limit ${limit}s, at ${SECONDS}s)" | tee -a "$SUMMARY"
-    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "   exit $rc$([ $rc -eq 124 ] && echo ' (time limit)')" | tee -a "$SUMMARY"
-    tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-400 | sed 's/^/   | /' | tee -a "$SUMMARY"
-}
+source bench/stages.sh
+stages_begin gpu_decode_shapes.sh qwen3,dsv2,blocks,tests,trellis,mla,demo 400 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)  # timeout runs no function
 want qwen3 && TAIL=30 stage 65 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random \
     --reps 2 --profile --json-out "$OUT/qwen3_tg128.json"
