@@ -46,6 +46,15 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     return model, seed, device, notes
 
 
+def session_engine_info(engine: Engine, model: str, device: str, seed: int, weights: str) -> dict:
+    """The [engine] table a new session records. A checkpoint directory is recorded as its absolute path: the
+    session format takes a relative one from the session file's directory (an autosave lives under
+    ~/.cache), not from the directory the inspector was started in."""
+    if model not in PRESETS and engine.checkpoint is not None:
+        model = engine.checkpoint["path"]
+    return {"model": model, "device": device, "seed": seed} | ({"weights": weights} if weights != "auto" else {})
+
+
 def history_path() -> Path:
     """The prompt history, beside the autosaved sessions ($MOEI_SESSION_DIR or ~/.cache/moe-inspector/sessions/)."""
     return Path(os.environ.get("MOEI_SESSION_DIR") or AUTOSAVE_DIRECTORY) / "prompt-history.jsonl"
@@ -82,8 +91,7 @@ def launch(args) -> int:
         base = Path(session_path).resolve().parent if existing else None
         engine = Engine.load(model, device, seed, weights, base=base)
         path = Path(session_path) if session_path else autosave_path()
-        info = {"model": model, "device": device, "seed": seed} | ({"weights": weights} if weights != "auto" else {})
-        session = TuiSession.start(path, engine, info, flags)
+        session = TuiSession.start(path, engine, session_engine_info(engine, model, device, seed, weights), flags)
         if existing:
             flags = session.starting_flags(args.set_flags)
     except UserError as error:

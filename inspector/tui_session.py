@@ -39,6 +39,19 @@ def shown_path(path: str | os.PathLike) -> str:
     return "~" + text[len(home):] if text.startswith(home + os.sep) else text
 
 
+def runs_model(engine: Engine, model: str, session_path: Path) -> bool:
+    """Whether `engine` is the session's [engine] model: the same name, or the same checkpoint directory however
+    it is spelled (the session's relative path is from its own directory; the engine's from where it started)."""
+    if model in (engine.model_spec, engine.config.name):
+        return True
+    if engine.checkpoint is None:
+        return False
+    from engine.runtime import resolve_model_path
+
+    recorded = resolve_model_path(model, session_path.resolve().parent)
+    return recorded.is_dir() and recorded.resolve() == Path(engine.checkpoint["path"])
+
+
 class TuiSession:
     """The session the TUI records into and the results of each recorded step, both saved atomically.
 
@@ -74,7 +87,7 @@ class TuiSession:
         """An existing session for this engine; UserError (the parser's message) when it is not one."""
         recorder = SessionRecorder.load(path)
         spec = recorder.session.engine
-        if spec.model not in (engine.model_spec, engine.config.name) or spec.seed != engine.seed:
+        if not runs_model(engine, spec.model, Path(path)) or spec.seed != engine.seed:
             raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
                             f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {path}`")
         lines, note = cls._recorded_lines(Path(path), recorder.session, engine)

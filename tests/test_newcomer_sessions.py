@@ -1,0 +1,62 @@
+"""What a new user with their own checkpoint meets in sessions and the TUI's recording, each a defect found by
+using the product as the README describes it (CPU, a 1-layer config-only Qwen3-MoE with random weights).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import flags as flag_registry
+from engine.runtime import Engine
+from inspector import tui
+from inspector.cli import main
+from inspector.session import load_session
+from inspector.tui_session import TuiSession
+
+# The smallest config.json the loader takes for a Qwen3-MoE; drawn with --weights random (no safetensors).
+QWEN3_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+                "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+                "num_experts_per_tok": 2, "vocab_size": 260, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+
+
+@pytest.fixture(autouse=True)
+def no_calibration_no_flag_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEI_CALIBRATION", str(tmp_path / "no-calibration.json"))
+    for name in flag_registry.SPECS:
+        monkeypatch.delenv(f"MOEI_{name.upper()}", raising=False)
+
+
+def config_only_checkpoint(directory):
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(QWEN3_CONFIG))
+    return directory
+
+
+def test_a_tui_session_of_a_checkpoint_named_from_the_working_directory_runs_from_anywhere(tmp_path, monkeypatch):
+    """`moe-inspector --model ckpt` started in the checkpoint's parent autosaves under ~/.cache: its [engine]
+    model used to be written as typed ("ckpt"), which the session format reads from the session file's
+    directory, so `run` of the saved session failed with "unknown model 'ckpt'"."""
+    work = tmp_path / "work"
+    config_only_checkpoint(work / "ckpt")
+    monkeypatch.chdir(work)
+    engine = Engine.load("ckpt", "cpu", 0, "random")
+    path = tmp_path / "autosave" / "session.toml"
+    path.parent.mkdir()
+    info = tui.session_engine_info(engine, "ckpt", "cpu", 0, "random")
+    session = TuiSession.start(path, engine, info, flag_registry.resolve([]))
+    session.record({"action": "curve", "k": 2, "experts": 8, "tile_m": 16})
+    assert load_session(path).engine.model == str((work / "ckpt").resolve())
+
+    monkeypatch.chdir(tmp_path)  # elsewhere: the recorded path still names the checkpoint
+    assert main(["run", str(path), "--report", str(tmp_path / "report.md")]) == 0
+    monkeypatch.chdir(work)  # ctrl+o of it in an inspector started as `--model ckpt`: the same model
+    assert len(TuiSession.open(path, engine).session.steps) == 1
+
+
+def test_a_preset_is_recorded_by_name(tmp_path):
+    engine = Engine.load("tiny", "cpu", 0)
+    assert tui.session_engine_info(engine, "tiny", "auto", 0, "auto") == {"model": "tiny", "device": "auto",
+                                                                          "seed": 0}
