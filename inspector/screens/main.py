@@ -37,7 +37,7 @@ from inspector.widgets.counters_table import CountersTable
 from inspector.widgets.dispatch_log import DispatchLog
 from inspector.widgets.divergence_bar import DivergenceBar, common_prefix_divergence
 from inspector.widgets.flags_panel import FlagsPanel
-from inspector.widgets.output_pane import OutputPane, token_text
+from inspector.widgets.output_pane import OutputPane, tokenizer_token_text
 from inspector.widgets.prompt_bar import PromptBar
 from inspector.widgets.status_bar import StatusBar
 
@@ -80,10 +80,6 @@ def describe_changed(flags: ResolvedFlags) -> str:
     """A's title: the flags not at their defaults, or that it runs on defaults."""
     changed = {name: flags[name] for name, source in flags.sources.items() if source != DEFAULT}
     return describe_overrides(changed) if changed else "default flags"
-
-
-def describe_token(token: int) -> str:
-    return token_text(token)[0]
 
 
 WIDE = 140  # columns from which the flags panel and the counters table sit beside the rest
@@ -134,8 +130,9 @@ class MainScreen(Screen):
                 yield PromptBar(self.default_max_tokens, self.history, self.initial_prompt, id="prompt-bar")
                 yield ConfigBRow(self.b_overrides, id="b-row")
                 with Horizontal(id="outputs"):
-                    yield OutputPane(A, id="pane-a")
-                    yield OutputPane(B, id="pane-b", hint="f4 edits")
+                    shown = tokenizer_token_text(self.engine.tokenizer)
+                    yield OutputPane(A, id="pane-a", shown=shown)
+                    yield OutputPane(B, id="pane-b", hint="f4 edits", shown=shown)
                 yield DivergenceBar(id="divergence")
                 with Horizontal(id="lower"):
                     yield DispatchLog(self.engine.config.n_layers, id="log")
@@ -336,8 +333,9 @@ class MainScreen(Screen):
             suffix = "" if final else " so far"
             bar.show_line(f"A and B agree on all {compared} tokens{suffix}")
             return
-        token_a = describe_token(run.tokens[A][index]) if index < len(run.tokens[A]) else "(ended)"
-        token_b = describe_token(run.tokens[B][index]) if index < len(run.tokens[B]) else "(ended)"
+        shown = tokenizer_token_text(self.engine.tokenizer)
+        token_a = shown(run.tokens[A][index])[0] if index < len(run.tokens[A]) else "(ended)"
+        token_b = shown(run.tokens[B][index])[0] if index < len(run.tokens[B]) else "(ended)"
         bar.show_line(f"diverges at token {index} (step {index}): A '{token_a}' vs B '{token_b}'", diverged=True)
 
     # -- flags and configuration B --------------------------------------------------------------------

@@ -34,7 +34,7 @@ from inspector.events import EngineQueue
 from inspector.session import Session, Step, step_to_plain
 from inspector.session_report import decided_summary, executed_summary
 from inspector.session_runner import diff_step, make_context, preflight_step, run_step
-from inspector.widgets.output_pane import render_tokens
+from inspector.widgets.output_pane import TokenText, render_tokens, token_text, tokenizer_token_text
 
 MATCH, DIFFERS, NO_RECORDING, FAILED, RUNNING, PENDING = "match", "differs", "no recording", "failed", "running", ""
 MARKS = {MATCH: ("✓", "green"), DIFFERS: ("✗", "bold red"), NO_RECORDING: ("?", "yellow"), FAILED: ("!", "bold yellow"),
@@ -62,7 +62,7 @@ def _float(value: Any, digits: str = ".2e") -> str:
     return format(value, digits) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def render_runs(line: dict, other: dict | None, base_flags: dict) -> list:
+def render_runs(line: dict, other: dict | None, base_flags: dict, shown: TokenText = token_text) -> list:
     """A prompt/compare step's configurations, tokens marked from the first one the other side lacks."""
     parts: list = []
     other_runs = {run["config"]: run for run in (other or {}).get("runs", [])}
@@ -72,7 +72,7 @@ def render_runs(line: dict, other: dict | None, base_flags: dict) -> list:
         parts.append(heading)
         mirror = other_runs.get(run["config"])
         divergence = first_divergence(run["tokens"], mirror["tokens"]) if mirror is not None else None
-        tokens = render_tokens(run["tokens"], divergence)
+        tokens = render_tokens(run["tokens"], divergence, shown)
         tokens.append(f"   {len(run['tokens'])} tokens after {run['prompt_tokens']} prompt tokens", style="dim")
         parts.append(tokens)
         if divergence is not None:
@@ -128,12 +128,13 @@ def render_numbers(action: str, numbers: dict) -> list:
                            if not isinstance(value, (dict, list))))]
 
 
-def render_line(line: dict | None, other: dict | None, base_flags: dict, empty: str) -> Group:
+def render_line(line: dict | None, other: dict | None, base_flags: dict, empty: str,
+                shown: TokenText = token_text) -> Group:
     if line is None:
         return Group(Text(empty, style="dim"))
     parts: list = [Text(f"step {line['step']} · {line['action']} · {line.get('wall_s', 0):.2f} s", style="dim")]
     if line.get("runs"):
-        parts += render_runs(line, other, base_flags)
+        parts += render_runs(line, other, base_flags, shown)
     else:
         parts += render_numbers(line["action"], line.get("numbers") or {})
     if line.get("check"):
@@ -295,8 +296,9 @@ class ReplayScreen(Screen):
 
         base = dict(self.context.base.values)
         recorded, rerun = self.recorded.get(index), self.results.get(index)
+        shown = tokenizer_token_text(self.engine.tokenizer)
         self.query_one("#replay-recorded", Static).update(
-            render_line(recorded, rerun, base, "no recorded results for this step"))
+            render_line(recorded, rerun, base, "no recorded results for this step", shown))
         self.query_one("#replay-rerun", Static).update(
             render_line(rerun, recorded, base, "re-running …" if verdict == RUNNING else
-                        self.errors.get(index, "waiting to re-run")))
+                        self.errors.get(index, "waiting to re-run"), shown))
