@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -96,10 +97,15 @@ def _check_output(out: Path) -> None:
     if out.exists() or out.is_symlink():
         raise UserError(f"--out {out}: exists; quantize writes a new directory and never overwrites one: choose "
                         f"another path or remove it")
+    if not out.parent.exists():
+        raise UserError(f"--out {out}: the parent directory {out.parent} does not exist; create it first (mkdir -p)")
     if not out.parent.is_dir():
-        raise UserError(f"--out {out}: the parent directory {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK):
-        raise UserError(f"--out {out}: {out.parent} is not writable")
+        raise UserError(f"--out {out}: {out.parent} is not a directory; check the path")
+    try:  # a real write, not os.access: root passes access() on a read-only or pseudo file system
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=out.parent))
+    except OSError as error:
+        raise UserError(f"--out {out}: cannot write in {out.parent} ({error.strerror}); pick a writable "
+                        f"place") from None
 
 
 def _source(engine, model: str, weights: str) -> dict:

@@ -3,6 +3,8 @@ code, written as a checkpoint directory every command loads with `--model DIR` (
 
 from __future__ import annotations
 
+import math
+
 from engine.errors import UserError
 from engine.trellis_job import parse_experts, quantize_model, write_shape_only
 from inspector.commands.output import add_format_arguments, output_format, print_json
@@ -50,14 +52,21 @@ def run(args) -> int:
     if fmt == "json":
         print_json(result.to_json())
         return 0
+    print_text(result)
+    return 0
+
+
+def print_text(result) -> None:
+    """The written directory, then per matrix its error: the relative MSE (mse over the weights' mean square)
+    and its square root, the relative RMS error, the measure `check-quant` gives of the experts' outputs."""
     kept = f"; kept layers {', '.join(map(str, result.resumed_layers))} of an earlier run" if result.resumed_layers else ""
     print(f"wrote {result.out}: experts in {result.code.describe()}, {result.expert_bytes} bytes per expert against "
           f"{result.bf16_expert_bytes} in bf16 ({result.bf16_expert_bytes / result.expert_bytes:.2f}x fewer), "
           f"{result.seconds:.1f} s{kept}")
-    print(f"{'matrix':<18} {'shape':<16} {'mse':>11} {'relative':>9} {'max |error|':>12}")
+    print(f"{'matrix':<18} {'shape':<16} {'mse':>11} {'rel. mse':>9} {'rel. rms':>9} {'max |error|':>12}")
     for item in result.matrices:
         shape = "x".join(map(str, item["shape"]))
-        print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {item['relative_mse']:>9.4f} "
+        relative = item["relative_mse"]
+        print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {relative:>9.4f} {math.sqrt(relative):>9.3f} "
               f"{item['max_abs_error']:>12.3e}")
     print(f"load it with --model {result.out}")
-    return 0
