@@ -1,0 +1,88 @@
+"""Headless commands as a new user with their own checkpoint meets them: each test a defect found by doing
+what the README says, and a little more (CPU, seconds)."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.progress import Progress
+from inspector.cli import main
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, a directory nobody can write in")
+@pytest.mark.parametrize("shape_only", [True, False])
+def test_quantize_into_a_directory_that_takes_no_write_is_one_line(tmp_path, capsys, shape_only):
+    """As root, os.access() says yes to /proc: quantize went on and died in mkdir with a traceback."""
+    argv = ["quantize", "tiny", "--experts", "trellis:K=2,code=hyb", "--out", "/proc/moei-quantized"]
+    assert main(argv + (["--shape-only"] if shape_only else [])) == 2
+    line = one_error_line(capsys)
+    assert "--out /proc/moei-quantized: cannot write in /proc" in line
+
+
+def test_quantize_out_under_a_file_says_so(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("keep")
+    assert main(["quantize", "tiny", "--experts", "trellis:K=2,code=hyb", "--shape-only",
+                 "--out", str(tmp_path / "a-file" / "out")]) == 2
+    assert "a-file is not a directory" in one_error_line(capsys)
+    assert (tmp_path / "a-file").read_text() == "keep"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_fits_the_terminal(monkeypatch):
+    """The bar was padded to its label + 70 columns: past the terminal's width every redraw wrapped, and each
+    `\\r` then went back to the start of the wrapped line only, a new line per update (quantize: ~100 lines)."""
+    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((80, 24)))
+    stream = Terminal()
+    progress = Progress(384, "quantizing qwen3-moe:qwen3 to trellis hyb K=2 V=2 L=16", stream=stream)
+    for _ in range(384):
+        progress.advance(1, "layers.0.w13")
+    progress.close()
+    redraws = stream.getvalue().rstrip("\n").split("\r")[1:]
+    assert len(redraws) == 384 and all(len(line) < 80 for line in redraws)
+    assert redraws[-1].rstrip().endswith("384/384 layers.0.w13") or "384/384" in redraws[-1]
+
+
+def test_the_progress_bar_erases_a_longer_note(monkeypatch):
+    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((200, 24)))
+    stream = Terminal()
+    progress = Progress(2, "loading", stream=stream)
+    progress.advance(1, "layers.0.a_very_long_tensor_name")
+    progress.advance(1, "x")
+    first, second = stream.getvalue().split("\r")[1:]
+    assert len(second) >= len(first.rstrip())  # the old text is overwritten, not left behind
+
+
+def test_quantize_table_names_its_error_measure(capsys, tmp_path):
+    """`relative` was the relative MSE (0.068 at 2 bits) while check-quant's `relative` is a norm ratio."""
+    from inspector.commands import quantize
+
+    class Result:
+        out, code, resumed_layers, seconds, expert_bytes, bf16_expert_bytes = tmp_path, None, [], 1.0, 2048, 12288
+        matrices = [{"name": "layers.0.w13", "shape": [8, 64, 64], "mse": 2.7e-5, "relative_mse": 0.0677,
+                     "max_abs_error": 0.024}]
+
+    class Code:
+        @staticmethod
+        def describe():
+            return "trellis hyb K=2 V=2 L=16"
+
+    Result.code = Code()
+    quantize.print_text(Result())
+    out = capsys.readouterr().out
+    assert "rel. mse" in out and "0.0677" in out and "rel. rms" in out and "0.260" in out
+    assert sys.modules["inspector.commands.quantize"] is quantize
