@@ -79,3 +79,29 @@ def test_the_main_screen_panes_use_the_engines_tokenizer(engine):
                 assert plain(pane.tokens, pane.shown) == "the quick brown fox"
 
     asyncio.run(scenario())
+
+
+DEEPSEEK_V2_CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+                      "intermediate_size": 40, "moe_intermediate_size": 16, "num_hidden_layers": 1,
+                      "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+                      "num_experts_per_tok": 2, "vocab_size": 320, "max_position_embeddings": 2048,
+                      "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 12,
+                      "q_lora_rank": None, "n_shared_experts": 2, "first_k_dense_replace": 0, "topk_method": "greedy"}
+
+
+def test_the_attention_screen_says_what_the_models_attention_is(engine, tmp_path):
+    """f3 on a Qwen3-MoE said "sinks, composite mask W=16, B=8" (neither is in the model) and offered a check
+    the kernel refuses (head_dim 16); on DeepSeek it offered the sinks check for latent attention."""
+    from types import SimpleNamespace
+
+    from engine.hf_loader import read_config
+    from inspector.screens.attention_check import model_attention, why_not_this_model
+
+    assert model_attention(engine) == "no sinks, causal layers only"
+    assert why_not_this_model(engine).startswith("head_dim 16: the fused attention kernel takes head_dim 64, 128")
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_CONFIG))
+    deepseek = SimpleNamespace(config=read_config(tmp_path)[0])
+    assert model_attention(deepseek).startswith("latent attention (MLA), no sinks")
+    assert "check-attention --mla" in why_not_this_model(deepseek)
+    demo = Engine.load("tiny", "cpu", 0)  # the presets: the sinks kernel's own shape, checked as before
+    assert model_attention(demo).startswith("sinks, composite mask W=") and why_not_this_model(demo) is None

@@ -28,6 +28,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, Select, Static
 
+from engine.attention_dispatch import FUSED_HEAD_DIMS
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.runtime import Engine
@@ -62,6 +63,34 @@ def attention_shape(engine: Engine) -> dict[str, Any]:
         sizes = {"seq_len": min(c.max_seq_len, 96), "window": min(window, 32), "block": min(block, 16), "pad": 5}
     return {"head_dim": c.head_dim, "heads": c.n_heads, "kv_heads": c.n_kv_heads, "model_window": window,
             "model_block": block, **sizes}
+
+
+def model_attention(engine: Engine) -> str:
+    """What the model's attention layers are: sinks or not, the first non-causal layer's mask, latent or not."""
+    c = engine.config
+    masked = next((mask for mask in c.layer_masks if mask.kind != "causal"), None)
+    parts = ["latent attention (MLA)"] if c.latent_attention is not None else []
+    parts.append("sinks" if c.sinks else "no sinks")
+    if masked is None:
+        parts.append("causal layers only")
+    elif masked.kind == "composite":
+        parts.append(f"composite mask W={masked.window}, B={masked.block}")
+    else:
+        parts.append(f"sliding window W={masked.window}")
+    return ", ".join(parts)
+
+
+def why_not_this_model(engine: Engine) -> str | None:
+    """Why the check cannot run at the model's own attention shape (None: it can)."""
+    c = engine.config
+    if c.latent_attention is not None:
+        return ("this model's attention is latent (MLA): its layers run the MLA arms, not the fused sinks kernel "
+                "this screen checks; `moe-inspector check-attention --mla` checks the latent kernel")
+    if c.head_dim not in FUSED_HEAD_DIMS:
+        return (f"head_dim {c.head_dim}: the fused attention kernel takes head_dim "
+                f"{', '.join(map(str, FUSED_HEAD_DIMS))}, so this model's layers run the unfused reference and there is "
+                f"no fused arm to check")
+    return None
 
 
 def _float(value: Any) -> str:
@@ -178,6 +207,8 @@ class AttentionCheckScreen(Screen):
             self.unavailable = NOT_AVAILABLE
         elif check is True and not triton_installed():
             self.unavailable = missing_message("the attention check")
+        else:
+            self.unavailable = why_not_this_model(engine)
         self.shape = attention_shape(engine)
         self.queue = EngineQueue()
         self.running = False
@@ -188,8 +219,7 @@ class AttentionCheckScreen(Screen):
         shape = self.shape
         cpu = self.engine.device.type != "cuda"
         yield Static(f"{self.engine.config.name} attention: head_dim {shape['head_dim']}, {shape['heads']} heads / "
-                     f"{shape['kv_heads']} kv heads, sinks, composite mask W={shape['model_window']}, "
-                     f"B={shape['model_block']}; {self.engine.device_label}"
+                     f"{shape['kv_heads']} kv heads, {model_attention(self.engine)}; {self.engine.device_label}"
                      + ("; the fused kernel runs under the Triton interpreter, so the sizes below are cut to run "
                         "in ~10 s" if cpu else ""), id="check-shape")
         with Horizontal(id="check-params"):
