@@ -142,6 +142,10 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
         if not path.is_dir():
             raise UserError(f"{where}: [engine] model: {path} is not a directory (a relative path is taken from the "
                             f"session file's directory): was the checkpoint moved? Fix the path in [engine] model")
+    elif name not in PRESETS and not resolve_model_path(name, session_directory(where)).is_dir():
+        raise UserError(f"{where}: [engine] model: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                        f"directory beside the session file ({resolve_model_path(name, session_directory(where))}): "
+                        f"was the checkpoint moved? Fix the path in [engine] model")
     try:
         model = model_config(name, session_directory(where))
     except UserError as error:

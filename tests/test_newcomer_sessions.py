@@ -60,3 +60,22 @@ def test_a_preset_is_recorded_by_name(tmp_path):
     engine = Engine.load("tiny", "cpu", 0)
     assert tui.session_engine_info(engine, "tiny", "auto", 0, "auto") == {"model": "tiny", "device": "auto",
                                                                           "seed": 0}
+
+
+def test_a_session_whose_checkpoint_beside_it_moved_says_so(tmp_path, capsys):
+    """`model = "ckpt"` (a directory beside the session) after the directory moved: the error was "unknown
+    model 'ckpt': choose one of tiny, demo, v4-shape", with no word of the directory it looked for."""
+    config_only_checkpoint(tmp_path / "ckpt")
+    session = tmp_path / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "s"\n\n[engine]\nmodel = "ckpt"\nweights = "random"\n'
+                       'device = "cpu"\n\n[[step]]\naction = "curve"\ntokens = [1, 8]\n')
+    assert main(["run", str(session), "--report", str(tmp_path / "r.md")]) == 0
+    capsys.readouterr()
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    before = session.read_text()
+    for command in ("run", "replay"):
+        assert main([command, str(session)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+        assert f"'ckpt' is neither a preset" in err and str(tmp_path / "ckpt") in err and "moved" in err
+    assert session.read_text() == before
