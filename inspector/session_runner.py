@@ -118,6 +118,16 @@ def environment_header(session: Session, where: str, device_label: str, device_s
     }
 
 
+def same_weights(recorded: dict, now: dict) -> bool:
+    """Whether two results headers ran the same weights. A checkpoint directory's are its provenance (family,
+    config.json's hash, the weight files or the random seed), wherever it lies and however its path was spelled
+    (the TUI names it as started, a session file from its own directory); else the weights' descriptions."""
+    old, new = recorded.get("checkpoint"), now.get("checkpoint")
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {k: v for k, v in old.items() if k != "path"} == {k: v for k, v in new.items() if k != "path"}
+    return recorded.get("weights") == now.get("weights")
+
+
 # --------------------------------------------------------------------------------------------
 # Preflight: everything knowable before running
 # --------------------------------------------------------------------------------------------
@@ -441,7 +451,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
                         f"{device_label(torch_device)}; tokens are only comparable on the same device: replay "
                         f"there (--device), or re-record here with `moe-inspector run {where}`")
     rerun = run_session(session, where, device, progress, cancel=cancel)
-    if header.get("weights") is not None and header["weights"] != rerun.header["weights"]:
+    if header.get("weights") is not None and not same_weights(header, rerun.header):
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "
                         f"'{rerun.header['weights']}'; tokens are only comparable with the same weights: "
                         f"re-record with `moe-inspector run {where}`")

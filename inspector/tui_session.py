@@ -201,7 +201,7 @@ class TuiSession:
         if self._header is None:
             self._header = environment_header(session, str(self.path), self.engine.device_label,
                                               str(self.engine.device), base_flags(session),
-                                              self.engine.weights_source)
+                                              self.engine.weights_source, self.engine.checkpoint)
         self._header.update(session=session.name, session_file=str(self.path), model=session.engine.model,
                             seed=session.engine.seed, flags=base_flags(session).to_json(),
                             configs={config.name: dict(config.flags) for config in session.configs})

@@ -51,6 +51,7 @@ def test_a_tui_session_of_a_checkpoint_named_from_the_working_directory_runs_fro
     assert load_session(path).engine.model == str((work / "ckpt").resolve())
 
     monkeypatch.chdir(tmp_path)  # elsewhere: the recorded path still names the checkpoint
+    assert main(["replay", str(path)]) == 0  # the TUI's recording: the same weights, named by another path
     assert main(["run", str(path), "--report", str(tmp_path / "report.md")]) == 0
     monkeypatch.chdir(work)  # ctrl+o of it in an inspector started as `--model ckpt`: the same model
     assert len(TuiSession.open(path, engine).session.steps) == 1
@@ -79,3 +80,17 @@ def test_a_session_whose_checkpoint_beside_it_moved_says_so(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and "Traceback" not in err
         assert f"'ckpt' is neither a preset" in err and str(tmp_path / "ckpt") in err and "moved" in err
     assert session.read_text() == before
+
+
+def test_replay_still_refuses_other_weights_under_the_same_path():
+    from inspector.session_runner import same_weights
+
+    def header(path, sha, seed=0):
+        return {"weights": f"checkpoint {path}", "checkpoint": {"path": path, "family": "qwen3-moe",
+                                                                "config_sha256": sha,
+                                                                "weights": {"source": "random", "seed": seed}}}
+
+    assert same_weights(header("/a/ckpt", "1234"), header("/b/ckpt", "1234"))
+    assert not same_weights(header("/a/ckpt", "1234"), header("/a/ckpt", "5678"))
+    assert not same_weights(header("/a/ckpt", "1234"), header("/a/ckpt", "1234", seed=1))
+    assert not same_weights({"weights": "random, seed 0"}, {"weights": "random, seed 1"})  # presets: as before
