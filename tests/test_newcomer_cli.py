@@ -86,3 +86,19 @@ def test_quantize_table_names_its_error_measure(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "rel. mse" in out and "0.0677" in out and "rel. rms" in out and "0.260" in out
     assert sys.modules["inspector.commands.quantize"] is quantize
+
+
+def test_a_sweep_ab_of_flags_decides_arms_for_a_checkpoint_directory(tmp_path):
+    """`ab --workload sweep --model DIR` read the model with the presets' lookup: "unknown model '/…/DIR'"."""
+    import json
+
+    from inspector.commands.ab import decided_arms
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+              "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "vocab_size": 260, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flags = {"moe_gate": "tile-fill", "tile_m": 16, "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2}
+    arms = decided_arms(str(tmp_path), [1, 64], flags)
+    assert arms[1] == "gemv" and arms[64] != "gemv"  # top-2 of 8 experts: the tiles amortize from 64 tokens

@@ -150,13 +150,13 @@ def _workload(args, sides):
 def decided_arms(model: str, tokens, flags: dict) -> dict[int, str]:
     """n -> the sweep arm a side's gate decides at n tokens (a sweep A/B of flags times each side's own arm)."""
     from engine import dispatch
-    from engine.config import from_name
+    from engine.model_source import model_config
 
     if flags["moe_gate"] == "measured":
         raise UserError("a sweep A/B of flags decides each side's arm per n, and moe_gate=measured reads this GPU's "
                         "calibration: give a fixed policy (--set moe_gate=grouped, tile-fill, threshold:N, ...) or "
                         "--sweep-arms")
-    config = from_name(model)
+    config = model_config(model)  # a preset, or a checkpoint directory's config.json (no weight is read)
     arms = {}
     for n in tokens:
         decision = dispatch.decide(dispatch.GateInputs(
