@@ -267,7 +267,7 @@ def require_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise UserError("sweep needs a CUDA GPU; this machine has none (torch.cuda.is_available() is "
-                        "False). Run it on the GPU machine, e.g. `bash bench/gpu_all.sh tests`")
+                        "False): run the same command on a machine with one (a CPU has no kernels to time)")
 
 
 class _Timer:

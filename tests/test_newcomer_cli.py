@@ -102,3 +102,15 @@ def test_a_sweep_ab_of_flags_decides_arms_for_a_checkpoint_directory(tmp_path):
     flags = {"moe_gate": "tile-fill", "tile_m": 16, "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2}
     arms = decided_arms(str(tmp_path), [1, 64], flags)
     assert arms[1] == "gemv" and arms[64] != "gemv"  # top-2 of 8 experts: the tiles amortize from 64 tokens
+
+
+def test_sweep_on_a_cpu_says_to_run_the_same_command_on_a_gpu(capsys):
+    """It pointed at `bash bench/gpu_all.sh tests`, the project's GPU test suite, not the user's sweep."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: sweep runs")
+    assert main(["sweep", "--model", "tiny", "--tokens", "1"]) == 2
+    line = one_error_line(capsys)
+    assert "needs a CUDA GPU" in line and "run the same command on a machine with one" in line
+    assert "gpu_all.sh" not in line
