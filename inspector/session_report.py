@@ -145,6 +145,30 @@ def attention_rows(steps: list[dict]) -> list[dict]:
     return rows
 
 
+def quant_rows(steps: list[dict]) -> list[dict]:
+    """One row per token count of every check-quant step: the arm against the dequantized experts (it must sit
+    on them) and against the original weights (the quantization error), beside the 1-ULP control."""
+    rows = []
+    for step in steps:
+        if step["action"] != "check-quant":
+            continue
+        config = step["numbers"].get("config", {})
+        for row in step["numbers"].get("rows", []):
+            errors, control = row.get("errors", {}), row.get("control")
+            times = (f"{errors['dequantized'] / control:.3g}x" if isinstance(control, (int, float)) and control > 0
+                     and isinstance(errors.get("dequantized"), (int, float)) else "")
+            rows.append({"step": step["step"], "layer": config.get("layer", ""), "format": config.get("format", ""),
+                         "arm": config.get("arm", ""), "tokens": row.get("tokens", ""),
+                         "control": _float(control), "vs dequantized": _float(errors.get("dequantized")),
+                         "x control": times, "vs original": _float(errors.get("original")),
+                         "verdict": row.get("verdict", ""), "check": check_cell(step.get("check"))})
+    return rows
+
+
+def _float(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else "" if value is None else str(value)
+
+
 def sweep_rows(steps: list[dict]) -> list[dict]:
     rows = []
     for step in steps:
@@ -249,6 +273,12 @@ def render_markdown(header: dict, steps: list[dict], description: str | None = N
                 markdown_table(rows, ["step", "mode", "seq_len", "dtype", "verdict", "expected", "check"],
                                right=("step", "seq_len")), ""]
         out += [f"- step {row['step']} ({row['mode']}): {row['sentence']}" for row in rows if row["sentence"]] + [""]
+    rows = quant_rows(steps)
+    if rows:
+        out += ["## check-quant", "", markdown_table(rows, right=("step", "layer", "tokens", "control",
+                                                                  "vs dequantized", "x control", "vs original")), ""]
+        out += [f"- step {step['step']}: {step['numbers']['sentence']}" for step in steps
+                if step["action"] == "check-quant" and step["numbers"].get("sentence")] + [""]
     rows = sweep_rows(steps)
     if rows:
         out += ["## sweep", "", markdown_table(rows), ""]

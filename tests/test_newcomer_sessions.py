@@ -94,3 +94,18 @@ def test_replay_still_refuses_other_weights_under_the_same_path():
     assert not same_weights(header("/a/ckpt", "1234"), header("/a/ckpt", "5678"))
     assert not same_weights(header("/a/ckpt", "1234"), header("/a/ckpt", "1234", seed=1))
     assert not same_weights({"weights": "random, seed 0"}, {"weights": "random, seed 1"})  # presets: as before
+
+
+def test_a_check_quant_step_is_in_the_report():
+    """`run` of a session with a check-quant step wrote '2 steps' and showed one: check-quant had no section."""
+    from inspector.session_report import render_markdown
+
+    numbers = {"config": {"layer": 0, "format": "trellis hyb K=2 V=2 L=16", "arm": "rotated-torch"},
+               "rows": [{"tokens": 1, "errors": {"dequantized": 3.36e-07, "original": 0.466}, "control": 8.86e-08,
+                         "verdict": "dequantized"}],
+               "sentence": "rotated-torch sits on the dequantized reference at every token count"}
+    step = {"kind": "step", "step": 1, "action": "check-quant", "definition": {"action": "check-quant", "layer": 0},
+            "status": "ok", "runs": [], "numbers": numbers, "check": None, "wall_s": 1.0}
+    report = render_markdown({"session": "q", "device": "cpu", "flags": {}}, [step])
+    assert "## check-quant" in report and "| 1 | 0 | trellis hyb K=2 V=2 L=16 | rotated-torch | 1 |" in report
+    assert "3.79x" in report and "0.466" in report and "sits on the dequantized reference" in report
