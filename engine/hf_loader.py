@@ -180,9 +180,24 @@ def read_config(directory: Path) -> tuple[ModelConfig, str]:
     family = _family(fields)
     try:
         config = _FAMILY_CONFIGS[family](fields, f"{family}:{directory.resolve().name}")
-    except ValueError as error:  # ModelConfig's own validation
-        raise UserError(f"{path}: {error}") from None
+    except ValueError as error:  # ModelConfig's own validation, in config.json's words
+        raise UserError(f"{path}: {_in_config_keys(str(error))}") from None
     return config, family
+
+
+# ModelConfig's field names as config.json spells them, for its validation errors (the families share these keys;
+# the experts' count and width have one per family).
+_CONFIG_KEYS = {"n_layers": "num_hidden_layers", "hidden": "hidden_size", "n_heads": "num_attention_heads",
+                "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size",
+                "max_seq_len": "max_position_embeddings", "top_k": "num_experts_per_tok",
+                "n_experts": "the experts' count (num_experts, num_local_experts or n_routed_experts)",
+                "intermediate": "the experts' width (moe_intermediate_size or intermediate_size)"}
+
+
+def _in_config_keys(message: str) -> str:
+    import re
+
+    return re.sub(r"\b(" + "|".join(_CONFIG_KEYS) + r")\b", lambda match: _CONFIG_KEYS[match.group(1)], message)
 
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KB
@@ -229,7 +244,7 @@ def _common(fields: _Fields, name: str, experts_key: str, intermediate_key: str,
     family reads its own quantization_config (gpt-oss MXFP4); for the others any is an error. `shared`:
     the family reads its own shared experts (Qwen2-MoE, DeepSeek); for the others they are an error."""
     hidden, heads = fields.integer("hidden_size"), fields.integer("num_attention_heads")
-    n_experts = fields.integer(experts_key, 0, "num_local_experts", "num_experts")
+    n_experts = fields.integer(experts_key, None, "num_local_experts", "num_experts")  # absent: named, not "dense"
     if n_experts == 0:
         raise fields.fail(f"{experts_key} is 0: a dense model", "this inspector runs Mixture-of-Experts models")
     if not shared and (fields.get("shared_expert_intermediate_size") or fields.get("n_shared_experts")):

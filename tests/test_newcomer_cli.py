@@ -114,3 +114,35 @@ def test_sweep_on_a_cpu_says_to_run_the_same_command_on_a_gpu(capsys):
     line = one_error_line(capsys)
     assert "needs a CUDA GPU" in line and "run the same command on a machine with one" in line
     assert "gpu_all.sh" not in line
+
+
+def _qwen3_config(directory: Path, **changes) -> Path:
+    """A config-only Qwen3-MoE directory, as transformers writes it, with `changes` (None: the key removed)."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    directory.mkdir()
+    Qwen3MoeConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                   vocab_size=300).save_pretrained(directory)
+    values = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        values.pop(key, None) if value is None else values.__setitem__(key, value)
+    (directory / "config.json").write_text(json.dumps(values))
+    return directory
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1"),
+    ({"num_key_value_heads": 3}, "num_attention_heads must be a multiple of num_key_value_heads"),
+    ({"num_experts": None, "num_local_experts": None}, "no 'num_experts': config.json must give it"),
+])
+def test_a_config_error_names_config_jsons_keys(tmp_path, capsys, changes, said):
+    """The validation said "n_layers must be >= 1" (the engine's field names) and a Qwen3-MoE config without an
+    experts count "is 0: a dense model": the line now names the keys a user edits."""
+    directory = _qwen3_config(tmp_path / "ckpt", **changes)
+    assert main(["generate", "--model", str(directory), "--weights", "random", "--prompt", "x",
+                 "--max-tokens", "1"]) == 2
+    line = one_error_line(capsys)
+    assert said in line and "config.json" in line, line
