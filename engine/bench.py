@@ -995,8 +995,10 @@ def describe_weights(source: dict) -> str:
     """A checkpoint's weights source (engine.model_source.describe_checkpoint) in a few words."""
     if source["source"] == "random":
         return f"random, seed {source['seed']}, drawn on the {source['drawn_on']}"
-    total = sum(entry["bytes"] for entry in source["files"])
-    return f"{len(source['files'])} safetensors files, {total / 2**30:.2f} GiB"
+    from engine.limits import gib
+
+    files = len(source["files"])
+    return f"{files} safetensors file{'' if files == 1 else 's'}, {gib(sum(entry['bytes'] for entry in source['files']))}"
 
 
 def critical_cell(entry: dict) -> str:
