@@ -35,7 +35,7 @@ def format_markdown(report: dict, fail_on_regression: float | None = None) -> st
         side = sides[name]
         flags = ", ".join(f"{key}={value}" for key, value in side["overrides"].items()) or "no overrides"
         common = " ".join(side["set"]) if side["set"] else "none"
-        lines.append(f"- **{name}**: {side['tree']}; {flags} (every --set passed: {common})")
+        lines.append(f"- **{name}**: {side['tree']}; {flags} (--set on both sides: {common})")
     header = ["row", "unit", "A median (MAD)", "B median (MAD)", "B/A", f"{100 * rule['confidence']:g} % interval",
               "verdict"]
     lines += ["", f"| {' | '.join(header)} |", "|:---|:---|---:|---:|---:|---:|:---|"]

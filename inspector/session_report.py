@@ -245,10 +245,11 @@ def footer(header: dict) -> str:
 def render_markdown(header: dict, steps: list[dict], description: str | None = None, cancelled: bool = False) -> str:
     held, failed = check_counts(steps)
     checks = (f"{held} check{'s' if held != 1 else ''} held, {failed} failed" if held or failed else "no checks")
-    out = [f"# session `{header.get('session')}`: {len(steps)} steps, {checks}", ""]
+    count = f"{len(steps)} step{'s' if len(steps) != 1 else ''}"
+    out = [f"# session `{header.get('session')}`: {count}, {checks}", ""]
     if cancelled:
-        out += [f"**Cancelled** (Ctrl-C) after {len(steps)} step{'s' if len(steps) != 1 else ''}: the steps "
-                "after them did not run.", ""]
+        out += [f"**Cancelled** (Ctrl-C) after {count}: the steps after {'it' if len(steps) == 1 else 'them'} "
+                "did not run.", ""]
     if description:
         out += [description, ""]
     rows = [{**row, "text": _text(row["text"])} for row in generation_rows(header, steps)]
