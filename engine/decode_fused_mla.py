@@ -13,7 +13,8 @@ RoPE takes the model's frequencies, YaRN's where the config scales RoPE, and YaR
 sin (engine.model.rope_tables); the mscale^2 of DeepSeek's softmax scale is in LatentAttention.scale, which
 the arm applies. The shared experts and the dense layers are a SwiGLU MLP each: at one row kernels.moe_gemv's
 two launches over the MLP as a single expert of weight 1 (the gate-up GEMV with SiLU x up fused, then down),
-above it torch matmuls, as the fused step's other dense products.
+above it torch matmuls, as the fused step's other dense products. With the flag shared_fold the dispatcher may
+instead hand a layer's shared weights to the routed GEMV arm's own two launches (engine.dispatcher._shared_path).
 
 Knows nothing of flags or dispatch: the hooks decide the attention arm and the routed experts' arm.
 """
@@ -92,7 +93,8 @@ def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gemv_rows
 
 class SharedExpertsDecode:
     """A layer's (ungated) shared experts as the fused step computes them: the hooks' `moe` adds shared(h) to the
-    routed arm's output, as for engine.model.SharedMLP."""
+    routed arm's output, as for engine.model.SharedMLP, or (shared_fold=on, the GEMV arm, one row) passes
+    `gate_up` [2Fs, D] and `down` [D, Fs] into the routed launches (kernels.moe_gemv's `shared`), never calling it."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemv_rows: bool) -> None:
         self.gate_up, self.down, self.gemv_rows = gate_up, down, gemv_rows

@@ -161,8 +161,10 @@ class Dispatcher:
         e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
         `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
         already counted it (engine.decode_fused); else it is counted here. `shared`: the layer's shared
-        experts (engine.model.SharedMLP), run on every token and added after the routed arm, outside
-        its decision and its timing (the record's `shared_experts` says so)."""
+        experts (engine.model.SharedMLP, engine.decode_fused_mla.SharedExpertsDecode: `gate_up`, `down`), run on
+        every token, outside the decision and the woken count: inside the GEMV arm's two launches where
+        `_shared_path` allows (the flag shared_fold; the arm's µs then include them), else after the arm, apart
+        and untimed, with an add (the record's `shared_path` and `shared_reason` say which and why)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
         top_k = config.top_k if k is None else k
@@ -207,6 +209,10 @@ class Dispatcher:
         }
         if self.family_fields:
             record.update(self.family_fields)
+        fold = False
+        if "shared_experts" in self.family_fields:
+            fold, why = self._shared_path(shared, executed.name, experts, h, w13, local)
+            record["shared_path"], record["shared_reason"] = ("routed launches" if fold else "apart"), why
         if n == 0:  # nothing routed here (an expert-parallel rank): no expert woken, no kernel to count them
             self.pending_woken.append(torch.zeros((), dtype=torch.int64, device=h.device))
         elif woken is not None:
@@ -241,9 +247,37 @@ class Dispatcher:
                                                               experts.b2, experts.alpha, experts.limit))
         if experts is not None:
             return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
+        if fold:  # the shared experts as extra pairs of the routed launches, weight 1: no add, no launch of their own
+            from kernels.moe_gemv import moe_gemv
+
+            return self._run(record, lambda: moe_gemv(h, w13, w2, topk_ids, topk_weights,
+                                                      shared=(shared.gate_up, shared.down)))
         routed = self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
                                                            tile_m=flags["tile_m"], variant=decision.variant))
         return routed if shared is None else routed + shared(h)
+
+    def _shared_path(self, shared, executed: str, experts, h: torch.Tensor, w13, local: bool) -> tuple[bool, str]:
+        """(fold, why): whether this MoE layer's shared experts ride the routed arm's launches
+        (kernels.moe_gemv's `shared`: the GEMV arm at a one-row decode step, the flag shared_fold on) or run apart
+        after it; the first reason that keeps them apart, else what the fold does."""
+        if shared is None:
+            return False, ("expert parallel: every rank runs them on the layer's rows after the exchange" if local
+                           else "no shared experts were handed to this layer's arm")
+        if not self.flags["shared_fold"]:
+            return False, "shared_fold=off: their own launches, added after the routed arm"
+        if getattr(shared, "gate", None) is not None:
+            return False, "sigmoid-gated (Qwen2-MoE): the gate's per-token scale is not in the routed launches"
+        if experts is not None or executed != dispatch.GEMV:
+            return False, f"the {executed} arm runs the routed experts: only the GEMV arm takes them in"
+        if self.phase != DECODE or h.shape[0] != 1:
+            return False, (f"a {self.phase} step of {h.shape[0]} rows: the fold is for one-row decode (each row "
+                           f"would read the shared weights again, where the torch products read them once)")
+        if shared.gate_up.dtype != h.dtype or shared.down.dtype != h.dtype:
+            return False, f"shared weights in {shared.gate_up.dtype}, activations in {h.dtype}"
+        fs, f = shared.down.shape[1], w13.shape[1] // 2
+        return True, (f"shared_fold=on: the GEMV arm's gate-up and down compute them as {-(-fs // f)} extra pairs "
+                      f"of F={f} per row (Fs={fs}), weight 1, summed after the routed pairs; the arm's µs and "
+                      f"kernels include them")
 
     def latent_attention(self, layer, q, latent_cache, kv_b, q_start, length):
         """A latent attention (MLA) layer: engine.attention_dispatch decides the arm (mla_fused, or

@@ -304,7 +304,8 @@ def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 @dataclass(frozen=True)
 class SharedMLP:
     """A layer's shared experts (config.SharedExperts) with their weights: every token runs them. `forward`
-    hands them to the hooks' `moe` as `shared=`; the dispatcher adds shared(h) to whichever routed arm ran."""
+    hands them to the hooks' `moe` as `shared=`; the dispatcher adds shared(h) to whichever routed arm ran, or,
+    ungated at a one-row decode step on the GEMV arm with shared_fold=on, computes them inside its launches."""
 
     spec: SharedExperts
     gate_up: torch.Tensor  # [2Fs, D]

@@ -37,7 +37,9 @@ class MoeRecord(TypedDict, total=False):
     graph: str  # "replay" on a replayed step's copy of its capture's record
     # only for the families that have them (engine.routing.record_fields):
     routing: str  # a group-limited router, in words
-    shared_experts: str  # the shared experts: always on, outside the arm's decision and timing
+    shared_experts: str  # the shared experts: always on, outside the arm's decision and the woken count
+    shared_path: str  # "routed launches" (inside the GEMV arm's, flag shared_fold) or "apart" (after the arm)
+    shared_reason: str  # why shared_path: the fold's shape, or the first condition that kept them apart
     forward: str  # why the step ran engine.model's torch forward, not engine.decode_fused's glue
     weight_format: str  # the experts' storage: "bf16", "fp32", or "trellis hyb K=2 V=2 L=16" (engine.weight_format)
     bits_per_weight: float  # trellis: K plus the row scales

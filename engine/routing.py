@@ -67,9 +67,9 @@ def record_fields(config) -> dict:
         fields["routing"] = describe(config.router, config.n_group, config.topk_group, config.n_experts) \
             + (f"; weights x {config.routed_scaling_factor:g}" if config.routed_scaling_factor != 1.0 else "")
     if config.shared_experts is not None:
-        fields["shared_experts"] = (f"{config.shared_experts.describe()}: always on, every token; a dense SwiGLU "
-                                    f"(kernels.moe_gemv at a one-row fused decode step, torch otherwise) added after "
-                                    f"the routed arm, outside the GEMV/grouped decision")
+        fields["shared_experts"] = (f"{config.shared_experts.describe()}: always on, every token, outside the "
+                                    f"GEMV/grouped decision and the woken count; inside the GEMV arm's launches or "
+                                    f"apart (a dense SwiGLU added after the arm) as shared_path says")
     if config.latent_attention is not None or config.shared_experts is not None or config.dense_layers:
         from engine.decode_fused import ineligible
 

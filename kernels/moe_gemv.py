@@ -35,7 +35,26 @@ a GPU gives 96 and 56 registers at 4 warps (5 and 9 programs per SM).
 Why these blocks and schedules, and what else was measured: docs/moe-kernels.md, bench/RESULTS.md.
 With PDL, down loads its first pair's first tile before its wait (the ids are the router's, two
 grids back), so the whole grid has a tile in flight as gate-up drains.
-Scratch: hidden [N, F] in x's dtype.
+Scratch: hidden [N + T S, F] in x's dtype.
+
+Shared experts (`moe_gemv(..., shared=(gate_up, down))`: gate_up [2Fs, D], rows 0..Fs-1 gate, Fs..2Fs-1 up, as
+engine.hf_loader packs DeepSeek's n_shared experts side by side; down [D, Fs]): every token also runs one SwiGLU of
+Fs units at weight exactly 1 (no routing weight, no routed_scaling_factor), in the same two launches, reading the
+model's own tensors (no copy, no concatenation with the routed stack):
+    gate-up  S = cdiv(Fs, F) extra "pairs" per token past the N routed ones (grid N + T S): program N + t S + c
+             computes shared units c F .. c F + F - 1 (the last chunk masked to Fs - (S-1) F) from ws13's rows, up
+             Fs rows below gate, into hidden row N + t S + c; the routed pairs' F_STEPS and grid are unchanged.
+             Chunks of the routed F rather than a width of their own: every program of the grid has the same
+             shape, so a shared chunk is one more pair of the grid's one schedule (V2-Lite: 2 of F = 1408 each).
+    down     after its k routed pairs' tiles, each program walks the shared Fs units as one more walk over
+             hidden's rows N + t S .. (contiguous: Fs units back to back) and ws2's rows, tile by tile, added
+             to the same fp32 sum without a weight: out = sum_j w_j (W2_j h_j) + W2s hs, in that order, one
+             program per output, so still bit-reproducible (V2-Lite: 6 x 2 routed tiles, then 3 shared).
+An id outside [0, E) still adds an exact 0; the shared term is added whatever the ids. SHARED_CHUNKS is a
+constexpr, 0 without shared experts: that build is the same SASS as before the fold (bench/moe_shared_fold_sass.py),
+so models without shared experts pay nothing. The fold's gate-up takes 96 registers at 4 warps at one F step (the
+routed-only one-step build 80): 5 programs per SM where 6 fit. Why the engine folds only a one-row decode step:
+docs/decode-step.md.
 """
 
 from __future__ import annotations
@@ -69,11 +88,77 @@ def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
 
 
 @triton.jit
+def _gate_up_units(x_ptr, w_ptr, w_index, stride_w, hidden_ptr, pair, stride_hp, up_rows, units, token, f_block,
+                   hidden_size, stride_xt, stride_wr, b13_ptr, stride_be, alpha, limit, BLOCK_F: tl.constexpr,
+                   BLOCK_D: tl.constexpr, F_STEPS: tl.constexpr, USE_GDC: tl.constexpr,
+                   WEIGHT_EVICTION: tl.constexpr, CLAMPED: tl.constexpr, HAS_B13: tl.constexpr):
+    """One program's F_STEPS blocks of BLOCK_F hidden units of one pair, written to row `pair` of hidden: gate rows
+    from w_ptr + w_index * stride_w, up rows `up_rows` rows further, `units` hidden units valid. A routed pair's
+    rows are its expert's (w_index the expert, up_rows = units = F); a shared chunk's its F-unit slice of the shared
+    gate_up (w_index its first unit, up_rows = Fs). The addresses are formed where they are used, as before the
+    shared experts came: the routed-only build is the same SASS (bench/moe_shared_fold_sass.py)."""
+    for f_step in range(F_STEPS):  # F_STEPS consecutive blocks of BLOCK_F hidden units, in turn
+        offs_f = (f_block * F_STEPS + f_step) * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_mask = offs_f < units
+        offs_d = tl.arange(0, BLOCK_D)
+        # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
+        w_base = w_ptr + w_index.to(tl.int64) * stride_w
+        gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
+        up_ptrs = gate_ptrs + up_rows * stride_wr
+        x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
+        # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
+        # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
+        gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+        up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
+        for d0 in range(0, hidden_size, BLOCK_D):
+            d_mask = offs_d < hidden_size - d0
+            w_mask = f_mask[:, None] & d_mask[None, :]
+            x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+            gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
+            up_sum += tl.sum(up * x_chunk[None, :], axis=1)
+            gate_ptrs += BLOCK_D
+            up_ptrs += BLOCK_D
+            x_ptrs += BLOCK_D
+        if USE_GDC and f_step == F_STEPS - 1:
+            tl.extra.cuda.gdc_launch_dependents()
+        if CLAMPED:
+            if HAS_B13:
+                bias_base = b13_ptr + w_index.to(tl.int64) * stride_be
+                gate_sum += tl.load(bias_base + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+                up_sum += tl.load(bias_base + up_rows + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+            gate_sum = tl.minimum(gate_sum, limit)
+            up_sum = tl.minimum(tl.maximum(up_sum, -limit), limit)
+            hidden = (up_sum + 1.0) * (gate_sum / (1.0 + tl.exp(-alpha * gate_sum)))
+        else:
+            hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
+        tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
+                 mask=f_mask)
+
+
+@triton.jit
+def _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
+                  intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha, limit,
+                  TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, F_STEPS: tl.constexpr,
+                  USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr, CLAMPED: tl.constexpr,
+                  HAS_B13: tl.constexpr):
+    """Routed pair `pair` (token pair // TOP_K): its expert's gate and up rows; an id outside [0, E) writes
+    nothing (down takes its hidden row as 0)."""
+    token = pair // TOP_K
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if (expert >= 0) & (expert < num_experts):
+        _gate_up_units(x_ptr, w13_ptr, expert, stride_we, hidden_ptr, pair, stride_hp, intermediate_size,
+                       intermediate_size, token, f_block, hidden_size, stride_xt, stride_wr, b13_ptr, stride_be, alpha,
+                       limit, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, D]
     w13_ptr,  # [E, 2F, D]
     topk_ids_ptr,  # [N] flattened [T, k]
-    hidden_ptr,  # [N, F] out
+    hidden_ptr,  # [N + T S, F] out
     num_experts,
     hidden_size,  # D
     intermediate_size,  # F
@@ -91,54 +176,35 @@ def _gate_up_kernel(
     stride_be=0,
     alpha=1.0,  # CLAMPED: glu = gate * sigmoid(alpha * gate)
     limit=1.0,  # CLAMPED: gate <= limit, -limit <= up <= limit
+    ws13_ptr=None,  # [2Fs, D] the shared experts' gate then up rows (SHARED_CHUNKS > 0)
+    shared_intermediate=0,  # Fs
+    stride_wsr=0,
+    num_routed_pairs=0,  # N: programs from N on are shared chunks
     CLAMPED: tl.constexpr = False,  # gpt-oss experts: biases and the clamped SwiGLU (kernels.reference)
     HAS_B13: tl.constexpr = False,
+    SHARED_CHUNKS: tl.constexpr = 0,  # S = cdiv(Fs, F) chunks of F shared units per token; 0: none
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
-    token = pair // TOP_K
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    if (expert >= 0) & (expert < num_experts):
-        for f_step in range(F_STEPS):  # F_STEPS consecutive blocks of BLOCK_F hidden units, in turn
-            offs_f = (f_block * F_STEPS + f_step) * BLOCK_F + tl.arange(0, BLOCK_F)
-            f_mask = offs_f < intermediate_size
-            offs_d = tl.arange(0, BLOCK_D)
-            # expert * stride_we reaches E*2F*D = 4.3e9 at v4-shape: int64
-            w_base = w13_ptr + expert.to(tl.int64) * stride_we
-            gate_ptrs = w_base + offs_f[:, None] * stride_wr + offs_d[None, :]  # [BLOCK_F, BLOCK_D]
-            up_ptrs = gate_ptrs + intermediate_size * stride_wr
-            x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_d
-            # reduced every step into [BLOCK_F] accumulators: few registers, so many programs fit an
-            # SM and their loads in flight cover DRAM latency (this kernel is pure bandwidth)
-            gate_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-            up_sum = tl.zeros([BLOCK_F], dtype=tl.float32)
-            for d0 in range(0, hidden_size, BLOCK_D):
-                d_mask = offs_d < hidden_size - d0
-                w_mask = f_mask[:, None] & d_mask[None, :]
-                x_chunk = tl.load(x_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-                gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
-                up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION).to(tl.float32)
-                gate_sum += tl.sum(gate * x_chunk[None, :], axis=1)
-                up_sum += tl.sum(up * x_chunk[None, :], axis=1)
-                gate_ptrs += BLOCK_D
-                up_ptrs += BLOCK_D
-                x_ptrs += BLOCK_D
-            if USE_GDC and f_step == F_STEPS - 1:
-                tl.extra.cuda.gdc_launch_dependents()
-            if CLAMPED:
-                if HAS_B13:
-                    bias_base = b13_ptr + expert.to(tl.int64) * stride_be
-                    gate_sum += tl.load(bias_base + offs_f, mask=f_mask, other=0.0).to(tl.float32)
-                    up_sum += tl.load(bias_base + intermediate_size + offs_f, mask=f_mask, other=0.0).to(tl.float32)
-                gate_sum = tl.minimum(gate_sum, limit)
-                up_sum = tl.minimum(tl.maximum(up_sum, -limit), limit)
-                hidden = (up_sum + 1.0) * (gate_sum / (1.0 + tl.exp(-alpha * gate_sum)))
-            else:
-                hidden = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum  # silu(gate) * up
-            tl.store(hidden_ptr + pair.to(tl.int64) * stride_hp + offs_f, hidden.to(hidden_ptr.dtype.element_ty),
-                     mask=f_mask)
+    if SHARED_CHUNKS > 0:
+        if pair >= num_routed_pairs:  # chunk c of token t's shared units c F .. c F + F - 1: rows of ws13
+            chunk = pair - num_routed_pairs
+            token = chunk // SHARED_CHUNKS
+            first_unit = (chunk - token * SHARED_CHUNKS) * intermediate_size
+            _gate_up_units(x_ptr, ws13_ptr, first_unit, stride_wsr, hidden_ptr, pair, stride_hp, shared_intermediate,
+                           tl.minimum(intermediate_size, shared_intermediate - first_unit), token, f_block,
+                           hidden_size, stride_xt, stride_wsr, b13_ptr, 0, alpha, limit, BLOCK_F, BLOCK_D, F_STEPS,
+                           USE_GDC, WEIGHT_EVICTION, False, False)
+        else:
+            _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
+                          intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha,
+                          limit, TOP_K, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
+    else:
+        _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
+                      intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha,
+                      limit, TOP_K, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
 
 
 @triton.jit
@@ -171,11 +237,17 @@ def _down_kernel(
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
     b2_ptr=None,  # [E, D] down biases, inside each pair's routing weight (gpt-oss)
     stride_b2e=0,
+    ws2_ptr=None,  # [D, Fs] the shared experts' down (SHARED_CHUNKS > 0)
+    shared_intermediate=0,  # Fs
+    stride_ws2r=0,
+    num_routed_pairs=0,  # N: token t's shared hidden units are hidden rows N + t S .. N + t S + S - 1, flat
     HAS_B2: tl.constexpr = False,
+    SHARED_CHUNKS: tl.constexpr = 0,  # S, as gate-up's; 0: no shared experts
 ):
     """One program per (token, BLOCK_D outputs) walks its k pairs' w2 rows one after the other, k x F / BLOCK_F
     tiles, and sums them in fp32 in the fixed order j = 0..k-1. Each tile is scaled by its pair's routing weight
-    as it is reduced; with HAS_B2 each pair's bias too, once, after its last tile."""
+    as it is reduced; with HAS_B2 each pair's bias too, once, after its last tile. With SHARED_CHUNKS, then the
+    shared experts' ws2 row tiles over Fs, weight 1 (added, not multiplied), into the same fp32 sum."""
     token = tl.program_id(0)
     d_block = tl.program_id(1)
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -219,6 +291,16 @@ def _down_kernel(
             if step - j * steps_per_pair == steps_per_pair - 1:  # the pair's last tile: its bias, weighted
                 total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
                                          mask=d_mask, other=0.0).to(tl.float32)
+    if SHARED_CHUNKS > 0:  # after the k routed pairs: the shared experts' Fs units, weight 1, no routing scale
+        # gate-up wrote token t's S chunks as consecutive rows of a contiguous hidden: Fs units back to back
+        shared_row = hidden_ptr + (num_routed_pairs + token * SHARED_CHUNKS).to(tl.int64) * stride_hp
+        for f0 in range(0, shared_intermediate, BLOCK_F):
+            f_mask = offs_f < shared_intermediate - f0
+            h = tl.load(shared_row + f0 + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+            w = tl.load(ws2_ptr + offs_d[:, None] * stride_ws2r + (f0 + offs_f)[None, :],
+                        mask=d_mask[:, None] & f_mask[None, :], other=0.0,
+                        eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+            total += tl.sum(w * h[None, :], axis=1)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -230,9 +312,12 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, D, F]
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([2Fs, D], [D, Fs]): ungated shared experts
 ) -> torch.Tensor:  # [T, D]
-    """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`."""
-    return _moe_gemv(x, w13, w2, topk_ids, topk_weights)
+    """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`. With `shared` (gate_up [2Fs, D],
+    rows 0..Fs-1 gate and Fs..2Fs-1 up; down [D, Fs]), plus the shared SwiGLU of every token, weight 1, in the
+    same two launches (module docstring): `moe_reference(...) + swiglu(x, gate_up, down)` rounded once."""
+    return _moe_gemv(x, w13, w2, topk_ids, topk_weights, shared=shared)
 
 
 def moe_gemv_clamped(
@@ -255,16 +340,38 @@ def moe_gemv_clamped(
     return _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=(b13, b2, float(alpha), float(limit)))
 
 
-def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
+def check_shared(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """The shared experts' gate_up [2Fs, D] and down [D, Fs] beside x [T, D]: x's dtype and device, rows contiguous
+    along D and Fs. Returns Fs."""
+    gate_up, down = shared
+    hidden_size = x.shape[1]
+    if gate_up.dim() != 2 or gate_up.shape[1] != hidden_size or gate_up.shape[0] % 2 or gate_up.shape[0] == 0:
+        raise ValueError(f"shared gate_up must be [2Fs, D={hidden_size}], got shape {tuple(gate_up.shape)}")
+    shared_intermediate = gate_up.shape[0] // 2
+    if tuple(down.shape) != (hidden_size, shared_intermediate):
+        raise ValueError(f"shared down must be [D={hidden_size}, Fs={shared_intermediate}], got {tuple(down.shape)}")
+    for name, tensor in (("shared gate_up", gate_up), ("shared down", down)):
+        if tensor.dtype != x.dtype or tensor.device != x.device or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a {x.dtype} tensor on {x.device}, contiguous along its last dimension "
+                             f"(got {tensor.dtype} on {tensor.device}, stride {tensor.stride()})")
+    return shared_intermediate
+
+
+def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None) -> torch.Tensor:
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     check_triton_device(x, "moe_gemv")
+    if shared is not None and clamped is not None:
+        raise ValueError("shared experts ride only the plain SwiGLU launches, not the clamped epilogue")
+    shared_intermediate = 0 if shared is None else check_shared(x, shared)
     out = scratch.empty((tokens, hidden_size), x.dtype, x.device)
     if tokens == 0:
         return out
     num_pairs = tokens * top_k
+    # S chunks of F shared units per token, as extra pairs past the N routed ones (module docstring)
+    chunks = triton.cdiv(shared_intermediate, intermediate)
     flat_ids = topk_ids.reshape(-1).contiguous()  # [N]
     flat_weights = topk_weights.reshape(-1).contiguous()  # [N]
-    hidden = scratch.empty((num_pairs, intermediate), x.dtype, x.device)  # [N, F]
+    hidden = scratch.empty((num_pairs + tokens * chunks, intermediate), x.dtype, x.device)  # [N + T S, F]
     # never wider than the row itself: small shapes (tests, the demo preset) waste no lanes
     gate_up_block_d = min(GATE_UP_BLOCK_D, triton.next_power_of_2(hidden_size))
     down_block_f = min(DOWN_BLOCK_F, triton.next_power_of_2(intermediate))
@@ -275,8 +382,14 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None) -> torch.Tensor:
                              CLAMPED=True, HAS_B13=b13 is not None)
         if b2 is not None:
             down_extra = dict(b2_ptr=b2, stride_b2e=b2.stride(0), HAS_B2=True)
+    if shared is not None:
+        gate_up_extra = dict(ws13_ptr=shared[0], shared_intermediate=shared_intermediate,
+                             stride_wsr=shared[0].stride(0), num_routed_pairs=num_pairs, SHARED_CHUNKS=chunks)
+        down_extra = dict(ws2_ptr=shared[1], shared_intermediate=shared_intermediate, stride_ws2r=shared[1].stride(0),
+                          num_routed_pairs=num_pairs, SHARED_CHUNKS=chunks)
+    # the routed pairs' schedule decides (the routed part of the grid is the launch without shared experts)
     f_steps = gate_up_f_steps(tokens, intermediate, top_k)
-    _gate_up_kernel[(num_pairs, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
+    _gate_up_kernel[(num_pairs + tokens * chunks, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
         x, w13, flat_ids, hidden,
         experts, hidden_size, intermediate,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),

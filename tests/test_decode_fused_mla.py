@@ -310,6 +310,116 @@ def test_fused_decode_steps_give_the_torch_forwards_greedy_tokens(attention_arm)
     assert fused_tokens == torch_tokens
 
 
+@pytest.fixture
+def gemv_on_cpu(monkeypatch):
+    """The routed experts on the GEMV arm, under the interpreter (a CPU dispatcher would run the reference arm):
+    the arm the shared experts ride with shared_fold=on."""
+    monkeypatch.setitem(arms.ARMS, "gemv", dataclasses.replace(arms.ARMS["gemv"], supports=lambda device: True))
+
+
+# one shared expert of Fs = 24 over routed F = 16: two chunks, the second masked to 8 units
+ODD_SHARED = _config(name="v2-odd-shared-tiny", shared_experts=SharedExperts(1, 24))
+
+
+def _fold_flags(fold: bool) -> flags.ResolvedFlags:
+    return flags.resolve([f"shared_fold={'on' if fold else 'off'}"], environ={})
+
+
+@pytest.mark.parametrize("config", [V2_RANKED, V3, ODD_SHARED], ids=["ranked-x1.5", "v3-x2.5", "odd-Fs-24-of-F-16"])
+def test_shared_fold_in_the_fused_step_matches_the_torch_forward(config, gemv_on_cpu):
+    """One row, the routed experts on the GEMV arm: with shared_fold=on the shared experts ride its two launches
+    (one gate-up and one down per MoE layer, no add), off they take two of their own; both match the torch
+    forward (routed + shared(h), shared at weight 1 whatever routed_scaling_factor). The records say which path
+    ran, and the decision and the woken count are the same either way: shared experts are not routed."""
+    from engine.model import _forward_ragged
+
+    engine = _engine(config, True)
+    token, start = torch.tensor([[3]]), torch.tensor([5])
+    runs = {}
+    for fold in (True, False):
+        cache, _ = _prefilled(engine, 1)
+        dispatcher = Dispatcher(engine, _fold_flags(fold), timed=False)
+        dispatcher.begin_step(1, "decode", 1)
+        before = launches.snapshot()
+        logits = decode_fused.forward_decode(config, engine.weights, token, start, 24, None, cache, dispatcher)
+        launched = launches.since(before)
+        dispatcher.end_step_batch(logits.argmax(-1))
+        runs[fold] = (logits, launched, dispatcher.moe_records)
+    torch_cache, torch_dispatcher = _prefilled(engine, 1)
+    reference = _forward_ragged(config, engine.weights, token, StepLayout(start, 24), torch_cache, torch_dispatcher)
+    moe_layers, dense_layers = len(config.moe_layers), len(config.dense_layers)
+    for fold, (logits, launched, records) in runs.items():
+        _close(logits, reference, torch.float32)
+        for kernel in ("moe_gemv.gate_up", "moe_gemv.down"):
+            assert launched[kernel] == (1 if fold else 2) * moe_layers + dense_layers, (fold, launched)
+        assert [record["executed_arm"] for record in records] == ["gemv"] * moe_layers
+        assert [record["shared_path"] for record in records] == ["routed launches" if fold else "apart"] * moe_layers
+        assert all(record["shared_reason"].startswith(f"shared_fold={'on' if fold else 'off'}") for record in records)
+        assert all(record["woken_observed"] == config.top_k for record in records)  # the k routed, no shared
+    assert f"{-(-config.shared_experts.intermediate // config.intermediate)} extra pairs" in \
+        runs[True][2][0]["shared_reason"]
+
+    def routed_fields(record):
+        return {key: value for key, value in record.items() if key not in ("shared_path", "shared_reason")}
+
+    assert [routed_fields(record) for record in runs[True][2]] == [routed_fields(record) for record in runs[False][2]]
+
+
+def test_greedy_tokens_with_the_shared_fold_are_the_torch_forwards(gemv_on_cpu):
+    """Three greedy steps of one row with shared_fold=on (routed_scaling_factor 1.5: a shared term scaled with the
+    routed weights, or dropped, moves the logits far outside fp32 rounding) against the torch forward's."""
+    config = V2_RANKED
+    engine = _engine(config, True)
+    fused_cache, _ = _prefilled(engine, 1)
+    torch_cache, torch_dispatcher = _prefilled(engine, 1)
+    dispatcher = Dispatcher(engine, _fold_flags(True), timed=False)
+    fused_token = torch_token = torch.tensor([[7]])
+    fused_tokens, torch_tokens = [], []
+    for step in range(3):
+        position = 5 + step
+        dispatcher.begin_step(step + 1, "decode", 1)
+        fused = decode_fused.forward_decode(config, engine.weights, fused_token, torch.tensor([position]),
+                                            position + 1, None, fused_cache, dispatcher)
+        assert {record["shared_path"] for record in dispatcher.moe_records} == {"routed launches"}
+        reference = forward(config, engine.weights, torch_token, position, torch_cache, torch_dispatcher)
+        _close(fused, reference, torch.float32)
+        fused_token, torch_token = fused.argmax(-1, keepdim=True), reference.argmax(-1, keepdim=True)
+        fused_tokens.append(int(fused_token))
+        torch_tokens.append(int(torch_token))
+    assert fused_tokens == torch_tokens
+
+
+def test_where_the_shared_experts_run_and_why():
+    """Dispatcher._shared_path: the fold only for ungated shared experts, the plain GEMV arm, a one-row decode
+    step and shared_fold=on; every other case keeps them apart and the reason names the first that does."""
+    from engine.model import SharedMLP
+
+    engine = _engine(V2_LITE, False)
+    p = "layers.1."
+    gate_up, down = engine.weights[p + "shared_gate_up"], engine.weights[p + "shared_down"]
+    w13 = engine.weights[p + "w13"]
+    shared = decode_fused_mla.SharedExpertsDecode(gate_up, down, True)
+    gated = SharedMLP(SharedExperts(2, 32, gated=True), gate_up, down, torch.ones(1, V2_LITE.hidden))
+    one, three = torch.zeros(1, V2_LITE.hidden), torch.zeros(3, V2_LITE.hidden)
+    on, off = Dispatcher(engine, _fold_flags(True), timed=False), Dispatcher(engine, _fold_flags(False), timed=False)
+    on.begin_step(1, "decode", 1)
+    off.begin_step(1, "decode", 1)
+    fold, why = on._shared_path(shared, "gemv", None, one, w13, False)
+    assert fold and why.startswith("shared_fold=on") and "2 extra pairs of F=16 per row (Fs=32), weight 1" in why
+    cases = [(off, shared, "gemv", one, False, "shared_fold=off"),
+             (on, gated, "gemv", one, False, "sigmoid-gated"),
+             (on, shared, "grouped", one, False, "the grouped arm runs the routed experts"),
+             (on, shared, "trellis_gemv", one, False, "the trellis_gemv arm"),
+             (on, shared, "gemv", three, False, "a decode step of 3 rows"),
+             (on, None, "gemv", one, True, "expert parallel")]
+    for dispatcher, handed, arm, rows, local, words in cases:
+        fold, why = dispatcher._shared_path(handed, arm, None, rows, w13, local)
+        assert not fold and words in why, (arm, why)
+    on.begin_step(2, "prefill", 1)
+    fold, why = on._shared_path(shared, "gemv", None, one, w13, False)
+    assert not fold and "a prefill step of 1 rows" in why
+
+
 def test_yarn_frequencies_reach_the_step():
     """The step's RoPE table is YaRN's (interpolated low frequencies), not plain RoPE's."""
     table = decode_fused._inverse_frequency(V2_LITE, torch.device("cpu"))
@@ -348,10 +458,12 @@ def _gpu_engine(config: ModelConfig) -> Engine:
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["v2-lite", "v3-routing"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(variant, rows):
+@pytest.mark.parametrize("shared_fold", [False, True], ids=["apart", "fold"])
+def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(variant, rows, shared_fold):
     """The fused step (GEMVs, folds, kernels.mla_rope_cache, the fused MLA arm, group_topk) against the torch glue
     with the same arms, bf16: a few roundings per term (moe_gemv's SwiGLU rounds its hidden once where torch
-    rounds four times), inside 2e-2."""
+    rounds four times), inside 2e-2. shared_fold=on: at one row the shared experts ride the routed GEMV launches
+    (the records say so); the reference keeps them apart."""
     from engine.model import _forward_ragged
 
     config = _v2_lite_widths(variant)
@@ -360,28 +472,35 @@ def test_gpu_fused_decode_of_deepseek_v2_lite_widths_matches_torch(variant, rows
     assert decode_fused.eligible(config, torch.zeros(rows, 1, dtype=torch.long, device=device))
     caches = [KVCache.allocate(config, rows, 64, device, engine.dtype) for _ in range(2)]
     prompt = torch.randint(0, config.vocab_size, (rows, 20), generator=torch.Generator().manual_seed(5)).cuda()
-    dispatcher = Dispatcher(engine, flags.resolve(environ={}), timed=False)
+    dispatcher = Dispatcher(engine, _fold_flags(shared_fold), timed=False)
+    apart = Dispatcher(engine, _fold_flags(False), timed=False)
     with torch.inference_mode():
         for cache in caches:
             forward(config, engine.weights, prompt, 0, cache, dispatcher)
         tokens, start = prompt[:, -1:].contiguous(), torch.full((rows,), 20, device="cuda")
         dispatcher.begin_step(1, "decode", rows)
+        apart.begin_step(1, "decode", rows)
         fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, caches[0], dispatcher)
         assert {record["executed_arm"] for record in dispatcher.attention_records} == {"mla_fused"}
-        reference = _forward_ragged(config, engine.weights, tokens, StepLayout(start, 64), caches[1], dispatcher)
+        paths = {record["shared_path"] for record in dispatcher.moe_records}
+        assert paths == ({"routed launches"} if shared_fold and rows == 1 else {"apart"}), paths
+        reference = _forward_ragged(config, engine.weights, tokens, StepLayout(start, 64), caches[1], apart)
     _close(fused, reference, torch.bfloat16)
     for layer in range(config.n_layers):
         _close(caches[0].k[layer], caches[1].k[layer], torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_graphed_deepseek_decode_equals_eager_and_replays():
+@pytest.mark.parametrize("shared_fold", ["off", "on"])
+def test_gpu_graphed_deepseek_decode_equals_eager_and_replays(shared_fold):
     """Through the runtime every entry point uses: decode steps replay CUDA graphs of the fused step, and give the
-    eager run's tokens and logits to the bit; the footer's decode glue says fused."""
+    eager run's tokens and logits to the bit; the footer's decode glue says fused. shared_fold=on: every decode
+    record's shared experts rode the routed GEMV launches (2 kernels, not 4, in its arm)."""
     engine = _gpu_engine(_v2_lite_widths("v2-lite"))
     prompt = list(range(11, 31))
-    graphed = engine.generate(prompt, 16, flags.resolve(environ={}))
-    eager = engine.generate(prompt, 16, flags.resolve(["layer_timing=events"], environ={}))
+    graphed = engine.generate(prompt, 16, flags.resolve([f"shared_fold={shared_fold}"], environ={}))
+    eager = engine.generate(prompt, 16, flags.resolve(["layer_timing=events", f"shared_fold={shared_fold}"],
+                                                      environ={}))
     assert engine.decode_glue == "fused"
     assert graphed.graphs == "on" and eager.graphs.startswith("off")
     assert graphed.tokens == eager.tokens
@@ -391,3 +510,11 @@ def test_gpu_graphed_deepseek_decode_equals_eager_and_replays():
         [(step["graph"], step.get("eager_reason")) for step in decode[:3]]
     assert all(record["executed_arm"] == "mla_fused" for step in decode for record in step["attention"])
     assert all(record["forward"].startswith("decode steps on a GPU") for step in decode for record in step["moe"])
+    expected = "routed launches" if shared_fold == "on" else "apart"
+    for run in (graphed, eager):
+        moe = [record for step in run.steps if step["phase"] == "decode" for record in step["moe"]]
+        assert {record["shared_path"] for record in moe} == {expected}
+        assert {record["executed_arm"] for record in moe} == {"gemv"}
+    if shared_fold == "on":  # the eager run's records list the arm's kernels: the routed launches, no more
+        eager_moe = [record for step in eager.steps if step["phase"] == "decode" for record in step["moe"]]
+        assert all(len(record["arm_kernels"]) == 2 for record in eager_moe), eager_moe[0]["arm_kernels"]
