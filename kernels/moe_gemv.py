@@ -188,19 +188,21 @@ def _gate_up_kernel(
         tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
-    if SHARED_CHUNKS > 0:
-        if pair >= num_routed_pairs:  # chunk c of token t's shared units c F .. c F + F - 1: rows of ws13
-            chunk = pair - num_routed_pairs
-            token = chunk // SHARED_CHUNKS
-            first_unit = (chunk - token * SHARED_CHUNKS) * intermediate_size
-            _gate_up_units(x_ptr, ws13_ptr, first_unit, stride_wsr, hidden_ptr, pair, stride_hp, shared_intermediate,
-                           tl.minimum(intermediate_size, shared_intermediate - first_unit), token, f_block,
-                           hidden_size, stride_xt, stride_wsr, b13_ptr, 0, alpha, limit, BLOCK_F, BLOCK_D, F_STEPS,
-                           USE_GDC, WEIGHT_EVICTION, False, False)
-        else:
-            _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
-                          intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha,
-                          limit, TOP_K, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
+    if SHARED_CHUNKS > 0:  # one loop for both kinds of pair, its scalars selected: one copy of the loop
+        shared = pair >= num_routed_pairs  # chunk c of token t's shared units c F .. c F + F - 1: rows of ws13
+        chunk = tl.maximum(pair - num_routed_pairs, 0)
+        shared_token = chunk // SHARED_CHUNKS
+        first_unit = (chunk - shared_token * SHARED_CHUNKS) * intermediate_size
+        expert = tl.load(topk_ids_ptr + tl.minimum(pair, num_routed_pairs - 1)).to(tl.int32)
+        if shared | ((expert >= 0) & (expert < num_experts)):
+            _gate_up_units(x_ptr, tl.where(shared, ws13_ptr, w13_ptr), tl.where(shared, first_unit, expert),
+                           tl.where(shared, stride_wsr, stride_we), hidden_ptr, pair, stride_hp,
+                           tl.where(shared, shared_intermediate, intermediate_size),
+                           tl.where(shared, tl.minimum(intermediate_size, shared_intermediate - first_unit),
+                                    intermediate_size),
+                           tl.where(shared, shared_token, pair // TOP_K), f_block, hidden_size, stride_xt,
+                           tl.where(shared, stride_wsr, stride_wr), b13_ptr, stride_be, alpha, limit, BLOCK_F,
+                           BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
     else:
         _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
                       intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha,

@@ -328,6 +328,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert flag.returncode == 2 and "moe_gate" in flag.stderr
 
 
+def test_a_directorys_random_weights_reach_both_sides_bench():
+    """`ab --weights random` hands bench its --weights: a config.json directory (bench/configs/...) has no
+    safetensors, and without it each side's bench would stop at loading."""
+    from inspector.cli import build_parser
+    from inspector.commands.ab import _workload
+
+    args = build_parser().parse_args(["ab", "--model", "bench/configs/deepseek-v2-lite", "--weights", "random",
+                                      "--tg", "128", "--b", "shared_fold=on"])
+    arguments = _workload(args, {}).arguments
+    assert arguments[arguments.index("--weights") + 1] == "random"
+    assert "--weights" not in _workload(build_parser().parse_args(["ab", "--b", "moe_gate=floor"]), {}).arguments
+
+
 @pytest.mark.slow
 def test_two_real_processes_on_the_tiny_model(tmp_path):
     """Two processes of this tree, on the CPU; B's tree is a copy that does not build, so its failure is kept

@@ -48,6 +48,9 @@ def add_parser(subparsers) -> None:
     work.add_argument("--reps", type=int, default=3, help="bench: timed repetitions per run (default 3)")
     work.add_argument("--tg-prompt", type=int, default=32, help="bench: prompt tokens of tg rows (default 32)")
     work.add_argument("--gpu-weights", action="store_true", help="bench: random weights drawn on the GPU")
+    work.add_argument("--weights", choices=("auto", "random"), default=None,
+                      help="bench: a checkpoint directory's weights (bench --weights; random: of its config.json's "
+                           "shape, drawn on the device)")
     work.add_argument("--graphs", default=None, help="bench: CUDA graphs on or off (default the bench's)")
     work.add_argument("--tokens", default="1,32", help="sweep: token counts (default 1,32)")
     work.add_argument("--sweep-arms", default=None,
@@ -120,6 +123,7 @@ def _workload(args, sides):
                      "--batch", args.batch, "--reps", str(args.reps), "--tg-prompt", str(args.tg_prompt)]
         arguments += ["--device", args.device] if args.device else []
         arguments += ["--gpu-weights"] if args.gpu_weights else []
+        arguments += ["--weights", args.weights] if args.weights else []
         arguments += ["--graphs", args.graphs] if args.graphs else []
         rows = [f"pp{n}" for n in args.pp.split(",") if args.pp.lower() not in ("none", "0", "")] + \
                [f"tg{n}" for n in args.tg.split(",") if args.tg.lower() not in ("none", "0", "")]
