@@ -9,6 +9,7 @@ Knows nothing of scheduling, graphs' launches or generation loops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable
@@ -44,6 +45,14 @@ def _pairs_per_woken(pairs: int, woken: int) -> float:
         # an expert-parallel rank may receive no rows: no expert woken, no pairs
         ratio = _PAIRS_PER_WOKEN[(pairs, woken)] = round(pairs / woken, 3) if woken else 0.0
     return ratio
+
+
+@functools.lru_cache(maxsize=64)
+def _fold_reason(shared_intermediate: int, intermediate: int) -> str:
+    """A folded record's shared_reason, made once per shape (records are made on every eager step's host path)."""
+    return (f"shared_fold=on: the GEMV arm's gate-up and down compute them as {-(-shared_intermediate // intermediate)} "
+            f"extra pairs of F={intermediate} per row (Fs={shared_intermediate}), weight 1, summed after the routed "
+            f"pairs; the arm's µs and kernels include them")
 
 
 class _Timer:
@@ -274,10 +283,7 @@ class Dispatcher:
                            f"would read the shared weights again, where the torch products read them once)")
         if shared.gate_up.dtype != h.dtype or shared.down.dtype != h.dtype:
             return False, f"shared weights in {shared.gate_up.dtype}, activations in {h.dtype}"
-        fs, f = shared.down.shape[1], w13.shape[1] // 2
-        return True, (f"shared_fold=on: the GEMV arm's gate-up and down compute them as {-(-fs // f)} extra pairs "
-                      f"of F={f} per row (Fs={fs}), weight 1, summed after the routed pairs; the arm's µs and "
-                      f"kernels include them")
+        return True, _fold_reason(shared.down.shape[1], w13.shape[1] // 2)
 
     def latent_attention(self, layer, q, latent_cache, kv_b, q_start, length):
         """A latent attention (MLA) layer: engine.attention_dispatch decides the arm (mla_fused, or
