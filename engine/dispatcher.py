@@ -276,7 +276,9 @@ class Dispatcher:
             return False, "shared_fold=off: their own launches, added after the routed arm"
         if getattr(shared, "gate", None) is not None:
             return False, "sigmoid-gated (Qwen2-MoE): the gate's per-token scale is not in the routed launches"
-        if experts is not None or executed != dispatch.GEMV:
+        if experts is not None:
+            return False, f"the routed experts are {experts.description}: the fold takes plain SwiGLU experts"
+        if executed != dispatch.GEMV:
             return False, f"the {executed} arm runs the routed experts: only the GEMV arm takes them in"
         if self.phase != DECODE or h.shape[0] != 1:
             return False, (f"a {self.phase} step of {h.shape[0]} rows: the fold is for one-row decode (each row "
