@@ -241,8 +241,8 @@ class Dispatcher:
             return h.new_zeros(h.shape)  # [0, D]
         label = executed.name if executed.name != dispatch.GROUPED else f"grouped_v{decision.variant}"
         self.counters.bump(label)
-        shape = (f"{n} rows of one expert each over {experts_count} local experts" if local else
-                 f"{n} tokens x top-{top_k} of {experts_count} experts")
+        shape = (f"{n} row{'' if n == 1 else 's'} of one expert each over {experts_count} local experts" if local else
+                 f"{n} token{'' if n == 1 else 's'} x top-{top_k} of {experts_count} experts")
         self._engage("moe", executed.name, decision.variant, self.phase,
                      f"MoE: {label} engaged ({self.phase}, {shape}; m-tiles {100 * record['fill']:.1f}% full at TILE_M={flags['tile_m']}"
                      + (f"; decided {decision.arm}" if executed.name != decision.arm else "") + ")")
