@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU work this project has waiting, for the next lent H200, in calls of under ten minutes each (BUDGET_S,
+# default 560 s a call; every stage has its own limit, cut to what is left):
+#   check    GPU tests of kernels refactored since their last GPU run (the split argmax's best-key walk, the router's
+#            woken-count epilogue, the unrolled trellis GEMV's hyb gather), then Qwen3-30B-A3B tg128 @ b1 profiled:
+#            its figure must hold (run 64: 1.87x the bound, 371.9 t/s)
+#   shared   bench/gpu_shared_fold.sh: the shared experts inside the routed GEMV launches (shared_fold), its GPU
+#            tests, the DeepSeek-V2-Lite A/B of off against on, the profiled row with it on (run 64: 2.27x)
+#   trellis  STAGES=grouped bench/gpu_trellis.sh: the grouped and dequantize arms' unrolled decode, its GPU tests and
+#            the bench's grouped rows at n = 2048 / 8192 (run 59: HYB 8.9x / 16.4x the bf16 grouped arm)
+#   demo     demo tg128 @ b1 (run 63: 21196 t/s)
+#   bash bench/gpu_next.sh check            # about 3 minutes
+#   bash bench/gpu_next.sh shared           # about 9 minutes
+#   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
+# Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/stages.sh
+stages_begin gpu_next.sh check,shared,trellis,demo 560 "$@"
+BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
+want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
+want check && TAIL=30 stage 70 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random \
+    --reps 2 --profile --json-out "$OUT/qwen3_tg128.json"
+want shared && TAIL=40 stage 550 shared env OUT="$OUT/shared" BUDGET_S=540 bash bench/gpu_shared_fold.sh
+want trellis && TAIL=30 stage 420 trellis env OUT="$OUT/trellis" STAGES=grouped bash bench/gpu_trellis.sh
+want demo && TAIL=8 stage 45 demo_tg128 "${BENCH[@]}" --model demo --reps 3 --json-out "$OUT/demo_tg128.json"
+say "done in ${SECONDS}s"
+exit 0
