@@ -6,7 +6,9 @@ their own bounds, in ONE run (about 3 minutes, most of it Triton compiling):
         against the bf16 GEMV arm (target: >= 3x faster) and against its own bound
         max(packed bytes / copy bandwidth, issue time of its main loop) (target: <= 1.5x)
   (ii)  n = 2048 and 8192: the fused-decode grouped arm (hyb with every schedule, the other codes with the
-        default) against the bf16 grouped arm (target: <= 1.3x its time)
+        default, "auto" and the tensor-form baseline) against the bf16 grouped arm (target: <= 1.3x its time)
+        and against its decode's issue bound (the windows this routing makes, times each weight's loop
+        instructions, read from this run's SASS)
   (iii) the dequantize-then-grouped arm at the same n (hyb, default schedule)
 
 Measurement. Packed codes are drawn at random on the device with the format's real shapes
@@ -29,10 +31,12 @@ rotated-basis torch form (kernels.trellis_reference.moe_trellis_rotated: the mod
 function without rotating any weights, so much cheaper at v4-shape; the GPU tests hold the arms to the
 model-basis one), at n >= 2048 on the first 4 tokens' rows (whose outputs depend on those tokens only),
 relative error <= 2e-2 in bf16; the bf16 arms against moe_reference; the fused and dequantize grouped
-arms equal bit for bit.
+arms equal bit for bit, for every schedule of the dequantize arm's block shapes (the unrolled decode with and
+without the register cap, and the tensor-form baseline: the same weights, tiles and K order).
 
-    python3 bench/trellis_bench.py [--out DIR]        # table on stdout, JSON to DIR/trellis_bench.json
-                                                      # (DIR: --out, else $OUT, else bench/results)
+    python3 bench/trellis_bench.py [--out DIR] [--gemv-only | --grouped-only]
+                              # table on stdout, JSON to DIR/trellis_bench.json (DIR: --out, else $OUT,
+                              # else bench/results); --grouped-only: (ii) and (iii) alone, about 2 minutes
 """
 
 from __future__ import annotations
@@ -215,6 +219,28 @@ def loop_counts(kernels: list, weights_per_thread: float) -> dict | None:
     return {pipe: statistics.mean(counts[pipe] for counts in per_kernel) for pipe in per_kernel[0]}
 
 
+GROUPED_KERNELS = (trellis_grouped._trellis_gate_up_kernel, trellis_grouped._trellis_down_kernel)
+
+
+def grouped_loop_counts(before: dict, schedule) -> dict | None:
+    """{"gate_up": per-weight counts, "down": ...} of the grouped products compiled since `before` (kernel ->
+    cache keys), a weight being one a thread decodes per K step (paid once per window); None without SASS."""
+    counts = {}
+    for label, kernel, block_n, tiles in (("gate_up", GROUPED_KERNELS[0], schedule.gate_up_block_n, 2),
+                                          ("down", GROUPED_KERNELS[1], schedule.down_block_n, 1)):
+        counts[label] = loop_counts(compiled_since(kernel, before[kernel]),
+                                    tiles * block_n * schedule.block_k / (32 * schedule.num_warps))
+        if counts[label] is None:
+            return None
+    return counts
+
+
+def block_shape(schedule: str) -> tuple:
+    """What fixes a grouped product's rounding: its windows, blocks and K step (not its decode or registers)."""
+    chosen = trellis_grouped.SCHEDULES[schedule]
+    return chosen.block_m, chosen.gate_up_block_n, chosen.down_block_n, chosen.block_k
+
+
 @dataclass
 class Setup:
     """What one run measures on: the device and its ceilings, the shape, and the timers (bench/ on a GPU;
@@ -234,15 +260,19 @@ class Setup:
     grouped_tokens: tuple = GROUPED_TOKENS
     codes: tuple = CODES
     gemv_schedules: tuple = tuple(trellis_gemv.SCHEDULES)
-    grouped_schedules: tuple = tuple(trellis_grouped.SCHEDULES)
+    grouped_schedules: tuple = trellis_grouped.SCHEDULE_NAMES
+    gemv: bool = True  # part (i) (False: --grouped-only)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "bench" / "results")))
-    parser.add_argument("--gemv-only", action="store_true",
-                        help="part (i) alone, each code at the default and the baseline schedule (no other "
-                             "schedules, no grouped rows): a minute where the whole run takes several")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--gemv-only", action="store_true",
+                      help="part (i) alone, each code at the default and the baseline schedule (no other "
+                           "schedules, no grouped rows): a minute where the whole run takes several")
+    only.add_argument("--grouped-only", action="store_true",
+                      help="parts (ii) and (iii) alone (no n = 1 rows): about 2 minutes, most of it compiling")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("trellis_bench needs a CUDA GPU", file=sys.stderr)
@@ -252,6 +282,8 @@ def main() -> int:
                   copy_bandwidth(device)["bytes_per_s"], sm_clock)
     if args.gemv_only:
         setup = dataclasses.replace(setup, gemv_schedules=(), grouped_tokens=())
+    if args.grouped_only:
+        setup = dataclasses.replace(setup, gemv=False)
     result = measure(setup)
     print(report(result))
     out_dir = Path(args.out)
@@ -289,18 +321,6 @@ def measure(setup: Setup) -> dict:
               "shape": {"experts": E, "top_k": K_TOP, "hidden": D, "intermediate": F},
               "packed_bytes_per_expert": packed_bytes, "bf16_bytes_per_expert": 3 * D * F * 2}
 
-    # ---- (i) n = 1 ------------------------------------------------------------------------------
-    x1 = torch.randn(1, D, device=device, generator=generator).bfloat16()
-    ids_sets = [torch.arange(6 * c, 6 * c + 6, device=device, dtype=torch.int32).view(1, K_TOP)
-                for c in range(setup.gemv_calls)]
-    weights1 = torch.softmax(torch.randn(1, K_TOP, device=device, generator=generator), dim=1).bfloat16()
-    ref_bf16 = moe_reference(x1, w13_bf16, w2_bf16, ids_sets[0], weights1).float()
-    out = moe_gemv(x1, w13_bf16, w2_bf16, ids_sets[0], weights1)
-    bf16_error = relative_error(out, ref_bf16)
-    bf16_gemv = setup.graph_timer([lambda ids=ids: moe_gemv(x1, w13_bf16, w2_bf16, ids, weights1) for ids in ids_sets])
-    bf16_gemv.update(rel_err=bf16_error, bound_us=(6 * 3 * D * F * 2 + 2 * D * 2) / bandwidth * 1e6)
-    if not bf16_error <= TOLERANCE:
-        failed.append(f"bf16 gemv rel err {bf16_error:.2e}")
     references: dict = {}  # (code, n) -> the MoE over dequantized experts (slow: computed once)
 
     def reference(code, x, ids, weights, tokens):
@@ -308,11 +328,25 @@ def measure(setup: Setup) -> dict:
             references[(code, tokens)] = moe_trellis_rotated(x, *stacks[code], ids, weights)
         return references[(code, tokens)]
 
-    gemv_rows = []
-    configs = [(code, trellis_gemv.DEFAULT_SCHEDULE) for code in setup.codes]
-    if trellis_gemv.BASELINE_SCHEDULE != trellis_gemv.DEFAULT_SCHEDULE:  # old against new, every code, same run
-        configs += [(code, trellis_gemv.BASELINE_SCHEDULE) for code in setup.codes]
-    configs += [(first, name) for name in setup.gemv_schedules if (first, name) not in configs]
+    # ---- (i) n = 1 ------------------------------------------------------------------------------
+    gemv_rows, configs, bf16_gemv = [], [], None
+    if setup.gemv:
+        x1 = torch.randn(1, D, device=device, generator=generator).bfloat16()
+        ids_sets = [torch.arange(6 * c, 6 * c + 6, device=device, dtype=torch.int32).view(1, K_TOP)
+                    for c in range(setup.gemv_calls)]
+        weights1 = torch.softmax(torch.randn(1, K_TOP, device=device, generator=generator), dim=1).bfloat16()
+        ref_bf16 = moe_reference(x1, w13_bf16, w2_bf16, ids_sets[0], weights1).float()
+        out = moe_gemv(x1, w13_bf16, w2_bf16, ids_sets[0], weights1)
+        bf16_error = relative_error(out, ref_bf16)
+        bf16_gemv = setup.graph_timer([lambda ids=ids: moe_gemv(x1, w13_bf16, w2_bf16, ids, weights1)
+                                       for ids in ids_sets])
+        bf16_gemv.update(rel_err=bf16_error, bound_us=(6 * 3 * D * F * 2 + 2 * D * 2) / bandwidth * 1e6)
+        if not bf16_error <= TOLERANCE:
+            failed.append(f"bf16 gemv rel err {bf16_error:.2e}")
+        configs = [(code, trellis_gemv.DEFAULT_SCHEDULE) for code in setup.codes]
+        if trellis_gemv.BASELINE_SCHEDULE != trellis_gemv.DEFAULT_SCHEDULE:  # old against new, every code
+            configs += [(code, trellis_gemv.BASELINE_SCHEDULE) for code in setup.codes]
+        configs += [(first, name) for name in setup.gemv_schedules if (first, name) not in configs]
     for code, schedule in configs:
         w13, w2 = stacks[code]
         chosen = trellis_gemv.SCHEDULES[schedule]
@@ -340,6 +374,7 @@ def measure(setup: Setup) -> dict:
 
     # ---- (ii), (iii) n = 2048, 8192 ---------------------------------------------------------------
     grouped_rows = []
+    grouped_counts: dict = {}  # (code, schedule run) -> {"gate_up": per-weight counts, "down": ...} or None
     for tokens in setup.grouped_tokens:
         sets = []
         for _ in range(2):
@@ -357,13 +392,19 @@ def measure(setup: Setup) -> dict:
         if not error <= TOLERANCE:
             failed.append(f"bf16 grouped n={tokens} rel err {error:.2e}")
         row = {"tokens": tokens, "bf16_grouped": bf16, "arms": []}
+        pairs_per_expert = torch.bincount(ids.flatten().long(), minlength=E).cpu()
         configs = [("grouped", first, name) for name in setup.grouped_schedules]
-        configs += [("grouped", code, trellis_grouped.DEFAULT_SCHEDULE) for code in setup.codes[1:]]
+        for code in setup.codes[1:]:  # the default, the pairs-per-expert pick and the tensor-form baseline
+            for name in dict.fromkeys((trellis_grouped.DEFAULT_SCHEDULE, trellis_grouped.AUTO_SCHEDULE,
+                                       trellis_grouped.BASELINE_SCHEDULE)):
+                configs.append(("grouped", code, name))
         configs += [("dequant", first, trellis_grouped.DEFAULT_SCHEDULE)]
         outputs = {}
         for arm, code, schedule in configs:
             w13, w2 = stacks[code]
             function = trellis_grouped.moe_trellis_grouped if arm == "grouped" else trellis_grouped.moe_trellis_dequant
+            resolved = trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E)
+            before = {kernel: cache_keys(kernel) for kernel in GROUPED_KERNELS}
             try:
                 out = function(x, w13, w2, ids, weights, schedule=schedule)
                 outputs[(arm, code, schedule)] = out.clone()
@@ -377,16 +418,30 @@ def measure(setup: Setup) -> dict:
                 row["arms"].append({"arm": arm, "code": code, "schedule": schedule, "error": failed[-1]})
                 torch.cuda.synchronize()
                 continue
-            row["arms"].append({"arm": arm, "code": code, "schedule": schedule, **timing, "rel_err": error,
-                                "x_bf16_grouped": timing["mean_us"] / bf16["mean_us"]})
+            arm_row = {"arm": arm, "code": code, "schedule": schedule, "runs": resolved, **timing, "rel_err": error,
+                       "x_bf16_grouped": timing["mean_us"] / bf16["mean_us"]}
+            if arm == "grouped":
+                chosen = trellis_grouped.SCHEDULES[resolved]
+                if (code, resolved) not in grouped_counts:  # this run's SASS of the two products, once per build
+                    grouped_counts[(code, resolved)] = grouped_loop_counts(before, chosen)
+                arm_row["per_weight"] = grouped_counts[(code, resolved)]
+                # a weight is decoded once per window: sum over experts of ceil(pairs / window rows)
+                arm_row["windows"] = int(((pairs_per_expert + chosen.block_m - 1) // chosen.block_m).sum())
+                arm_row["weights"] = {"gate_up": arm_row["windows"] * 2 * F * D, "down": arm_row["windows"] * D * F}
+            row["arms"].append(arm_row)
             if not error <= TOLERANCE:
                 failed.append(f"trellis {arm} {code}/{schedule} n={tokens} rel err {error:.2e}")
-        key = (first, trellis_grouped.DEFAULT_SCHEDULE)
-        identical = (("grouped", *key) in outputs and ("dequant", *key) in outputs
-                     and torch.equal(outputs[("grouped", *key)], outputs[("dequant", *key)]))
-        row["fused_equals_dequant"] = identical
-        if not identical:
-            failed.append(f"n={tokens}: fused and dequantize arms differ")
+        # the same weights, tiles and K order: every fused schedule with the dequantize arm's block shapes
+        dequantized = outputs.get(("dequant", first, trellis_grouped.DEFAULT_SCHEDULE))
+        shape = block_shape(trellis_grouped.DEFAULT_SCHEDULE)
+        compared = [schedule for arm, code, schedule in outputs if arm == "grouped" and code == first
+                    and block_shape(trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E)) == shape]
+        differing = [schedule for schedule in compared
+                     if dequantized is None or not torch.equal(outputs[("grouped", first, schedule)], dequantized)]
+        row["fused_equals_dequant"] = bool(compared) and not differing
+        row["fused_equals_dequant_schedules"] = compared
+        if not row["fused_equals_dequant"]:
+            failed.append(f"n={tokens}: fused ({', '.join(differing) or 'none compared'}) and dequantize arms differ")
         del outputs, sets
         grouped_rows.append(row)
         if device.type == "cuda":
@@ -405,6 +460,13 @@ def measure(setup: Setup) -> dict:
         row["bound_us"] = max(row["bytes_bound_us"], issue["bound"])
         row["x_bound"] = row["mean_us"] / row["bound_us"]
         row["speedup_vs_bf16"] = bf16_gemv["mean_us"] / row["mean_us"]
+    for row in grouped_rows:
+        for arm in row["arms"]:
+            if arm.get("per_weight"):  # the decode's issue time: both products' loops over their windows' weights
+                bounds = [sass_loops.issue_bound_us(arm["per_weight"][label], arm["weights"][label], sms, clock)
+                          for label in ("gate_up", "down")]
+                arm["issue_bound_us"] = sum(bound["bound"] for bound in bounds)
+                arm["x_issue_bound"] = arm["mean_us"] / arm["issue_bound_us"]
     result.update(sm_clock_hz={"before": clock_before, "after": clock_after, "source": clock_source},
                   bf16_gemv=bf16_gemv,
                   trellis_gemv=gemv_rows, grouped=grouped_rows, failed=failed, seconds=time.time() - started)
@@ -418,14 +480,15 @@ def report(result: dict) -> str:
     clock = max(result["sm_clock_hz"]["before"], result["sm_clock_hz"]["after"])
     clock_before, clock_after = result["sm_clock_hz"]["before"], result["sm_clock_hz"]["after"]
     bf16_gemv, gemv_rows, grouped_rows = result["bf16_gemv"], result["trellis_gemv"], result["grouped"]
-    lines.append(f"\n(i) n = 1, SM clock {clock / 1e9:.3f} GHz (before {clock_before / 1e9:.3f}, after "
-                 f"{clock_after / 1e9:.3f})")
-    lines.append(f"bf16 gemv: {bf16_gemv['mean_us']:.1f} +- {bf16_gemv['std_us']:.1f} us "
-                 f"({bf16_gemv['mean_us'] / bf16_gemv['bound_us']:.2f}x its bytes bound "
-                 f"{bf16_gemv['bound_us']:.1f} us)")
-    lines.append("| code | schedule | us | vs bf16 gemv (target >= 3) | bytes bound | issue bound (limit) | x bound "
-                 "(target <= 1.5) | instr/weight issue alu fma fmaheavy lsu | rel err |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---|---:|")
+    if bf16_gemv is not None:
+        lines.append(f"\n(i) n = 1, SM clock {clock / 1e9:.3f} GHz (before {clock_before / 1e9:.3f}, after "
+                     f"{clock_after / 1e9:.3f})")
+        lines.append(f"bf16 gemv: {bf16_gemv['mean_us']:.1f} +- {bf16_gemv['std_us']:.1f} us "
+                     f"({bf16_gemv['mean_us'] / bf16_gemv['bound_us']:.2f}x its bytes bound "
+                     f"{bf16_gemv['bound_us']:.1f} us)")
+        lines.append("| code | schedule | us | vs bf16 gemv (target >= 3) | bytes bound | issue bound (limit) | x bound "
+                     "(target <= 1.5) | instr/weight issue alu fma fmaheavy lsu | rel err |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---|---:|")
     for row in gemv_rows:
         if "error" in row:
             lines.append(f"| {row['code']} | {row['schedule']} | failed: {row['error'][:100]} | | | | | | |")
@@ -435,22 +498,39 @@ def report(result: dict) -> str:
         lines.append(f"| {row['code']} | {row['schedule']} | {row['mean_us']:.1f} +- {row['std_us']:.1f} | "
                      f"{row['speedup_vs_bf16']:.2f}x | {row['bytes_bound_us']:.1f} | {row['issue_bound_us']:.1f} "
                      f"({row['issue_limit']}) | {row['x_bound']:.2f} | {pipes} | {row['rel_err']:.1e} |")
-    lines.append("\n(ii)/(iii) grouped, target trellis <= 1.3x bf16 grouped")
-    lines.append("| n | arm | code | schedule | us | x bf16 grouped | rel err (first 4 rows) |")
-    lines.append("|---:|---|---|---|---:|---:|---:|")
+    lines.append(f"\n(ii)/(iii) grouped, target trellis <= 1.3x bf16 grouped (SM clock {clock / 1e9:.3f} GHz); decode "
+                 "bound: the windows' weights times the loops' instructions (gate-up, down: issue / lsu per weight "
+                 "per window, this run's SASS) at 4 a clock a SM")
+    lines.append("| n | arm | code | schedule (runs) | us | x bf16 grouped | windows | decode bound us | x decode bound "
+                 "| instr/weight gate-up, down | rel err (first 4 rows) |")
+    lines.append("|---:|---|---|---|---:|---:|---:|---:|---:|---|---:|")
     for row in grouped_rows:
         bf16 = row["bf16_grouped"]
         lines.append(f"| {row['tokens']} | bf16 grouped v2 | - | - | {bf16['mean_us']:.0f} +- {bf16['std_us']:.0f} | "
-                     f"1.00 | {bf16['rel_err']:.1e} |")
+                     f"1.00 | | | | | {bf16['rel_err']:.1e} |")
         for arm in row["arms"]:
             if "error" in arm:
                 lines.append(f"| {row['tokens']} | trellis {arm['arm']} | {arm['code']} | {arm['schedule']} | "
-                             f"failed: {arm['error'][:100]} | | |")
+                             f"failed: {arm['error'][:100]} | | | | | | |")
                 continue
-            lines.append(f"| {row['tokens']} | trellis {arm['arm']} | {arm['code']} | {arm['schedule']} | "
-                         f"{arm['mean_us']:.0f} +- {arm['std_us']:.0f} | {arm['x_bf16_grouped']:.2f} | "
-                         f"{arm['rel_err']:.1e} |")
-        lines.append(f"| {row['tokens']} | fused == dequantize bit for bit | | | | {row['fused_equals_dequant']} | |")
+            runs = arm["schedule"] if arm["runs"] == arm["schedule"] else f"{arm['schedule']} ({arm['runs']})"
+            bound = counts = windows = ""
+            if arm.get("per_weight"):
+                per_weight = arm["per_weight"]
+                counts = ", ".join(f"{per_weight[label]['issue']:.2f} / {per_weight[label]['lsu']:.2f}"
+                                   for label in ("gate_up", "down"))
+            if "issue_bound_us" in arm:
+                bound = f"{arm['issue_bound_us']:.0f} | {arm['x_issue_bound']:.2f}"
+            else:
+                bound = " | "
+            if "windows" in arm:
+                windows = str(arm["windows"])
+            lines.append(f"| {row['tokens']} | trellis {arm['arm']} | {arm['code']} | {runs} | "
+                         f"{arm['mean_us']:.0f} +- {arm['std_us']:.0f} | {arm['x_bf16_grouped']:.2f} | {windows} | "
+                         f"{bound} | {counts} | {arm['rel_err']:.1e} |")
+        compared = ", ".join(row.get("fused_equals_dequant_schedules", [])) or "none"
+        lines.append(f"| {row['tokens']} | fused ({compared}) == dequantize bit for bit | | | | "
+                     f"{row['fused_equals_dequant']} | | | | | |")
     return "\n".join(lines)
 
 

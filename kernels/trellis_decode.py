@@ -43,8 +43,9 @@ from kernels.moe_checks import check_triton_device
 from kernels.trellis_reference import TILE, TrellisCode, TrellisMatrix
 
 CODE_IDS = {"1mad": 0, "3inst": 1, "hyb": 2}  # the CODE constexpr of every trellis kernel
-DECODE_BLOCK_TILE_ROWS = 4  # tile rows (64 matrix rows) per decode program
-DECODE_BLOCK_TILE_COLUMNS = 8  # tile columns (128 matrix columns) per decode program
+DECODE_BLOCK_ROWS = 64  # rows per dequantize program (every column of them, DECODE_BLOCK_COLUMNS a step)
+DECODE_BLOCK_COLUMNS = 128
+DECODE_NUM_WARPS = 4
 
 
 def compiled(device: torch.device) -> bool:
@@ -253,10 +254,159 @@ def _hyb_gather8(table, a, b, c, d, e, f, g, h):
 
 
 @triton.jit
+def _opaque(x):
+    """x itself (int32), through an asm move the compiler's pointer analysis cannot see into (PTX only)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _hyb_rows_at(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
+    """hyb: the signed-table rows of the step at stream bit P of a block of units."""
+    return _hyb_hash_rows(_step_window(w0, w1, w2, after, P, WU))
+
+
+@triton.jit
+def _hyb_octet(table, w0, w1, w2, after, FIRST: tl.constexpr, STEP_BITS: tl.constexpr, WU: tl.constexpr):
+    """hyb: the table pairs of the eight steps FIRST..FIRST + 7 (STEP_BITS = K V stream bits each), one gather."""
+    return _hyb_gather8(table, _hyb_rows_at(w0, w1, w2, after, STEP_BITS * FIRST, WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 1), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 2), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 3), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 4), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 5), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 6), WU),
+                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 7), WU))
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole blocks of tiles: the unrolled decode of [units, tile columns] words into [rows, columns] weights,
+# the grouped arm's B operand and the dequantize kernel's output (one decode, both callers)
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _hyb_table(table_ptr):
+    """uint64 [1024]: `trellis_reference.signed_hyb_table` in registers, once per program (`_hyb_gather8`'s source)."""
+    return tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + tl.arange(0, 1024))
+
+
+@triton.jit
+def _in_order8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Eight equal-shape tensors stacked on three new last axes [..., 2, 2, 2] whose flattening holds a_i at i.
+    tl.join adds its axis last, which is the fastest of the flattened index, so the outermost join must pick
+    between the even and the odd i: the leaves go in bit-reversed order. A join only stacks registers a
+    thread already holds: no data moves."""
+    return tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+
+
+@triton.jit
+def _in_order16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """`_in_order8` for sixteen tensors: [..., 2, 2, 2, 2], a_i at flattened index i (evens and odds joined last)."""
+    return tl.join(_in_order8(a0, a2, a4, a6, a8, a10, a12, a14), _in_order8(a1, a3, a5, a7, a9, a11, a13, a15))
+
+
+@triton.jit
+def _computed_value(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr, PTX: tl.constexpr):
+    """float32: the computed code's value of the state at stream bit P of the units (`_step_state`'s shared
+    funnel shifts, then `_code_values`; no table)."""
+    value, _ = _code_values(_step_state(w0, w1, w2, after, P, WU, PTX), w0, CODE, PTX)
+    return value
+
+
+@triton.jit
+def _unit_row_values(w0, w1, w2, after, table, ROW: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     WU: tl.constexpr, CODE: tl.constexpr, PTX: tl.constexpr):
+    """float32 [U, T, 16]: the code values of row ROW of every unit (its 16 elements 16 ROW .. 16 ROW + 15, in
+    column order), from `_unit_words` [U, T]. Every state's shift is a compile-time constant. hyb (V = 2): the
+    row's eight steps in one `_hyb_octet` gather from `table` (`_hyb_table`); the computed codes (V = 1): its
+    sixteen states through `_step_state`."""
+    if CODE == 2:
+        p0, p1, p2, p3, p4, p5, p6, p7 = _hyb_octet(table, w0, w1, w2, after, 8 * ROW, K * V, WU)
+        pairs = tl.reshape(_in_order8(p0, p1, p2, p3, p4, p5, p6, p7), [w0.shape[0], w0.shape[1], 8])
+        first, second = _hyb_values_of_rows(pairs)
+        values = tl.join(first, second)  # element 2 step + v
+    else:
+        FIRST: tl.constexpr = K * 16 * ROW
+        values = _in_order16(
+            _computed_value(w0, w1, w2, after, FIRST, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 2 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 3 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 4 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 5 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 6 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 7 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 8 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 9 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 10 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 11 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 12 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 13 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 14 * K, WU, CODE, PTX),
+            _computed_value(w0, w1, w2, after, FIRST + 15 * K, WU, CODE, PTX))
+    return tl.reshape(values, [w0.shape[0], w0.shape[1], 16])
+
+
+@triton.jit
+def _tile_words(codes_ptr, expert, row0, column0, num_row_tiles, num_column_tiles, stride_ce, K: tl.constexpr,
+                G: tl.constexpr, WU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                INSIDE: tl.constexpr, WEIGHT_EVICTION: tl.constexpr):
+    """`_unit_words` [U, T] (U = BLOCK_N / G units, T = BLOCK_K / 16 tile columns) of the weights
+    [row0, row0 + BLOCK_N) x [column0, column0 + BLOCK_K) of one expert (both multiples of 16); zero words
+    outside the matrix. INSIDE: the caller knows the block lies inside it (no masks: the loads' predicates
+    cost about half an instruction a weight in the grouped loop)."""
+    UT: tl.constexpr = 16 // G
+    unit = tl.arange(0, BLOCK_N // G)
+    tile_row = row0 // 16 + unit // UT  # [U]
+    in_tile = unit % UT
+    tile_col = column0 // 16 + tl.arange(0, BLOCK_K // 16)  # [T]
+    if INSIDE:  # a constant mask: the loads' canonicalization drops it
+        mask = tl.full([BLOCK_N // G, BLOCK_K // 16], 1, tl.int1)
+    else:
+        mask = (tile_row < num_row_tiles)[:, None] & (tile_col < num_column_tiles)[None, :]
+    tiles = codes_ptr + expert.to(tl.int64) * stride_ce \
+        + (tile_row * num_column_tiles * (8 * K))[:, None] + tile_col[None, :] * (8 * K)
+    return _unit_words(tiles + (in_tile * WU)[:, None], tiles + (((in_tile + 1) % UT) * WU)[:, None], mask, WU,
+                       WEIGHT_EVICTION)
+
+
+@triton.jit
+def _tile_values(w0, w1, w2, after, table, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr,
+                 CODE: tl.constexpr, PTX: tl.constexpr):
+    """float32 [U G, 16 T]: the code values of `_tile_words`' block, in matrix order (unit u's row r is block
+    row u G + r; tile column t's column c is block column 16 t + c)."""
+    values = _unit_row_values(w0, w1, w2, after, table, 0, K, V, WU, CODE, PTX)
+    if G == 2:  # [U, 2, T, 16]: the unit's two rows, each across the tile columns
+        values = tl.permute(tl.join(values, _unit_row_values(w0, w1, w2, after, table, 1, K, V, WU, CODE, PTX)),
+                            [0, 3, 1, 2])
+    return tl.reshape(values, [w0.shape[0] * G, w0.shape[1] * 16])
+
+
+@triton.jit
+def _row_scales(scales_ptr, expert, row0, num_rows, stride_se, BLOCK_N: tl.constexpr):
+    """float32 [BLOCK_N]: the scales of rows row0 .. row0 + BLOCK_N - 1 of one expert, 0 past the matrix."""
+    rows = row0 + tl.arange(0, BLOCK_N)
+    return tl.load(scales_ptr + expert.to(tl.int64) * stride_se + rows, mask=rows < num_rows, other=0.0)
+
+
+@triton.jit
+def _decoded_tile(codes_ptr, scales_ptr, table, expert, row0, column0, num_row_tiles, num_column_tiles, stride_ce,
+                  stride_se, K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INSIDE: tl.constexpr, PTX: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] W_rot[expert, row0 + n, column0 + k] in OUT_DTYPE (value * scale in fp32, rounded
+    once), zero on rows past the matrix (columns past it hold the decode of zero words: callers mask them).
+    INSIDE: `_tile_words`'."""
+    w0, w1, w2, after = _tile_words(codes_ptr, expert, row0, column0, num_row_tiles, num_column_tiles, stride_ce,
+                                    K, G, WU, BLOCK_N, BLOCK_K, INSIDE, "")
+    scale = _row_scales(scales_ptr, expert, row0, num_row_tiles * 16, stride_se, BLOCK_N)
+    return (_tile_values(w0, w1, w2, after, table, K, V, G, WU, CODE, PTX) * scale[:, None]).to(OUT_DTYPE)
+
+
+@triton.jit
 def _trellis_dequantize_kernel(
     codes_ptr,  # [E, N/16, C/16, W] int32
     scales_ptr,  # [E, N] float32
-    table_ptr,  # [512, 2] float32 (hyb) or any pointer
+    table_ptr,  # [1024, 2] float32 (hyb: trellis_reference.signed_hyb_table) or any pointer
     experts_ptr,  # [E] int32: nonzero = decode this expert (e.g. moe_align's expert_counts)
     out_ptr,  # [E, N, C] out (x's dtype or float32)
     num_row_tiles,
@@ -266,39 +416,36 @@ def _trellis_dequantize_kernel(
     stride_oe,
     stride_on,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
-    BLOCK_TR: tl.constexpr,  # tile rows per program
-    BLOCK_TC: tl.constexpr,  # tile columns per program
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # columns per step of the walk
     SELECTED: tl.constexpr,  # read experts_ptr (else every expert is decoded)
-    PTX: tl.constexpr,  # compiled for a GPU (not the interpreter): _code_values' PTX forms
+    PTX: tl.constexpr,  # compiled for a GPU (not the interpreter): the decode's PTX forms
 ):
-    """Grid (E, row-tile blocks, column-tile blocks): weights value * scale of BLOCK_TR x BLOCK_TC tiles."""
+    """Grid (E, row blocks): BLOCK_N rows of one expert, walked BLOCK_K columns a step (`_tile_values`); the
+    next step's words are loaded before this step decodes, and hyb's table is loaded once per program."""
     expert = tl.program_id(0)
     if SELECTED:
         wanted = tl.load(experts_ptr + expert) != 0
     else:
         wanted = True
     if wanted:
-        UT: tl.constexpr = 16 // G  # units per tile
-        U: tl.constexpr = BLOCK_TR * UT
-        S: tl.constexpr = 16 * G // V
-        unit = tl.arange(0, U)
-        tile_row = tl.program_id(1) * BLOCK_TR + unit // UT  # [U]
-        in_tile = unit % UT
-        tile_col = tl.program_id(2) * BLOCK_TC + tl.arange(0, BLOCK_TC)  # [T]
-        mask = (tile_row < num_row_tiles)[:, None] & (tile_col < num_column_tiles)[None, :]
-        tiles = codes_ptr + expert.to(tl.int64) * stride_ce + (tile_row * num_column_tiles)[:, None] * (8 * K) \
-            + tile_col[None, :] * (8 * K)
-        states = _unit_states(tiles + (in_tile * WU)[:, None], tiles + (((in_tile + 1) % UT) * WU)[:, None], mask,
-                              K, V, G, WU, "")
-        first, second = _code_values(states, table_ptr, CODE, PTX)  # [U, T, S]
-        step = tl.arange(0, S)[None, None, :]
-        rows = tile_row[:, None, None] * 16 + (in_tile * G)[:, None, None] + (V * step) // 16  # [U, 1, S]
-        columns = tile_col[None, :, None] * 16 + (V * step) % 16  # [1, T, S]
-        scale = tl.load(scales_ptr + expert.to(tl.int64) * stride_se + rows, mask=mask[:, :, None], other=0.0)
-        out = out_ptr + expert.to(tl.int64) * stride_oe + rows.to(tl.int64) * stride_on + columns
-        tl.store(out, (first * scale).to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
-        if V == 2:
-            tl.store(out + 1, (second * scale).to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+        row0 = tl.program_id(1) * BLOCK_N
+        table = table_ptr
+        if CODE == 2:
+            table = _hyb_table(table_ptr)
+        scale = _row_scales(scales_ptr, expert, row0, num_row_tiles * 16, stride_se, BLOCK_N)[:, None]
+        rows = row0 + tl.arange(0, BLOCK_N)
+        columns = tl.arange(0, BLOCK_K)
+        out = out_ptr + expert.to(tl.int64) * stride_oe + rows.to(tl.int64)[:, None] * stride_on + columns[None, :]
+        w0, w1, w2, after = _tile_words(codes_ptr, expert, row0, 0, num_row_tiles, num_column_tiles, stride_ce, K, G,
+                                        WU, BLOCK_N, BLOCK_K, False, "")
+        for column0 in range(0, num_column_tiles * 16, BLOCK_K):
+            n0, n1, n2, n_after = _tile_words(codes_ptr, expert, row0, column0 + BLOCK_K, num_row_tiles,
+                                              num_column_tiles, stride_ce, K, G, WU, BLOCK_N, BLOCK_K, False, "")
+            weights = (_tile_values(w0, w1, w2, after, table, K, V, G, WU, CODE, PTX) * scale).to(out_ptr.dtype.element_ty)
+            tl.store(out + column0, weights,
+                     mask=(rows < num_row_tiles * 16)[:, None] & (columns < num_column_tiles * 16 - column0)[None, :])
+            w0, w1, w2, after = n0, n1, n2, n_after
 
 
 def dequantize_rotated(matrix: TrellisMatrix, dtype: torch.dtype = torch.float32,
@@ -320,16 +467,15 @@ def dequantize_rotated(matrix: TrellisMatrix, dtype: torch.dtype = torch.float32
         raise ValueError(f"experts must be [{count}] on {matrix.device}, got {list(experts.shape)} on {experts.device}")
     code = matrix.code
     group, words = unit_geometry(code.K)
-    table = matrix.table if matrix.table is not None else matrix.scales
+    table = matrix.signed_table if matrix.signed_table is not None else matrix.scales
     row_tiles, column_tiles = rows // TILE, columns // TILE
-    grid = (count, triton.cdiv(row_tiles, DECODE_BLOCK_TILE_ROWS), triton.cdiv(column_tiles, DECODE_BLOCK_TILE_COLUMNS))
-    _trellis_dequantize_kernel[grid](
+    _trellis_dequantize_kernel[(count, triton.cdiv(rows, DECODE_BLOCK_ROWS))](
         matrix.codes, matrix.scales, table, matrix.codes if experts is None else experts, out,
         row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0), out.stride(0), out.stride(1),
         K=code.K, V=code.V, G=group, WU=words, CODE=code_id(code),
-        BLOCK_TR=DECODE_BLOCK_TILE_ROWS, BLOCK_TC=DECODE_BLOCK_TILE_COLUMNS, SELECTED=experts is not None,
+        BLOCK_N=DECODE_BLOCK_ROWS, BLOCK_K=DECODE_BLOCK_COLUMNS, SELECTED=experts is not None,
         PTX=compiled(matrix.device),
-        num_warps=4,
+        num_warps=DECODE_NUM_WARPS,
     )
     launches.record("trellis.dequantize", kernel=_trellis_dequantize_kernel)
     return out

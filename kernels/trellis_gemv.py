@@ -48,9 +48,9 @@ import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_triton_device
-from kernels.trellis_decode import (_code_values, _hyb_gather8, _hyb_hash_rows, _hyb_values_of_rows, _states_of,
-                                    _step_state, _step_window, _unit_words, _window_values,
-                                    check_trellis_moe_inputs, code_id, compiled, unit_geometry)
+from kernels.trellis_decode import (_code_values, _hyb_octet, _hyb_values_of_rows, _opaque, _states_of, _step_state,
+                                    _step_window, _unit_words, _window_values, check_trellis_moe_inputs, code_id,
+                                    compiled, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
@@ -176,31 +176,6 @@ def _trellis_gemv_kernel(
         if ROUTED:
             result = result * tl.load(weights_ptr + pair).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, result, mask=rows_ok)
-
-
-@triton.jit
-def _opaque(x):
-    """x itself (int32), through an asm move the compiler's pointer analysis cannot see into (PTX only)."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _hyb_rows_at(w0, w1, w2, after, P: tl.constexpr, WU: tl.constexpr):
-    """hyb: the signed-table rows of the step at stream bit P of a block of units."""
-    return _hyb_hash_rows(_step_window(w0, w1, w2, after, P, WU))
-
-
-@triton.jit
-def _hyb_octet(table, w0, w1, w2, after, FIRST: tl.constexpr, STEP_BITS: tl.constexpr, WU: tl.constexpr):
-    """hyb: the table pairs of the eight steps FIRST..FIRST + 7 (STEP_BITS = K V stream bits each), one gather."""
-    return _hyb_gather8(table, _hyb_rows_at(w0, w1, w2, after, STEP_BITS * FIRST, WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 1), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 2), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 3), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 4), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 5), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 6), WU),
-                        _hyb_rows_at(w0, w1, w2, after, STEP_BITS * (FIRST + 7), WU))
 
 
 @triton.jit

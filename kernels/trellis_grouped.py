@@ -52,8 +52,8 @@ from kernels import launches, pdl, scratch
 from kernels.moe_align import moe_align
 from kernels.moe_checks import check_triton_device
 from kernels.moe_grouped import TILE_M_CHOICES, _window_rows, _work_item
-from kernels.trellis_decode import (_code_values, _unit_states, check_trellis_moe_inputs, code_id, compiled,
-                                    dequantize_rotated, unit_geometry)
+from kernels.trellis_decode import (_code_values, _decoded_tile, _hyb_table, _unit_states, check_trellis_moe_inputs,
+                                    code_id, compiled, dequantize_rotated, unit_geometry)
 from kernels.trellis_reference import TILE, TrellisMatrix
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
@@ -69,30 +69,60 @@ class GroupedSchedule:
     num_warps: int
     num_stages: int
     group_windows: int  # windows walked together per n-block (their weight tiles shared through L2)
+    decode: str = "steps"  # "steps": the unrolled decode (trellis_decode._decoded_tile); "tensor": the old form
+    max_registers: int | None = None  # ptxas's cap per thread (Triton's maxnreg); None: as many as it takes
+
+    def __post_init__(self) -> None:
+        if self.decode not in ("steps", "tensor"):
+            raise ValueError(f"decode must be 'steps' or 'tensor', got {self.decode!r}")
 
 
 # Registers per thread at 8 warps: the accumulators (BM x BN fp32, twice for gate-up) and one decoded
 # tile (BN x BK, twice for gate-up) at a time. Decoding is paid once per window, so at large n the
-# 128-row windows halve it (n = 8192, v4-shape: 192 pairs per expert, 2 windows of 128 against 3 of 64).
-#   "m64"    64-row windows, the bf16 arm's BLOCK_N 128 / 128 and BLOCK_K 64, 8 warps, 3 stages
-#   "m64n64" 64-row windows, narrower N (half the decode per program and twice the programs: small n)
+# 128-row windows cut it (n = 8192, v4-shape: about 192 pairs per expert, 2 windows of 128 against 3-4
+# of 64). docs/trellis-kernels.md counts each one's loop (bench/trellis_sm90_compile.py).
+#   "m64"    64-row windows, the bf16 arm's BLOCK_N 128 / 128 and BLOCK_K 64, 8 warps, 3 stages, at most
+#            128 registers: two programs (16 warps) a SM, so one's decode runs while the other waits on
+#            its wgmma (uncapped, the gate-up takes 128-150 and one program fills the SM)
+#   "m64x"   m64 uncapped, to time the cap against
+#   "m64n64" 64-row windows, narrower N and 4 warps (half the decode per program, twice the programs)
 #   "m128"   128-row windows (two warpgroups of 64 rows), BLOCK_N 64 / 128
+#   "m64t"   m64 (uncapped) with the tensor-form decode the unrolled one replaced: the bench's baseline
 SCHEDULES = {
     "m64": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
-                           num_stages=3, group_windows=4),
+                           num_stages=3, group_windows=4, max_registers=128),
+    "m64x": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                            num_stages=3, group_windows=4),
     "m64n64": GroupedSchedule(block_m=64, gate_up_block_n=64, down_block_n=64, block_k=64, num_warps=4,
                               num_stages=3, group_windows=4),
     "m128": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4),
+    "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                            num_stages=3, group_windows=4, decode="tensor"),
 }
 DEFAULT_SCHEDULE = "m64"
+BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: the bench times both
+# "auto": m128 where the routing's mean pairs per expert (n k / E) passes 64, else m64. Above 64 pairs an
+# expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
+# 64-row ones decode them twice; per window m128's loop counts about 1.3x m64's (docs/trellis-kernels.md).
+# Chosen from the shapes alone (no device read), so a CUDA graph captures one schedule per n.
+AUTO_SCHEDULE = "auto"
+AUTO_WIDE_ABOVE_PAIRS = 64
+SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
+
+
+def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int) -> str:
+    """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape picks."""
+    if schedule != AUTO_SCHEDULE:
+        return schedule
+    return "m128" if tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts else DEFAULT_SCHEDULE
 
 
 @triton.jit
 def _weight_tile(
     codes_ptr,  # [E, N/16, C/16, W] int32 (decode) or the dense [E, N, C] copy (DENSE)
     scales_ptr,  # [E, N] float32
-    table_ptr,  # [512, 2] float32
+    table,  # hyb: the signed table in registers (STEPS, `_hyb_table`) or the [512, 2] table's pointer; else unused
     expert,
     row0,  # first of the BLOCK_N rows
     column0,  # first of the BLOCK_K columns
@@ -102,11 +132,13 @@ def _weight_tile(
     stride_wn,  # dense only: per row
     stride_se,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DENSE: tl.constexpr, PTX: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DENSE: tl.constexpr, STEPS: tl.constexpr, INSIDE: tl.constexpr,
+    PTX: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     """The B operand [BLOCK_K, BLOCK_N]: W_rot[expert, row0 + n, column0 + k] in OUT_DTYPE (value * scale
-    rounded once), zero outside the matrix."""
+    rounded once). STEPS: the unrolled decode the dequantize kernel runs too (kernels/trellis_decode.py
+    `_decoded_tile`); else the [units, tile columns, steps] tensor form it replaced (the bench's baseline).
+    INSIDE: the block lies inside the matrix (the unrolled decode's loads then take no masks)."""
     if DENSE:
         offs_n = row0 + tl.arange(0, BLOCK_N)
         offs_k = column0 + tl.arange(0, BLOCK_K)
@@ -114,6 +146,10 @@ def _weight_tile(
         pointers = codes_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
             + offs_k[:, None]
         return tl.load(pointers, mask=mask, other=0.0)
+    elif STEPS:
+        return tl.trans(_decoded_tile(codes_ptr, scales_ptr, table, expert, row0, column0, num_row_tiles,
+                                      num_column_tiles, stride_we, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K,
+                                      INSIDE, PTX, OUT_DTYPE))
     else:
         UT: tl.constexpr = 16 // G
         U: tl.constexpr = BLOCK_N // 16 * UT
@@ -129,7 +165,7 @@ def _weight_tile(
             + (tile_row * num_column_tiles * words_per_tile)[:, None] + tile_col[None, :] * words_per_tile
         states = _unit_states(tiles + (in_tile * WU)[:, None], tiles + (((in_tile + 1) % UT) * WU)[:, None], mask,
                               K, V, G, WU, "")
-        first, second = _code_values(states, table_ptr, CODE, PTX)  # [U, T, S]
+        first, second = _code_values(states, table, CODE, PTX)  # [U, T, S]
         if V == 2:
             values = tl.reshape(tl.join(first, second), [U, T, 16 * G])  # element e = V step + v
         else:
@@ -145,6 +181,16 @@ def _weight_tile(
 
 
 @triton.jit
+def _product_table(table_ptr, CODE: tl.constexpr, DENSE: tl.constexpr, STEPS: tl.constexpr):
+    """What `_weight_tile` reads hyb's table from: the signed table in registers for the unrolled decode (loaded
+    once per program, before the K loop), else the pointer."""
+    if (CODE == 2) and STEPS and not DENSE:
+        return _hyb_table(table_ptr)
+    else:
+        return table_ptr
+
+
+@triton.jit
 def _trellis_gate_up_kernel(
     x_ptr,  # [T, D] x_rot
     codes_ptr,  # w13 codes or dense copy
@@ -157,7 +203,8 @@ def _trellis_gate_up_kernel(
     TOP_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_WINDOWS: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
-    DENSE: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+    DENSE: tl.constexpr, STEPS: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_K divides D and BLOCK_N divides F: no K masks, weight blocks inside the matrix
 ):
     """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block."""
     if USE_GDC:
@@ -176,14 +223,18 @@ def _trellis_gate_up_kernel(
         up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         row_tiles = 2 * intermediate_size // 16
         column_tiles = hidden_size // 16
+        table = _product_table(table_ptr, CODE, DENSE, STEPS)
         for k0 in range(0, hidden_size, BLOCK_K):
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < hidden_size - k0)[None, :], other=0.0)
-            gate = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, n0, k0, row_tiles, column_tiles,
-                                stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K, DENSE, PTX,
-                                x_ptr.dtype.element_ty)
-            up = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, intermediate_size + n0, k0, row_tiles,
+            if EVEN:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < hidden_size - k0)[None, :], other=0.0)
+            gate = _weight_tile(codes_ptr, scales_ptr, table, expert, n0, k0, row_tiles, column_tiles,
+                                stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K, DENSE, STEPS,
+                                EVEN, PTX, x_ptr.dtype.element_ty)
+            up = _weight_tile(codes_ptr, scales_ptr, table, expert, intermediate_size + n0, k0, row_tiles,
                               column_tiles, stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K,
-                              DENSE, PTX, x_ptr.dtype.element_ty)
+                              DENSE, STEPS, EVEN, PTX, x_ptr.dtype.element_ty)
             gate_acc = tl.dot(a, gate, gate_acc, input_precision=DOT_PRECISION)
             up_acc = tl.dot(a, up, up_acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
@@ -210,7 +261,8 @@ def _trellis_down_kernel(
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_WINDOWS: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
-    DENSE: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+    DENSE: tl.constexpr, STEPS: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+    EVEN: tl.constexpr,  # BLOCK_K divides F and BLOCK_N divides D
 ):
     """Grid (max_windows * D / BLOCK_N,): pair_out[pair, n] = w_pair * (W2_rot h_rot)[row, n]."""
     if USE_GDC:
@@ -225,11 +277,15 @@ def _trellis_down_kernel(
         a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
         n0 = n_block * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        table = _product_table(table_ptr, CODE, DENSE, STEPS)
         for k0 in range(0, intermediate_size, BLOCK_K):
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < intermediate_size - k0)[None, :], other=0.0)
-            w = _weight_tile(codes_ptr, scales_ptr, table_ptr, expert, n0, k0, hidden_size // 16,
+            if EVEN:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < intermediate_size - k0)[None, :], other=0.0)
+            w = _weight_tile(codes_ptr, scales_ptr, table, expert, n0, k0, hidden_size // 16,
                              intermediate_size // 16, stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N,
-                             BLOCK_K, DENSE, PTX, h_ptr.dtype.element_ty)
+                             BLOCK_K, DENSE, STEPS, EVEN, PTX, h_ptr.dtype.element_ty)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
         if USE_GDC:
@@ -241,11 +297,12 @@ def _trellis_down_kernel(
                  mask=row_ok[:, None] & (offs_n < hidden_size)[None, :])
 
 
-def _weight_args(matrix: TrellisMatrix, dense: torch.Tensor | None) -> tuple:
-    """(weights pointer, per-expert stride, per-row stride, table, K, V, G, WU, CODE) of a product."""
+def _weight_args(matrix: TrellisMatrix, dense: torch.Tensor | None, steps: bool) -> tuple:
+    """(weights pointer, per-expert stride, per-row stride, table, K, V, G, WU, CODE) of a product; the table is
+    hyb's signed one for the unrolled decode (`steps`), its [512, 2] one for the tensor form."""
     code = matrix.code
     group, words = unit_geometry(code.K)
-    table = matrix.table if matrix.table is not None else matrix.scales
+    table = (matrix.signed_table if steps else matrix.table) if code.needs_table else matrix.scales
     if dense is None:
         return matrix.codes, matrix.codes.stride(0), 0, table, code.K, code.V, group, words, code_id(code)
     return dense, dense.stride(0), dense.stride(1), table, code.K, code.V, group, words, code_id(code)
@@ -256,8 +313,9 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
     check_triton_device(x, label)
     if tile_m not in TILE_M_CHOICES:
         raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    schedule = resolve_schedule(schedule, tokens, top_k, experts)
     chosen = SCHEDULES[schedule]
     if chosen.block_m < tile_m:
         raise ValueError(f"schedule {schedule}'s {chosen.block_m}-row windows cannot hold {tile_m}-row m-tiles")
@@ -280,10 +338,13 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
     y_rot = scratch.empty((rows, 2 * intermediate), x.dtype, x.device)  # [R, 2F]
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     ptx = compiled(x.device)
+    steps = chosen.decode == "steps"
     meta = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+    if chosen.max_registers is not None and ptx:
+        meta["maxnreg"] = chosen.max_registers
     gate_up_block_n = max(16, min(chosen.gate_up_block_n, triton.next_power_of_2(intermediate)))
     down_block_n = max(16, min(chosen.down_block_n, triton.next_power_of_2(hidden)))
-    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13)
+    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13, steps)
     _trellis_gate_up_kernel[(max_windows * triton.cdiv(intermediate, gate_up_block_n),)](
         x_rot, weights, w13.scales, table, y_rot,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
@@ -291,13 +352,14 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         x_rot.stride(0), stride_we, stride_wn, w13.scales.stride(0), y_rot.stride(0),
         TOP_K=top_k, TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=gate_up_block_n, BLOCK_K=chosen.block_k,
         GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
-        DENSE=dense13 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
+        DENSE=dense13 is not None, STEPS=steps, PTX=ptx, DOT_PRECISION=dot_precision,
+        EVEN=hidden % chosen.block_k == 0 and intermediate % gate_up_block_n == 0, **options, **meta,
     )
     launches.record(f"{label}.gate_up", kernel=_trellis_gate_up_kernel)
     h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,
                            scratch.empty((rows, intermediate), x.dtype, x.device), options)
     pair_out = scratch.empty((num_pairs, hidden), x.dtype, x.device)  # [N, D]
-    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w2, dense2)
+    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w2, dense2, steps)
     _trellis_down_kernel[(max_windows * triton.cdiv(hidden, down_block_n),)](
         h_rot, weights, w2.scales, table, flat_weights, pair_out,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
@@ -305,7 +367,8 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         h_rot.stride(0), stride_we, stride_wn, w2.scales.stride(0), pair_out.stride(0),
         TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=down_block_n, BLOCK_K=chosen.block_k,
         GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
-        DENSE=dense2 is not None, PTX=ptx, DOT_PRECISION=dot_precision, **options, **meta,
+        DENSE=dense2 is not None, STEPS=steps, PTX=ptx, DOT_PRECISION=dot_precision,
+        EVEN=intermediate % chosen.block_k == 0 and hidden % down_block_n == 0, **options, **meta,
     )
     launches.record(f"{label}.down", kernel=_trellis_down_kernel)
     return unrotate_sum(pair_out, flat_ids, experts, top_k, w2.left_signs, w2.left_block, out, options)
