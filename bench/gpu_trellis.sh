@@ -4,6 +4,8 @@
 # calibration entry with the format's crossovers). Read with docs/trellis-kernels.md.
 #
 #   bash bench/gpu_trellis.sh            results in $OUT, or bench/results/<UTC time> when OUT is unset
+#   STAGES=grouped bash bench/gpu_trellis.sh     the grouped and dequantize decode alone, about 3 minutes:
+#                                        its GPU tests, then the bench's grouped rows (--grouped-only)
 #
 # Budget: about 11 minutes on an H200 (tests ~3 min, bench ~4 min, sweep ~4 min), each stage under its own
 # timeout so a hang cannot eat the others' time; `STAGES="tests bench"` runs a subset.
@@ -25,7 +27,18 @@ status=0
 
 if [[ " $STAGES " == *" tests "* ]]; then
     stage "GPU tests (decode bit for bit, arms vs reference in bf16, graph replay)"
-    timeout 420 python3 -m pytest -m gpu tests/test_trellis_kernels.py tests/test_trellis_gemv_unrolled.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
+    timeout 420 python3 -m pytest -m gpu tests/test_trellis_kernels.py tests/test_trellis_gemv_unrolled.py \
+        tests/test_trellis_grouped_decode.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ " $STAGES " == *" grouped "* ]]; then
+    stage "grouped decode GPU tests (tile decode bit for bit through the PTX forms, K = 3 / 4 on wgmma, auto graph)"
+    timeout 150 python3 -m pytest -m gpu tests/test_trellis_grouped_decode.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/pytest_grouped_gpu.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    stage "trellis bench, grouped rows only (n = 2048 / 8192: every schedule, the decode bound, fused == dequantize)"
+    timeout 240 python3 bench/trellis_bench.py --grouped-only --out "$OUT/grouped" 2>&1 | tee "$OUT/trellis_bench_grouped.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

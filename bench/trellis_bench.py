@@ -403,7 +403,7 @@ def measure(setup: Setup) -> dict:
         for arm, code, schedule in configs:
             w13, w2 = stacks[code]
             function = trellis_grouped.moe_trellis_grouped if arm == "grouped" else trellis_grouped.moe_trellis_dequant
-            resolved = trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E)
+            resolved = trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, w13.code.K)
             before = {kernel: cache_keys(kernel) for kernel in GROUPED_KERNELS}
             try:
                 out = function(x, w13, w2, ids, weights, schedule=schedule)
@@ -433,9 +433,9 @@ def measure(setup: Setup) -> dict:
                 failed.append(f"trellis {arm} {code}/{schedule} n={tokens} rel err {error:.2e}")
         # the same weights, tiles and K order: every fused schedule with the dequantize arm's block shapes
         dequantized = outputs.get(("dequant", first, trellis_grouped.DEFAULT_SCHEDULE))
-        shape = block_shape(trellis_grouped.DEFAULT_SCHEDULE)
+        shape, bits = block_shape(trellis_grouped.DEFAULT_SCHEDULE), stacks[first][0].code.K
         compared = [schedule for arm, code, schedule in outputs if arm == "grouped" and code == first
-                    and block_shape(trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E)) == shape]
+                    and block_shape(trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, bits)) == shape]
         differing = [schedule for schedule in compared
                      if dequantized is None or not torch.equal(outputs[("grouped", first, schedule)], dequantized)]
         row["fused_equals_dequant"] = bool(compared) and not differing

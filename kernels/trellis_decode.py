@@ -14,10 +14,18 @@ The unit. The kernels walk a tile in *units* of G whole rows whose bits fill who
 
 so a tile is UT = 16 / G units, unit u holds words u WU .. u WU + WU - 1, and every state of a unit lies
 in those words and the first word of the next unit (unit 0's, for the last: the stream is circular). A
-kernel loads WU + 1 words per unit as [units, tile columns] tensors and decodes the unit's steps as a
-third axis, with each step's word and bit offset a compile-time pattern (`_unit_states`): no gather,
-one 64-bit funnel shift per state. Step i of a unit holds the weights of elements V i .. V i + V - 1,
-element e sitting at row e // 16 and column e % 16 of the unit.
+kernel loads WU + 1 words per unit as [units, tile columns] tensors (`_unit_words`). Step i of a unit
+holds the weights of elements V i .. V i + V - 1, element e sitting at row e // 16 and column e % 16 of
+the unit. Two forms decode them:
+
+- the tensor form: the steps as a third axis, each step's word and bit offset a compile-time pattern
+  (`_unit_states`, one 64-bit funnel shift per state; the GEMV's `r` schedules, the grouped arm's
+  `m64t` baseline);
+- the unrolled form: every step a separate [units, tile columns] tensor at a compile-time bit, 32-bit
+  integers only (`_step_state`'s shared funnel shifts, `_step_window` and `_hyb_hash_rows` with hyb's
+  signed table, `_hyb_octet`'s one shared-memory gather for eight steps). The GEMV's `u` schedules
+  accumulate the steps in place; `_decoded_tile` (the grouped arm's B tile, the dequantize kernel's
+  blocks) joins them into a [rows, columns] block.
 
 The arithmetic is the reference's, operation for operation (kernels/trellis_reference.py's docstring):
 integer work in uint32; 1mad's integer sum converted exactly (the 2^23 bit trick, which is an exact
@@ -27,7 +35,7 @@ value * scale in one fp32 multiply, rounded to the output dtype. So the decode i
 `trellis_reference.dequantize_rotated` (tests/test_trellis_kernels.py compares with torch.equal).
 
 Public: `dequantize_rotated`, the decode-to-buffer launcher (the dequantize arm's first launch, and the
-decode test's window onto the kernels' decode path). Knows nothing of MoE routing.
+decode test's window onto the unrolled decode). Knows nothing of MoE routing.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ its products trellis_dequant.gate_up / .down.
 
 One program multiplies one window (up to BM rows of ONE expert, the alignment's consecutive m-tiles of
 it) by one BLOCK_N-wide slice of the expert's rows: per K step of BLOCK_K columns the B tile
-[BLOCK_K, BLOCK_N] is decoded in registers (kernels/trellis_decode.py: BLOCK_N / 16 x BLOCK_K / 16
-packed tiles), multiplied by the row scales, rounded to x's dtype -- exactly the weights the reference
-dequantizes -- and handed to tl.dot, which stages it in shared memory for the tensor cores (wgmma on
-Hopper); A is the window's gathered rows. So a weight is decoded once per window, and its packed bytes
+[BLOCK_K, BLOCK_N] is decoded in registers (kernels/trellis_decode.py `_decoded_tile`, the dequantize
+kernel's decode: BLOCK_N / 16 x BLOCK_K / 16 packed tiles), multiplied by the row scales, rounded to x's
+dtype -- exactly the weights the reference dequantizes -- and handed to tl.dot, which stages it in shared
+memory for the tensor cores (wgmma on Hopper); A is the window's gathered rows. So a weight is decoded once per window, and its packed bytes
 are read once per window (consecutive windows of an expert share them through L2: the walk takes
 `group_windows` windows together). The dequantize arm runs the same kernels with the tile loaded from
 the bf16 copy instead: the same weights, tiles, K order and MMAs, so the two arms' outputs are equal
@@ -37,7 +37,8 @@ SiLU, and a trellis stack multiplies in its rotated basis, so the gate and up ro
 (T_L13^T) before the SiLU; turning the weights back instead would cost two Hadamard passes over every
 woken expert's weights per step. Its schedule (64-row windows, grouped walk, BLOCK_K = 64) is kept.
 
-Block shapes are not autotuned; `SCHEDULES` holds the few a GPU run compares (bench/trellis_bench.py).
+Block shapes are not autotuned; `SCHEDULES` holds the few a GPU run compares (bench/trellis_bench.py), and
+"auto" picks one of them from the routing's shape (`resolve_schedule`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ class GroupedSchedule:
 #            128 registers: two programs (16 warps) a SM, so one's decode runs while the other waits on
 #            its wgmma (uncapped, the gate-up takes 128-150 and one program fills the SM)
 #   "m64x"   m64 uncapped, to time the cap against
-#   "m64n64" 64-row windows, narrower N and 4 warps (half the decode per program, twice the programs)
 #   "m128"   128-row windows (two warpgroups of 64 rows), BLOCK_N 64 / 128
 #   "m64t"   m64 (uncapped) with the tensor-form decode the unrolled one replaced: the bench's baseline
 SCHEDULES = {
@@ -93,8 +93,6 @@ SCHEDULES = {
                            num_stages=3, group_windows=4, max_registers=128),
     "m64x": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4),
-    "m64n64": GroupedSchedule(block_m=64, gate_up_block_n=64, down_block_n=64, block_k=64, num_warps=4,
-                              num_stages=3, group_windows=4),
     "m128": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4),
     "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
@@ -105,17 +103,21 @@ BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: 
 # "auto": m128 where the routing's mean pairs per expert (n k / E) passes 64, else m64. Above 64 pairs an
 # expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
 # 64-row ones decode them twice; per window m128's loop counts about 1.3x m64's (docs/trellis-kernels.md).
+# Not at K = 3: m128's 64-row gate-up block is 32 two-row units by 4 tile columns, fewer than its 256
+# threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6).
 # Chosen from the shapes alone (no device read), so a CUDA graph captures one schedule per n.
 AUTO_SCHEDULE = "auto"
 AUTO_WIDE_ABOVE_PAIRS = 64
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
 
 
-def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int) -> str:
-    """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape picks."""
+def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits: int) -> str:
+    """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape (and the
+    code's K bits per weight) picks."""
     if schedule != AUTO_SCHEDULE:
         return schedule
-    return "m128" if tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts else DEFAULT_SCHEDULE
+    wide = tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts and unit_geometry(bits)[0] == 1
+    return "m128" if wide else DEFAULT_SCHEDULE
 
 
 @triton.jit
@@ -315,7 +317,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
-    schedule = resolve_schedule(schedule, tokens, top_k, experts)
+    schedule = resolve_schedule(schedule, tokens, top_k, experts, w13.code.K)
     chosen = SCHEDULES[schedule]
     if chosen.block_m < tile_m:
         raise ValueError(f"schedule {schedule}'s {chosen.block_m}-row windows cannot hold {tile_m}-row m-tiles")

@@ -144,8 +144,8 @@ def test_rotations_match_the_reference(size):
 ARMS = {
     # the interpreter pays per program: two tile rows a program halves the GEMV's (same kernel, same walk)
     "gemv": lambda *args: moe_trellis_gemv(*args, schedule="r2c8"),
-    "grouped": lambda *args: moe_trellis_grouped(*args, schedule="m64n64"),
-    "dequant": lambda *args: moe_trellis_dequant(*args, schedule="m64n64"),
+    "grouped": lambda *args: moe_trellis_grouped(*args, schedule="m64"),
+    "dequant": lambda *args: moe_trellis_dequant(*args, schedule="m64"),
 }
 # (T, k, E, D, F, code, K, dtypes): each named for the edge it covers; small D and F (the interpreter pays per
 # op and per program, so the GEMV's 66-pair case runs in one dtype)
@@ -182,8 +182,8 @@ def test_fused_and_dequantize_arms_are_bit_identical():
     ids, weights = make_routing(20, 2, 7, seed=5)
     x = torch.randn(20, 32, generator=torch.Generator().manual_seed(5)).to(torch.float16)
     with scratch.poison_new_buffers():
-        fused = moe_trellis_grouped(x, w13, w2, ids, weights.half(), schedule="m64n64")
-        dequantized = moe_trellis_dequant(x, w13, w2, ids, weights.half(), schedule="m64n64")
+        fused = moe_trellis_grouped(x, w13, w2, ids, weights.half(), schedule="m64")
+        dequantized = moe_trellis_dequant(x, w13, w2, ids, weights.half(), schedule="m64")
     assert torch.equal(fused, dequantized)
 
 
@@ -196,7 +196,7 @@ def test_launches_are_counted_per_kernel():
     assert launches.since(before) == {"trellis.rotate": 1, "trellis_gemv.gate_up": 1, "trellis.swiglu_between": 1,
                                       "trellis_gemv.down": 1, "trellis.unrotate_sum": 1}
     before = launches.snapshot()
-    moe_trellis_dequant(x, w13, w2, ids, weights, schedule="m64n64")
+    moe_trellis_dequant(x, w13, w2, ids, weights, schedule="m64")
     counted = launches.since(before)
     assert counted.pop("trellis.dequantize") == 2 and counted.pop("moe_align.fused") == 1
     assert counted == {"trellis.rotate": 1, "trellis_dequant.gate_up": 1, "trellis.swiglu_between": 1,
