@@ -43,6 +43,18 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
     _dot_in_one_rounding()
 
 
+@pytest.fixture
+def pinned_environment(monkeypatch, tmp_path):
+    """`moe_gate=measured` reads a calibration file and every flag reads MOEI_*: a test module that runs the
+    engine's entry points pins both (`pytestmark = pytest.mark.usefixtures("pinned_environment")`), so its runs
+    do not depend on the machine's calibration or the shell's variables."""
+    from engine import flags
+
+    monkeypatch.setenv("MOEI_CALIBRATION", str(tmp_path / "no-calibration.json"))
+    for name in flags.SPECS:
+        monkeypatch.delenv(flags.environment_name(name), raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from engine import atomic_file, limits
-from engine import flags as flag_registry
 from engine.errors import UserError
 from inspector.cli import main
 from inspector.session import load_session
@@ -49,11 +48,7 @@ max_tokens = 2   # short, on purpose
 """
 
 
-@pytest.fixture(autouse=True)
-def pinned_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("MOEI_CALIBRATION", str(tmp_path / "no-calibration.json"))
-    for name in flag_registry.SPECS:
-        monkeypatch.delenv(f"MOEI_{name.upper()}", raising=False)
+pytestmark = pytest.mark.usefixtures("pinned_environment")  # conftest: no calibration, no MOEI_*
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,11 +22,7 @@ QWEN3_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_m
                 "num_experts_per_tok": 2, "vocab_size": 260, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
 
 
-@pytest.fixture(autouse=True)
-def no_calibration_no_flag_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("MOEI_CALIBRATION", str(tmp_path / "no-calibration.json"))
-    for name in flag_registry.SPECS:
-        monkeypatch.delenv(f"MOEI_{name.upper()}", raising=False)
+pytestmark = pytest.mark.usefixtures("pinned_environment")  # conftest: no calibration, no MOEI_*
 
 
 def config_only_checkpoint(directory):

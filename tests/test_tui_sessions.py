@@ -42,12 +42,7 @@ def engine() -> Engine:
     return Engine.load("tiny", "cpu", 0)
 
 
-@pytest.fixture(autouse=True)
-def no_calibration_no_flag_environment(monkeypatch, tmp_path):
-    """`measured` reads a calibration file and flags read MOEI_*: pin both, so runs are reproducible."""
-    monkeypatch.setenv("MOEI_CALIBRATION", str(tmp_path / "no-calibration.json"))
-    for name in flag_registry.SPECS:
-        monkeypatch.delenv(f"MOEI_{name.upper()}", raising=False)
+pytestmark = pytest.mark.usefixtures("pinned_environment")  # conftest: no calibration, no MOEI_*
 
 
 def synchronously(test):
