@@ -17,8 +17,10 @@ install-test:
 run: install
 	$(PYTHON) -m inspector
 
+# Two workers (pytest-xdist), each test file whole on one of them: the CI machine has two cores and most
+# tests are single-threaded (the Triton interpreter, the TUI's Pilot).
 test: install-test
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2 --dist loadfile
 
 # On a GPU machine: the device-only tests and benchmarks (see bench/README.md).
 gpu:
