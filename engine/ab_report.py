@@ -25,6 +25,13 @@ def row_cells(row: dict) -> list[str]:
             "—" if interval is None else f"[{interval[0]:.4f}, {interval[1]:.4f}]", row["verdict"]]
 
 
+def _shown(name: str, value) -> str:
+    """A side's flag value as --set spells it (on/off for a switch); a name the registry lacks, as given."""
+    from engine import flags
+
+    return flags.format_value(name, value) if name in flags.SPECS else str(value)
+
+
 def format_markdown(report: dict, fail_on_regression: float | None = None) -> str:
     sides, rule = report["sides"], report["rule"]
     workload = report["workload"]
@@ -33,7 +40,7 @@ def format_markdown(report: dict, fail_on_regression: float | None = None) -> st
              f"(A B, B A, ...), {report['warmup']} warm-up run(s) per side, {report['processes']}", ""]
     for name in ("A", "B"):
         side = sides[name]
-        flags = ", ".join(f"{key}={value}" for key, value in side["overrides"].items()) or "no overrides"
+        flags = ", ".join(f"{key}={_shown(key, value)}" for key, value in side["overrides"].items()) or "no overrides"
         common = " ".join(side["set"]) if side["set"] else "none"
         lines.append(f"- **{name}**: {side['tree']}; {flags} (--set on both sides: {common})")
     header = ["row", "unit", "A median (MAD)", "B median (MAD)", "B/A", f"{100 * rule['confidence']:g} % interval",

@@ -363,3 +363,11 @@ def test_two_real_processes_on_the_tiny_model(tmp_path):
     assert failed.returncode == 2 and "side B" in failed.stderr and "does not start: SyntaxError" in failed.stderr
     kept = json.loads(out.read_text())
     assert [run["side"] for run in kept["runs"]] == ["A"] and kept["rows"][0]["values"]["A"][0] > 0
+
+
+def test_the_report_spells_a_switch_as_set_does():
+    """A side's bool flag read `shared_fold=True` in the report's header; --set spells it on/off."""
+    report = run_stub(lambda side, call: bench_json(100.0), rounds=2,
+                      the_sides=sides({"shared_fold": False}, {"shared_fold": True}))
+    text = ab_report.format_markdown(report)
+    assert "- **A**: this tree; shared_fold=off" in text and "- **B**: this tree; shared_fold=on" in text, text
