@@ -264,11 +264,14 @@ class ResolvedFlags:
     def to_json(self) -> dict[str, dict[str, Any]]:
         return {name: {"value": self.values[name], "source": self.sources[name]} for name in SPECS}
 
+    def entry(self, name: str) -> str:
+        """`name=value`, followed by its source where it is not the default: `moe_gate=grouped (command line)`."""
+        shown = f"{name}={format_value(name, self.values[name])}"
+        return shown if self.sources[name] == DEFAULT else f"{shown} ({self.sources[name]})"
+
     def describe(self) -> str:
-        """`name=value` for every flag, each value not taken from the default followed by its source
-        (`moe_gate=grouped (cli)`): a footer says what was set and where, as the headers' JSON does."""
-        return ", ".join(f"{name}={format_value(name, self.values[name])}"
-                         + ("" if self.sources[name] == DEFAULT else f" ({self.sources[name]})") for name in SPECS)
+        """Every flag's `entry`: a footer says what was set and where, as the headers' JSON does."""
+        return ", ".join(self.entry(name) for name in SPECS)
 
 
 def environment_name(name: str) -> str:

@@ -37,8 +37,7 @@ def timing_method(record: dict, device_type: str) -> str:
 
 def changed_flags(flags) -> str:
     """The flags of a ResolvedFlags not at their defaults, with where each came from; or that all are."""
-    from engine.flags import DEFAULT, format_value
+    from engine.flags import DEFAULT
 
-    changed = [f"{name}={format_value(name, flags[name])} ({source})" for name, source in flags.sources.items()
-               if source != DEFAULT]
+    changed = [flags.entry(name) for name, source in flags.sources.items() if source != DEFAULT]
     return ", ".join(changed) if changed else "all at their defaults"
