@@ -147,15 +147,14 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
     from engine.runtime import PRESETS, model_config, resolve_device, resolve_model_path
 
     name = session.engine.model
-    if name not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
-        path = resolve_model_path(name, session_directory(where))
-        if not path.is_dir():
+    path = None if name in PRESETS else resolve_model_path(name, session_directory(where))
+    if path is not None and not path.is_dir():
+        if "/" in name or os.sep in name or name.startswith("."):  # written as a path
             raise UserError(f"{where}: [engine] model: {path} is not a directory (a relative path is taken from the "
                             f"session file's directory): was the checkpoint moved? Fix the path in [engine] model")
-    elif name not in PRESETS and not resolve_model_path(name, session_directory(where)).is_dir():
         raise UserError(f"{where}: [engine] model: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                        f"directory beside the session file ({resolve_model_path(name, session_directory(where))}): "
-                        f"was the checkpoint moved? Fix the path in [engine] model")
+                        f"directory beside the session file ({path}): was the checkpoint moved? Fix the path in "
+                        f"[engine] model")
     try:
         model = model_config(name, session_directory(where))
     except UserError as error:
