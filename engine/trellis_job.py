@@ -116,18 +116,14 @@ def _source(engine, model: str, weights: str) -> dict:
 
 def _check_not_trellis(model: str) -> None:
     """Refuse a trellis checkpoint directory from its config.json alone, before its weights load."""
-    import json
-
+    from engine.hf_loader import read_config_values
     from engine.trellis_checkpoint import is_trellis_config
 
-    config_path = Path(model).expanduser() / "config.json"
-    if not config_path.is_file():
+    directory = Path(model).expanduser()
+    if not (directory / "config.json").is_file():
         return  # a preset, or a directory the loader refuses with its own line
-    try:
-        values = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return  # unreadable: the loader names the problem
-    if isinstance(values, dict) and is_trellis_config(values):
+    values, _ = read_config_values(directory)  # the loader's reader: its size bound, its one-line errors
+    if is_trellis_config(values):
         raise UserError(f"--model {model}: its experts are trellis-coded already; quantize the original model")
 
 
