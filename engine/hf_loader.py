@@ -178,10 +178,14 @@ def read_config(directory: Path) -> tuple[ModelConfig, str]:
         return config, family
     fields = _Fields(values, path)
     family = _family(fields)
+    name = f"{family}:{directory.resolve().name}"
     try:
-        config = _FAMILY_CONFIGS[family](fields, f"{family}:{directory.resolve().name}")
-    except ValueError as error:  # ModelConfig's own validation, in config.json's words
-        raise UserError(f"{path}: {_in_config_keys(str(error))}") from None
+        config = _FAMILY_CONFIGS[family](fields, name)
+    except ValueError as error:  # ModelConfig's own validation, in config.json's words (the model's name kept)
+        message = str(error)
+        named = message.startswith(f"{name}: ")
+        problem = _in_config_keys(message[len(name) + 2:] if named else message)
+        raise UserError(f"{path}: {name + ': ' if named else ''}{problem}") from None
     return config, family
 
 

@@ -146,3 +146,11 @@ def test_a_config_error_names_config_jsons_keys(tmp_path, capsys, changes, said)
                  "--max-tokens", "1"]) == 2
     line = one_error_line(capsys)
     assert said in line and "config.json" in line, line
+
+
+def test_a_config_error_keeps_a_directory_named_like_a_field(tmp_path, capsys):
+    """The keys are translated in the problem only: a checkpoint directory called `hidden` keeps its name."""
+    directory = _qwen3_config(tmp_path / "hidden", num_hidden_layers=0)
+    assert main(["generate", "--model", str(directory), "--weights", "random", "--prompt", "x",
+                 "--max-tokens", "1"]) == 2
+    assert "qwen3-moe:hidden: num_hidden_layers must be >= 1" in one_error_line(capsys)
