@@ -9,14 +9,19 @@
 #   trellis  STAGES=grouped bench/gpu_trellis.sh: the grouped and dequantize arms' unrolled decode, its GPU tests and
 #            the bench's grouped rows at n = 2048 / 8192 (run 59: HYB 8.9x / 16.4x the bf16 grouped arm)
 #   demo     demo tg128 @ b1 (run 63: 21196 t/s)
+#   walk     down's walk TILES tiles at a time (kernels.moe_gemv DOWN_TILES): its GPU tests, then
+#            bench/experiments/down_walk.py --steps (the arm's candidates at Qwen3, V2-Lite and v4-shape widths, then
+#            the tg128 rows of the best two against bench/experiments/baseline_moe_gemv.py, the revision before, when
+#            that file is in the tree: `git show REV:kernels/moe_gemv.py > bench/experiments/baseline_moe_gemv.py`)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
+#   bash bench/gpu_next.sh walk             # about 9 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -25,5 +30,10 @@ want check && TAIL=30 stage 70 qwen3_tg128 "${BENCH[@]}" --model bench/configs/q
 want shared && TAIL=40 stage 550 shared env OUT="$OUT/shared" BUDGET_S=540 bash bench/gpu_shared_fold.sh
 want trellis && TAIL=30 stage 420 trellis env OUT="$OUT/trellis" STAGES=grouped bash bench/gpu_trellis.sh
 want demo && TAIL=8 stage 45 demo_tg128 "${BENCH[@]}" --model demo --reps 3 --json-out "$OUT/demo_tg128.json"
+want walk && TAIL=8 stage 90 pytest_walk python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_moe_gemv_walk.py tests/test_moe_gemv_shared.py tests/test_moe_gemv_clamped.py
+BASELINE=bench/experiments/baseline_moe_gemv.py
+want walk && TAIL=60 stage 470 down_walk env OUT="$OUT" python3 bench/experiments/down_walk.py --steps \
+    $([ -f $BASELINE ] && echo --baseline $BASELINE)
 say "done in ${SECONDS}s"
 exit 0

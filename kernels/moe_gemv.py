@@ -77,6 +77,10 @@ NUM_WARPS = 4
 # added 702 µs to a Qwen3 step against 852 (run 60). Down halving its outputs per program there (256 programs
 # to 512) added 773 µs against 606, so down keeps DOWN_BLOCK_D at every shape.
 MIN_GATE_UP_PROGRAMS = 640
+# Down loads DOWN_TILES tiles of its walk at once when a call launches fewer than MIN_DOWN_PROGRAMS programs (a
+# narrow model at one token: few programs, each with few tiles, so too few bytes in flight per SM).
+DOWN_TILES = 1
+MIN_DOWN_PROGRAMS = 512
 
 
 def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
@@ -85,6 +89,12 @@ def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
     if tokens * top_k * triton.cdiv(intermediate, GATE_UP_BLOCK_F * GATE_UP_F_STEPS) < MIN_GATE_UP_PROGRAMS:
         return 1
     return GATE_UP_F_STEPS
+
+
+def down_tiles(tokens: int, hidden_size: int) -> int:
+    """Down's TILES for a call of `tokens` tokens: DOWN_TILES below MIN_DOWN_PROGRAMS programs, else 1 (shapes
+    only: CUDA-graph safe)."""
+    return DOWN_TILES if tokens * triton.cdiv(hidden_size, DOWN_BLOCK_D) < MIN_DOWN_PROGRAMS else 1
 
 
 @triton.jit
@@ -210,11 +220,43 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp):
-    """A pair's hidden[f0 : f0 + BLOCK_F] in fp32; an unknown pair's (an id outside [0, E)) row, which gate-up
-    never wrote, is taken as 0 rather than multiplied by its weight of 0."""
-    return tl.where(known, tl.load(hidden_ptr + pair.to(tl.int64) * stride_hp + f0 + offs_f, mask=f_mask,
-                                   other=0.0).to(tl.float32), 0.0)
+def _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
+               d_mask, offs_f, stride_we, stride_wr, BLOCK_F: tl.constexpr, TILES: tl.constexpr,
+               WEIGHT_EVICTION: tl.constexpr, IDS_CACHE: tl.constexpr):
+    """Steps step .. step + TILES - 1 of a token's walk (step s: pair j = s // steps_per_pair, its F tile
+    s % steps_per_pair), one load: w [TILES, BLOCK_D, BLOCK_F] as stored, with each step's pair [TILES], expert,
+    F offset, F mask [TILES, BLOCK_F] and whether it counts (a step past the walk, or an id outside [0, E), reads
+    expert 0's rows masked off and adds nothing)."""
+    steps = step + tl.arange(0, TILES)
+    live = steps < walk
+    j = tl.where(live, steps // steps_per_pair, 0)
+    f0 = (steps - j * steps_per_pair) * BLOCK_F
+    pair = first_pair + j
+    expert = tl.load(topk_ids_ptr + pair, cache_modifier=IDS_CACHE).to(tl.int32)
+    known = live & (expert >= 0) & (expert < num_experts)
+    f_mask = (offs_f[None, :] < intermediate_size - f0[:, None]) & live[:, None]
+    rows = tl.where(known, expert, 0).to(tl.int64)[:, None, None] * stride_we + offs_d[None, :, None] * stride_wr
+    w = tl.load(w2_ptr + rows + (f0[:, None] + offs_f[None, :])[:, None, :],
+                mask=d_mask[None, :, None] & f_mask[:, None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
+    return w, pair, expert, f0, f_mask, known
+
+
+@triton.jit
+def _walk_add(total, tiles, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d,
+              d_mask, steps_per_pair, b2_ptr, stride_b2e, BLOCK_F: tl.constexpr, HAS_B2: tl.constexpr):
+    """total + the TILES steps' routing weight x (w @ hidden tile), in fp32; with HAS_B2, for a step that is its
+    pair's last tile, its weighted bias too, added after. Steps that do not count weigh 0 over hidden 0."""
+    w, pair, expert, f0, f_mask, known = tiles
+    h = tl.where(known[:, None], tl.load(hidden_ptr + pair.to(tl.int64)[:, None] * stride_hp + f0[:, None]
+                                         + offs_f[None, :], mask=f_mask, other=0.0).to(tl.float32), 0.0)
+    scale = tl.where(known, tl.load(topk_weights_ptr + pair, mask=known, other=0.0).to(tl.float32), 0.0)
+    total += tl.sum(scale[:, None] * tl.sum(w.to(tl.float32) * h[:, None, :], axis=2), axis=0)
+    if HAS_B2:  # a pair's bias, weighted, at its last tile
+        last = known & (f0 == (steps_per_pair - 1) * BLOCK_F)
+        bias = tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64)[:, None] * stride_b2e + offs_d[None, :],
+                       mask=last[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(scale[:, None] * bias, axis=0)
+    return total
 
 
 @triton.jit
@@ -235,7 +277,7 @@ def _down_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    PRELOAD: tl.constexpr,  # with USE_GDC: pair 0's first w2 tile loaded before the wait (kernels.pdl.preload)
+    PRELOAD: tl.constexpr,  # with USE_GDC: the walk's first TILES w2 tiles loaded before the wait (kernels.pdl.preload)
     WEIGHT_EVICTION: tl.constexpr,  # the expert weights' L2 policy (kernels.streaming)
     b2_ptr=None,  # [E, D] down biases, inside each pair's routing weight (gpt-oss)
     stride_b2e=0,
@@ -245,11 +287,14 @@ def _down_kernel(
     num_routed_pairs=0,  # N: token t's shared hidden units are hidden rows N + t S .. N + t S + S - 1, flat
     HAS_B2: tl.constexpr = False,
     SHARED_CHUNKS: tl.constexpr = 0,  # S, as gate-up's; 0: no shared experts
+    TILES: tl.constexpr = 1,  # w2 tiles of the walk in one load (a power of two)
 ):
     """One program per (token, BLOCK_D outputs) walks its k pairs' w2 rows one after the other, k x F / BLOCK_F
-    tiles, and sums them in fp32 in the fixed order j = 0..k-1. Each tile is scaled by its pair's routing weight
-    as it is reduced; with HAS_B2 each pair's bias too, once, after its last tile. With SHARED_CHUNKS, then the
-    shared experts' ws2 row tiles over Fs, weight 1 (added, not multiplied), into the same fp32 sum."""
+    tiles, TILES at a time (one load of [TILES, BLOCK_D, BLOCK_F]: bytes in flight where a program walks few
+    tiles), and sums them in fp32 in the fixed order of the walk, so the output is bit-reproducible. Each tile is
+    scaled by its pair's routing weight as it is reduced; with HAS_B2 each pair's bias too, after its last tile.
+    With SHARED_CHUNKS, then the shared experts' ws2 row tiles over Fs, weight 1 (added, not multiplied), into
+    the same fp32 sum."""
     token = tl.program_id(0)
     d_block = tl.program_id(1)
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -257,42 +302,25 @@ def _down_kernel(
     offs_f = tl.arange(0, BLOCK_F)
     first_pair = token * TOP_K
     steps_per_pair = tl.cdiv(intermediate_size, BLOCK_F)
+    walk = TOP_K * steps_per_pair
     if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
-        expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
-        known = (expert >= 0) & (expert < num_experts)
-        w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
-                          + offs_f[None, :], mask=d_mask[:, None] & (offs_f < intermediate_size)[None, :],
-                          other=0.0, eviction_policy=WEIGHT_EVICTION)
+        first = _walk_load(
+            w2_ptr, topk_ids_ptr, first_pair, 0, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
+            d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES, WEIGHT_EVICTION, ".cg")
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     start = 0
-    if PRELOAD:  # the walk's first tile, preloaded
-        h = _pair_hidden(hidden_ptr, first_pair, 0, offs_f, offs_f < intermediate_size, known, stride_hp)
-        scale = tl.where(known, tl.load(topk_weights_ptr + first_pair).to(tl.float32), 0.0)
-        total += scale * tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
-        if HAS_B2:
-            if steps_per_pair == 1:  # that tile was the first pair's last: its bias, weighted
-                total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
-                                         mask=d_mask, other=0.0).to(tl.float32)
-        start = 1
-    for step in range(start, TOP_K * steps_per_pair):
-        j = step // steps_per_pair
-        f0 = (step - j * steps_per_pair) * BLOCK_F
-        pair = first_pair + j
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-        known = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) adds nothing
-        f_mask = offs_f < intermediate_size - f0
-        h = _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp)
-        w = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
-                    + (f0 + offs_f)[None, :], mask=d_mask[:, None] & f_mask[None, :], other=0.0,
-                    eviction_policy=WEIGHT_EVICTION).to(tl.float32)
-        scale = tl.where(known, tl.load(topk_weights_ptr + pair).to(tl.float32), 0.0)
-        total += scale * tl.sum(w * h[None, :], axis=1)
-        if HAS_B2:
-            if step - j * steps_per_pair == steps_per_pair - 1:  # the pair's last tile: its bias, weighted
-                total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
-                                         mask=d_mask, other=0.0).to(tl.float32)
+    if PRELOAD:  # the walk's first TILES tiles, preloaded
+        total = _walk_add(total, first, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
+                          steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
+        start = TILES
+    for step in range(start, walk, TILES):
+        tiles = _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts,
+                           intermediate_size, offs_d, d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES,
+                           WEIGHT_EVICTION, "")
+        total = _walk_add(total, tiles, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
+                          steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
     if SHARED_CHUNKS > 0:  # after the k routed pairs: the shared experts' Fs units, weight 1, no routing scale
         # gate-up wrote token t's S chunks as consecutive rows of a contiguous hidden: Fs units back to back
         shared_row = hidden_ptr + (num_routed_pairs + token * SHARED_CHUNKS).to(tl.int64) * stride_hp
@@ -404,7 +432,7 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None) -> 
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, TILES=down_tiles(tokens, hidden_size), num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )
