@@ -13,15 +13,18 @@
 #            bench/experiments/down_walk.py --steps (the arm's candidates at Qwen3, V2-Lite and v4-shape widths, then
 #            the tg128 rows of the best two against bench/experiments/baseline_moe_gemv.py, the revision before, when
 #            that file is in the tree: `git show REV:kernels/moe_gemv.py > bench/experiments/baseline_moe_gemv.py`)
+#   confirm  the defaults since (down's narrow walk, shared_fold=on): their GPU tests, then the profiled tg128 @ b1 rows
+#            of Qwen3-30B-A3B and DeepSeek-V2-Lite and v4-shape's row (run 57: 1.268x; its down is the one-tile walk)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
-#   bash bench/gpu_next.sh walk             # about 9 minutes
+#   bash bench/gpu_next.sh walk             # about 3 minutes
+#   bash bench/gpu_next.sh confirm          # about 4 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -35,5 +38,13 @@ want walk && TAIL=8 stage 90 pytest_walk python3 -m pytest -m gpu -q -p no:cache
 BASELINE=bench/experiments/baseline_moe_gemv.py
 want walk && TAIL=60 stage 470 down_walk env OUT="$OUT" python3 bench/experiments/down_walk.py --steps \
     $([ -f $BASELINE ] && echo --baseline $BASELINE)
+want confirm && TAIL=8 stage 150 pytest_confirm python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_moe_gemv_walk.py tests/test_moe_gemv_shared.py tests/test_moe_gemv_clamped.py tests/test_decode_fused_mla.py
+want confirm && TAIL=30 stage 80 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random \
+    --reps 2 --profile --json-out "$OUT/qwen3_tg128.json"
+want confirm && TAIL=30 stage 80 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deepseek-v2-lite --weights random \
+    --reps 2 --profile --json-out "$OUT/dsv2_tg128.json"
+want confirm && TAIL=8 stage 80 v4_tg128 python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
+    --reps 3 --gpu-weights --no-progress --format md --json-out "$OUT/v4_tg128.json"
 say "done in ${SECONDS}s"
 exit 0

@@ -150,7 +150,7 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "fused sinks attention for head_dim-512 layers; off = unfused reference"),
     FlagSpec("fused_mask", "honor", "honor, decline or drop", _parse_choice(FUSED_MASK_MODES), "select",
              FUSED_MASK_MODES, "fused arm applies the mask / declines when one is present / ignores it"),
-    FlagSpec("shared_fold", False, "on or off", _parse_switch, "bool", (True, False),
+    FlagSpec("shared_fold", True, "on or off", _parse_switch, "bool", (True, False),
              "shared experts (DeepSeek) computed inside the routed GEMV arm's two launches at a one-row decode step "
              "(weight 1, the output rounded once: tokens may differ at a near tie); off = their own launches and an "
              "add after the arm"),

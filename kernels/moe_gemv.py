@@ -77,9 +77,13 @@ NUM_WARPS = 4
 # added 702 µs to a Qwen3 step against 852 (run 60). Down halving its outputs per program there (256 programs
 # to 512) added 773 µs against 606, so down keeps DOWN_BLOCK_D at every shape.
 MIN_GATE_UP_PROGRAMS = 640
-# Down loads DOWN_TILES tiles of its walk at once when a call launches fewer than MIN_DOWN_PROGRAMS programs (a
-# narrow model at one token: few programs, each with few tiles, so too few bytes in flight per SM).
-DOWN_TILES = 1
+# A call that would launch fewer than MIN_DOWN_PROGRAMS down programs (a narrow model at one token: Qwen3-30B-A3B
+# and DeepSeek-V2-Lite, D = 2048, 256 programs of one 12-22 KB tile in flight each) runs NARROW_DOWN_BLOCK_D
+# outputs per program, DOWN_TILES tiles of its walk per load. Run 66 (bench/experiments/down_walk.py), one token:
+# the arm 24.6 against 30.0 us (Qwen3), 42.9 against 51.1 (V2-Lite, shared experts folded); the tg128 step 2573
+# against 2694 and 2149 against 2377 us. (8, 2) came second in both; v4-shape (512 programs) keeps one tile.
+DOWN_TILES = 4
+NARROW_DOWN_BLOCK_D = 4
 MIN_DOWN_PROGRAMS = 512
 
 
@@ -91,10 +95,12 @@ def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
     return GATE_UP_F_STEPS
 
 
-def down_tiles(tokens: int, hidden_size: int) -> int:
-    """Down's TILES for a call of `tokens` tokens: DOWN_TILES below MIN_DOWN_PROGRAMS programs, else 1 (shapes
-    only: CUDA-graph safe)."""
-    return DOWN_TILES if tokens * triton.cdiv(hidden_size, DOWN_BLOCK_D) < MIN_DOWN_PROGRAMS else 1
+def down_schedule(tokens: int, hidden_size: int) -> tuple[int, int]:
+    """Down's (BLOCK_D, TILES) for a call of `tokens` tokens: (NARROW_DOWN_BLOCK_D, DOWN_TILES) where
+    (DOWN_BLOCK_D, 1) would launch fewer than MIN_DOWN_PROGRAMS programs (shapes only: CUDA-graph safe)."""
+    if tokens * triton.cdiv(hidden_size, DOWN_BLOCK_D) < MIN_DOWN_PROGRAMS:
+        return NARROW_DOWN_BLOCK_D, DOWN_TILES
+    return DOWN_BLOCK_D, 1
 
 
 @triton.jit
@@ -220,6 +226,14 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp):
+    """A pair's hidden[f0 : f0 + BLOCK_F] in fp32; an unknown pair's (an id outside [0, E)) row, which gate-up
+    never wrote, is taken as 0 rather than multiplied by its weight of 0."""
+    return tl.where(known, tl.load(hidden_ptr + pair.to(tl.int64) * stride_hp + f0 + offs_f, mask=f_mask,
+                                   other=0.0).to(tl.float32), 0.0)
+
+
+@triton.jit
 def _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
                d_mask, offs_f, stride_we, stride_wr, BLOCK_F: tl.constexpr, TILES: tl.constexpr,
                WEIGHT_EVICTION: tl.constexpr, IDS_CACHE: tl.constexpr):
@@ -303,24 +317,62 @@ def _down_kernel(
     first_pair = token * TOP_K
     steps_per_pair = tl.cdiv(intermediate_size, BLOCK_F)
     walk = TOP_K * steps_per_pair
-    if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
-        first = _walk_load(
-            w2_ptr, topk_ids_ptr, first_pair, 0, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
-            d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES, WEIGHT_EVICTION, ".cg")
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-    total = tl.zeros([BLOCK_D], dtype=tl.float32)
-    start = 0
-    if PRELOAD:  # the walk's first TILES tiles, preloaded
-        total = _walk_add(total, first, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
-                          steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
-        start = TILES
-    for step in range(start, walk, TILES):
-        tiles = _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts,
-                           intermediate_size, offs_d, d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES,
-                           WEIGHT_EVICTION, "")
-        total = _walk_add(total, tiles, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
-                          steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
+    if TILES == 1:  # one tile at a time (the build every launch above MIN_DOWN_PROGRAMS programs makes)
+        if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
+            expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
+            known = (expert >= 0) & (expert < num_experts)
+            w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
+                              + offs_f[None, :], mask=d_mask[:, None] & (offs_f < intermediate_size)[None, :],
+                              other=0.0, eviction_policy=WEIGHT_EVICTION)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        start = 0
+        if PRELOAD:  # the walk's first tile, preloaded
+            h = _pair_hidden(hidden_ptr, first_pair, 0, offs_f, offs_f < intermediate_size, known, stride_hp)
+            scale = tl.where(known, tl.load(topk_weights_ptr + first_pair).to(tl.float32), 0.0)
+            total += scale * tl.sum(w_first.to(tl.float32) * h[None, :], axis=1)
+            if HAS_B2:
+                if steps_per_pair == 1:  # that tile was the first pair's last: its bias, weighted
+                    total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
+                                             mask=d_mask, other=0.0).to(tl.float32)
+            start = 1
+        for step in range(start, TOP_K * steps_per_pair):
+            j = step // steps_per_pair
+            f0 = (step - j * steps_per_pair) * BLOCK_F
+            pair = first_pair + j
+            expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+            known = (expert >= 0) & (expert < num_experts)  # an id outside [0, E) adds nothing
+            f_mask = offs_f < intermediate_size - f0
+            h = _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp)
+            w = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
+                        + (f0 + offs_f)[None, :], mask=d_mask[:, None] & f_mask[None, :], other=0.0,
+                        eviction_policy=WEIGHT_EVICTION).to(tl.float32)
+            scale = tl.where(known, tl.load(topk_weights_ptr + pair).to(tl.float32), 0.0)
+            total += scale * tl.sum(w * h[None, :], axis=1)
+            if HAS_B2:
+                if step - j * steps_per_pair == steps_per_pair - 1:  # the pair's last tile: its bias, weighted
+                    total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
+                                             mask=d_mask, other=0.0).to(tl.float32)
+    else:  # TILES tiles in one load [TILES, BLOCK_D, BLOCK_F]
+        if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
+            first = _walk_load(
+                w2_ptr, topk_ids_ptr, first_pair, 0, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
+                d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES, WEIGHT_EVICTION, ".cg")
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        start = 0
+        if PRELOAD:  # the walk's first TILES tiles, preloaded
+            total = _walk_add(total, first, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
+                              steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
+            start = TILES
+        for step in range(start, walk, TILES):
+            tiles = _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts,
+                               intermediate_size, offs_d, d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES,
+                               WEIGHT_EVICTION, "")
+            total = _walk_add(total, tiles, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
+                              steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
     if SHARED_CHUNKS > 0:  # after the k routed pairs: the shared experts' Fs units, weight 1, no routing scale
         # gate-up wrote token t's S chunks as consecutive rows of a contiguous hidden: Fs units back to back
         shared_row = hidden_ptr + (num_routed_pairs + token * SHARED_CHUNKS).to(tl.int64) * stride_hp
@@ -428,11 +480,12 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None) -> 
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
-    _down_kernel[(tokens, triton.cdiv(hidden_size, DOWN_BLOCK_D))](
+    down_block_d, down_tiles = down_schedule(tokens, hidden_size)
+    _down_kernel[(tokens, triton.cdiv(hidden_size, down_block_d))](
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_D=DOWN_BLOCK_D, BLOCK_F=down_block_f, TILES=down_tiles(tokens, hidden_size), num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, TILES=down_tiles, num_warps=NUM_WARPS,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )

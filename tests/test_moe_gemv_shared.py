@@ -226,15 +226,15 @@ def test_gpu_fold_at_v2_lite_widths_in_a_cuda_graph(tokens):
 # ------------------------------------------------------------------------------------------------ the flag
 
 
-def test_shared_fold_flag_is_off_by_default_typed_and_recorded():
+def test_shared_fold_flag_is_on_by_default_typed_and_recorded():
     from engine import flags
     from engine.errors import UserError
 
     resolved = flags.resolve(environ={})
-    assert resolved["shared_fold"] is False and resolved.sources["shared_fold"] == flags.DEFAULT
-    assert "shared_fold=off" in resolved.describe()  # what results headers and bench footers print
-    on = flags.resolve(["shared_fold=on"], environ={"MOEI_SHARED_FOLD": "off"})
-    assert on["shared_fold"] is True and on.to_json()["shared_fold"] == {"value": True, "source": flags.COMMAND_LINE}
-    assert flags.resolve(environ={"MOEI_SHARED_FOLD": "on"})["shared_fold"] is True
+    assert resolved["shared_fold"] is True and resolved.sources["shared_fold"] == flags.DEFAULT
+    assert "shared_fold=on" in resolved.describe()  # what results headers and bench footers print
+    off = flags.resolve(["shared_fold=off"], environ={"MOEI_SHARED_FOLD": "on"})
+    assert off["shared_fold"] is False and off.to_json()["shared_fold"] == {"value": False, "source": flags.COMMAND_LINE}
+    assert flags.resolve(environ={"MOEI_SHARED_FOLD": "off"})["shared_fold"] is False
     with pytest.raises(UserError, match="flag shared_fold in --set: 'sometimes' is not allowed; allowed: on or off"):
         flags.resolve(["shared_fold=sometimes"], environ={})

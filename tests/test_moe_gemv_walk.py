@@ -1,4 +1,4 @@
-"""kernels.moe_gemv's down walk loading TILES tiles at once (DOWN_TILES, taken below MIN_DOWN_PROGRAMS programs):
+"""kernels.moe_gemv's down walk loading TILES tiles at once (the narrow schedule, below MIN_DOWN_PROGRAMS programs):
 against the torch references with ids outside [0, E), masked F tails, walks whose length is not a multiple of
 TILES, the preloaded first group (as under PDL), the gpt-oss biases and the shared experts' fold; bit-reproducible
 from call to call.
@@ -21,9 +21,10 @@ from kernels.moe_gemv import moe_gemv, moe_gemv_clamped
 from kernels.reference import moe_reference_gpt_oss
 
 
-def _walk(monkeypatch, tiles, preload, block_f=16):
-    """Down at `tiles` tiles per load whatever the shape, F walked in tiles of `block_f`."""
+def _walk(monkeypatch, tiles, preload, block_f=16, block_d=4):
+    """Down at `tiles` tiles per load of `block_d` outputs whatever the shape, F walked in tiles of `block_f`."""
     monkeypatch.setattr(moe_gemv_module, "DOWN_TILES", tiles)
+    monkeypatch.setattr(moe_gemv_module, "NARROW_DOWN_BLOCK_D", block_d)
     monkeypatch.setattr(moe_gemv_module, "MIN_DOWN_PROGRAMS", 1 << 30)
     monkeypatch.setattr(moe_gemv_module, "DOWN_BLOCK_F", block_f)
     monkeypatch.setattr(moe_gemv_module.pdl, "preload", lambda device, kernel: preload)
@@ -90,12 +91,16 @@ def test_walk_of_several_tiles_with_the_shared_fold(tiles, monkeypatch):
     assert relative_error(out, reference) <= TOLERANCE[torch.float32]
 
 
-def test_down_tiles_only_below_the_program_count(monkeypatch):
-    monkeypatch.setattr(moe_gemv_module, "DOWN_TILES", 2)
-    below = (moe_gemv_module.MIN_DOWN_PROGRAMS - 1) * moe_gemv_module.DOWN_BLOCK_D  # one program short
-    assert moe_gemv_module.down_tiles(1, below) == 2
-    assert moe_gemv_module.down_tiles(1, below + moe_gemv_module.DOWN_BLOCK_D) == 1
-    assert moe_gemv_module.down_tiles(2, below) == 1
+def test_the_narrow_schedule_only_below_the_program_count():
+    module = moe_gemv_module
+    below = (module.MIN_DOWN_PROGRAMS - 1) * module.DOWN_BLOCK_D  # one program short at DOWN_BLOCK_D
+    narrow = (module.NARROW_DOWN_BLOCK_D, module.DOWN_TILES)
+    assert module.DOWN_TILES > 1
+    assert module.down_schedule(1, below) == narrow
+    assert module.down_schedule(1, below + module.DOWN_BLOCK_D) == (module.DOWN_BLOCK_D, 1)
+    assert module.down_schedule(2, below) == (module.DOWN_BLOCK_D, 1)
+    assert module.down_schedule(1, 2048) == narrow  # Qwen3-30B-A3B and DeepSeek-V2-Lite at one token
+    assert module.down_schedule(1, 4096) == (module.DOWN_BLOCK_D, 1)  # v4-shape
 
 
 @pytest.mark.gpu
@@ -111,6 +116,7 @@ def test_gpu_walk_of_several_tiles_in_bf16_and_a_graph(shape, tiles, monkeypatch
     w13 = (torch.randn(experts, 2 * intermediate, hidden, generator=generator, device="cuda") / hidden ** 0.5).bfloat16()
     w2 = (torch.randn(experts, hidden, intermediate, generator=generator, device="cuda") / intermediate ** 0.5).bfloat16()
     reference = _routed(x, w13, w2, ids, weights)
+    monkeypatch.setattr(moe_gemv_module, "MIN_DOWN_PROGRAMS", 0)  # one tile at a time at every shape
     one = moe_gemv(x, w13, w2, ids, weights)
     monkeypatch.setattr(moe_gemv_module, "DOWN_TILES", tiles)
     monkeypatch.setattr(moe_gemv_module, "MIN_DOWN_PROGRAMS", 1 << 30)

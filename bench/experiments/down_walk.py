@@ -3,7 +3,7 @@ one token launches few down programs (Qwen3-30B-A3B: D 2048, F 768, E 128, top-8
 F 1408, E 64, top-6, its two shared experts folded in as shared_fold=on runs them), v4-shape (D 4096, F 2048,
 E 256, top-6) for comparison.
 
-Part 1, the arm: each candidate (DOWN_BLOCK_D, DOWN_BLOCK_F, TILES) checked against the reference, then both
+Part 1, the arm: each candidate (BLOCK_D, DOWN_BLOCK_F, TILES) checked against the reference, then both
 kernels timed replayed 10 calls to a CUDA graph, beside the bandwidth bound of the bytes read (copy bandwidth
 measured in this run); with --baseline FILE (another revision's kernels/moe_gemv.py, e.g. `git show
 REV:kernels/moe_gemv.py`), that module's arm at its own table first. Part 2 (--steps), the step: the bench's tg128
@@ -35,16 +35,16 @@ from kernels.reference import moe_reference  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768, 128, 8, 0), "dsv2": (2048, 1408, 64, 6, 2816), "v4": (4096, 2048, 256, 6, 0)}
 CONFIGS = {"qwen3": "bench/configs/qwen3-30b-a3b", "dsv2": "bench/configs/deepseek-v2-lite"}
-# (DOWN_BLOCK_D, DOWN_BLOCK_F, TILES); the first is the table before TILES
+# (BLOCK_D, DOWN_BLOCK_F, TILES) as the narrow schedule's; the first is the one-tile walk at DOWN_BLOCK_D
 CANDIDATES = [(8, 1024, 1), (8, 1024, 2), (4, 1024, 2), (4, 1024, 4), (8, 512, 2), (8, 512, 4), (8, 256, 4),
               (16, 512, 2), (16, 256, 4), (4, 512, 4), (2, 1024, 4)]
-FIELDS = ("DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_TILES")
+FIELDS = ("NARROW_DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_TILES")
 
 
 def _set(candidate) -> None:
     for field, value in zip(FIELDS, candidate):
         setattr(moe_gemv, field, value)
-    moe_gemv.MIN_DOWN_PROGRAMS = 1 << 30  # exactly these tiles
+    moe_gemv.MIN_DOWN_PROGRAMS = 1 << 30  # the narrow schedule at every shape: exactly these blocks
 
 
 def load_baseline(path: str):
