@@ -84,6 +84,7 @@ MIN_GATE_UP_PROGRAMS = 640
 # against 2694 and 2149 against 2377 us. (8, 2) came second in both; v4-shape (512 programs) keeps one tile.
 DOWN_TILES = 4
 NARROW_DOWN_BLOCK_D = 4
+NARROW_DOWN_WARPS = 4
 MIN_DOWN_PROGRAMS = 512
 
 
@@ -95,12 +96,13 @@ def gate_up_f_steps(tokens: int, intermediate: int, top_k: int) -> int:
     return GATE_UP_F_STEPS
 
 
-def down_schedule(tokens: int, hidden_size: int) -> tuple[int, int]:
-    """Down's (BLOCK_D, TILES) for a call of `tokens` tokens: (NARROW_DOWN_BLOCK_D, DOWN_TILES) where
-    (DOWN_BLOCK_D, 1) would launch fewer than MIN_DOWN_PROGRAMS programs (shapes only: CUDA-graph safe)."""
+def down_schedule(tokens: int, hidden_size: int) -> tuple[int, int, int]:
+    """Down's (BLOCK_D, TILES, warps) for a call of `tokens` tokens: (NARROW_DOWN_BLOCK_D, DOWN_TILES,
+    NARROW_DOWN_WARPS) where (DOWN_BLOCK_D, 1, NUM_WARPS) would launch fewer than MIN_DOWN_PROGRAMS programs
+    (shapes only: CUDA-graph safe)."""
     if tokens * triton.cdiv(hidden_size, DOWN_BLOCK_D) < MIN_DOWN_PROGRAMS:
-        return NARROW_DOWN_BLOCK_D, DOWN_TILES
-    return DOWN_BLOCK_D, 1
+        return NARROW_DOWN_BLOCK_D, DOWN_TILES, NARROW_DOWN_WARPS
+    return DOWN_BLOCK_D, 1, NUM_WARPS
 
 
 @triton.jit
@@ -480,12 +482,12 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None) -> 
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
-    down_block_d, down_tiles = down_schedule(tokens, hidden_size)
+    down_block_d, down_tiles, down_warps = down_schedule(tokens, hidden_size)
     _down_kernel[(tokens, triton.cdiv(hidden_size, down_block_d))](
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,
         hidden.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, TILES=down_tiles, num_warps=NUM_WARPS,
+        TOP_K=top_k, BLOCK_D=down_block_d, BLOCK_F=down_block_f, TILES=down_tiles, num_warps=down_warps,
         **pdl.launch_options(x.device), PRELOAD=pdl.preload(x.device, "down"),
         WEIGHT_EVICTION=streaming.weight_eviction(x.device), **down_extra,
     )

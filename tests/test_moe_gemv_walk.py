@@ -94,13 +94,14 @@ def test_walk_of_several_tiles_with_the_shared_fold(tiles, monkeypatch):
 def test_the_narrow_schedule_only_below_the_program_count():
     module = moe_gemv_module
     below = (module.MIN_DOWN_PROGRAMS - 1) * module.DOWN_BLOCK_D  # one program short at DOWN_BLOCK_D
-    narrow = (module.NARROW_DOWN_BLOCK_D, module.DOWN_TILES)
+    narrow = (module.NARROW_DOWN_BLOCK_D, module.DOWN_TILES, module.NARROW_DOWN_WARPS)
+    wide = (module.DOWN_BLOCK_D, 1, module.NUM_WARPS)
     assert module.DOWN_TILES > 1
     assert module.down_schedule(1, below) == narrow
-    assert module.down_schedule(1, below + module.DOWN_BLOCK_D) == (module.DOWN_BLOCK_D, 1)
-    assert module.down_schedule(2, below) == (module.DOWN_BLOCK_D, 1)
+    assert module.down_schedule(1, below + module.DOWN_BLOCK_D) == wide
+    assert module.down_schedule(2, below) == wide
     assert module.down_schedule(1, 2048) == narrow  # Qwen3-30B-A3B and DeepSeek-V2-Lite at one token
-    assert module.down_schedule(1, 4096) == (module.DOWN_BLOCK_D, 1)  # v4-shape
+    assert module.down_schedule(1, 4096) == wide  # v4-shape
 
 
 @pytest.mark.gpu

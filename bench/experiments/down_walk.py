@@ -35,10 +35,12 @@ from kernels.reference import moe_reference  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768, 128, 8, 0), "dsv2": (2048, 1408, 64, 6, 2816), "v4": (4096, 2048, 256, 6, 0)}
 CONFIGS = {"qwen3": "bench/configs/qwen3-30b-a3b", "dsv2": "bench/configs/deepseek-v2-lite"}
-# (BLOCK_D, DOWN_BLOCK_F, TILES) as the narrow schedule's; the first is the one-tile walk at DOWN_BLOCK_D
-CANDIDATES = [(8, 1024, 1), (8, 1024, 2), (4, 1024, 2), (4, 1024, 4), (8, 512, 2), (8, 512, 4), (8, 256, 4),
-              (16, 512, 2), (16, 256, 4), (4, 512, 4), (2, 1024, 4)]
-FIELDS = ("NARROW_DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_TILES")
+# (BLOCK_D, DOWN_BLOCK_F, TILES, warps) as the narrow schedule's; the first is the one-tile walk at DOWN_BLOCK_D
+CANDIDATES = [(8, 1024, 1, 4), (4, 1024, 4, 4), (4, 1024, 4, 8), (8, 1024, 4, 8), (4, 1024, 8, 8), (8, 1024, 2, 8),
+              (2, 1024, 8, 4), (4, 512, 8, 8), (8, 512, 4, 8), (8, 1024, 2, 4)]
+# run 66, at 4 warps: (8, 1024, 2), (4, 1024, 2), (8, 512, 2), (8, 512, 4), (8, 256, 4), (16, 512, 2), (16, 256, 4),
+# (4, 512, 4), (2, 1024, 4) all behind (4, 1024, 4)
+FIELDS = ("NARROW_DOWN_BLOCK_D", "DOWN_BLOCK_F", "DOWN_TILES", "NARROW_DOWN_WARPS")
 
 
 def _set(candidate) -> None:
@@ -88,7 +90,7 @@ def arm_rows(shapes, bandwidth, baseline=None) -> list[dict]:
         for candidate in CANDIDATES:
             _set(candidate)
             label = {"shape": shape, "block_d": candidate[0], "block_f": candidate[1], "tiles": candidate[2],
-                     "table": candidate == CANDIDATES[0]}
+                     "warps": candidate[3], "table": candidate == CANDIDATES[0]}
             try:
                 out = moe_gemv.moe_gemv(x, w13, w2, ids, weights, shared=shared).float()
                 error = ((out - expected).abs().max() / expected.abs().max()).item()
@@ -157,17 +159,18 @@ def main() -> int:
     bandwidth = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; commit {commit_label()}")
     rows = arm_rows(args.shapes.split(","), bandwidth, load_baseline(args.baseline) if args.baseline else None)
-    print("| shape | BLOCK_D | BLOCK_F | TILES | arm us | x bound | rel err |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| shape | BLOCK_D | BLOCK_F | TILES | warps | arm us | x bound | rel err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']} | failed: {row['error']} | | |")
+            print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']} | {row['warps']} | "
+                  f"failed: {row['error']} | | |")
             continue
         mark = " (table)" if row["table"] else ""
         if row.get("baseline"):
-            print(f"| {row['shape']} | baseline | | | {row['us']:.2f} | {row['ratio']:.3f} | {row['max_rel_error']:.1e} |")
+            print(f"| {row['shape']} | baseline | | | | {row['us']:.2f} | {row['ratio']:.3f} | {row['max_rel_error']:.1e} |")
             continue
-        print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']}{mark} | {row['us']:.2f} | "
+        print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']}{mark} | {row['warps']} | {row['us']:.2f} | "
               f"{row['ratio']:.3f} | {row['max_rel_error']:.1e}{'' if row['ok'] else ' WRONG'} |", flush=True)
     steps = []
 
@@ -185,8 +188,9 @@ def main() -> int:
             else:
                 good = sorted((r for r in rows if r["shape"] == shape and r.get("ok") and not r["table"]
                                and not r.get("baseline")), key=lambda r: r["us"])[:2]
-                plan = [("baseline" if base else "table", None if base else CANDIDATES[0], base)]
-                plan += [(f"best{i + 1}", (r["block_d"], r["block_f"], r["tiles"]), "") for i, r in enumerate(good)]
+                plan = [("baseline" if base else "table", None, base)]  # None: the module's own schedule
+                plan += [(f"best{i + 1}", (r["block_d"], r["block_f"], r["tiles"], r["warps"]), "")
+                         for i, r in enumerate(good)]
                 plan += [(plan[0][0] + "-again", plan[0][1], base)]
             for tag, candidate, baseline in plan:
                 row = step_row(shape, candidate, out_dir, tag, baseline)
