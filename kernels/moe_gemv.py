@@ -20,7 +20,9 @@ when pairs rarely share an expert):
                                              each tile scaled by its pair's routing weight and
                                              summed in fp32 in the fixed order j = 0..k-1
 Down needs no partials and no arrivals: a program holds every pair of its outputs, so the sum is
-made in one place, in one order, and the output is bit-reproducible. An id outside [0, E) reads
+made in one place, in one order, and the output is bit-reproducible. Where a call has too few programs to keep
+the SMs' loads in flight (fewer than MIN_DOWN_PROGRAMS: D = 2048 at one token), each program loads DOWN_TILES
+tiles of its walk at once ([TILES, BLOCK_D, BLOCK_F]) on NARROW_DOWN_WARPS warps (`down_schedule`). An id outside [0, E) reads
 expert 0's rows (valid memory) and weighs 0, with its hidden row (never written by gate-up) taken
 as 0, so such a pair adds an exact 0.
 
@@ -78,13 +80,15 @@ NUM_WARPS = 4
 # to 512) added 773 µs against 606, so down keeps DOWN_BLOCK_D at every shape.
 MIN_GATE_UP_PROGRAMS = 640
 # A call that would launch fewer than MIN_DOWN_PROGRAMS down programs (a narrow model at one token: Qwen3-30B-A3B
-# and DeepSeek-V2-Lite, D = 2048, 256 programs of one 12-22 KB tile in flight each) runs NARROW_DOWN_BLOCK_D
-# outputs per program, DOWN_TILES tiles of its walk per load. Run 66 (bench/experiments/down_walk.py), one token:
-# the arm 24.6 against 30.0 us (Qwen3), 42.9 against 51.1 (V2-Lite, shared experts folded); the tg128 step 2573
-# against 2694 and 2149 against 2377 us. (8, 2) came second in both; v4-shape (512 programs) keeps one tile.
+# and DeepSeek-V2-Lite, D = 2048, 256 programs of one 12-22 KB tile in flight each) loads DOWN_TILES tiles of its
+# walk at once, NARROW_DOWN_BLOCK_D outputs a program on NARROW_DOWN_WARPS warps. One token, H200
+# (bench/experiments/down_walk.py): run 66, four tiles of 4 x 1024 on 4 warps: the arm 24.6 against 30.0 us
+# (Qwen3), 42.9 against 51.1 (V2-Lite, shared experts folded), the tg128 step 2573 against 2694 and 2149 against
+# 2377 us; run 68, four tiles of 8 x 1024 on 8 warps: the step 2554 against 2567-2569 and 2129 against 2142-2143.
+# v4-shape (512 programs) keeps one tile.
 DOWN_TILES = 4
-NARROW_DOWN_BLOCK_D = 4
-NARROW_DOWN_WARPS = 4
+NARROW_DOWN_BLOCK_D = 8
+NARROW_DOWN_WARPS = 8
 MIN_DOWN_PROGRAMS = 512
 
 
