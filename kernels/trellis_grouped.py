@@ -98,7 +98,7 @@ SCHEDULES = {
     "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4, decode="tensor"),
 }
-DEFAULT_SCHEDULE = "m64"
+DEFAULT_SCHEDULE = "m64"  # auto's pick up to AUTO_WIDE_ABOVE_PAIRS pairs an expert
 BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: the bench times both
 # "auto": m128 where the routing's mean pairs per expert (n k / E) passes 64, else m64. Above 64 pairs an
 # expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
@@ -106,6 +106,8 @@ BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: 
 # Not at K = 3: m128's 64-row gate-up block is 32 two-row units by 4 tile columns, fewer than its 256
 # threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6).
 # Chosen from the shapes alone (no device read), so a CUDA graph captures one schedule per n.
+# The launchers' default (run 65, v4-shape experts, K = 2: at n = 8192 m128 took 21.1 / 15.1 / 14.3 ms against
+# m64's 24.1 / 16.7 / 15.4 for hyb / 3inst / 1mad; at n = 2048 auto runs m64).
 AUTO_SCHEDULE = "auto"
 AUTO_WIDE_ABOVE_PAIRS = 64
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
@@ -378,7 +380,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
 
 def moe_trellis_grouped(x: torch.Tensor, w13: TrellisMatrix, w2: TrellisMatrix, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, *, tile_m: int = DEFAULT_TILE_M,
-                        schedule: str = DEFAULT_SCHEDULE) -> torch.Tensor:
+                        schedule: str = AUTO_SCHEDULE) -> torch.Tensor:
     """The fused-decode grouped arm; the contract of `kernels.reference.moe_reference` over the dequantized
     stacks. Never waits for the device (CUDA-graph capturable)."""
     return _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, False, "trellis_grouped")
@@ -386,7 +388,7 @@ def moe_trellis_grouped(x: torch.Tensor, w13: TrellisMatrix, w2: TrellisMatrix, 
 
 def moe_trellis_dequant(x: torch.Tensor, w13: TrellisMatrix, w2: TrellisMatrix, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, *, tile_m: int = DEFAULT_TILE_M,
-                        schedule: str = DEFAULT_SCHEDULE) -> torch.Tensor:
+                        schedule: str = AUTO_SCHEDULE) -> torch.Tensor:
     """The dequantize-then-grouped arm: the woken experts decoded to x's dtype, then the same grouped
     products. Equal to `moe_trellis_grouped` bit for bit (same weights, tiles and K order)."""
     return _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, True, "trellis_dequant")

@@ -10,6 +10,7 @@ at v4-shape), the register cap, and a CUDA-graph replay of the "auto" pick.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -128,6 +129,8 @@ def test_auto_picks_wide_windows_above_64_pairs_per_expert():
     assert resolve_schedule("auto", 2731, 6, 256, 4) == "m128"  # 64.01: two 64-row windows or one of 128
     assert resolve_schedule("auto", 2730, 6, 256, 2) == "m64"  # 63.98
     assert resolve_schedule("auto", 8192, 6, 256, 3) == "m64"  # K = 3: m128's gate-up would decode twice
+    for launcher in (grouped_module.moe_trellis_grouped, grouped_module.moe_trellis_dequant):  # the arms run auto
+        assert inspect.signature(launcher).parameters["schedule"].default == "auto"
     assert resolve_schedule("m64t", 8192, 6, 256, 2) == "m64t"  # a named schedule is itself
     assert all(resolve_schedule(name, 1, 1, 1, 2) in grouped_module.SCHEDULES
                for name in grouped_module.SCHEDULE_NAMES)
