@@ -336,6 +336,22 @@ def test_targets_print_the_hosts_busy_time_and_the_devices_wait_for_it():
     assert "71.1 µs (median 12.0, p90 30.5: the mean counts the slow tail) of 146.7 µs device = 48.5 %" in text
 
 
+def test_decode_targets_are_the_projects_shapes_and_no_other():
+    assert bench.decode_target("v4-shape") == 1.3
+    assert bench.decode_target("qwen3-moe:qwen3-30b-a3b") == 1.35
+    assert bench.decode_target("deepseek-v2:DeepSeek-V2-Lite") == 1.4
+    assert bench.decode_target("demo") is None and bench.decode_target("qwen3-moe:my-model") is None
+    entry = {"test": "tg128", "tps": 20000.0, "bound_tps": 1e6, "ratio_to_bound": 50.0, "target_ratio": None,
+             "host_us_per_step": 17.5, "device_us_per_step": None, "host_share": None, "target_host_share": 0.2,
+             "graph_steps": 0, "window_steps": 10, "wall_us_per_step": 50.0}
+    targets = {"active_weight_bytes_per_token": {"total": 4.2e6},
+               "copy_bandwidth": {"bytes_per_s": 4.26e12, "clock": "CUDA events"}, "rows": [entry]}
+    footer = {"model": "demo", "dtype": "bfloat16", "device": "H200", "commit": "c", "versions": {},
+              "flags": "", "graphs": "", "weights": "", "clocks": ""}
+    text = bench.format_markdown(bench.Report("demo", "cuda", [], footer, targets))
+    assert "50.00x the bound (no target for this model)" in text and "target <= 1.3x" not in text
+
+
 def test_host_time_quantiles_come_from_the_windows_steps():
     assert bench._quantile([5.0], 0.9) == 5.0
     assert bench._quantile([1.0, 2.0, 3.0, 4.0, 100.0], 0.5) == 3.0
