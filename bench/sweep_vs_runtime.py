@@ -12,6 +12,8 @@ bf16) and n = 1:
                            its routing is recorded (record_routing) and its distinct experts counted
     sweep --routing        the sweep's graph timing on that recording (windows of the runtime's own routing):
                            the sweep timing the arm the runtime's way, on the runtime's inputs
+    sweep --timing neighbours   the same arm between the runtime's router and next norm (engine.sweep_neighbours),
+                           uniform and on the recording: what it adds to them, the profile's definition
 and the ratios of each figure to the runtime's adds (target: the sweep's graph figure on the runtime's routing
 within 5 %; the uniform rows say by how much a uniform routing differs). An unprofiled tg32 @ b1 with the same
 seed runs first to record the routing (greedy decoding: the profiled run routes the same), then the sweeps and
@@ -144,6 +146,8 @@ def main() -> int:
         "graph_again": sweep_us("graph", scratch),  # twice: the spread of the sweep's own figure
         "graph_recorded": sweep_us("graph", scratch, routing=recording),
         "graph_recorded_again": sweep_us("graph", scratch, routing=recording),
+        "neighbours": sweep_us("neighbours", scratch),
+        "neighbours_recorded": sweep_us("neighbours", scratch, routing=recording),
         "same_inputs": blocks_us(),
         "rotating_inputs": blocks_us(rotations=4),
     }
@@ -157,6 +161,8 @@ def main() -> int:
         "graph_again": "sweep --timing graph, uniform",
         "graph_recorded": "sweep graph, runtime's steps in order",
         "graph_recorded_again": "sweep graph, runtime's steps in order",
+        "neighbours": "sweep --timing neighbours, uniform",
+        "neighbours_recorded": "sweep neighbours, runtime's steps",
         "same_inputs": "graph_call_us, one routing",
         "rotating_inputs": "graph_call_us, 4 uniform",
     }
@@ -174,6 +180,9 @@ def main() -> int:
     verdict = "within" if worst <= TARGET else "NOT within"
     print(f"  the sweep's graph timing on the runtime's routing vs the runtime: {verdict} {100 * TARGET:.0f} % "
           f"(worst {100 * worst:.1f} %)")
+    between = abs(ratios["neighbours_recorded"] - 1)
+    print(f"  the sweep's neighbours timing (router before, next norm after) on the runtime's routing: "
+          f"{'within' if between <= TARGET else 'NOT within'} {100 * TARGET:.0f} % ({100 * between:.1f} %)")
     print(f"  on a uniform routing the sweep reads {uniform:.3f} x: each call wakes 6 experts no call before it woke "
           f"(graph_call_us with 4 rotating uniform routings: {ratios['rotating_inputs']:.3f} x, one routing "
           f"{ratios['same_inputs']:.3f} x)")
@@ -181,7 +190,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_vs_runtime.json").write_text(json.dumps(
         {"commit": commit_label(), "device": torch.cuda.get_device_name(), "figures_us": figures, "runtime": runtime,
-         "runtime_routing": routing, "ratios": ratios, "target": TARGET, "within": worst <= TARGET},
+         "runtime_routing": routing, "ratios": ratios, "target": TARGET, "within": worst <= TARGET,
+         "neighbours_within": between <= TARGET},
         indent=1, default=str))
     return 0 if worst <= TARGET else 1
 

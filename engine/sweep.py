@@ -85,13 +85,15 @@ SPIN_CYCLES = 1_000_000  # ~0.5 ms at H200 clocks: longer than any arm's host la
 MATMUL_SIZE = 8192
 COPY_BYTES = 1 << 30  # bytes of the copy source (the copy moves twice this)
 CHECK_TOLERANCE = 1e-2  # relative error vs reference in bf16 (see tests/test_moe_kernels.py)
-TIMINGS = ("graph", "cold")
+TIMINGS = ("graph", "cold", "neighbours")
 GRAPH_REPLAY_US = 1000.0  # calls per captured graph: about a millisecond of them, so a replay's ends weigh little
 MAX_GRAPH_CALLS = 64
 TIMING_DESCRIPTIONS = {
     "graph": "the runtime's way: calls back to back in one CUDA graph replay (PDL and the weights' L2 policy as "
              "the runtime launches them, L2 warm from the calls before), device time per call, median over replays",
     "cold": "one eager call after a clean 2x-L2 read and a device spin, CUDA events around it, median over calls",
+    "neighbours": "between the runtime's neighbours: a graph of (router, arm, next norm) calls less one of (router, "
+                  "next norm) calls, per call, median over replays (what the step's profile calls the arm's adds µs)",
 }
 
 
@@ -190,7 +192,8 @@ class SweepConfig:
         elif self.layers is not None:
             raise UserError("--layers picks layers of a routing file: give --routing FILE too")
         if self.timing not in TIMINGS:
-            raise UserError(f"--timing {self.timing!r}: choose graph (the runtime's way) or cold")
+            raise UserError(f"--timing {self.timing!r}: choose graph (the runtime's way), neighbours (between the "
+                            f"runtime's router and next norm) or cold")
         expected = TRELLIS_ARMS if self.experts is not None else ARMS
         wrong = [arm for arm in self.arms if arm not in expected]
         if wrong:
@@ -344,6 +347,23 @@ class _Timer:
         return median
 
 
+    def between_us(self, fn, neighbours, budget_ms: float = BUDGET_MS) -> float:
+        """Device µs `fn` adds between `neighbours` (engine.sweep_neighbours): graph_us of (before, fn, after)
+        less graph_us of (before, after), per call."""
+        def with_arm():
+            neighbours.before()
+            neighbours.after(fn())
+
+        def without():
+            neighbours.before()
+            neighbours.after(neighbours.stand_in)
+
+        added = self.graph_us(with_arm, budget_ms) - self.graph_us(without, budget_ms)
+        if not (math.isfinite(added) and added > 0):
+            raise MeasurementError(f"the arm added {added} µs between its neighbours: refusing to report it")
+        return added
+
+
 def _copy_bandwidth_gbs(timer: _Timer, device) -> float:
     import torch
 
@@ -480,6 +500,16 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         del arm_functions["torch_grouped_mm"]
 
     check_failed = False
+    neighbour_sets = {}
+
+    def neighbours(tokens: int):
+        """The runtime's kernels around an arm at n = tokens (engine.sweep_neighbours), drawn once per n."""
+        if tokens not in neighbour_sets:
+            from engine.sweep_neighbours import runtime_neighbours
+
+            neighbour_sets[tokens] = runtime_neighbours(shape.hidden, shape.experts, shape.top_k, tokens,
+                                                        torch.bfloat16, device, generator)
+        return neighbour_sets[tokens]
 
     def measure(tokens: int, sets: list, extra: dict) -> dict:
         """Every arm timed at n = tokens on `sets` (ROTATIONS (x, ids, weights) on the device): one row."""
@@ -504,9 +534,9 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
                 return function(x, w13, w2, ids, weights)
 
             timing, note = config.timing, ""
-            if timing == "graph":
+            if timing in ("graph", "neighbours"):
                 try:
-                    us = timer.graph_us(call)
+                    us = timer.graph_us(call) if timing == "graph" else timer.between_us(call, neighbours(tokens))
                 except MeasurementError:
                     raise
                 except Exception as error:  # noqa: BLE001 - an arm a graph cannot capture is timed cold, and says so

@@ -33,7 +33,8 @@ def test_only_a_crossover_timed_the_runtimes_way_is_read(tmp_path):
 def test_the_timing_method_is_checked():
     assert SweepConfig(model="tiny").timing == "graph"
     assert SweepConfig(model="tiny", timing="cold").timing == "cold"
-    with pytest.raises(UserError, match="--timing 'warm'"):
+    assert SweepConfig(model="tiny", timing="neighbours").timing == "neighbours"
+    with pytest.raises(UserError, match="--timing 'warm': choose graph .*, neighbours .* or cold"):
         SweepConfig(model="tiny", timing="warm")
 
 
@@ -83,3 +84,52 @@ def test_graph_timing_is_the_runtimes_within_five_percent():
     cold = timer.median_us(lambda: moe_gemv(x, w13, w2, ids, weights))
     assert abs(graph / peer - 1) < 0.05, (graph, peer)
     assert cold > 0.95 * graph, (cold, graph)
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["folded-router", "unfolded-router"])
+def test_the_neighbours_are_the_steps_router_and_next_norm(tokens):
+    """engine.sweep_neighbours launches what engine.decode_fused launches around a MoE arm: at one row the router's
+    fold (one launch), above it rms_norm, the logits' product and topk_softmax; then the next layer's rms_norm."""
+    import torch
+
+    from engine.sweep_neighbours import runtime_neighbours
+    from kernels import launches
+
+    neighbours = runtime_neighbours(48, 8, 2, tokens, torch.float32, torch.device("cpu"),
+                                    torch.Generator().manual_seed(tokens))
+    before = launches.snapshot()
+    neighbours.before()
+    router = launches.since(before)
+    before = launches.snapshot()
+    neighbours.after(neighbours.stand_in)
+    assert launches.since(before) == {"rms_norm": 1}
+    if tokens == 1:
+        assert router == {"gemv_route": 1} and "one launch" in neighbours.describe
+    else:
+        assert router.get("rms_norm") == 1 and router.get("topk_softmax") == 1, router
+    assert neighbours.stand_in.shape == (tokens, 48)
+
+
+@pytest.mark.gpu
+def test_neighbours_timing_is_what_the_arm_adds_between_them():
+    """The GEMV arm between the router and the next norm: more than nothing, less than the arm with the
+    neighbours' own time added, and within reach of the arm's graph figure (it overlaps their tails)."""
+    import torch
+
+    from engine.sweep import _Timer
+    from engine.sweep_neighbours import runtime_neighbours
+    from kernels.moe_gemv import moe_gemv
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    E, D, F, k = 64, 2048, 1024, 6
+    w13 = torch.randn(E, 2 * F, D, device=device, generator=generator, dtype=torch.bfloat16) / 45
+    w2 = torch.randn(E, D, F, device=device, generator=generator, dtype=torch.bfloat16) / 32
+    x = torch.randn(1, D, device=device, generator=generator, dtype=torch.bfloat16)
+    ids = torch.randperm(E, device=device, generator=generator)[:k].view(1, k).int()
+    weights = torch.softmax(torch.randn(1, k, device=device, generator=generator), -1).bfloat16()
+    timer = _Timer(device)
+    neighbours = runtime_neighbours(D, E, k, 1, torch.bfloat16, device, generator)
+    arm = timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights))
+    added = timer.between_us(lambda: moe_gemv(x, w13, w2, ids, weights), neighbours)
+    assert 0.5 * arm < added < 1.5 * arm, (added, arm)

@@ -50,9 +50,11 @@ def add_parser(subparsers) -> None:
     add_format_arguments(parser, ("text", "json"), "text")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file to write (default MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")
-    parser.add_argument("--timing", choices=("graph", "cold"), default="graph",
+    parser.add_argument("--timing", choices=("graph", "neighbours", "cold"), default="graph",
                         help="graph (default): calls back to back in a CUDA graph replay, as the runtime runs the "
-                             "arm (the calibration is written only from it); cold: one eager call after an L2 flush")
+                             "arm (the calibration is written only from it); neighbours: the same between the "
+                             "runtime's router and next norm, what the arm adds to them; cold: one eager call "
+                             "after an L2 flush")
     parser.set_defaults(run=run)
 
 
@@ -211,7 +213,7 @@ def _rows_table(rows: list[dict], arms: list[str], result: dict, observed: bool 
                 cells.append("n/a")
                 continue
             flag = "" if entry["rel_err"] is not None and entry["rel_err"] <= result["check_tolerance"] else " CHECK"
-            cold = " cold" if entry.get("timing") == "cold" and result.get("timing", {}).get("method") == "graph" else ""
+            cold = " cold" if entry.get("timing") == "cold" and result.get("timing", {}).get("method") != "cold" else ""
             cells.append(f"{_us(entry['us'])} ({entry['ratio']:.2f}){cold}{flag}")
         cells.append(_us(row["align_us"]))
         table.append(cells)

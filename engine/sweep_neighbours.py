@@ -1,0 +1,65 @@
+"""The kernels the fused decode step launches on either side of a MoE arm, for `sweep --timing neighbours`.
+
+In the step (engine.decode_fused) the arm runs between the router (at one row kernels.gemv_fused's fold:
+residual add, RMSNorm, the router's fp32 logits and the top-k in one launch; at more rows kernels.rms_norm, the
+router's product and kernels.router.topk_softmax) and the next layer's input RMSNorm over the arm's output
+(kernels.rms_norm with the residual add). Timed between them, an arm's kernels start under the router's tail
+(programmatic dependent launch) and hand over to the norm as they do in the step, so the time the arm adds to a
+graph of (router, arm, norm) calls, over one of (router, norm) calls, is what the runtime's profile calls the
+arm's "adds µs" (bench's kernel-share table).
+
+    before()       the router of an n-row step at the shape's D and E (its outputs discarded: the arm keeps
+                   the sweep's own routings)
+    after(out)     the next layer's input norm over the arm's output out [n, D]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Neighbours:
+    before: object  # () -> None
+    after: object  # (out [n, D]) -> None
+    stand_in: torch.Tensor  # [n, D]: what `after` reads in the graph without the arm
+    describe: str
+
+
+def runtime_neighbours(hidden: int, experts: int, top_k: int, tokens: int, dtype: torch.dtype,
+                       device: torch.device, generator: torch.Generator) -> Neighbours:
+    """The router before and the next norm after an arm at n = `tokens`, on fresh random inputs."""
+    from engine.decode_fused import _dense, _fused_rows
+    from kernels.gemv_fused import Norm, Route, gemv_fused
+    from kernels.rms_norm import rms_norm
+    from kernels.router import topk_softmax
+
+    def draw(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator, device=device)).to(dtype)
+
+    x = draw(tokens, hidden)
+    residual = draw(tokens, hidden)
+    router = draw(experts, hidden, scale=hidden ** -0.5)
+    moe_norm = (1 + 0.1 * torch.randn(hidden, generator=generator, device=device)).to(dtype)
+    next_norm = (1 + 0.1 * torch.randn(hidden, generator=generator, device=device)).to(dtype)
+    eps = 1e-6
+    if _fused_rows(tokens):
+        norm = Norm(moe_norm, eps, residual=residual, write_x=True, write_h=True, exact=True)
+
+        def before():
+            gemv_fused(x, router, norm=norm, route=Route(top_k, dtype))
+
+        describe = "the router's fold (kernels.gemv_fused: residual add, RMSNorm, logits, top-k), one launch"
+    else:
+        def before():
+            _, h = rms_norm(x, moe_norm, eps, residual=residual)
+            topk_softmax(_dense(h, router, torch.float32), top_k, dtype, woken=True)
+
+        describe = "the router unfolded: rms_norm, the logits' product, topk_softmax"
+
+    def after(out):
+        rms_norm(x, next_norm, eps, residual=out)
+
+    return Neighbours(before, after, draw(tokens, hidden), describe + "; after it the next layer's rms_norm")
