@@ -907,7 +907,8 @@ def format_markdown(report: Report) -> str:
                 f"(active weights {weights['total'] / 1e6:.1f} MB per token over a copy bandwidth of "
                 f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s measured in this run, {bandwidth['clock']}): "
                 f"{entry['ratio_to_bound']:.2f}x the bound "
-                + (f"(target <= {entry['target_ratio']}x)" if entry.get("target_ratio") else "(no target for this model)"))
+                + (f"(target <= {entry['target_ratio']}x)" if entry.get("target_ratio")
+                   else "(no target for this model)"))
             if entry["host_share"] is None:
                 lines.append(f"- host time per decode step @ b1: {entry['host_us_per_step']:.0f} µs; device time n/a "
                              f"on this device, so no share")

@@ -19,11 +19,11 @@ when pairs rarely share an expert):
                                              experts streamed one pair after the other along F,
                                              each tile scaled by its pair's routing weight and
                                              summed in fp32 in the fixed order j = 0..k-1
-Down needs no partials and no arrivals: a program holds every pair of its outputs, so the sum is
-made in one place, in one order, and the output is bit-reproducible. Where a call has too few programs to keep
-the SMs' loads in flight (fewer than MIN_DOWN_PROGRAMS: D = 2048 at one token), each program loads DOWN_TILES
-tiles of its walk at once ([TILES, BLOCK_D, BLOCK_F]) on NARROW_DOWN_WARPS warps (`down_schedule`). An id outside [0, E) reads
-expert 0's rows (valid memory) and weighs 0, with its hidden row (never written by gate-up) taken
+Down needs no partials and no arrivals: a program holds every pair of its outputs, so the sum is made in one
+place, in one order, and the output is bit-reproducible. Where a call has too few programs to keep the SMs'
+loads in flight (fewer than MIN_DOWN_PROGRAMS: D = 2048 at one token), each program loads DOWN_TILES tiles of
+its walk at once ([TILES, BLOCK_D, BLOCK_F]) on NARROW_DOWN_WARPS warps (`down_schedule`). An id outside
+[0, E) reads expert 0's rows (valid memory) and weighs 0, with its hidden row (never written by gate-up) taken
 as 0, so such a pair adds an exact 0.
 
 Block sizes are not autotuned (an autotuner would time inside CUDA-graph capture and pick

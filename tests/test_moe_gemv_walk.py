@@ -15,8 +15,8 @@ import torch
 from test_moe_gemv_shared import _routed, _shared_weights, _swiglu
 from test_moe_kernels import TOLERANCE, make_layer, make_routing, relative_error
 
-from kernels import scratch
 from kernels import moe_gemv as moe_gemv_module
+from kernels import scratch
 from kernels.moe_gemv import moe_gemv, moe_gemv_clamped
 from kernels.reference import moe_reference_gpt_oss
 
@@ -114,8 +114,9 @@ def test_gpu_walk_of_several_tiles_in_bf16_and_a_graph(shape, tiles, monkeypatch
     ids = torch.randperm(experts, generator=generator, device="cuda")[:top_k].int()[None]
     weights = torch.softmax(torch.randn(1, top_k, generator=generator, device="cuda"), -1).bfloat16()
     x = torch.randn(1, hidden, generator=generator, device="cuda").bfloat16()
-    w13 = (torch.randn(experts, 2 * intermediate, hidden, generator=generator, device="cuda") / hidden ** 0.5).bfloat16()
-    w2 = (torch.randn(experts, hidden, intermediate, generator=generator, device="cuda") / intermediate ** 0.5).bfloat16()
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator, device="cuda") / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator, device="cuda") / intermediate ** 0.5
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
     reference = _routed(x, w13, w2, ids, weights)
     monkeypatch.setattr(moe_gemv_module, "MIN_DOWN_PROGRAMS", 0)  # one tile at a time at every shape
     one = moe_gemv(x, w13, w2, ids, weights)

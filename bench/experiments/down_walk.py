@@ -131,7 +131,8 @@ def step_row(shape: str, candidate, out_dir: Path, tag: str, baseline: str = "")
     kernels."""
     constants = {} if candidate is None else dict(zip(FIELDS, candidate), MIN_DOWN_PROGRAMS=1 << 30)
     json_out = out_dir / f"down_walk_{shape}_{tag}.json"
-    model = ["--model", "v4-shape", "--gpu-weights"] if shape == "v4" else ["--model", CONFIGS[shape], "--weights", "random"]
+    model = (["--model", "v4-shape", "--gpu-weights"] if shape == "v4"
+             else ["--model", CONFIGS[shape], "--weights", "random"])
     argv = ["bench", *model, "--pp", "none", "--tg", "128", "--batch", "1",
             "--reps", "2", "--no-progress", "--format", "md", "--json-out", str(json_out)]
     if shape == "dsv2":
@@ -143,7 +144,8 @@ def step_row(shape: str, candidate, out_dir: Path, tag: str, baseline: str = "")
         return {"shape": shape, "tag": tag, "candidate": candidate, "error": done.stderr[-400:]}
     target = json.loads(json_out.read_text())["targets"]["rows"][0]
     return {"shape": shape, "tag": tag, "candidate": candidate, "tps": round(target["tps"], 1),
-            "ratio_to_bound": round(target["ratio_to_bound"], 4), "device_us_per_step": round(target["device_us_per_step"], 1)}
+            "ratio_to_bound": round(target["ratio_to_bound"], 4),
+            "device_us_per_step": round(target["device_us_per_step"], 1)}
 
 
 def main() -> int:
@@ -168,9 +170,11 @@ def main() -> int:
             continue
         mark = " (table)" if row["table"] else ""
         if row.get("baseline"):
-            print(f"| {row['shape']} | baseline | | | | {row['us']:.2f} | {row['ratio']:.3f} | {row['max_rel_error']:.1e} |")
+            print(f"| {row['shape']} | baseline | | | | {row['us']:.2f} | {row['ratio']:.3f} | "
+                  f"{row['max_rel_error']:.1e} |")
             continue
-        print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']}{mark} | {row['warps']} | {row['us']:.2f} | "
+        print(f"| {row['shape']} | {row['block_d']} | {row['block_f']} | {row['tiles']}{mark} | {row['warps']} | "
+              f"{row['us']:.2f} | "
               f"{row['ratio']:.3f} | {row['max_rel_error']:.1e}{'' if row['ok'] else ' WRONG'} |", flush=True)
     steps = []
 
