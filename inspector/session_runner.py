@@ -355,7 +355,8 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         if run_recorded["counters"] != run_now["counters"]:
             changed = []
             for family in ("arms", "kernels"):
-                old, new = run_recorded["counters"].get(family, {}), run_now["counters"].get(family, {})
+                # a family may be recorded as null (the schema's "arms?"): no launches of it
+                old, new = run_recorded["counters"].get(family) or {}, run_now["counters"].get(family) or {}
                 changed += [f"{name} recorded {old.get(name, 0)}, now {new.get(name, 0)}"
                             for name in sorted(set(old) | set(new)) if old.get(name, 0) != new.get(name, 0)]
             differences.append(f"{where}: counters differ: {'; '.join(changed) or 'layout changed'}")
@@ -399,9 +400,9 @@ def diff_bench(label: str, recorded: dict, now: dict) -> list[str]:
         new = rows_now[test]
         changed = [f"{key} recorded {old.get(key)!r}, now {new.get(key)!r}" for key in BENCH_COMPARED
                    if old.get(key) != new.get(key)]
-        old_counters, new_counters = old.get("counters", {}), new.get("counters", {})
+        old_counters, new_counters = old.get("counters") or {}, new.get("counters") or {}  # null: none recorded
         for family in ("arms", "kernels"):
-            before, after = old_counters.get(family, {}), new_counters.get(family, {})
+            before, after = old_counters.get(family) or {}, new_counters.get(family) or {}
             changed += [f"{name} launches recorded {before.get(name, 0)}, now {after.get(name, 0)}"
                         for name in sorted(set(before) | set(after)) if before.get(name, 0) != after.get(name, 0)]
         for key in ("graph_replays", "graph_launches", "steps"):  # graph_launches: not in older recordings

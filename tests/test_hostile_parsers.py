@@ -288,3 +288,20 @@ def test_named_header_fixtures_are_refused_in_one_line(path):
     assert path.name in message and "\n" not in message
     (length,) = struct.unpack("<Q", path.read_bytes()[:8].ljust(8, b"\0"))
     assert length < 2**20 or str(length) not in message  # a text file's first 8 bytes are not a number to print
+
+
+def test_a_counters_family_recorded_as_null_is_diffed_as_no_launches():
+    """The schema lets a run's or a bench row's `arms` / `kernels` (and a row's counters) be null; the diff reads
+    them as no launches. Hypothesis found `"arms": null` raising a TypeError in diff_step."""
+    from inspector.session_runner import diff_bench, diff_step
+
+    def step(arms):
+        return {"step": 1, "action": "prompt", "runs": [{"config": "A", "tokens": [1, 2], "decisions": [],
+                                                         "counters": {"arms": arms, "kernels": {"k": 1}}}]}
+
+    assert diff_step(step(None), step({"gemv": 2})) == ["step 1 (prompt), config A: counters differ: "
+                                                         "gemv recorded 0, now 2"]
+    assert diff_step(step(None), step(None)) == []
+    row = {"test": "tg8", "counters": {"arms": {"gemv": 3}, "kernels": None, "steps": 8}}
+    assert diff_bench("step 2 (bench)", {"rows": [row]}, {"rows": [dict(row, counters=None)]}) == [
+        "step 2 (bench), row tg8: gemv launches recorded 3, now 0; steps recorded 8, now None"]
