@@ -195,6 +195,11 @@ class BatchGeneration:
         return [list(sequence.generated) for sequence in self.sequences]
 
 
+def _shipped_source(directory: Path) -> str:
+    """A preset's shipped checkpoint as results headers name it (engine.shipped)."""
+    return f"trained checkpoint {directory.relative_to(directory.parents[2])}"
+
+
 class Engine:
     """A model on a device, ready to generate."""
 
@@ -252,7 +257,25 @@ class Engine:
             return cls(config, torch_device, seed)
         return cls(config, torch_device, seed, weights=load_shipped(config, directory, torch_device,
                                                                      cls.dtype_for(torch_device)),
-                   weights_source=f"trained checkpoint {directory.relative_to(directory.parents[2])}")
+                   weights_source=_shipped_source(directory))
+
+    @classmethod
+    def provenance_before_load(cls, model: str, device: torch.device, seed: int = 0, weights: str = "auto",
+                   base: str | Path | None = None) -> tuple[str | None, dict | None]:
+        """What `load` with these arguments records of its weights, (weights_source, checkpoint), known without
+        loading a weight (config.json's bytes, the weight files' sizes): a preset's source in words and no
+        checkpoint; a directory's provenance (engine.model_source.describe_checkpoint) and None for the words
+        (they name its tokenizer, which is not read here). Why: a replay refuses other weights before it runs."""
+        if model not in PRESETS and resolve_model_path(model, base).is_dir():
+            from engine import model_source
+            from engine.hf_loader import read_config
+
+            directory = resolve_model_path(model, base)
+            _, family = read_config(directory)
+            return None, model_source.describe_checkpoint(directory, family, weights, seed, device)
+        from_name(model)  # the unknown-model error, as `load` gives it
+        directory = shipped_directory(model) if weights == "auto" else None
+        return (f"random, seed {seed}" if directory is None else _shipped_source(directory)), None
 
     @classmethod
     def _load_directory(cls, directory: Path, device: torch.device, seed: int, weights: str,

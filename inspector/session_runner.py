@@ -122,10 +122,37 @@ def same_weights(recorded: dict, now: dict) -> bool:
     """Whether two results headers ran the same weights. A checkpoint directory's are its provenance (family,
     config.json's hash, the weight files or the random seed), wherever it lies and however its path was spelled
     (the TUI names it as started, a session file from its own directory); else the weights' descriptions."""
+    return weights_difference(recorded, now) is None
+
+
+def _weights_words(source: dict) -> str:
+    if source.get("source") == "random":
+        return f"random weights, seed {source.get('seed')}, drawn on the {source.get('drawn_on')}"
+    files = source.get("files") or []
+    return "weight files " + (", ".join(f"{entry.get('file')} ({entry.get('bytes')} bytes)" for entry in files)
+                              or "(none)")
+
+
+def weights_difference(recorded: dict, now: dict) -> str | None:
+    """What differs between the weights two results headers (or `Engine.provenance_before_load`'s pair, as
+    {"weights", "checkpoint"}) ran, in a few words naming the first field that differs; None when they are the same
+    weights (by `same_weights`' rule: a checkpoint's path may differ)."""
     old, new = recorded.get("checkpoint"), now.get("checkpoint")
     if isinstance(old, dict) and isinstance(new, dict):
-        return {k: v for k, v in old.items() if k != "path"} == {k: v for k, v in new.items() if k != "path"}
-    return recorded.get("weights") == now.get("weights")
+        for key, label in (("family", "family"), ("config_sha256", "config.json sha256")):
+            if old.get(key) != new.get(key):
+                return f"{label} {old.get(key)}, the checkpoint now has {new.get(key)}"
+        if old.get("weights") != new.get("weights"):
+            return (f"{_weights_words(old.get('weights') or {})}, the checkpoint now has "
+                    f"{_weights_words(new.get('weights') or {})}")
+        if {k: v for k, v in old.items() if k != "path"} != {k: v for k, v in new.items() if k != "path"}:
+            return f"checkpoint {old}, now {new}"
+        return None
+    if now.get("weights") is None:  # a directory's words, unknown before loading: the re-run's header tells
+        return None
+    if recorded.get("weights") != now.get("weights"):
+        return f"weights {recorded.get('weights')!r}, the model now loads {now.get('weights')!r}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,6 +477,16 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
         raise UserError(f"{results_path}: recorded on {header.get('device')}, this replay would run on "
                         f"{device_label(torch_device)}; tokens are only comparable on the same device: replay "
                         f"there (--device), or re-record here with `moe-inspector run {where}`")
+    if header.get("weights") is not None:  # before a step runs: the weights the re-run would load
+        from engine.runtime import Engine
+
+        weights, checkpoint = Engine.provenance_before_load(session.engine.model, torch_device, session.engine.seed,
+                                                            session.engine.weights, base=session_directory(where))
+        difference = weights_difference(header, {"weights": weights, "checkpoint": checkpoint})
+        if difference is not None:
+            raise UserError(f"{results_path}: recorded with {difference}; tokens are only comparable with the same "
+                            f"weights, so nothing was re-run: restore that checkpoint, or re-record with "
+                            f"`moe-inspector run {where}`")
     rerun = run_session(session, where, device, progress, cancel=cancel)
     if header.get("weights") is not None and not same_weights(header, rerun.header):
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "

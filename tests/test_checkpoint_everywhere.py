@@ -141,3 +141,66 @@ def test_the_tui_runs_a_checkpoint_directory(checkpoint):
             assert len(main.query_one(DispatchLog).entries) == 2 * 4 * 2 * engine.config.n_layers
 
     drive()
+
+
+def _counting_loads(monkeypatch) -> list:
+    """Every Engine.load from here on, counted (the replay preflight must refuse before any)."""
+    loads, load = [], Engine.load.__func__
+
+    def counted(cls, *args, **kwargs):
+        loads.append(args[:1])
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", classmethod(counted))
+    return loads
+
+
+def test_provenance_before_loading_is_what_the_load_records(checkpoint, config_only):
+    """The replay preflight predicts a load's provenance from config.json and file sizes: it must not drift."""
+    device = torch.device("cpu")
+    for model, weights in ((str(checkpoint), "auto"), (str(config_only), "random")):
+        engine = Engine.load(model, "cpu", 3, weights)
+        assert Engine.provenance_before_load(model, device, 3, weights) == (None, engine.checkpoint)
+    for model, weights in (("tiny", "auto"), ("tiny", "random"), ("demo", "random")):
+        words, checkpoint = Engine.provenance_before_load(model, device, 3, weights)
+        assert checkpoint is None and words == Engine.load(model, "cpu", 3, weights).weights_source
+
+
+def test_replay_refuses_other_weights_before_running_a_step(config_only, tmp_path, capsys, monkeypatch):
+    """replay re-ran the whole session, then refused it for other weights: a changed config.json (and a preset's
+    other weights) is named in one line, exit 2, before a model is loaded or a step runs."""
+    session_directory = tmp_path / "work"
+    shutil.copytree(config_only, session_directory / "shape")
+    session = session_directory / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "shape"\n\n[engine]\nmodel = "./shape"\ndevice = "cpu"\n'
+                       'weights = "random"\n\n[[step]]\naction = "prompt"\nprompt = "hi"\nmax_tokens = 2\n')
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    results = session_directory / "s.results.jsonl"
+    recorded = results.read_text()
+    config_path = session_directory / "shape" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_theta"] = 5000.0  # another model under the same path and family
+    config_path.write_text(json.dumps(config))
+    loads = _counting_loads(monkeypatch)
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 2 and loads == [] and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    old_hash = json.loads(recorded.splitlines()[0])["checkpoint"]["config_sha256"]
+    assert f"recorded with config.json sha256 {old_hash}, the checkpoint now has " in err
+    assert "nothing was re-run" in err and results.read_text() == recorded  # nothing recorded is lost
+
+    preset = tmp_path / "p.toml"  # a preset: the weights' words
+    preset.write_text('[session]\nversion = 1\nname = "p"\n\n[engine]\nmodel = "tiny"\ndevice = "cpu"\n\n'
+                      '[[step]]\naction = "prompt"\nprompt = "hi"\nmax_tokens = 2\n')
+    code, _, err = _run(["run", preset], capsys)
+    assert code == 0, err
+    lines = (tmp_path / "p.results.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["weights"] == "random, seed 0"
+    (tmp_path / "p.results.jsonl").write_text("\n".join([json.dumps({**header, "weights": "random, seed 7"}),
+                                                         *lines[1:]]) + "\n")
+    loads.clear()
+    code, _, err = _run(["replay", preset], capsys)
+    assert code == 2 and loads == [] and len(err.strip().splitlines()) == 1
+    assert "recorded with weights 'random, seed 7', the model now loads 'random, seed 0'" in err
