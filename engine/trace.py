@@ -4,7 +4,7 @@ the runtime already makes and, on a GPU, from torch.profiler's kernel events of 
 Tracks: one process per configuration (A, B, a bench's flags, a session's configs), with
     thread 1 "host"    a slice per run (a bench repetition, a prompt), per step inside it, per layer inside
                        a step, and the layer's attention and MoE slices carrying the decision (arm, variant,
-                       n, woken experts, fill, reason, mask). A step slice is the step's record clocks
+                       n, woken experts, fill, reason, mask; a layer with shared experts their path and why). A step slice is the step's record clocks
                        (started .. ended); where a record has per-layer µs (the eager, timed `generate`) the
                        attention and MoE slices are that long, else the step's span is shared evenly among its
                        layers (args `placement` says which: no per-layer clock is invented)
@@ -376,6 +376,8 @@ class Trace:
                         args["arm"] = decision["executed_arm"]
                         if decision.get("variant") is not None:
                             args["variant"] = decision["variant"]
+                        if decision.get("shared_path"):
+                            args["shared_path"] = decision["shared_path"]
                     self._slice(pid, DEVICE, name, "kernel", shown_begin, shown_end, args)
         return counts
 
@@ -421,6 +423,8 @@ def _moe_args(record: dict) -> dict:
                                              "woken_observed", "fill", "policy", "reason", "us")}
     if record.get("execution_note"):
         args["execution_note"] = record["execution_note"]
+    if record.get("shared_path"):  # only layers with shared experts: the others' slices are unchanged
+        args["shared_path"], args["shared_reason"] = record["shared_path"], record.get("shared_reason")
     return args
 
 

@@ -19,6 +19,27 @@ def fill_text(pairs_per_woken: float, tile_m: int) -> str:
     return f"{full} full" + (f" + {rest}%" if rest else "")
 
 
+# A MoE record's shared_path (engine.dispatcher) in the arm's words: the flag shared_fold folds them into its launches.
+SHARED_PATH_WORDS = {"routed launches": "folded", "apart": "apart"}
+
+
+def shared_path_text(record: dict) -> str:
+    """A MoE record's shared experts beside its arm, "shared folded" (in the GEMV arm's launches) or "shared
+    apart" (after the arm); "" for a layer without shared experts (Qwen3-MoE, Mixtral: their rows are unchanged)."""
+    path = record.get("shared_path")
+    return "" if not path else f"shared {SHARED_PATH_WORDS.get(path, path)}"
+
+
+def shared_reason_text(record: dict) -> str:
+    """The shared experts' path and why, as a reason's tail: "shared experts apart: shared_fold=off: ..."; "" for
+    a layer without shared experts."""
+    if not record.get("shared_path"):
+        return ""
+    why = record.get("shared_reason")
+    return f"shared experts {SHARED_PATH_WORDS.get(record['shared_path'], record['shared_path'])}" + (
+        f": {why}" if why else "")
+
+
 def timing_method(record: dict, device_type: str) -> str:
     """How a record's µs was measured: the record's own words where it names them, else the engine's
     per-layer timer on this device (CUDA events on a GPU, the wall clock on a CPU)."""

@@ -18,7 +18,7 @@ from engine.runtime import Engine, Generation
 from inspector import records
 from inspector.commands.common import add_engine_arguments, show_engagements
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json, stop_on_interrupt
-from inspector.describe import changed_flags
+from inspector.describe import changed_flags, shared_reason_text
 from inspector.prompt_file import read_prompt_file
 
 FORMATS = ("text", "json", "jsonl", "csv")
@@ -85,7 +85,8 @@ def print_records(result: Generation, label: str = "") -> None:
             us = "" if record["us"] is None else f"{record['us']:.1f}"
             fill = records.fill_text(record["pairs_per_woken"], record["tile_m"])
             print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
-                  f"{decided:<9} {record['executed_arm']:<10} {woken:>11} {fill:>12} {us:>9}  {record['reason']}")
+                  f"{decided:<9} {record['executed_arm']:<10} {woken:>11} {fill:>12} {us:>9}  {record['reason']}"
+                  + (f" · {shared_reason_text(record)}" if record.get("shared_path") else ""))
             if "ranks" in record:
                 print(f"{heading}{'':>30}{rank_line(record)}")
         for record in step["attention"]:

@@ -62,7 +62,8 @@ PANELS = (
     ("divergence line", "the first token where A and B differ, and the per-step relative error of A's logits "
                         "against B's as a sparkline"),
     ("dispatch log", "one row per MoE layer and attention layer per step: phase, n tokens, decided→executed "
-                     "arm and variant, woken experts predicted/observed, pairs per woken expert predicted/observed, "
+                     "arm and variant (a layer with shared experts adds their path: + shared folded / apart), woken "
+                     "experts predicted/observed, pairs per woken expert predicted/observed, "
                      "m-tile fill (past one tile: the full tiles), mask → applied mask, µs, the whole reason. The "
                      "header and the first three columns stay put when it scrolls sideways. Filter by "
                      "configuration, layer, arm, phase; the line under it is the cursor row's reason"),

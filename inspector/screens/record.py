@@ -18,7 +18,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
-from inspector.describe import fill_text, timing_method
+from inspector.describe import fill_text, shared_path_text, timing_method
 from inspector.widgets.dispatch_log import LogEntry
 
 
@@ -52,6 +52,10 @@ def render_entry(entry: LogEntry, flags: dict[str, Any] | None, device_type: str
     if entry.op == "moe":
         decision.append(("variant", r.get("variant")))
     decision += [("executed arm", executed), ("why it executed there", r.get("execution_note") or "it is the decided arm")]
+    if entry.op == "moe" and r.get("shared_path"):  # only layers with shared experts (DeepSeek, Qwen2-MoE)
+        decision += [("shared experts", "folded into the routed arm's launches" if r["shared_path"] == "routed launches"
+                      else f"{shared_path_text(r).removeprefix('shared ')}, after the arm"),
+                     ("why that path", r.get("shared_reason") or "—")]
     if entry.op == "moe":
         observed = r.get("woken_observed")
         inputs = [("n tokens", r["n_tokens"]), ("k (experts per token)", r["k"]), ("E (routed experts)", r["experts"]),

@@ -5,7 +5,8 @@ phase, n tokens, decided→executed arm and variant, woken experts predicted/obs
 woken expert predicted/observed, m-tile fill, the attention mask (→ the mask applied, when it
 differs; latent attention adds its cache bytes per token against the decompressed cache's), µs,
 and the whole reason (a trellis-coded layer's starts with its format, bits per weight and the
-expert bytes the step moved, the record's `bytes_moved`). The header stays on top and over its columns. The line
+expert bytes the step moved, the record's `bytes_moved`; a layer with shared experts adds their path to
+the arm, "+ shared folded" or "+ shared apart", and the why to the reason). The header stays on top and over its columns. The line
 under the table gives the full reason of the row under the cursor (the newest while following);
 Enter opens the row's whole decision (`RecordScreen`).
 
@@ -29,7 +30,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Input, Select, Static
 
 from engine.dispatch import MOE_ARMS
-from inspector.describe import fill_text
+from inspector.describe import fill_text, shared_path_text, shared_reason_text
 from inspector.events import A, B
 
 ATTENTION_ARMS = ("fused", "unfused", "mla_fused", "mla_reference")
@@ -57,7 +58,9 @@ class LogEntry:
     def arm_text(self) -> str:
         r = self.record
         decided = r["decided_arm"] + (f" v{r['variant']}" if self.op == "moe" and r["variant"] is not None else "")
-        return decided if r["decided_arm"] == r["executed_arm"] else f"{decided}→{r['executed_arm']}"
+        arm = decided if r["decided_arm"] == r["executed_arm"] else f"{decided}→{r['executed_arm']}"
+        shared = shared_path_text(r) if self.op == "moe" else ""
+        return f"{arm} + {shared}" if shared else arm
 
     @property
     def mask_dropped(self) -> bool:
@@ -74,7 +77,9 @@ class LogEntry:
     def reason(self) -> str:
         r = self.record
         reason = self.weights_text() + ("declined: " if self.op == "attention" and r["declined"] else "") + r["reason"]
-        return reason + (f" [{r['execution_note']}]" if r.get("execution_note") else "")
+        reason += f" [{r['execution_note']}]" if r.get("execution_note") else ""
+        shared = shared_reason_text(r) if self.op == "moe" else ""
+        return f"{reason} · {shared}" if shared else reason
 
     def cells(self) -> tuple[str, ...]:
         """The row's text, column by column (what is shown and what `find` searches)."""
