@@ -1,14 +1,20 @@
-"""The attention check screen: does the fused arm compute the masked attention it should?
+"""The attention check screen: does the fused arm compute the attention the loaded model runs?
 
-Runs `engine.compare.check_attention` on the current model's attention shape (head_dim, heads,
-kv heads, and the window and block of its first masked layer) in a thread worker, then shows
-the discrimination check, the fused output's relative error against the masked, causal and
-unmasked references beside the 1-ULP control, the per-component ablation, the worst position,
-the sink sweep and the verdict. `engine.compare` is imported lazily: where a build lacks it, the
-screen says so instead of failing.
+Which check runs follows the model's attention (`check_kind`), reusing what `moe-inspector check-attention`
+does for that configuration:
+    sinks   learned sinks and a composite-masked layer: `engine.compare.check_attention` at the model's shape
+            (head_dim, heads, kv heads, the window and block of its first masked layer); the discrimination
+            check, the fused output's relative error against the masked, causal and unmasked references beside
+            the 1-ULP control, the per-component ablation, the worst position, the sink sweep and the verdict
+    mla     latent attention the fused MLA kernel takes: `engine.compare_mla.check_mla` (`check-attention --mla`)
+            at the model's latent shape (kv_lora_rank, RoPE, no-RoPE and value dims), shown as the CLI prints it
+Any other attention (plain causal layers, a sliding window alone, no sinks, a head_dim no fused kernel takes, a
+latent shape the MLA kernel declines) has no such check: the screen says so in one line and runs nothing.
+The check runs in a thread worker; `engine.compare` is imported lazily: where a build lacks it, the screen says
+so instead of failing.
 
-On a CPU the fused kernel runs under the Triton interpreter, so the default sequence, window
-and block are cut to run in about ten seconds; every size is editable.
+On a CPU the kernels run under the Triton interpreter, so the default sizes are cut to run in about ten
+seconds; every size is editable.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, Select, Static
 
-from engine.attention_dispatch import FUSED_HEAD_DIMS
+from engine.attention_dispatch import FUSED_HEAD_DIMS, mla_kernel_declines
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.runtime import Engine
@@ -42,8 +48,17 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 SIZES = ("seq_len", "window", "block", "pad")
 
 
-def load_check() -> Callable[..., dict] | None:
+SINKS, MLA = "sinks", "mla"
+MLA_SIZES = ("seq_len", "heads")
+
+
+def load_check(kind: str | None = SINKS) -> Callable[..., dict] | None:
+    """The engine's check for `kind` (`check_kind`), None where this build lacks it."""
     try:
+        if kind == MLA:
+            from engine.compare_mla import check_mla
+
+            return check_mla
         from engine.compare import check_attention
     except ImportError:
         return None
@@ -53,6 +68,13 @@ def load_check() -> Callable[..., dict] | None:
 def attention_shape(engine: Engine) -> dict[str, Any]:
     """The model's attention shape, and sizes the check can run at on this device."""
     c = engine.config
+    latent = c.latent_attention
+    if latent is not None:  # check_mla's shape: the model's latent dims, its heads (cut on a CPU) and a prefill
+        cpu = engine.device.type != "cuda"
+        return {"head_dim": c.head_dim, "heads": min(c.n_heads, 8) if cpu else c.n_heads, "kv_heads": 1,
+                "kv_lora_rank": latent.kv_lora_rank, "rope_dim": latent.qk_rope_head_dim,
+                "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim,
+                "seq_len": min(c.max_seq_len, 48 if cpu else 1024)}
     masked = next((mask for mask in c.layer_masks if mask.kind != "causal"), None)
     window = masked.window if masked is not None else 16
     block = masked.block if masked is not None and masked.block else 8
@@ -80,17 +102,34 @@ def model_attention(engine: Engine) -> str:
     return ", ".join(parts)
 
 
+def check_kind(engine: Engine) -> str | None:
+    """The check that matches the attention the model runs: SINKS (the sinks kernel with the composite mask,
+    `check-attention`), MLA (the absorbed latent kernel, `check-attention --mla`), or None (`why_not_this_model`)."""
+    return None if why_not_this_model(engine) else MLA if engine.config.latent_attention is not None else SINKS
+
+
 def why_not_this_model(engine: Engine) -> str | None:
-    """Why the check cannot run at the model's own attention shape (None: it can)."""
+    """Why no check matches the model's own attention, in one line (None: one does)."""
     c = engine.config
-    if c.latent_attention is not None:
-        return ("this model's attention is latent (MLA): its layers run the MLA arms, not the fused sinks kernel "
-                "this screen checks; `moe-inspector check-attention --mla` checks the latent kernel")
+    latent = c.latent_attention
+    if latent is not None:
+        declined = mla_kernel_declines(latent.kv_lora_rank, latent.qk_rope_head_dim)
+        return (f"nothing to check: the fused MLA kernel declines this latent shape ({declined}), so its layers run "
+                f"the reference (K and V decompressed per head)") if declined else None
     if c.head_dim not in FUSED_HEAD_DIMS:
         return (f"head_dim {c.head_dim}: the fused attention kernel takes head_dim "
                 f"{', '.join(map(str, FUSED_HEAD_DIMS))}, so this model's layers run the unfused reference and there is "
                 f"no fused arm to check")
+    if not c.sinks or not any(mask.kind == "composite" for mask in c.layer_masks):
+        return (f"nothing to check: its layers run the fused kernel with {_runs(c)}; check-attention checks sinks "
+                f"with a composite mask, or latent attention (--mla)")
     return None
+
+
+def _runs(c) -> str:
+    kinds = sorted({mask.describe() if mask.kind != "causal" else "causal" for mask in c.layer_masks})
+    masks = f"a {kinds[0]} mask" if len(kinds) == 1 else f"{' and '.join(kinds)} masks"
+    return f"{masks}, {'sinks' if c.sinks else 'no sinks'}"
 
 
 def _float(value: Any) -> str:
@@ -189,6 +228,17 @@ def render_result(result: dict) -> Group:
     return Group(*parts)
 
 
+def render_mla_result(result: dict) -> Text:
+    """check_mla's dict as `check-attention --mla` prints it, the verdict styled; a session cannot replay it yet."""
+    from inspector.commands.check_attention import format_mla_result
+
+    shown = Text(format_mla_result(result))
+    shown.highlight_words([f"verdict: {result.get('verdict')}"],
+                          "bold green" if result.get("ok") else "bold red")
+    shown.append("\n(not a session step: the session's check-attention step checks the sinks kernel)", style="dim")
+    return shown
+
+
 class AttentionCheckScreen(Screen):
     BINDINGS = [
         Binding("escape,f3", "app.pop_screen", "Back"),
@@ -197,45 +247,52 @@ class AttentionCheckScreen(Screen):
 
     def __init__(self, engine: Engine, flags: ResolvedFlags,
                  check: Callable[..., dict] | None | bool = True) -> None:
-        """`check`: True loads engine.compare.check_attention lazily; tests pass a function or None."""
+        """`check`: True loads the model's check (`check_kind`) lazily; tests pass a function or None."""
         super().__init__()
         self.engine, self.flags = engine, flags
-        self.check = load_check() if check is True else check
+        self.kind = check_kind(engine)  # SINKS, MLA, or None: no check matches the model's attention
+        self.check = load_check(self.kind) if check is True else check
         # Why the check cannot run here, said in place of its result (None: it can).
-        self.unavailable: str | None = None
-        if self.check is None:
+        self.unavailable: str | None = why_not_this_model(engine)
+        if self.unavailable is None and self.check is None:
             self.unavailable = NOT_AVAILABLE
-        elif check is True and not triton_installed():
+        elif self.unavailable is None and check is True and not triton_installed():
             self.unavailable = missing_message("the attention check")
-        else:
-            self.unavailable = why_not_this_model(engine)
         self.shape = attention_shape(engine)
+        self.sizes = MLA_SIZES if self.kind == MLA else SIZES if self.kind == SINKS else ()
         self.queue = EngineQueue()
         self.running = False
         self.result: dict | None = None
         self._action: dict | None = None  # the session's record of the running check, saved when it finishes
 
     def compose(self) -> ComposeResult:
-        shape = self.shape
+        shape, c = self.shape, self.engine.config
         cpu = self.engine.device.type != "cuda"
-        yield Static(f"{self.engine.config.name} attention: head_dim {shape['head_dim']}, {shape['heads']} heads / "
-                     f"{shape['kv_heads']} kv heads, {model_attention(self.engine)}; {self.engine.device_label}"
+        if c.latent_attention is not None:
+            what = (f"{model_attention(self.engine)}, {c.n_heads} heads, latent {shape['kv_lora_rank']} + RoPE "
+                    f"{shape['rope_dim']}, no-RoPE {shape['nope_dim']}, value {shape['v_dim']} dims")
+        else:
+            what = (f"head_dim {shape['head_dim']}, {shape['heads']} heads / {shape['kv_heads']} kv heads, "
+                    f"{model_attention(self.engine)}")
+        yield Static(f"{c.name} attention: {what}; {self.engine.device_label}"
                      + ("; the fused kernel runs under the Triton interpreter, so the sizes below are cut to run "
-                        "in ~10 s" if cpu else ""), id="check-shape")
+                        "in ~10 s" if cpu and self.sizes else ""), id="check-shape")
         with Horizontal(id="check-params"):
-            for name in SIZES:
+            for name in self.sizes:
                 yield Label(name.replace("_", " "))
                 yield Input(str(shape[name]), id=f"check-{name.replace('_', '-')}", restrict=r"[0-9]*",
                             compact=True)
-            yield Label("mode")
-            mode = "drop" if self.flags["fused_mask"] == "drop" else "honor"
-            yield Select([("honor", "honor"), ("drop", "drop")], value=mode, allow_blank=False, compact=True,
-                         id="check-mode")
+            if self.sizes:
+                yield Label("mode")
+                mode = "drop" if self.flags["fused_mask"] == "drop" else "honor"
+                yield Select([("honor", "honor"), ("drop", "drop")], value=mode, allow_blank=False, compact=True,
+                             id="check-mode")
         with VerticalScroll(id="check-result"):
             yield Static(self.unavailable or "f7 (or Enter in a box) runs the check", id="check-output")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        self.query_one("#check-params").display = bool(self.sizes)  # no sizes of a check that does not apply
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
@@ -250,10 +307,14 @@ class AttentionCheckScreen(Screen):
                 raise UserError(f"{name.replace('_', ' ')} {text!r}: give a whole number >= {minimum}")
             return int(text)
 
+        common = {"mode": self.query_one("#check-mode", Select).value, "device": self.engine.device.type,
+                  "dtype": self.engine.dtype, "seed": self.engine.seed}
+        if self.kind == MLA:  # engine.compare_mla.check_mla's arguments
+            return {"seq_len": whole("seq_len", 2), "heads": whole("heads", 1),
+                    **{name: self.shape[name] for name in ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")}, **common}
         return {"seq_len": whole("seq_len", 1), "head_dim": self.shape["head_dim"], "heads": self.shape["heads"],
                 "kv_heads": self.shape["kv_heads"], "window": whole("window", 1), "block": whole("block", 1),
-                "pad": whole("pad", 0), "mode": self.query_one("#check-mode", Select).value,
-                "device": self.engine.device.type, "dtype": self.engine.dtype, "seed": self.engine.seed}
+                "pad": whole("pad", 0), **common}
 
     def action_run_check(self) -> None:
         output = self.query_one("#check-output", Static)
@@ -270,9 +331,12 @@ class AttentionCheckScreen(Screen):
         self.running = True
         self.refresh_bindings()
         shown = {**parameters, "dtype": DTYPE_NAMES.get(parameters["dtype"], parameters["dtype"])}
-        output.update(f"running check_attention({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
-        # Plain values for sessions: "torch.float32" (the session format reads float32).
-        self._action = {"action": "check-attention", **parameters, "dtype": str(parameters["dtype"])}
+        name = "check_mla" if self.kind == MLA else "check_attention"
+        output.update(f"running {name}({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
+        # Plain values for sessions: "torch.float32" (the session format reads float32). A session step checks
+        # the sinks kernel only: the latent check is shown, not recorded.
+        self._action = (None if self.kind == MLA else
+                        {"action": "check-attention", **parameters, "dtype": str(parameters["dtype"])})
         self.run_check(parameters)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -302,7 +366,7 @@ class AttentionCheckScreen(Screen):
             output.update(f"check refused: {message.error}")
             return
         self.result = message.result
-        output.update(render_result(message.result))
+        output.update(render_mla_result(message.result) if self.kind == MLA else render_result(message.result))
         if self._action is not None:  # recorded with what the user saw, as the step's results
             self.app.record_action(self._action, {"result": message.result, "wall_s": message.wall_s})
             self._action = None

@@ -20,7 +20,8 @@ KEYS = (
     ("f1  ?", "this help (? only outside text boxes)"),
     ("f2", "tile-fill screen: predicted pairs per woken expert against n, TILE_M, the policy's boundary, "
            "this run's observed points; a sweep file's µs per arm"),
-    ("f3", "attention check screen: fused vs masked / causal / unmasked references"),
+    ("f3", "attention check screen, for the attention the model runs: fused vs masked / causal / unmasked "
+           "references (sinks, composite mask), or the latent kernel vs its references (MLA)"),
     ("f4", "edit configuration B (A's flags with overrides)"),
     ("f5", "dispatch log: follow the newest rows again"),
     ("f6", "the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box); on a "
