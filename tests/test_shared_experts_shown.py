@@ -100,7 +100,7 @@ def test_generate_records_say_the_shared_experts_path(deepseek, capsys):
     code = cli.main(["generate", "--model", str(directory), "--device", "cpu", "--prompt", "hi", "--max-tokens",
                      "2", "--records"])
     out = capsys.readouterr().out
-    assert code == 0 and "· shared experts apart: shared_fold=off" in out
+    assert code == 0 and "· shared experts apart: " in out
 
 
 def test_the_tui_at_80x24_shows_the_path_in_the_arm_column(deepseek):
