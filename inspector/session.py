@@ -81,7 +81,7 @@ MAX_STEPS = 10_000
 MAX_INTEGER = 2**53
 MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
-VERDICTS = ("masked", "causal", "unmasked", "none")
+VERDICTS = ("masked", "causal", "unmasked", "no_rope", "none")  # no_rope: the latent check's (mla = true)
 QUANT_VERDICTS = ("dequantized", "original", "none")  # engine.quant_check's
 SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -180,7 +180,9 @@ class SweepStep:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckAttentionStep:
-    """Fused attention against the masked, causal and unmasked references; shapes default to the model's."""
+    """Fused attention against the masked, causal and unmasked references; shapes default to the model's. With
+    `mla = true` the latent check (`check-attention --mla`: the absorbed MLA kernel against the decompressed
+    causal, last-position and no-RoPE references), its dims defaulting to the model's latent attention."""
 
     action = "check-attention"
     seq_len: int = _field(POSITIVE, required=True)
@@ -193,6 +195,11 @@ class CheckAttentionStep:
     pad: int = _field(NON_NEGATIVE, 0)
     dtype: str | None = _field(DTYPE)
     expect: str | None = _field(VERDICT)
+    mla: bool = _field(BOOLEAN, False)
+    kv_lora_rank: int | None = _field(POSITIVE)
+    rope_dim: int | None = _field(POSITIVE)
+    nope_dim: int | None = _field(POSITIVE)
+    v_dim: int | None = _field(POSITIVE)
 
 
 @dataclass(frozen=True, kw_only=True)

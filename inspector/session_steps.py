@@ -152,6 +152,24 @@ def _composite_mask(model: ModelConfig):
     return next((mask for mask in model.layer_masks if mask.kind == "composite"), None)
 
 
+SINKS_ONLY = ("head_dim", "kv_heads", "window", "block")
+MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")
+
+
+def mla_shape(step: CheckAttentionStep, model: ModelConfig, here: str) -> dict[str, Any]:
+    """engine.compare_mla.check_mla's shape: the step's dims, else the model's latent attention's (UserError
+    naming the step where neither gives one)."""
+    latent = model.latent_attention
+    from_model = {} if latent is None else {"kv_lora_rank": latent.kv_lora_rank, "rope_dim": latent.qk_rope_head_dim,
+                                             "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim}
+    shape = {name: getattr(step, name) or from_model.get(name) for name in MLA_ONLY}
+    missing = [name for name, value in shape.items() if value is None]
+    if missing:
+        raise UserError(f"{here}: model {model.name} has no latent attention to take {', '.join(missing)} from; "
+                        f"set {' = ..., '.join(missing)} = ... in the step, or drop mla = true")
+    return {"seq_len": step.seq_len, "heads": step.heads or model.n_heads, **shape}
+
+
 def attention_shape(step: CheckAttentionStep, model: ModelConfig) -> dict[str, Any]:
     """The step's shape with the model's values filled in where the step leaves them out."""
     mask = _composite_mask(model)
@@ -351,6 +369,13 @@ class CheckAttentionAction(Action):
 
         if not triton_installed():
             raise UserError(f"{here}: {missing_message('check-attention')}")
+        if step.mla:
+            self._preflight_mla(here, step, model, device)
+            return
+        given = [name for name in MLA_ONLY if getattr(step, name) is not None]
+        if given or step.expect == "no_rope":
+            what = ", ".join(given) if given else "expect = \"no_rope\""
+            raise UserError(f"{here}: {what} belongs to the latent check; add mla = true, or drop it")
         shape = attention_shape(step, model)
         if shape["window"] is None or shape["block"] is None:
             raise UserError(f"{here}: model {model.name} has no composite mask to take window and block "
@@ -363,6 +388,25 @@ class CheckAttentionAction(Action):
         limits.check_attention_request(shape["seq_len"], shape["heads"], shape["kv_heads"], shape["head_dim"],
                                        device, here)
 
+    @staticmethod
+    def _preflight_mla(here, step, model, device) -> None:
+        from engine.attention_dispatch import mla_kernel_declines
+        from engine.limits import check_attention_request
+
+        given = [name for name in SINKS_ONLY if getattr(step, name) is not None] + (["pad"] if step.pad else [])
+        if given or step.expect == "masked":
+            what = ", ".join(given) if given else "expect = \"masked\""
+            raise UserError(f"{here}: {what} belongs to the sinks check, not the latent one (mla = true); drop it")
+        if step.seq_len < 2:
+            raise UserError(f"{here}: seq_len {step.seq_len}: the latent check needs at least 2 positions")
+        shape = mla_shape(step, model, here)
+        declined = mla_kernel_declines(shape["kv_lora_rank"], shape["rope_dim"])
+        if declined:
+            raise UserError(f"{here}: the fused MLA kernel declines this latent shape ({declined}): nothing to check")
+        # the latent scores [heads, T, T + 1], as `check-attention --mla` bounds them, before allocating
+        check_attention_request(shape["seq_len"], shape["heads"], 1, shape["kv_lora_rank"] + shape["rope_dim"],
+                                device, here)
+
     def dtype(self, context, step):
         import torch
 
@@ -371,6 +415,12 @@ class CheckAttentionAction(Action):
     def run(self, context, step) -> dict:
         from engine import compare
 
+        if step.mla:
+            from engine.compare_mla import check_mla
+
+            return {"result": check_mla(**mla_shape(step, context.engine.config, context.where),
+                                        mode=step.mode, device=context.engine.device.type,
+                                        dtype=self.dtype(context, step), seed=context.session.engine.seed)}
         return {"result": compare.check_attention(**attention_shape(step, context.engine.config),
                                                   device=context.engine.device, dtype=self.dtype(context, step),
                                                   seed=context.session.engine.seed)}

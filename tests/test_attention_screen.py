@@ -108,6 +108,9 @@ async def test_f3_on_deepseek_runs_the_latent_check_at_the_models_shape(tmp_path
         assert result["verdict"] == "causal" and result["ok"]
         shown = str(screen.query_one("#check-output").render())
         assert "check-attention --mla" in shown and "verdict: causal" in shown
-        assert not [action for action in app.actions if action["action"] == "check-attention"]
+        recorded = [action for action in app.actions if action["action"] == "check-attention"]
+        assert len(recorded) == 1 and recorded[0]["mla"] is True  # the session's step with mla = true
+        assert {key: recorded[0][key] for key in ("seq_len", "heads", "kv_lora_rank", "rope_dim", "nope_dim",
+                                                   "v_dim")} == {"seq_len": 48, "heads": 4, "kv_lora_rank": 32,
+                                                                 "rope_dim": 16, "nope_dim": 16, "v_dim": 12}
     assert screen_module.check_kind(engine) == screen_module.MLA
-    assert "not a session step" in str(screen_module.render_mla_result(result))

@@ -103,7 +103,7 @@ def test_parser_is_plain_functions_over_plain_values():
         ({"step": [{"action": "prompt", "prompt": "p", "max_tokens": True}]}, "got a boolean"),  # bool is not an int
         ({"step": [{"action": "curve", "tokens": []}]}, "non-empty list"),
         ({"step": [{"action": "check-attention", "seq_len": 8, "mode": "honor", "expect": "maybe"}]},
-         "one of masked, causal, unmasked, none"),
+         "one of masked, causal, unmasked, no_rope, none"),
         ({"step": {"action": "curve"}}, "array of tables"),
         ({"extra": {}}, "unknown table 'extra'"),
     ]

@@ -229,13 +229,12 @@ def render_result(result: dict) -> Group:
 
 
 def render_mla_result(result: dict) -> Text:
-    """check_mla's dict as `check-attention --mla` prints it, the verdict styled; a session cannot replay it yet."""
+    """check_mla's dict as `check-attention --mla` prints it, the verdict styled."""
     from inspector.commands.check_attention import format_mla_result
 
     shown = Text(format_mla_result(result))
     shown.highlight_words([f"verdict: {result.get('verdict')}"],
                           "bold green" if result.get("ok") else "bold red")
-    shown.append("\n(not a session step: the session's check-attention step checks the sinks kernel)", style="dim")
     return shown
 
 
@@ -333,10 +332,10 @@ class AttentionCheckScreen(Screen):
         shown = {**parameters, "dtype": DTYPE_NAMES.get(parameters["dtype"], parameters["dtype"])}
         name = "check_mla" if self.kind == MLA else "check_attention"
         output.update(f"running {name}({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
-        # Plain values for sessions: "torch.float32" (the session format reads float32). A session step checks
-        # the sinks kernel only: the latent check is shown, not recorded.
-        self._action = (None if self.kind == MLA else
-                        {"action": "check-attention", **parameters, "dtype": str(parameters["dtype"])})
+        # Plain values for sessions: "torch.float32" (the session format reads float32); the latent check is the
+        # step's mla = true, with the model's dims written out
+        self._action = {"action": "check-attention", **({"mla": True} if self.kind == MLA else {}), **parameters,
+                        "dtype": str(parameters["dtype"])}
         self.run_check(parameters)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
