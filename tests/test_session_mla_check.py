@@ -33,13 +33,15 @@ def _session(tmp_path, step: str, model: str | None = None) -> tuple:
 
 def test_a_latent_check_step_runs_at_the_models_shape_and_replays(capsys, tmp_path):
     path, results = _session(tmp_path, 'mla = true\nseq_len = 16\nmode = "honor"\nexpect = "causal"')
-    assert main(["run", str(path), "--results", str(results), "--device", "cpu"]) == 0, capsys.readouterr().err
+    code = main(["run", str(path), "--results", str(results), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "[run] latent: 1 step on cpu, the check held; results in" in err  # one step, one check: no plurals
     _, steps = read_results(results, "latent.toml")
     numbers = steps[0]["numbers"]
     assert numbers["verdict"] == "causal" and steps[0]["check"]["held"]
     assert {key: numbers["config"][key] for key in ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim", "heads")} == {
         "kv_lora_rank": 32, "rope_dim": 16, "nope_dim": 16, "v_dim": 12, "heads": 4}
-    capsys.readouterr()
     assert main(["replay", str(path), "--results", str(results), "--device", "cpu"]) == 0
     assert "match" in capsys.readouterr().out
 

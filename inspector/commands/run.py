@@ -120,12 +120,13 @@ def run_on(args, group=None) -> int:
         sys.stdout.write(report)
     failed = outcome.failed_checks
     checks = sum(1 for step in outcome.steps if step["check"] is not None)
-    done = (f"cancelled after {len(outcome.steps)} of {len(session.steps)} steps" if outcome.cancelled
-            else f"{len(outcome.steps)} steps")
+    ran = len(outcome.steps)
+    done = (f"cancelled after {ran} of {len(session.steps)} step{'' if len(session.steps) == 1 else 's'}"
+            if outcome.cancelled else f"{ran} step{'' if ran == 1 else 's'}")
     results = (f"results file not written (cancelled); {results_path} is as it was" if outcome.cancelled
                else f"results in {results_path}")
     print(f"[run] {session.name}: {done} on {outcome.header['device']}, "
           + (f"{len(failed)} of {checks} checks FAILED" if failed else
-             f"all {checks} checks held" if checks else "no checks")
+             ("the check held" if checks == 1 else f"all {checks} checks held") if checks else "no checks")
           + f"; {results}", file=sys.stderr)
     return INTERRUPTED if outcome.cancelled else outcome.exit_code
