@@ -25,6 +25,8 @@ COLUMNS = (
     # expert-parallel runs (engine.expert_parallel): this rank's place and exchange, and on rank 0 every rank's
     # view of the layer (`ranks`) with the imbalance of routed pairs across ranks (max/mean)
     "ep_rank", "ep_ranks", "local_experts", "exchange_bytes", "exchange_us", "imbalance", "ranks",
+    # a MoE layer with shared experts (DeepSeek, Qwen2-MoE): where they ran ("routed launches" or "apart") and why
+    "shared_path", "shared_reason",
 )
 
 

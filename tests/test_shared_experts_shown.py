@@ -131,3 +131,20 @@ def test_the_tui_at_80x24_shows_the_path_in_the_arm_column(deepseek):
             assert "shared experts apart" in str(why.render())
 
     drive()
+
+
+def test_the_csv_and_jsonl_rows_carry_the_shared_experts_path(deepseek, capsys):
+    """generate --format csv|jsonl (and the TUI's export, the same rows): the last two columns, filled for the
+    DeepSeek layers' MoE rows only."""
+    directory, _ = deepseek
+    code = cli.main(["generate", "--model", str(directory), "--device", "cpu", "--prompt", "hi", "--max-tokens",
+                     "2", "--format", "jsonl"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert code == 0 and rows
+    moe = [row for row in rows if row["family"] == "moe"]
+    assert moe and all(row["shared_path"] == "apart" and row["shared_reason"] for row in moe)
+    assert all(row["shared_path"] is None for row in rows if row["family"] == "attention")
+    code = cli.main(["generate", "--model", str(directory), "--device", "cpu", "--prompt", "hi", "--max-tokens",
+                     "2", "--format", "csv"])
+    header = capsys.readouterr().out.splitlines()[0].split(",")
+    assert code == 0 and header[-2:] == ["shared_path", "shared_reason"]
