@@ -18,7 +18,8 @@ from engine.errors import UserError
 from engine.runtime import Engine
 from inspector.session import CompareStep, CurveStep, PromptStep, Session, Step, step_to_plain
 from inspector.session_recorder import SessionRecorder, default_session_path
-from inspector.session_runner import environment_header, read_results, results_path_for, write_results
+from inspector.session_runner import (environment_header, read_results, results_path_for, weights_difference,
+                                      write_results)
 from inspector.session_steps import action_for, base_flags, make_context
 
 AUTOSAVE_DIRECTORY = Path.home() / ".cache" / "moe-inspector" / "sessions"
@@ -111,6 +112,11 @@ class TuiSession:
         if header.get("device") != engine.device_label:
             return {}, (f"recorded results not used: recorded on {header.get('device')}, this inspector runs on "
                         f"{engine.device_label}; tokens are only comparable on the same device")
+        if header.get("weights") is not None:  # tokens are only comparable with the same weights (replay's rule)
+            now = engine.provenance()
+            difference = weights_difference(header, {"weights": now["weights"], "checkpoint": now.get("checkpoint")})
+            if difference is not None:
+                return {}, f"recorded results not used: recorded with {difference}; replay re-runs only"
         recorded_flags = {name: entry.get("value") for name, entry in header.get("flags", {}).items()}
         current_flags = dict(base_flags(session).values)
         # Flags a newer build added are not in an older recording: compare the ones recorded.

@@ -361,3 +361,20 @@ def test_launch_refuses_a_malformed_or_mismatched_session_before_the_app_starts(
     assert launch(args(REPOSITORY / "sessions" / "gate-policies.toml", model="tiny")) == 2
     error = capsys.readouterr().err
     assert "records model demo, and --model says tiny" in error and "loading" not in error
+
+
+def test_recorded_results_of_other_weights_are_set_aside_on_opening(engine, tmp_path, capsys):
+    """The TUI's replay (f7) compares against the recorded results it loaded: recorded with other weights, they
+    are set aside with the reason, as replay refuses them headless; the same weights keep them."""
+    path = recorded_quickstart(tmp_path, capsys)
+    kept = TuiSession.open(path, engine)
+    assert sorted(kept.lines) == [1, 2, 3] and not kept.note
+    results = results_path_for(path)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines[0]["weights"] = "random, seed 7"
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    opened = TuiSession.open(path, engine)
+    assert opened.lines == {}
+    assert "recorded results not used: recorded with weights 'random, seed 7', the model now loads " \
+           "'random, seed 0'; replay re-runs only" in opened.note
+    assert results.read_text().splitlines()[0] == json.dumps(lines[0])  # the file is left as it is
