@@ -60,6 +60,20 @@ def test_the_table_says_how_each_arm_was_timed():
     assert "calibration not written: not every arm was timed the runtime's way" in table
 
 
+def _gemv_case(device):
+    """(x, w13, w2, ids, weights, generator): one token of a small MoE layer (E 64, D 2048, F 1024, top-6), bf16."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    E, D, F, k = 64, 2048, 1024, 6
+    w13 = torch.randn(E, 2 * F, D, device=device, generator=generator, dtype=torch.bfloat16) / 45
+    w2 = torch.randn(E, D, F, device=device, generator=generator, dtype=torch.bfloat16) / 32
+    x = torch.randn(1, D, device=device, generator=generator, dtype=torch.bfloat16)
+    ids = torch.randperm(E, device=device, generator=generator)[:k].view(1, k).int()
+    weights = torch.softmax(torch.randn(1, k, device=device, generator=generator), -1)
+    return x, w13, w2, ids, weights, generator
+
+
 @pytest.mark.gpu
 def test_graph_timing_is_the_runtimes_within_five_percent():
     """The GEMV arm at n = 1 on a small shape: graph-timed per call against the same calls replayed by
@@ -71,13 +85,7 @@ def test_graph_timing_is_the_runtimes_within_five_percent():
     from kernels.moe_gemv import moe_gemv
 
     device = torch.device("cuda")
-    generator = torch.Generator(device=device).manual_seed(0)
-    E, D, F, k = 64, 2048, 1024, 6
-    w13 = torch.randn(E, 2 * F, D, device=device, generator=generator, dtype=torch.bfloat16) / 45
-    w2 = torch.randn(E, D, F, device=device, generator=generator, dtype=torch.bfloat16) / 32
-    x = torch.randn(1, D, device=device, generator=generator, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=device, generator=generator)[:k].view(1, k).int()
-    weights = torch.softmax(torch.randn(1, k, device=device, generator=generator), -1)
+    x, w13, w2, ids, weights, generator = _gemv_case(device)
     timer = _Timer(device)
     graph = timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights))
     peer = graph_call_us(lambda: moe_gemv(x, w13, w2, ids, weights), calls=16)
@@ -121,15 +129,10 @@ def test_neighbours_timing_is_what_the_arm_adds_between_them():
     from kernels.moe_gemv import moe_gemv
 
     device = torch.device("cuda")
-    generator = torch.Generator(device=device).manual_seed(0)
-    E, D, F, k = 64, 2048, 1024, 6
-    w13 = torch.randn(E, 2 * F, D, device=device, generator=generator, dtype=torch.bfloat16) / 45
-    w2 = torch.randn(E, D, F, device=device, generator=generator, dtype=torch.bfloat16) / 32
-    x = torch.randn(1, D, device=device, generator=generator, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=device, generator=generator)[:k].view(1, k).int()
-    weights = torch.softmax(torch.randn(1, k, device=device, generator=generator), -1).bfloat16()
+    x, w13, w2, ids, weights, generator = _gemv_case(device)
+    weights = weights.bfloat16()
     timer = _Timer(device)
-    neighbours = runtime_neighbours(D, E, k, 1, torch.bfloat16, device, generator)
+    neighbours = runtime_neighbours(w13.shape[2], w13.shape[0], ids.shape[1], 1, torch.bfloat16, device, generator)
     arm = timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights))
     added = timer.between_us(lambda: moe_gemv(x, w13, w2, ids, weights), neighbours)
     assert 0.5 * arm < added < 1.5 * arm, (added, arm)
