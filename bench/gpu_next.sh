@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU work this project has waiting, for the next lent H200, in calls of under ten minutes each (BUDGET_S,
-# default 560 s a call; every stage has its own limit, cut to what is left):
+# The GPU work this project has had waiting, in calls of under ten minutes each (BUDGET_S, default 560 s a call;
+# every stage has its own limit, cut to what is left). Runs 65-67 ran check, shared, trellis, demo, walk and
+# confirm (bench/RESULTS.md); still waiting: sweep. confirm is the one to re-run after a change to the decode step.
 #   check    GPU tests of kernels refactored since their last GPU run (the split argmax's best-key walk, the router's
 #            woken-count epilogue, the unrolled trellis GEMV's hyb gather), then Qwen3-30B-A3B tg128 @ b1 profiled:
 #            its figure must hold (run 64: 1.87x the bound, 371.9 t/s)
