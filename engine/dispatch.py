@@ -303,7 +303,8 @@ def decide(g: GateInputs) -> Decision:
 
 
 def _megabytes(value: float) -> str:
-    return f"{value / 1e6:,.1f} MB"
+    """Bytes in MB, or in KB below 0.1 MB (a tiny model's experts would read "0.0 MB")."""
+    return f"{value / 1e6:,.1f} MB" if value >= 1e5 else f"{value / 1e3:,.1f} KB"
 
 
 def _trellis(decision: Decision, g: GateInputs, policy: str) -> Decision:

@@ -125,6 +125,14 @@ def test_tile_fill_on_v4_trellis_flips_where_bf16_does():
     assert "25,744.6 MB" in below.reason and "1,610.6 MB" in at.reason
 
 
+def test_a_tiny_models_moved_bytes_read_in_kilobytes():
+    """Below 0.1 MB the reason says KB, not "0.0 MB" (the tiny and demo models' trellis experts)."""
+    assert dispatch._megabytes(48_640) == "48.6 KB" and dispatch._megabytes(100_000) == "0.1 MB"
+    tiny = dict(V4, expert_bytes=2_048, dense_expert_bytes=16_384)
+    assert "moves 12.3 KB of weights" in decide(GateInputs(n_tokens=1, tile_m=16, policy="floor",
+                                                           weight_format="trellis", **tiny)).reason
+
+
 def test_measured_dequant_crossover_applies_on_the_grouped_side_only():
     base = dict(V4, tile_m=16, policy="measured", weight_format="trellis", measured_crossover=64,
                 measured_dequant_crossover=8)
