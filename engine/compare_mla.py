@@ -81,6 +81,20 @@ class MlaCheckConfig:
         return (self.nope_dim + self.rope_dim) ** -0.5
 
 
+def latent_dims(latent) -> dict[str, int]:
+    """check_mla's four dims of a model's latent attention (an engine.config.LatentAttention)."""
+    return {"kv_lora_rank": latent.kv_lora_rank, "rope_dim": latent.qk_rope_head_dim,
+            "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim}
+
+
+def check_request(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, device, where: str) -> None:
+    """The reference's memory for a check at this shape, bounded before anything is allocated (engine.limits:
+    the latent scores [heads, T, T + 1], as for attention over one kv head of kv_lora_rank + rope_dim)."""
+    from engine.limits import check_attention_request
+
+    check_attention_request(seq_len, heads, 1, kv_lora_rank + rope_dim, device, where)
+
+
 def _kernel(device: str):
     """kernels.attention_mla.mla_decode, imported late: on a CPU under the interpreter, which Triton reads
     when the kernel module is first imported."""

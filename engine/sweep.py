@@ -548,6 +548,8 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             arms_result[arm] = {"us": us, "rel_err": rel_err, "launches_per_call": per_call, "timing": timing}
             if note:
                 arms_result[arm]["timing_note"] = note
+            elif timing == "neighbours":  # which router the arm was timed after (folded at one row)
+                arms_result[arm]["neighbours"] = neighbours(tokens).describe
             step(f"{label}n={tokens} {arm}")
         for arm, why in unavailable.items():
             arms_result[arm] = {"us": None, "rel_err": None, "launches_per_call": {}, "unavailable": why}

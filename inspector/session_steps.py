@@ -159,9 +159,9 @@ MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")
 def mla_shape(step: CheckAttentionStep, model: ModelConfig, here: str) -> dict[str, Any]:
     """engine.compare_mla.check_mla's shape: the step's dims, else the model's latent attention's (UserError
     naming the step where neither gives one)."""
-    latent = model.latent_attention
-    from_model = {} if latent is None else {"kv_lora_rank": latent.kv_lora_rank, "rope_dim": latent.qk_rope_head_dim,
-                                             "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim}
+    from engine.compare_mla import latent_dims
+
+    from_model = {} if model.latent_attention is None else latent_dims(model.latent_attention)
     shape = {name: getattr(step, name) or from_model.get(name) for name in MLA_ONLY}
     missing = [name for name, value in shape.items() if value is None]
     if missing:
@@ -391,7 +391,7 @@ class CheckAttentionAction(Action):
     @staticmethod
     def _preflight_mla(here, step, model, device) -> None:
         from engine.attention_dispatch import mla_kernel_declines
-        from engine.limits import check_attention_request
+        from engine.compare_mla import check_request
 
         given = [name for name in SINKS_ONLY if getattr(step, name) is not None] + (["pad"] if step.pad else [])
         if given or step.expect == "masked":
@@ -403,9 +403,7 @@ class CheckAttentionAction(Action):
         declined = mla_kernel_declines(shape["kv_lora_rank"], shape["rope_dim"])
         if declined:
             raise UserError(f"{here}: the fused MLA kernel declines this latent shape ({declined}): nothing to check")
-        # the latent scores [heads, T, T + 1], as `check-attention --mla` bounds them, before allocating
-        check_attention_request(shape["seq_len"], shape["heads"], 1, shape["kv_lora_rank"] + shape["rope_dim"],
-                                device, here)
+        check_request(shape["seq_len"], shape["heads"], shape["kv_lora_rank"], shape["rope_dim"], device, here)
 
     def dtype(self, context, step):
         import torch

@@ -322,7 +322,6 @@ def _down_kernel(
     offs_f = tl.arange(0, BLOCK_F)
     first_pair = token * TOP_K
     steps_per_pair = tl.cdiv(intermediate_size, BLOCK_F)
-    walk = TOP_K * steps_per_pair
     if TILES == 1:  # one tile at a time (the build every launch above MIN_DOWN_PROGRAMS programs makes)
         if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
             expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
@@ -361,6 +360,7 @@ def _down_kernel(
                     total += scale * tl.load(b2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_b2e + offs_d,
                                              mask=d_mask, other=0.0).to(tl.float32)
     else:  # TILES tiles in one load [TILES, BLOCK_D, BLOCK_F]
+        walk = TOP_K * steps_per_pair
         if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
             first = _walk_load(
                 w2_ptr, topk_ids_ptr, first_pair, 0, walk, steps_per_pair, num_experts, intermediate_size, offs_d,

@@ -103,14 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
-    from engine.compare_mla import DEFAULTS, check_mla
+    from engine.compare_mla import DEFAULTS, check_mla, check_request
 
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
                for name, default in DEFAULTS[device].items()}
-    from engine.limits import check_attention_request  # the latent scores [heads, T, T + 1]: before allocating
-
-    check_attention_request(options["seq_len"], options["heads"], 1, options["kv_lora_rank"] + options["rope_dim"],
-                            device, "check-attention --mla")
+    check_request(options["seq_len"], options["heads"], options["kv_lora_rank"], options["rope_dim"], device,
+                  "check-attention --mla")
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
     print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_mla_result(result))

@@ -71,10 +71,10 @@ def attention_shape(engine: Engine) -> dict[str, Any]:
     latent = c.latent_attention
     if latent is not None:  # check_mla's shape: the model's latent dims, its heads (cut on a CPU) and a prefill
         cpu = engine.device.type != "cuda"
+        from engine.compare_mla import latent_dims
+
         return {"head_dim": c.head_dim, "heads": min(c.n_heads, 8) if cpu else c.n_heads, "kv_heads": 1,
-                "kv_lora_rank": latent.kv_lora_rank, "rope_dim": latent.qk_rope_head_dim,
-                "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim,
-                "seq_len": min(c.max_seq_len, 48 if cpu else 1024)}
+                **latent_dims(latent), "seq_len": min(c.max_seq_len, 48 if cpu else 1024)}
     masked = next((mask for mask in c.layer_masks if mask.kind != "causal"), None)
     window = masked.window if masked is not None else 16
     block = masked.block if masked is not None and masked.block else 8
