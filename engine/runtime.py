@@ -195,6 +195,11 @@ class BatchGeneration:
         return [list(sequence.generated) for sequence in self.sequences]
 
 
+def _random_source(seed: int) -> str:
+    """Random weights as results headers name them."""
+    return f"random, seed {seed}"
+
+
 def _shipped_source(directory: Path) -> str:
     """A preset's shipped checkpoint as results headers name it (engine.shipped)."""
     return f"trained checkpoint {directory.relative_to(directory.parents[2])}"
@@ -211,7 +216,7 @@ class Engine:
         self.weights = weights if weights is not None else random_weights(config, seed, device, self.dtype)
         if device.type == "cuda":  # the fused decode step reads q/k/v with one GEMV (engine.decode_fused)
             pack_qkv(config, self.weights)
-        self.weights_source = weights_source or (f"random, seed {seed}" if weights is None else "given")
+        self.weights_source = weights_source or (_random_source(seed) if weights is None else "given")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self._runner: BatchRunner | None = None  # the last batch runner made (`runner_for`): its cache and graphs
         self.checkpoint: dict | None = None  # a checkpoint directory's provenance (engine.model_source), or None
@@ -261,21 +266,21 @@ class Engine:
 
     @classmethod
     def provenance_before_load(cls, model: str, device: torch.device, seed: int = 0, weights: str = "auto",
-                   base: str | Path | None = None) -> tuple[str | None, dict | None]:
+                               base: str | Path | None = None) -> tuple[str | None, dict | None]:
         """What `load` with these arguments records of its weights, (weights_source, checkpoint), known without
         loading a weight (config.json's bytes, the weight files' sizes): a preset's source in words and no
         checkpoint; a directory's provenance (engine.model_source.describe_checkpoint) and None for the words
         (they name its tokenizer, which is not read here). Why: a replay refuses other weights before it runs."""
-        if model not in PRESETS and resolve_model_path(model, base).is_dir():
+        checkpoint = None if model in PRESETS else resolve_model_path(model, base)
+        if checkpoint is not None and checkpoint.is_dir():
             from engine import model_source
             from engine.hf_loader import read_config
 
-            directory = resolve_model_path(model, base)
-            _, family = read_config(directory)
-            return None, model_source.describe_checkpoint(directory, family, weights, seed, device)
+            _, family = read_config(checkpoint)
+            return None, model_source.describe_checkpoint(checkpoint, family, weights, seed, device)
         from_name(model)  # the unknown-model error, as `load` gives it
         directory = shipped_directory(model) if weights == "auto" else None
-        return (f"random, seed {seed}" if directory is None else _shipped_source(directory)), None
+        return (_random_source(seed) if directory is None else _shipped_source(directory)), None
 
     @classmethod
     def _load_directory(cls, directory: Path, device: torch.device, seed: int, weights: str,
