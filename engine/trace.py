@@ -4,10 +4,11 @@ the runtime already makes and, on a GPU, from torch.profiler's kernel events of 
 Tracks: one process per configuration (A, B, a bench's flags, a session's configs), with
     thread 1 "host"    a slice per run (a bench repetition, a prompt), per step inside it, per layer inside
                        a step, and the layer's attention and MoE slices carrying the decision (arm, variant,
-                       n, woken experts, fill, reason, mask; a layer with shared experts their path and why). A step slice is the step's record clocks
-                       (started .. ended); where a record has per-layer µs (the eager, timed `generate`) the
-                       attention and MoE slices are that long, else the step's span is shared evenly among its
-                       layers (args `placement` says which: no per-layer clock is invented)
+                       n, woken experts, fill, reason, mask; a layer with shared experts their path and why).
+                       A step slice is the step's record clocks (started .. ended); where a record has
+                       per-layer µs (the eager, timed `generate`) the attention and MoE slices are that long,
+                       else the step's span is shared evenly among its layers (args `placement` says which: no
+                       per-layer clock is invented)
     thread 2 "device"  (profiled runs on a GPU) a slice per step's kernels, per layer inside it, per kernel
                        inside that: the kernels' own device times, each attributed to its layer and arm
 Kernel attribution (`attribute`): a step's kernels in start order are its capture order (one stream: a CUDA

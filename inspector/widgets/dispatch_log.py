@@ -6,8 +6,8 @@ woken expert predicted/observed, m-tile fill, the attention mask (→ the mask a
 differs; latent attention adds its cache bytes per token against the decompressed cache's), µs,
 and the whole reason (a trellis-coded layer's starts with its format, bits per weight and the
 expert bytes the step moved, the record's `bytes_moved`; a layer with shared experts adds their path to
-the arm, "+ shared folded" or "+ shared apart", and the why to the reason). The header stays on top and over its columns. The line
-under the table gives the full reason of the row under the cursor (the newest while following);
+the arm, "+ shared folded" or "+ shared apart", and the why to the reason). The header stays on top
+and over its columns. The line under the table gives the full reason of the row under the cursor (the newest while following);
 Enter opens the row's whole decision (`RecordScreen`).
 
 A DataTable, fed in batches (one `add_rows` per drained batch), so a streaming run costs the UI
