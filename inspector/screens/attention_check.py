@@ -309,8 +309,10 @@ class AttentionCheckScreen(Screen):
         common = {"mode": self.query_one("#check-mode", Select).value, "device": self.engine.device.type,
                   "dtype": self.engine.dtype, "seed": self.engine.seed}
         if self.kind == MLA:  # engine.compare_mla.check_mla's arguments
+            from engine.compare_mla import latent_dims
+
             return {"seq_len": whole("seq_len", 2), "heads": whole("heads", 1),
-                    **{name: self.shape[name] for name in ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")}, **common}
+                    **latent_dims(self.engine.config.latent_attention), **common}
         return {"seq_len": whole("seq_len", 1), "head_dim": self.shape["head_dim"], "heads": self.shape["heads"],
                 "kv_heads": self.shape["kv_heads"], "window": whole("window", 1), "block": whole("block", 1),
                 "pad": whole("pad", 0), **common}
