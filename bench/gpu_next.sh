@@ -18,17 +18,20 @@
 #            of Qwen3-30B-A3B and DeepSeek-V2-Lite and v4-shape's row (run 57: 1.268x; its down is the one-tile walk)
 #   sweep    the sweep's timings' GPU tests, then bench/sweep_vs_runtime.py: graph and neighbours timing against the
 #            runtime's adds µs (runs 60-62: graph 1.107-1.110x; target within 5 %)
+#   small    bench/experiments/small_kernels.py: what the router's fold, attention's split and combine and rope_cache
+#            add to a Qwen3-30B-A3B layer, beside their candidates (the ranked top-k, the "last" merge)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
 #   bash bench/gpu_next.sh walk             # about 3 minutes
 #   bash bench/gpu_next.sh confirm          # about 4 minutes
 #   bash bench/gpu_next.sh sweep            # about 3 minutes
+#   bash bench/gpu_next.sh small            # about 1 minute
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -52,5 +55,6 @@ want confirm && TAIL=8 stage 80 v4_tg128 python3 -m inspector bench --model v4-s
     --reps 3 --gpu-weights --no-progress --format md --json-out "$OUT/v4_tg128.json"
 want sweep && TAIL=6 stage 90 pytest_sweep python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_sweep_timing.py
 want sweep && TAIL=20 stage 240 sweep_vs_runtime env OUT="$OUT" python3 bench/sweep_vs_runtime.py
+want small && TAIL=30 stage 150 small_kernels env OUT="$OUT" python3 bench/experiments/small_kernels.py
 say "done in ${SECONDS}s"
 exit 0
