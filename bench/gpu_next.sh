@@ -19,7 +19,7 @@
 #   sweep    the sweep's timings' GPU tests, then bench/sweep_vs_runtime.py: graph and neighbours timing against the
 #            runtime's adds µs (runs 60-62: graph 1.107-1.110x; target within 5 %)
 #   small    bench/experiments/small_kernels.py: what the router's fold, attention's split and combine and rope_cache
-#            add to a Qwen3-30B-A3B layer, beside their candidates (the ranked top-k, the "last" merge)
+#            add to a Qwen3-30B-A3B layer, and attention at fewer, longer splits
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes

@@ -40,6 +40,7 @@ MAX_ROWS = TENSOR_CORE_ROWS - 1  # the FMA path of kernels.gemv
 # head's folds (N = 256) run 128 programs, each reading the activation, residual and norm weight once for two
 # outputs (measured: bench/RESULTS.md, "The one-row folds").
 ROW_TILE_ELEMENTS = 8192
+FOLD_WARPS = 4  # every fused GEMV's program
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class Fold:
             SLICE=triton.next_power_of_2(slice_cols),
             NORM=norm is not None, EXACT=norm is not None and norm.exact, GATHER=gather,
             RESIDUAL=residual is not None, WRITE_X=write_x, WRITE_H=write_h,
-            num_warps=4, **pdl.launch_options(device),
+            num_warps=FOLD_WARPS, **pdl.launch_options(device),
             PRELOAD=pdl.preload(device, "fused") if preload is None else preload,
         )
         return result

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from kernels import arrivals, launches, scratch
-from kernels.gemv_norm import Fused, Norm, check_fold
+from kernels.gemv_norm import FOLD_WARPS, Fused, Norm, check_fold
 from kernels.parts import count_ids, fold_gemv, topk_softmax_row
-from kernels.router import MAX_EXPERTS, count_block
+from kernels.router import MAX_EXPERTS, count_block, route_replicas
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ def _gemv_route_kernel(
     WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     OVER_ALL: tl.constexpr,
+    REPLICAS: tl.constexpr,  # copies of a row the last program routes (kernels.router.route_replicas)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
@@ -69,13 +70,11 @@ def _gemv_route_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
-        offs_e = tl.arange(0, E_PAD)
         for row in range(rows):
-            logits = tl.load(out_ptr + tl.cast(row, tl.int64) * stride_om + offs_e, mask=offs_e < n_out,
-                             other=float("-inf"), cache_modifier=".cg")
-            topk_softmax_row(logits, offs_e, n_out, ids_ptr + tl.cast(row, tl.int64) * stride_ids,
+            topk_softmax_row(out_ptr + tl.cast(row, tl.int64) * stride_om, n_out,
+                             ids_ptr + tl.cast(row, tl.int64) * stride_ids,
                              weights_ptr + tl.cast(row, tl.int64) * stride_weights, E_PAD, TOP_K, K_PAD,
-                             OVER_ALL, route_scale)
+                             OVER_ALL, route_scale, REPLICAS, ".cg")
         if WOKEN:
             if M_PAD == 1:  # one row: its k ids are distinct (the top-k never takes an id twice)
                 tl.store(woken_ptr, tl.full([], TOP_K, tl.int64))
@@ -106,7 +105,7 @@ def gemv_route(x: torch.Tensor | None, w: torch.Tensor, *, route: Route, norm: N
         *fold.args, result.ids, result.weights, count, arrivals.counters(device, 1),
         result.ids.stride(0), result.weights.stride(0), float(route.scale),
         TOP_K=route.top_k, OVER_ALL=route.over_all, K_PAD=triton.next_power_of_2(route.top_k), E_PAD=e_pad, WOKEN=route.woken,
-        COUNT_BLOCK=count_block(e_pad, rows * route.top_k),
+        COUNT_BLOCK=count_block(e_pad, rows * route.top_k), REPLICAS=route_replicas(e_pad, FOLD_WARPS),
         **fold.constexprs,
     )
     launches.record("gemv_route", kernel=_gemv_route_kernel)

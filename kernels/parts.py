@@ -46,37 +46,45 @@ def count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def topk_softmax_row(values, offs, experts, ids_row_ptr, weights_row_ptr,
+def topk_softmax_row(logits_row_ptr, experts, ids_row_ptr, weights_row_ptr,
                      E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                     OVER_ALL: tl.constexpr, scale):
-    """One token: its k largest of `values` [E_PAD] (lanes offs >= experts never chosen) in descending
-    order, ties to the lowest id, stored as ids (int32) and the softmax over them (weights' dtype); with
-    OVER_ALL the softmax over every expert, taken at the k chosen (softmax-then-top-k, not renormalised).
-    The weights are multiplied by `scale` (routed_scaling_factor) in float32 before the rounding."""
+                     OVER_ALL: tl.constexpr, scale, REPLICAS: tl.constexpr, CACHE: tl.constexpr):
+    """One token: the k largest of its float32 logits (logits_row_ptr[0:experts]) in descending order, ties to
+    the lowest id, stored as ids (int32) and the softmax over them (weights' dtype); with OVER_ALL the softmax
+    over every expert, taken at the k chosen (softmax-then-top-k, not renormalised). The weights are multiplied
+    by `scale` (routed_scaling_factor) in float32 before the rounding. CACHE: the load's cache modifier ("" or
+    ".cg" for logits other programs of the launch wrote).
+
+    The row is loaded REPLICAS times, [REPLICAS, E_PAD]: at REPLICAS = the program's warps and E_PAD <= 128 each
+    warp holds a whole copy, so every pick is one warp's reduction (redux.sync on sm_90) with no barrier between
+    the warps, where a row spread over the warps paid two barriers a pick. Copy 0 is stored."""
     # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
     # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
+    lanes = tl.arange(0, E_PAD)[None, :] + tl.zeros([REPLICAS, 1], dtype=tl.int32)  # [REPLICAS, E_PAD]
+    values = tl.load(logits_row_ptr + lanes, mask=lanes < experts, other=float("-inf"), cache_modifier=CACHE)
     values = tl.where(values == values, values, float("-inf"))
-    keys = drop(key_of(values, E_PAD - 1 - offs), offs >= experts)  # padding lanes never chosen
-    slots = tl.arange(0, K_PAD)
-    chosen_ids = tl.zeros([K_PAD], dtype=tl.int32)
-    chosen_logits = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
+    keys = drop(key_of(values, E_PAD - 1 - lanes), lanes >= experts)  # padding lanes never chosen
+    slots = tl.arange(0, K_PAD)[None, :] + tl.zeros([REPLICAS, 1], dtype=tl.int32)  # [REPLICAS, K_PAD]
+    chosen_ids = tl.zeros([REPLICAS, K_PAD], dtype=tl.int32)
+    chosen_logits = tl.full([REPLICAS, K_PAD], float("-inf"), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
+        best = tl.max(keys, axis=1)  # [REPLICAS], the same in every copy
         best_id = (E_PAD - 1 - reversed_index_of(best)).to(tl.int32)
-        chosen_ids = tl.where(slots == j, best_id, chosen_ids)
-        chosen_logits = tl.where(slots == j, value_of(best), chosen_logits)
-        keys = drop(keys, offs == best_id)  # taken
+        chosen_ids = tl.where(slots == j, best_id[:, None], chosen_ids)
+        chosen_logits = tl.where(slots == j, value_of(best)[:, None], chosen_logits)
+        keys = drop(keys, lanes == best_id[:, None])  # taken
     valid = slots < TOP_K
-    top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
+    top = tl.max(tl.where(valid, chosen_logits, float("-inf")), axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)[:, None]
     exponent = tl.where(valid, tl.exp(chosen_logits - top), 0.0)
     if OVER_ALL:  # the top logit is every expert's largest: the whole softmax's reference point
-        weights = exponent / tl.sum(tl.where(offs < experts, tl.exp(values - top), 0.0), axis=0)
+        weights = exponent / tl.sum(tl.where(lanes < experts, tl.exp(values - top), 0.0), axis=1)[:, None]
     else:
-        weights = exponent / tl.sum(exponent, axis=0)
+        weights = exponent / tl.sum(exponent, axis=1)[:, None]
     weights = weights * scale
-    tl.store(ids_row_ptr + slots, chosen_ids, mask=valid)
-    tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=valid)
+    stored = valid & (tl.arange(0, REPLICAS)[:, None] == 0)
+    tl.store(ids_row_ptr + slots, chosen_ids, mask=stored)
+    tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=stored)
 
 
 @triton.jit

@@ -41,18 +41,24 @@ def _topk_softmax_kernel(
     scale,
     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     OVER_ALL: tl.constexpr,
+    REPLICAS: tl.constexpr,  # the program's warps: a copy of the row each (kernels.parts.topk_softmax_row)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    values = tl.load(logits_ptr + token.to(tl.int64) * stride_l + offs, mask=offs < experts, other=float("-inf"))
-    topk_softmax_row(values, offs, experts, ids_ptr + token.to(tl.int64) * stride_i,
-                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, OVER_ALL, scale)
+    topk_softmax_row(logits_ptr + token.to(tl.int64) * stride_l, experts, ids_ptr + token.to(tl.int64) * stride_i,
+                     weights_ptr + token.to(tl.int64) * stride_w, E_PAD, TOP_K, K_PAD, OVER_ALL, scale, REPLICAS, "")
     if WOKEN:
         _count_woken(ids_ptr, woken_ptr, arrivals_ptr, tokens, experts, TOP_K, E_PAD, COUNT_BLOCK)
+
+
+def route_replicas(e_pad: int, warps: int) -> int:
+    """Copies of a row kernels.parts.topk_softmax_row routes at once in a program of `warps` warps: one a warp up
+    to 128 experts (its picks then need no barrier), fewer for wider rows (a copy spans several warps anyway, and
+    each copy costs its registers)."""
+    return max(1, min(warps, 512 // e_pad))
 
 
 def count_block(e_pad: int, pairs: int) -> int:
@@ -85,12 +91,13 @@ def topk_softmax(logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype, *,
             count.zero_()
         return (ids, weights, count[0]) if woken else (ids, weights)
     e_pad = triton.next_power_of_2(experts)
+    warps = 1 if experts <= 256 else 4
     _topk_softmax_kernel[(tokens,)](
         logits, ids, weights, count, arrivals.counters(logits.device, 1) if woken else count, tokens, experts,
         logits.stride(0), ids.stride(0), weights.stride(0), float(scale),
         E_PAD=e_pad, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), WOKEN=woken, OVER_ALL=over_all,
-        COUNT_BLOCK=count_block(e_pad, tokens * top_k),
-        num_warps=1 if experts <= 256 else 4,
+        COUNT_BLOCK=count_block(e_pad, tokens * top_k), REPLICAS=route_replicas(e_pad, warps),
+        num_warps=warps,
         **pdl.launch_options(logits.device),
     )
     launches.record("topk_softmax", kernel=_topk_softmax_kernel)
