@@ -14,11 +14,13 @@ kernel against the chain without it, so a figure is what the kernel adds between
     o + route          + the router's fold as the step runs it (norm with the residual, fp32 logits, top-8)
     o + route top1     + the same fold routing one expert (the top-k's picks: 8 against 1)
     o + norm fold      + the fold without routing (kernels.gemv_norm with the same norm): the tail's whole cost
+    o + rms_norm at W warps   + kernels.rms_norm with the residual at W warps (NORM_WARPS)
     qkv + o            the q/k/v GEMV then o's: the base of the attention rows
     qkv + rope + attn + o, S splits   + rope_cache and flash_decode at S splits (SPLIT_CANDIDATES: the default's, and
                        fewer, longer splits) at key lengths 256 and 1024 (the graph reads the cache's capacity; the
                        positions sit at half of it)
     qkv + attn + o, S splits   the same without rope_cache (q read unrotated): what rope_cache adds
+    qkv + rope + attn + o, N keys x S stages   attention's key tiles and pipeline stages (CONFIG_CANDIDATES)
 
     python3 bench/experiments/small_kernels.py          # JSON to $OUT/small_kernels.json, a table on stdout
 """
@@ -37,10 +39,12 @@ import torch  # noqa: E402
 
 from engine.bench import graph_call_us  # noqa: E402
 from engine.provenance import commit_label  # noqa: E402
-from kernels.attention_decode import default_num_splits, flash_decode  # noqa: E402
+from kernels import rms_norm as rms_norm_module  # noqa: E402
+from kernels.attention_decode import DecodeConfig, default_num_splits, flash_decode  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import Norm, Route, gemv_fused  # noqa: E402
 from kernels.reference import MaskSpec  # noqa: E402
+from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rope_cache import rope_cache  # noqa: E402
 
 D, HQ, HKV, HD, E, TOP_K = 2048, 32, 4, 128, 128, 8
@@ -48,6 +52,10 @@ LAYERS = 48
 # Split counts tried at each capacity (None: the default's; one split writes the output without a merge; run 69: the
 # default's "kernel" merge added 3.99 µs at 256 keys against 5.07 for the "last" merge, 4.37 against 6.44 at 1024)
 SPLIT_CANDIDATES = {256: (None, 1, 2), 1024: (None, 1, 2, 4, 8)}
+# Key tiles x stages tried at head dim 128 (kernels.attention_decode.CONFIGS[128] is 64 x 3), each at its default splits
+CONFIG_CANDIDATES = (DecodeConfig(64, 3), DecodeConfig(64, 2), DecodeConfig(32, 2), DecodeConfig(32, 3),
+                     DecodeConfig(16, 2), DecodeConfig(128, 2))
+NORM_WARPS = (1, 2, 4)  # kernels.rms_norm.num_warps gives 4 at D = 2048
 
 
 def _draw(*shape, scale=0.02):
@@ -88,6 +96,15 @@ def main() -> None:
     fold = time("o + norm fold", norm_fold) - base
     print(f"the router's fold adds {picks:.2f} µs (top-1 {one:.2f}, no routing {fold:.2f})")
 
+    default_warps = rms_norm_module.num_warps
+    try:
+        for warps in NORM_WARPS:
+            rms_norm_module.num_warps = lambda hidden, warps=warps: warps
+            norm = time(f"o + rms_norm at {warps} warps", lambda: rms_norm(x, g_moe, 1e-6, residual=gemv(attended, w_o)))
+            print(f"rms_norm at {warps} warps adds {norm - base:.2f} µs", flush=True)
+    finally:
+        rms_norm_module.num_warps = default_warps
+
     for capacity in (256, 1024):
         k_cache = _draw(1, capacity, HKV, HD, scale=1.0)
         v_cache = _draw(1, capacity, HKV, HD, scale=1.0)
@@ -97,6 +114,18 @@ def main() -> None:
         spec = MaskSpec("causal")
         splits = default_num_splits(q_plain, k_cache, spec)
         base_attn = time(f"qkv + o @{capacity}", lambda: (gemv(x, w_qkv), gemv(attended, w_o)))
+        for config in CONFIG_CANDIDATES:
+            def configured(config=config):
+                qkv = gemv(x, w_qkv)
+                q, positions = rope_cache(qkv, inv_freq, start, None, k_cache, v_cache, HQ, (q_norm, k_norm, 1e-6))
+                a = flash_decode(q.view(1, 1, HQ, HD), k_cache, v_cache, None, spec, positions, config=config)
+                gemv(a.reshape(1, HQ * HD), w_o)
+
+            splits_at = default_num_splits(q_plain, k_cache, spec, config)
+            took = time(f"qkv + rope + attn + o @{capacity}, {config.block_n} keys x {config.num_stages} stages "
+                        f"({splits_at} splits)", configured) - base_attn
+            print(f"@{capacity}, tiles of {config.block_n} keys at {config.num_stages} stages: rope + attention add "
+                  f"{took:.2f} µs", flush=True)
         for count in SPLIT_CANDIDATES[capacity]:
             def full(count=count):
                 qkv = gemv(x, w_qkv)
