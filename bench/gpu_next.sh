@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work this project has had waiting, in calls of under ten minutes each (BUDGET_S, default 560 s a call;
-# every stage has its own limit, cut to what is left). Runs 65-67 ran check, shared, trellis, demo, walk and
-# confirm (bench/RESULTS.md); still waiting: sweep. confirm is the one to re-run after a change to the decode step.
+# every stage has its own limit, cut to what is left). Runs 65-71 ran check, shared, trellis, demo, walk, confirm,
+# sweep and small (bench/RESULTS.md); still waiting: spacing. confirm is the one to re-run after a change to the
+# decode step.
 #   check    GPU tests of kernels refactored since their last GPU run (the split argmax's best-key walk, the router's
 #            woken-count epilogue, the unrolled trellis GEMV's hyb gather), then Qwen3-30B-A3B tg128 @ b1 profiled:
 #            its figure must hold (run 64: 1.87x the bound, 371.9 t/s)
@@ -20,6 +21,8 @@
 #            runtime's adds µs (runs 60-62: graph 1.107-1.110x; target within 5 %)
 #   small    bench/experiments/small_kernels.py: what the router's fold, attention's split and combine and rope_cache
 #            add to a Qwen3-30B-A3B layer, and attention at fewer, longer splits
+#   spacing  bench/experiments/sweep_spacing.py: the GEMV arm's calls with a spin or a copy between them, against
+#            back to back (why the sweep reads 1.11x the runtime's adds)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -27,11 +30,12 @@
 #   bash bench/gpu_next.sh confirm          # about 4 minutes
 #   bash bench/gpu_next.sh sweep            # about 3 minutes
 #   bash bench/gpu_next.sh small            # about 1 minute
+#   bash bench/gpu_next.sh spacing          # about 1 minute
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -56,5 +60,6 @@ want confirm && TAIL=8 stage 80 v4_tg128 python3 -m inspector bench --model v4-s
 want sweep && TAIL=6 stage 90 pytest_sweep python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_sweep_timing.py
 want sweep && TAIL=20 stage 240 sweep_vs_runtime env OUT="$OUT" python3 bench/sweep_vs_runtime.py
 want small && TAIL=30 stage 150 small_kernels env OUT="$OUT" python3 bench/experiments/small_kernels.py
+want spacing && TAIL=20 stage 150 sweep_spacing env OUT="$OUT" python3 bench/experiments/sweep_spacing.py
 say "done in ${SECONDS}s"
 exit 0
