@@ -23,6 +23,8 @@
 #            add to a Qwen3-30B-A3B layer, and attention at fewer, longer splits
 #   spacing  bench/experiments/sweep_spacing.py: the GEMV arm's calls with a spin or a copy between them, against
 #            back to back (why the sweep reads 1.11x the runtime's adds)
+#   fresh    bench/experiments/sweep_fresh.py: sweep_vs_runtime's figures each in a process of its own, then the
+#            sweep and the runtime in one process in both orders
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -31,11 +33,12 @@
 #   bash bench/gpu_next.sh sweep            # about 3 minutes
 #   bash bench/gpu_next.sh small            # about 1 minute
 #   bash bench/gpu_next.sh spacing          # about 1 minute
+#   bash bench/gpu_next.sh fresh            # about 3 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -61,5 +64,6 @@ want sweep && TAIL=6 stage 90 pytest_sweep python3 -m pytest -m gpu -q -p no:cac
 want sweep && TAIL=20 stage 240 sweep_vs_runtime env OUT="$OUT" python3 bench/sweep_vs_runtime.py
 want small && TAIL=30 stage 150 small_kernels env OUT="$OUT" python3 bench/experiments/small_kernels.py
 want spacing && TAIL=20 stage 150 sweep_spacing env OUT="$OUT" python3 bench/experiments/sweep_spacing.py
+want fresh && TAIL=12 stage 400 sweep_fresh env OUT="$OUT" python3 bench/experiments/sweep_fresh.py
 say "done in ${SECONDS}s"
 exit 0
