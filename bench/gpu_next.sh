@@ -23,6 +23,9 @@
 #            add to a Qwen3-30B-A3B layer, and attention at fewer, longer splits
 #   spacing  bench/experiments/sweep_spacing.py: the GEMV arm's calls with a spin or a copy between them, against
 #            back to back (why the sweep reads 1.11x the runtime's adds)
+#   preload  Qwen3-30B-A3B tg128 @ b1 at pdl_preload on, down+fused, gemv+fused, off, on again, a process each: the
+#            preload was measured on v4-shape's one layer; at 48 narrow layers the dense GEMVs' preload runs under
+#            the short kernels (rms_norm before q/k/v), which may wait on it
 #   fresh    bench/experiments/sweep_fresh.py: sweep_vs_runtime's figures each in a process of its own, then the
 #            sweep and the runtime in one process in both orders
 #   bash bench/gpu_next.sh check            # about 3 minutes
@@ -34,11 +37,12 @@
 #   bash bench/gpu_next.sh small            # about 1 minute
 #   bash bench/gpu_next.sh spacing          # about 1 minute
 #   bash bench/gpu_next.sh fresh            # about 3 minutes
+#   bash bench/gpu_next.sh preload          # about 3 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -65,5 +69,12 @@ want sweep && TAIL=20 stage 240 sweep_vs_runtime env OUT="$OUT" python3 bench/sw
 want small && TAIL=30 stage 150 small_kernels env OUT="$OUT" python3 bench/experiments/small_kernels.py
 want spacing && TAIL=20 stage 150 sweep_spacing env OUT="$OUT" python3 bench/experiments/sweep_spacing.py
 want fresh && TAIL=12 stage 400 sweep_fresh env OUT="$OUT" python3 bench/experiments/sweep_fresh.py
+index=0
+for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
+    index=$((index + 1))
+    want preload && TAIL=0 stage 70 "qwen3_preload${index}_${preload/+/_}" "${BENCH[@]}" \
+        --model bench/configs/qwen3-30b-a3b --weights random --reps 2 --set pdl_preload=$preload \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_preload${index}_${preload/+/_}.log" | cut -c1-160)"
+done
 say "done in ${SECONDS}s"
 exit 0

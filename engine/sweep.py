@@ -398,9 +398,16 @@ def _random_weights(shape: MoeShape, device, generator):
     return w13, w2
 
 
+# The routing weights' dtype, the activations': the runtime's router hands the arms weights in h's dtype
+# (engine.decode_fused, engine.model), and float32 weights compile other kernels (bench/RESULTS.md, "A/B and one
+# arm, one number": the GEMV arm's graph timing 83.3 µs with them against 75.2 in the runtime).
+ROUTING_WEIGHT_DTYPE = "bfloat16"
+
+
 def _routing(shape: MoeShape, tokens: int, popularity, device, generator):
     """top-k experts per token without replacement: uniform, or weighted by `popularity` (the
-    Gumbel top-k trick samples k distinct experts with probability proportional to it)."""
+    Gumbel top-k trick samples k distinct experts with probability proportional to it); their weights a softmax,
+    in ROUTING_WEIGHT_DTYPE."""
     import torch
 
     scores = torch.rand(tokens, shape.experts, device=device, generator=generator)
@@ -409,7 +416,7 @@ def _routing(shape: MoeShape, tokens: int, popularity, device, generator):
         scores = popularity.log().unsqueeze(0) + gumbel
     topk_ids = scores.topk(shape.top_k, dim=1).indices.to(torch.int32)
     logits = torch.randn(tokens, shape.top_k, device=device, generator=generator)
-    topk_weights = torch.softmax(logits, dim=1)
+    topk_weights = torch.softmax(logits, dim=1).to(getattr(torch, ROUTING_WEIGHT_DTYPE))
     return topk_ids, topk_weights
 
 
@@ -602,7 +609,8 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             for tokens in config.tokens:
                 windows, wrapped = routing_replay.windows(layer_ids, layer_weights, tokens, ROTATIONS)
                 sets = [(torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device=device, generator=generator),
-                         torch.from_numpy(ids).to(device), torch.from_numpy(weights).to(device))
+                         torch.from_numpy(ids).to(device),
+                         torch.from_numpy(weights).to(device, getattr(torch, ROUTING_WEIGHT_DTYPE)))
                         for ids, weights in windows]
                 layer_rows.append(measure(tokens, sets, {"source": f"layer {layer} ", "wrapped": wrapped}))
                 del sets
