@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work this project has had waiting, in calls of under ten minutes each (BUDGET_S, default 560 s a call;
-# every stage has its own limit, cut to what is left). Runs 65-71 ran check, shared, trellis, demo, walk, confirm,
-# sweep and small (bench/RESULTS.md); still waiting: spacing. confirm is the one to re-run after a change to the
-# decode step.
+# every stage has its own limit, cut to what is left). Runs 65-74 ran check, shared, trellis, demo, walk, confirm,
+# sweep, small, spacing, fresh and preload (bench/RESULTS.md, runs 65-74). confirm is the one to re-run after a
+# change to the decode step.
 #   check    GPU tests of kernels refactored since their last GPU run (the split argmax's best-key walk, the router's
 #            woken-count epilogue, the unrolled trellis GEMV's hyb gather), then Qwen3-30B-A3B tg128 @ b1 profiled:
 #            its figure must hold (run 64: 1.87x the bound, 371.9 t/s)
@@ -18,11 +18,11 @@
 #   confirm  the defaults since (down's narrow walk, shared_fold=on): their GPU tests, then the profiled tg128 @ b1 rows
 #            of Qwen3-30B-A3B and DeepSeek-V2-Lite and v4-shape's row (run 57: 1.268x; its down is the one-tile walk)
 #   sweep    the sweep's timings' GPU tests, then bench/sweep_vs_runtime.py: graph and neighbours timing against the
-#            runtime's adds µs (runs 60-62: graph 1.107-1.110x; target within 5 %)
+#            runtime's adds µs (run 74: graph 1.001-1.003x, met; runs 60-62, 69: 1.107-1.112x)
 #   small    bench/experiments/small_kernels.py: what the router's fold, attention's split and combine and rope_cache
 #            add to a Qwen3-30B-A3B layer, and attention at fewer, longer splits
 #   spacing  bench/experiments/sweep_spacing.py: the GEMV arm's calls with a spin or a copy between them, against
-#            back to back (why the sweep reads 1.11x the runtime's adds)
+#            back to back (run 72: not why the sweep read 1.11x the runtime's adds)
 #   preload  Qwen3-30B-A3B tg128 @ b1 at pdl_preload on, down+fused, gemv+fused, off, on again, a process each: the
 #            preload was measured on v4-shape's one layer; at 48 narrow layers the dense GEMVs' preload runs under
 #            the short kernels (rms_norm before q/k/v), which may wait on it
