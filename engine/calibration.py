@@ -1,7 +1,8 @@
 """The calibration file that `moe_gate=measured` reads and `moe-inspector sweep` writes.
 
 One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", "hidden",
-"intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing"}]}; an entry calibrated from
+"intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing", "routing_weights"}]}; an entry
+calibrated from
 a routing recording adds "routing" (file, sha256, model, MoE layers) and "layer_crossovers" ({layer: n}). The crossover is the
 smallest measured token count from which the grouped arm beats the GEMV arm at every larger
 measured width. Entries for trellis experts also carry "weight_format" (e.g. "trellis:hyb:K2"; an
@@ -27,6 +28,10 @@ from engine.errors import UserError
 from engine.json_input import parse_json
 
 VERSION = 1
+# What an entry must say of how its arms were timed to be read: the runtime's way (back to back in a CUDA graph)
+# and with routing weights in the activations' dtype, as the runtime's router hands them to the arms (float32 ones
+# compile another, slower down kernel: bench/RESULTS.md, "A/B and one arm, one number").
+TIMED_AS = {"timing": "graph", "routing_weights": "bfloat16"}
 KEY_FIELDS = ("device", "k", "experts", "hidden", "intermediate", "tile_m")
 MAX_FILE_BYTES = 16 * 1024 * 1024  # a calibration entry is ~250 bytes
 MAX_SIZE = 1 << 40  # a width, an expert count or a crossover beyond this is not a measurement
@@ -115,9 +120,9 @@ def load_entries(path: Path | None = None) -> list[dict]:
 def find_crossover(device: str, k: int, experts: int, hidden: int, intermediate: int, tile_m: int,
                    path: Path | None = None, weight_format: str = BF16, field: str = "crossover_tokens") -> int | None:
     """The measured crossover for exactly this routing shape and expert format on this device, or None. Only an
-    entry timed the runtime's way (`"timing": "graph"`, engine.sweep) counts: an entry of a sweep that timed each
-    arm as one cold eager call (before that field) put the crossover where the runtime does not run the arms; run
-    the sweep again. `field`: "crossover_tokens" (GEMV -> grouped) or, for trellis experts,
+    entry timed the runtime's way (TIMED_AS, engine.sweep) counts: an entry of a sweep that timed each arm as one
+    cold eager call, or with float32 routing weights (before those fields), put the crossover where the runtime
+    does not run the arms; run the sweep again. `field`: "crossover_tokens" (GEMV -> grouped) or, for trellis experts,
     "dequant_crossover_tokens" (trellis_grouped -> trellis_dequant)."""
     entry = find_entry(device, k, experts, hidden, intermediate, tile_m, path, weight_format, field)
     return None if entry is None else int(entry[field])
@@ -129,7 +134,7 @@ def find_entry(device: str, k: int, experts: int, hidden: int, intermediate: int
     wanted = (device, k, experts, hidden, intermediate, tile_m, weight_format)
     for entry in load_entries(path):
         try:
-            if _key(entry) == wanted and entry.get("timing") == "graph":
+            if _key(entry) == wanted and all(entry.get(name) == value for name, value in TIMED_AS.items()):
                 int(entry[field])
                 return entry
         except (KeyError, TypeError, ValueError):

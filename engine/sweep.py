@@ -45,7 +45,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import routing_replay
+from engine import calibration, routing_replay
 from engine.errors import MeasurementError, UserError
 from engine.provenance import commit_and_dirty
 
@@ -400,8 +400,9 @@ def _random_weights(shape: MoeShape, device, generator):
 
 # The routing weights' dtype, the activations': the runtime's router hands the arms weights in h's dtype
 # (engine.decode_fused, engine.model), and float32 weights compile other kernels (bench/RESULTS.md, "A/B and one
-# arm, one number": the GEMV arm's graph timing 83.3 µs with them against 75.2 in the runtime).
-ROUTING_WEIGHT_DTYPE = "bfloat16"
+# arm, one number": the GEMV arm's graph timing 83.3 µs with them against 75.2 in the runtime). The calibration
+# reads only entries timed so (engine.calibration.TIMED_AS).
+ROUTING_WEIGHT_DTYPE = calibration.TIMED_AS["routing_weights"]
 
 
 def _routing(shape: MoeShape, tokens: int, popularity, device, generator):
@@ -464,7 +465,6 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
     require_cuda()
     import torch
 
-    from engine import calibration
     from engine.flags import LAUNCH_FLAGS, from_environment, launch_settings
     from kernels import settings as kernel_settings
     from kernels import launches
@@ -674,7 +674,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             "crossover_tokens": calibrating,
             "measured_at": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit,
-            "timing": "graph",
+            **calibration.TIMED_AS,
             **calibrated,
         }
         if trellis is not None:

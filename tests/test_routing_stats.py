@@ -189,7 +189,7 @@ def test_the_measured_gate_reads_each_layers_crossover_from_a_recording(tmp_path
     path = tmp_path / "calibration.json"
     monkeypatch.setenv("MOEI_CALIBRATION", str(path))
     entry = {"device": tiny.device_label, "k": 2, "experts": 8, "hidden": 64, "intermediate": 32, "tile_m": 16,
-             "crossover_tokens": 12, "timing": "graph",
+             "crossover_tokens": 12, "timing": "graph", "routing_weights": "bfloat16",
              "routing": {"file": "tiny.safetensors", "sha256": "0", "model": "tiny", "layers": [0, 1]},
              "layer_crossovers": {"0": 4, "1": 40}}
     calibration.save_entry(entry, path)

@@ -24,10 +24,24 @@ def test_only_a_crossover_timed_the_runtimes_way_is_read(tmp_path):
     path = tmp_path / "calibration.json"
     calibration.save_entry(entry(), path)  # an older sweep's entry: no timing field, one cold call per arm
     assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) is None
-    calibration.save_entry(entry(timing="graph", crossover_tokens=20), path)
-    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) == 20
-    calibration.save_entry(entry(timing="cold", crossover_tokens=30), path)  # replaces it: no longer counted
+    # an older graph-timed entry: float32 routing weights, which compiled another down kernel than the runtime's
+    calibration.save_entry(entry(timing="graph", crossover_tokens=18), path)
     assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) is None
+    calibration.save_entry(entry(timing="graph", routing_weights="bfloat16", crossover_tokens=20), path)
+    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) == 20
+    calibration.save_entry(entry(timing="cold", routing_weights="bfloat16", crossover_tokens=30), path)  # replaces it
+    assert calibration.find_crossover("NVIDIA H200", 6, 256, 4096, 2048, 16, path) is None
+
+
+def test_the_sweep_routes_its_arms_with_weights_in_the_activations_dtype():
+    import torch
+
+    from engine import sweep
+
+    shape = sweep.MoeShape(experts=16, top_k=4, hidden=32, intermediate=16)
+    ids, weights = sweep._routing(shape, 3, None, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert weights.dtype == torch.bfloat16 == getattr(torch, calibration.TIMED_AS["routing_weights"])
+    assert ids.dtype == torch.int32 and torch.allclose(weights.float().sum(-1), torch.ones(3), atol=1e-2)
 
 
 def test_the_timing_method_is_checked():

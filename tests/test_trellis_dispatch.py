@@ -199,7 +199,8 @@ def test_the_dispatcher_names_trellis_arms_and_records_the_format(tmp_path, monk
     calibration.save_entry({"device": "cpu", "k": config.top_k, "experts": config.n_experts, "hidden": config.hidden,
                             "intermediate": config.intermediate, "tile_m": 16, "crossover_tokens": 3,
                             "dequant_crossover_tokens": 5, "weight_format": calibration.trellis_format("hyb", 2),
-                            "measured_at": "now", "commit": None, "timing": "graph"})
+                            "measured_at": "now", "commit": None, "timing": "graph",
+                            "routing_weights": "bfloat16"})
     dispatcher = Dispatcher(engine, flags.resolve(session={"decode_floor": 0}, environ={}), timed=False)
     assert dispatcher.crossover is None  # the bf16 experts of this shape have no entry: only the trellis one
     generator = torch.Generator().manual_seed(0)
