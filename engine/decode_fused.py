@@ -141,7 +141,10 @@ def _float_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     return entry[2]
 
 
-def _dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [B, K] @ w [N, K]^T -> [B, N] in out_dtype (default x's) as the step computes its dense products:
+    kernels.gemv up to GEMV_ROWS rows, torch matmuls above (float32 ones for float32 logits). Public: the sweep's
+    neighbours (engine.sweep_neighbours) launch exactly what the step launches."""
     from kernels.gemv import gemv
 
     if x.shape[0] <= GEMV_ROWS:
@@ -154,11 +157,11 @@ def _dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 def _qkv(weights: dict[str, torch.Tensor], p: str, h: torch.Tensor) -> torch.Tensor:
     packed = packed_qkv(weights, p)
     if packed is not None:
-        return _dense(h, packed)
-    return torch.cat([_dense(h, weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
+        return dense(h, packed)
+    return torch.cat([dense(h, weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
 
 
-def _fused_rows(rows: int) -> bool:
+def fused_rows(rows: int) -> bool:
     """Whether the dense products of a step of `rows` rows are GEMVs with the glue folded in."""
     from kernels.gemv_fused import MAX_ROWS
 
@@ -169,7 +172,7 @@ def _folds(norm, w: torch.Tensor, rows: int) -> bool:
     """Whether the RMSNorm `norm` (a kernels.gemv_fused.Norm) goes into the GEMV of `w` at `rows` rows:
     a one-row-style step, and a gather anywhere but a residual add only into a narrow product (every
     program of the fold reads the whole x, residual and norm weight: FOLD_RESIDUAL_MAX_N)."""
-    return _fused_rows(rows) and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
+    return fused_rows(rows) and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
 
 
 def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +212,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
     carried = None if outputs is None else outputs.carried  # x and h of this step's first norm, computed already
     dense_layers = set(c.dense_layers)
-    gemv_rows = _fused_rows(batch)
+    gemv_rows = fused_rows(batch)
     moe_index = 0  # the MoE layer's ordinal: where its woken count goes in the step's outputs
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
@@ -218,7 +221,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         else:
             x, h = _rms_norm(x, norm)
         if c.latent_attention is not None:
-            o = decode_fused_mla.attention(c, weights, layer, h, _dense, _plain_norm, inv_freq, start, key_length,
+            o = decode_fused_mla.attention(c, weights, layer, h, dense, _plain_norm, inv_freq, start, key_length,
                                            slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
@@ -229,7 +232,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                        _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                        key_length)  # [B, 1, Hq, hd]
-            o = _dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
+            o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
         if layer in dense_layers:  # a dense SwiGLU MLP: no router, no experts, no MoE record
             x, h = _rms_norm(x, norm)
@@ -240,7 +243,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             over_all = c.router == "softmax_topk" and not c.norm_topk_prob
             if c.router in GROUPED_ROUTERS:  # DeepSeek's group-limited routers: not folded (kernels.router.group_topk)
                 x, h = _rms_norm(x, norm)
-                logits = _dense(h if router.dtype == h.dtype else h.to(router.dtype), router, torch.float32)  # [B, E]
+                logits = dense(h if router.dtype == h.dtype else h.to(router.dtype), router, torch.float32)  # [B, E]
                 ids, routing, woken = group_topk(logits, c.top_k, c.n_group, c.topk_group, c.router, h.dtype,
                                                  bias=weights.get(p + "router_correction"),
                                                  norm_topk_prob=c.norm_topk_prob, scale=c.routed_scaling_factor,
@@ -253,7 +256,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                 x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
             else:
                 x, h = _rms_norm(x, norm)
-                ids, routing, woken = topk_softmax(_dense(h, router, torch.float32), c.top_k, h.dtype, woken=True,
+                ids, routing, woken = topk_softmax(dense(h, router, torch.float32), c.top_k, h.dtype, woken=True,
                                                    over_all=over_all, scale=c.routed_scaling_factor)
             if c.shared_experts is not None:
                 shared = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"], weights[p + "shared_down"],
@@ -280,4 +283,4 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             outputs.carried_out = pick.next_norm is not None
         return logits
     x, h = _rms_norm(x, norm)
-    return _dense(h, head, torch.float32)  # [B, V]
+    return dense(h, head, torch.float32)  # [B, V]

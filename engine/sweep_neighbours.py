@@ -31,7 +31,7 @@ class Neighbours:
 def runtime_neighbours(hidden: int, experts: int, top_k: int, tokens: int, dtype: torch.dtype,
                        device: torch.device, generator: torch.Generator) -> Neighbours:
     """The router before and the next norm after an arm at n = `tokens`, on fresh random inputs."""
-    from engine.decode_fused import _dense, _fused_rows
+    from engine.decode_fused import dense, fused_rows
     from kernels.gemv_fused import Norm, Route, gemv_fused
     from kernels.rms_norm import rms_norm
     from kernels.router import topk_softmax
@@ -45,7 +45,7 @@ def runtime_neighbours(hidden: int, experts: int, top_k: int, tokens: int, dtype
     moe_norm = (1 + 0.1 * torch.randn(hidden, generator=generator, device=device)).to(dtype)
     next_norm = (1 + 0.1 * torch.randn(hidden, generator=generator, device=device)).to(dtype)
     eps = 1e-6
-    if _fused_rows(tokens):
+    if fused_rows(tokens):
         norm = Norm(moe_norm, eps, residual=residual, write_x=True, write_h=True, exact=True)
 
         def before():
@@ -55,7 +55,7 @@ def runtime_neighbours(hidden: int, experts: int, top_k: int, tokens: int, dtype
     else:
         def before():
             _, h = rms_norm(x, moe_norm, eps, residual=residual)
-            topk_softmax(_dense(h, router, torch.float32), top_k, dtype, woken=True)
+            topk_softmax(dense(h, router, torch.float32), top_k, dtype, woken=True)
 
         describe = "the router unfolded: rms_norm, the logits' product, topk_softmax"
 
