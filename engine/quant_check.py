@@ -19,7 +19,6 @@ Knows nothing of the CLI; returns a plain dict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -66,10 +65,9 @@ def trellis_arms(device: str) -> dict[str, object]:
 def _original_weights(directory: Path, layer: int, original: str | None, device: str):
     """The source model's w13 and w2 of `layer` (config.json's source, or `original`), float32."""
     from engine.runtime import Engine
-    from engine.trellis_checkpoint import FORMAT_KEY
+    from engine.trellis_checkpoint import source_of
 
-    values = json.loads((directory / "config.json").read_text())
-    source = values.get(FORMAT_KEY, {}).get("source", {})
+    source = source_of(directory)
     model = original or source.get("model")
     weights = source.get("weights") if source.get("weights") in ("auto", "random") else "auto"
     if not model:

@@ -293,6 +293,14 @@ def _config_values(directory: Path) -> dict | None:
     return values if isinstance(values, dict) else None
 
 
+def source_of(directory: Path) -> dict:
+    """The `source` entry `quantize` recorded in a trellis directory's config.json (the model it quantized, its
+    weights and seed); {} when the file, the entry or the source is missing or not an object."""
+    entry = (_config_values(Path(directory)) or {}).get(FORMAT_KEY)
+    source = entry.get("source") if isinstance(entry, dict) else None
+    return source if isinstance(source, dict) else {}
+
+
 def is_trellis_directory(directory: Path) -> bool:
     values = _config_values(Path(directory))
     return values is not None and is_trellis_config(values)
