@@ -78,7 +78,7 @@ def _wrong(transform):
 
 
 def _newest_padded(q, k, v, sinks, spec, q_start, combine):
-    padding = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool)
+    padding = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool, device=k.device)
     padding[torch.arange(k.shape[0]), q_start.long()] = True  # key p not read
     return q, sinks, spec, q_start, padding, None
 
@@ -92,7 +92,7 @@ def _spec(make):
 
 
 def _interleaved(q, k, v, sinks, spec, q_start, combine):
-    perm = torch.tensor(compare_decode._interleaved_heads(q.shape[2], k.shape[2]))
+    perm = torch.tensor(compare_decode._interleaved_heads(q.shape[2], k.shape[2]), device=q.device)
     return q[:, :, perm].contiguous(), sinks, spec, q_start, None, torch.argsort(perm)
 
 
@@ -229,3 +229,31 @@ def test_cli_decode_refuses_a_latent_model(capsys, tmp_path):
 def test_config_refusals_name_the_option():
     with pytest.raises(UserError, match="--batch must be in 2"):
         compare_decode.check_decode(seq_len=32, batch=40, head_dim=64, heads=2, device="cpu")
+
+
+# The GPU shapes: the CUDA defaults (Qwen3-30B-A3B's 32/4 heads at head_dim 128, a cache of 4096, 8 sequences),
+# gpt-oss's window layers (64/8 heads, head_dim 64, W = 128, sinks), and head_dim 512 with one kv head (a group of 8
+# rows: the short-walk config) and a window of 256 with sinks.
+GPU_SHAPES = [
+    dict(compare_decode.DEFAULTS["cuda"]),
+    dict(seq_len=4096, batch=8, head_dim=64, heads=64, kv_heads=8, window=128, sinks=True),
+    dict(seq_len=2048, batch=8, head_dim=512, heads=8, kv_heads=1, window=256, sinks=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["qwen3-30b", "gpt-oss-window", "hd512-window"])
+def test_bf16_on_cuda_sits_on_ok_and_names_a_wrong_position(monkeypatch, shape):
+    """bf16 on the GPU: the real kernel through the fused arm sits on ok with every mode discriminating; a dropped
+    mask reads stale, and a position one ahead is named in bf16 as in fp32."""
+    from inspector.commands.check_decode import format_decode_result
+
+    result = compare_decode.check_decode(**shape, device="cuda", seed=0)
+    assert result["config"]["dtype"] == "bf16"
+    assert result["discrimination"]["fires"] and result["ok"], format_decode_result(result)
+    assert result["merged"] and all(run["finite"] for run in result["runs"])
+    dropped = compare_decode.check_decode(**shape, mode="drop", device="cuda", seed=1)
+    assert dropped["verdict"] == "reads_stale", format_decode_result(dropped)
+    monkeypatch.setattr(compare_decode, "_kernel", _wrong(_shift(1)))
+    ahead = compare_decode.check_decode(**shape, device="cuda", seed=2)
+    assert ahead["verdict"] == "off_by_one_ahead", format_decode_result(ahead)
