@@ -255,11 +255,16 @@ def render_result(result: dict) -> Group:
 
 
 def render_decode_result(result: dict) -> Text:
-    """check_decode's dict as `check-attention --decode` prints it, the verdict styled."""
+    """check_decode's dict as `check-attention --decode` prints it, under its verdict and sentence (what a screen of
+    24 lines shows first), the verdict styled."""
     from inspector.commands.check_decode import format_decode_result
 
-    shown = Text(format_decode_result(result))
-    shown.highlight_words([f"verdict: {result.get('verdict')}"], "bold green" if result.get("ok") else "bold red")
+    style = "bold green" if result.get("ok") else "bold red"
+    shown = Text("verdict: ", style="bold")
+    shown.append(str(result.get("verdict")), style=style)
+    shown.append("   (check " + ("passed" if result.get("ok") else "FAILED") + ")", style=style)
+    shown.append(f"\n{result.get('sentence', '')}\n\n")
+    shown.append(format_decode_result(result).rsplit("\n\nverdict: ", 1)[0])  # said above already
     return shown
 
 
