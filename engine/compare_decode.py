@@ -40,13 +40,12 @@ Knows nothing of the CLI or screens; returns a plain dict. Importable without te
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.compare import DTYPES, HEAD_DIMS, _relative, check_mode_and_dtype, resolve_device, ulp_control
+from engine.compare import (DTYPES, HEAD_DIMS, _relative, check_mode_and_dtype, require_interpreter, resolve_device,
+                            ulp_control)
 from engine.errors import UserError
 from kernels import launches
 from kernels.reference import MaskSpec, attention_reference
@@ -282,11 +281,7 @@ def _kernel(device: str):
     num_splits is None (engine.arms, what the decode step calls), else flash_decode with that split count and
     merge. Imported late: on a CPU under the interpreter, which Triton reads when the kernel module is first
     imported."""
-    if device == "cpu":
-        if "kernels.attention_decode" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise UserError("--device cpu runs the Triton kernel under its interpreter: start with TRITON_INTERPRET=1")
+    require_interpreter(device, "kernels.attention_decode")
     from engine.arms import ARMS
     from engine.triton_support import require_triton
     from kernels.attention_decode import flash_decode

@@ -94,15 +94,21 @@ def test_causal_or_window_only_layers_take_the_decode_check_and_a_composite_mask
     assert check_kind(type("E", (), {"config": tiny})()) == SINKS
 
 
+async def open_check_screen(app, pilot) -> AttentionCheckScreen:
+    """f3 from the main screen: the attention check screen, with a check that applies."""
+    await pilot.press("f3")
+    await pilot.pause()
+    screen = app.screen
+    assert isinstance(screen, AttentionCheckScreen) and screen.unavailable is None
+    return screen
+
+
 @synchronously
 async def test_f3_on_deepseek_runs_the_latent_check_at_the_models_shape(tmp_path):
     engine = _engine(tmp_path, DEEPSEEK_V2)
     app = make_app(engine)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("f3")
-        await pilot.pause()
-        screen = app.screen
-        assert isinstance(screen, AttentionCheckScreen) and screen.unavailable is None
+        screen = await open_check_screen(app, pilot)
         assert [box.id for box in screen.query(Input)] == ["check-seq-len", "check-heads"]
         assert "latent 32 + RoPE 16, no-RoPE 16, value 12 dims" in str(screen.query_one("#check-shape").render())
         await pilot.press("f7")  # the real check: check-attention --mla's, under the interpreter

@@ -11,7 +11,7 @@ from textual.widgets import Input
 
 from engine.runtime import Engine
 from inspector.screens import attention_check as screen_module
-from inspector.screens.attention_check import AttentionCheckScreen
+from test_attention_screen import open_check_screen
 from test_tui import make_app, synchronously, wait_until
 
 transformers = pytest.importorskip("transformers")
@@ -34,10 +34,7 @@ async def test_f3_on_qwen3_runs_the_decode_check_at_the_models_shape(qwen3):
     assert screen_module.check_kind(qwen3) == screen_module.DECODE
     app = make_app(qwen3)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("f3")
-        await pilot.pause()
-        screen = app.screen
-        assert isinstance(screen, AttentionCheckScreen) and screen.unavailable is None
+        screen = await open_check_screen(app, pilot)
         assert [box.id for box in screen.query(Input)] == ["check-seq-len", "check-batch"]
         header = str(screen.query_one("#check-shape").render())
         assert "head_dim 64, 4 heads / 2 kv heads, no sinks, causal layers only" in header
@@ -61,9 +58,7 @@ async def test_f3_on_qwen3_runs_the_decode_check_at_the_models_shape(qwen3):
 async def test_f3_decode_check_in_mode_drop_reads_stale_and_refuses_a_bad_size(qwen3):
     app = make_app(qwen3)
     async with app.run_test(size=(200, 50)) as pilot:
-        await pilot.press("f3")
-        await pilot.pause()
-        screen = app.screen
+        screen = await open_check_screen(app, pilot)
         screen.query_one("#check-batch", Input).value = "1"
         await pilot.press("f7")
         await pilot.pause(0.3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_session_mla_check import assert_refused, check_step_session
 
 from inspector.cli import main
 from inspector.session_runner import read_results
@@ -23,15 +24,7 @@ MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hi
 
 
 def _session(tmp_path, step: str, model: str | None = None) -> tuple:
-    if model is None:
-        directory = tmp_path / "mixtral"
-        directory.mkdir(exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(MIXTRAL))
-        model = "mixtral"
-    path = tmp_path / "decode.toml"
-    path.write_text(f'[session]\nversion = 1\nname = "decode"\n\n[engine]\nmodel = "{model}"\nweights = "random"\n\n'
-                    f'[[step]]\naction = "check-attention"\n{step}\n')
-    return path, tmp_path / "decode.results.jsonl"
+    return check_step_session(tmp_path, "decode", MIXTRAL, step, model)
 
 
 def test_a_decode_check_step_runs_at_the_models_shape_and_replays(capsys, tmp_path):
@@ -94,11 +87,7 @@ def test_f3s_recorded_decode_action_saves_as_a_step_that_loads(tmp_path):
     ('decode = "yes"\nseq_len = 40\nmode = "honor"', None, "decode"),
 ])
 def test_decode_check_steps_it_cannot_run_are_refused_in_one_line(capsys, tmp_path, step, model, fragment):
-    path, results = _session(tmp_path, step, model)
-    assert main(["run", str(path), "--results", str(results), "--device", "cpu"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert fragment in err and len(err.splitlines()) == 1, err
-    assert not results.exists()  # nothing ran, nothing written
+    assert_refused(capsys, *_session(tmp_path, step, model), fragment)
 
 
 def test_a_composite_model_runs_the_decode_check_at_the_dims_the_step_gives(capsys, tmp_path):

@@ -114,10 +114,13 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         seed=getattr(args, "seed", 0),
     )
-    if fmt == "json":
-        print(json.dumps(_json_safe(result), indent=2))
-    else:
-        print(format_result(result))
+    return print_result(result, fmt, format_result)
+
+
+def print_result(result: dict, fmt: str, format_text) -> int:
+    """Any check's result as JSON or `format_text`'s text; its exit code: 0 ok, 1 the kernel sits elsewhere, 2 the
+    check does not discriminate at these sizes."""
+    print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_text(result))
     if result["ok"]:
         return 0
     return 2 if not result["discrimination"]["fires"] else 1
@@ -132,10 +135,7 @@ def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
                   "check-attention --mla")
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
-    print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_mla_result(result))
-    if result["ok"]:
-        return 0
-    return 2 if not result["discrimination"]["fires"] else 1
+    return print_result(result, fmt, format_mla_result)
 
 
 def format_mla_result(result: dict) -> str:

@@ -10,7 +10,6 @@ check does not take, are refused in one line (exit 2) before anything runs. Exit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from engine.errors import UserError
@@ -73,15 +72,9 @@ def run_decode(args: argparse.Namespace, device: str, fmt: str) -> int:
           f"{options['seq_len']} on {device}" + (" (the Triton interpreter: seconds)" if device == "cpu" else "")
           + " …", file=sys.stderr, flush=True)
     result = check_decode(**options, mode=args.mode, device=device, dtype=dtype, seed=seed)
-    if fmt == "json":
-        from inspector.commands.check_attention import _json_safe
+    from inspector.commands.check_attention import print_result
 
-        print(json.dumps(_json_safe(result), indent=2))
-    else:
-        print(format_decode_result(result))
-    if result["ok"]:
-        return 0
-    return 2 if not result["discrimination"]["fires"] else 1
+    return print_result(result, fmt, format_decode_result)
 
 
 def format_decode_result(result: dict) -> str:
