@@ -19,10 +19,9 @@ when every run sits on `ok`. `--model` takes the dims from a preset or a checkpo
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 
+from inspector.commands.check_output import print_result
 from inspector.commands.output import add_format_arguments, output_format
 
 
@@ -117,15 +116,6 @@ def run(args: argparse.Namespace) -> int:
     return print_result(result, fmt, format_result)
 
 
-def print_result(result: dict, fmt: str, format_text) -> int:
-    """Any check's result as JSON or `format_text`'s text; its exit code: 0 ok, 1 the kernel sits elsewhere, 2 the
-    check does not discriminate at these sizes."""
-    print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_text(result))
-    if result["ok"]:
-        return 0
-    return 2 if not result["discrimination"]["fires"] else 1
-
-
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
     from engine.compare_mla import DEFAULTS, check_mla, check_request
 
@@ -164,17 +154,6 @@ def format_mla_result(result: dict) -> str:
               "launches: " + (", ".join(f"{name} x{count}" for name, count in result["launches"].items()) or "none"),
               "", f"verdict: {result['verdict']}", result["sentence"]]
     return "\n".join(lines)
-
-
-def _json_safe(value):
-    """Strict JSON: non-finite floats become strings ("NaN", "+inf", "-inf")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(item) for item in value]
-    return value
 
 
 def format_result(result: dict) -> str:

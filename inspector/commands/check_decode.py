@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from engine.errors import UserError
+from inspector.commands.check_output import print_result
 from inspector.commands.common import DEFAULT_MODEL
 
 OTHER_CHECKS = {"block": "the sinks check", "pad": "the sinks check", "kv_lora_rank": "the latent (--mla) check",
@@ -72,8 +73,6 @@ def run_decode(args: argparse.Namespace, device: str, fmt: str) -> int:
           f"{options['seq_len']} on {device}" + (" (the Triton interpreter: seconds)" if device == "cpu" else "")
           + " …", file=sys.stderr, flush=True)
     result = check_decode(**options, mode=args.mode, device=device, dtype=dtype, seed=seed)
-    from inspector.commands.check_attention import print_result
-
     return print_result(result, fmt, format_decode_result)
 
 
