@@ -122,14 +122,21 @@ def resolve_device(device: "str | torch.device") -> str:
     return resolve_engine_device(device).type
 
 
+def require_interpreter(device: str, kernel_module: str) -> None:
+    """On the CPU a check's kernel runs under Triton's interpreter, which Triton reads when `kernel_module` is
+    first imported: set it then, or refuse (UserError) where the module was imported without it."""
+    if device != "cpu":
+        return
+    if kernel_module not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError("--device cpu runs the Triton kernel under its interpreter: start with TRITON_INTERPRET=1")
+
+
 def _fused_attention(device: str):
     """The Triton launcher, imported late: on the CPU it must run under the interpreter, which
     Triton reads when the kernel module is first imported."""
-    if device == "cpu":
-        if "kernels.attention" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise UserError("--device cpu runs the Triton kernel under its interpreter: start with TRITON_INTERPRET=1")
+    require_interpreter(device, "kernels.attention")
     require_triton("check-attention")
     from kernels.attention import flash_attention
 

@@ -21,13 +21,12 @@ Knows nothing of the CLI or screens; returns a plain dict. Importable without te
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.compare import DTYPES, SEPARATION, _relative, check_mode_and_dtype, resolve_device, ulp_control
+from engine.compare import (DTYPES, SEPARATION, _relative, check_mode_and_dtype, require_interpreter, resolve_device,
+                            ulp_control)
 from engine.errors import UserError
 from kernels import launches
 from kernels.reference import mla_decompressed_reference
@@ -98,11 +97,7 @@ def check_request(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, de
 def _kernel(device: str):
     """kernels.attention_mla.mla_decode, imported late: on a CPU under the interpreter, which Triton reads
     when the kernel module is first imported."""
-    if device == "cpu":
-        if "kernels.attention_mla" not in sys.modules:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise UserError("--device cpu runs the Triton kernel under its interpreter: start with TRITON_INTERPRET=1")
+    require_interpreter(device, "kernels.attention_mla")
     from kernels.attention_mla import mla_decode
 
     return mla_decode

@@ -82,6 +82,9 @@ MAX_INTEGER = 2**53
 MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "no_rope", "none")  # no_rope: the latent check's (mla = true)
+# The decode check's (decode = true): engine.compare_decode.VERDICTS, which a test keeps equal (no torch here).
+DECODE_VERDICTS = ("ok", "reads_stale", "misses_newest", "off_by_one_behind", "off_by_one_ahead", "window_ignored",
+                   "window_wide", "window_narrow", "kv_heads_interleaved", "sink_ignored", "none")
 QUANT_VERDICTS = ("dequantized", "original", "none")  # engine.quant_check's
 SWEEP_ARMS = ("gemv", "grouped", "torch_grouped_mm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -114,7 +117,8 @@ TOKENS = Kind("a non-empty list of integers >= 1, e.g. [1, 16, 128]",
 ARMS = Kind(f"a non-empty list of arms from {', '.join(SWEEP_ARMS)}",
             lambda v: isinstance(v, list) and bool(v) and all(x in SWEEP_ARMS for x in v))
 MODE = Kind(f"one of {', '.join(flag_registry.FUSED_MASK_MODES)}", lambda v: v in flag_registry.FUSED_MASK_MODES)
-VERDICT = Kind(f"one of {', '.join(VERDICTS)}", lambda v: v in VERDICTS)
+VERDICT = Kind(f"one of {', '.join(dict.fromkeys(VERDICTS + DECODE_VERDICTS))}",
+               lambda v: v in VERDICTS or v in DECODE_VERDICTS)
 QUANT_VERDICT = Kind(f"one of {', '.join(QUANT_VERDICTS)}", lambda v: v in QUANT_VERDICTS)
 DTYPE = Kind(f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES)
 
@@ -182,7 +186,9 @@ class SweepStep:
 class CheckAttentionStep:
     """Fused attention against the masked, causal and unmasked references; shapes default to the model's. With
     `mla = true` the latent check (`check-attention --mla`: the absorbed MLA kernel against the decompressed
-    causal, last-position and no-RoPE references), its dims defaulting to the model's latent attention."""
+    causal, last-position and no-RoPE references), its dims defaulting to the model's latent attention. With
+    `decode = true` the decode check (`check-attention --decode`: the split-KV decode kernel over a cache of
+    seq_len slots holding `batch` sequences, window and sinks defaulting to the model's)."""
 
     action = "check-attention"
     seq_len: int = _field(POSITIVE, required=True)
@@ -200,6 +206,9 @@ class CheckAttentionStep:
     rope_dim: int | None = _field(POSITIVE)
     nope_dim: int | None = _field(POSITIVE)
     v_dim: int | None = _field(POSITIVE)
+    decode: bool = _field(BOOLEAN, False)
+    batch: int | None = _field(POSITIVE)
+    sinks: bool | None = _field(BOOLEAN)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ from engine import limits
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.tokenizer import ByteTokenizer
+from inspector import session_decode
 from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CheckQuantStep,
                                CompareStep, CurveStep, PromptStep, Session, Step, SweepStep, step_to_plain)
 
@@ -360,7 +361,8 @@ class SweepAction(Action):
 
 
 class CheckAttentionAction(Action):
-    """The fused attention against the masked, causal and unmasked references (engine.compare.check_attention)."""
+    """The fused attention against the masked, causal and unmasked references (engine.compare.check_attention); with
+    mla = true the latent check (engine.compare_mla), with decode = true the decode check (inspector.session_decode)."""
 
     step_type = CheckAttentionStep
 
@@ -369,6 +371,10 @@ class CheckAttentionAction(Action):
 
         if not triton_installed():
             raise UserError(f"{here}: {missing_message('check-attention')}")
+        if step.decode:
+            session_decode.preflight_decode(here, step, model, device)
+            return
+        session_decode.refuse_decode_options(here, step)
         if step.mla:
             self._preflight_mla(here, step, model, device)
             return
@@ -413,6 +419,12 @@ class CheckAttentionAction(Action):
     def run(self, context, step) -> dict:
         from engine import compare
 
+        if step.decode:
+            from engine.compare_decode import check_decode
+
+            return {"result": check_decode(**session_decode.decode_shape(step, context.engine.config, context.where),
+                                           mode=step.mode, device=context.engine.device.type,
+                                           dtype=self.dtype(context, step), seed=context.session.engine.seed)}
         if step.mla:
             from engine.compare_mla import check_mla
 

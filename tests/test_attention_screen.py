@@ -1,7 +1,7 @@
 """f3 checks the attention the loaded model runs: the sinks kernel with the composite mask on the presets, the
-absorbed latent kernel (check-attention --mla's check) at a DeepSeek model's latent shape, and nothing (one line,
-nothing run) on a model whose layers run plain causal attention without sinks, such as Qwen3-MoE at head_dim 128,
-where it ran the sinks + composite-mask check.
+absorbed latent kernel (check-attention --mla's check) at a DeepSeek model's latent shape, the decode kernel
+(check-attention --decode's check) on causal or window-only layers (tests/test_attention_screen_decode.py), and
+nothing (one line, nothing run) on a model whose layers no fused kernel takes, such as Qwen3-MoE at head_dim 96.
 
 The models are config.json-only directories with random weights (Engine.load(weights="random")): the screen reads
 the config, and the checks draw their own inputs.
@@ -21,9 +21,9 @@ from inspector.screens import attention_check as screen_module
 from inspector.screens.attention_check import AttentionCheckScreen, why_not_this_model
 from test_tui import make_app, synchronously, wait_until
 
-QWEN3_HEAD_DIM_128 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+QWEN3_HEAD_DIM_96 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
                       "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
-                      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "num_experts": 8,
+                      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 96, "num_experts": 8,
                       "num_experts_per_tok": 2, "vocab_size": 300, "max_position_embeddings": 512,
                       "norm_topk_prob": True}
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
@@ -52,9 +52,9 @@ def _calls():
 
 
 @synchronously
-async def test_f3_on_a_causal_model_without_sinks_says_so_in_one_line_and_runs_nothing(tmp_path):
-    engine = _engine(tmp_path, QWEN3_HEAD_DIM_128)
-    assert engine.config.head_dim == 128 and not engine.config.sinks
+async def test_f3_on_a_head_dim_no_fused_kernel_takes_says_so_in_one_line_and_runs_nothing(tmp_path):
+    engine = _engine(tmp_path, QWEN3_HEAD_DIM_96)
+    assert engine.config.head_dim == 96 and not engine.config.sinks
     calls, fake_check = _calls()
     app = make_app(engine)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -68,24 +68,39 @@ async def test_f3_on_a_causal_model_without_sinks_says_so_in_one_line_and_runs_n
         shown = str(screen.query_one("#check-output").render())
         assert calls == [] and not screen.running and screen.result is None
         assert shown == why_not_this_model(engine) and "\n" not in shown
-        assert shown.startswith("nothing to check: its layers run the fused kernel with a causal mask, no sinks; "
-                                "check-attention checks sinks with a composite mask, or latent attention (--mla)")
+        assert shown.startswith("head_dim 96: the fused attention kernel takes head_dim 64, 128, 256, 512, so this "
+                                "model's layers run the unfused reference")
         assert not list(screen.query(Input))  # no sizes of a check that does not apply
         assert "interpreter" not in str(screen.query_one("#check-shape").render())
         assert not [action for action in app.actions if action["action"] == "check-attention"]
     assert screen_module.check_kind(engine) is None
 
 
-def test_a_sliding_window_alone_or_sinks_without_a_composite_mask_has_no_check():
-    """gpt-oss's layers (sinks, a sliding window, causal): the composite mask is not what they run."""
-    check_kind, SINKS = screen_module.check_kind, screen_module.SINKS
+def test_causal_or_window_only_layers_take_the_decode_check_and_a_composite_mask_without_sinks_none():
+    """gpt-oss's layers (sinks, a sliding window, causal) and plain causal ones run the decode check; a composite mask
+    without sinks is what no check takes."""
+    check_kind, SINKS, DECODE = screen_module.check_kind, screen_module.SINKS, screen_module.DECODE
     tiny = PRESETS["tiny"]
     window = dataclasses.replace(tiny, layer_masks=(LayerMask("window", 16), LayerMask("causal")))
-    for config in (window, dataclasses.replace(tiny, sinks=False)):
+    causal = dataclasses.replace(tiny, layer_masks=(LayerMask("causal"), LayerMask("causal")), sinks=False)
+    for config in (window, causal):
         engine = type("E", (), {"config": config})()
-        assert check_kind(engine) is None and why_not_this_model(engine).startswith("nothing to check")
-    assert "window" in why_not_this_model(type("E", (), {"config": window})())
+        assert check_kind(engine) == DECODE and why_not_this_model(engine) is None
+    composite = type("E", (), {"config": dataclasses.replace(tiny, sinks=False)})()
+    assert check_kind(composite) is None
+    assert why_not_this_model(composite).startswith("nothing to check: its layers run the fused kernel with causal "
+                                                    "and composite(W=16,B=8) masks, no sinks")
+    assert "causal or window-only layers (--decode)" in why_not_this_model(composite)
     assert check_kind(type("E", (), {"config": tiny})()) == SINKS
+
+
+async def open_check_screen(app, pilot) -> AttentionCheckScreen:
+    """f3 from the main screen: the attention check screen, with a check that applies."""
+    await pilot.press("f3")
+    await pilot.pause()
+    screen = app.screen
+    assert isinstance(screen, AttentionCheckScreen) and screen.unavailable is None
+    return screen
 
 
 @synchronously
@@ -93,10 +108,7 @@ async def test_f3_on_deepseek_runs_the_latent_check_at_the_models_shape(tmp_path
     engine = _engine(tmp_path, DEEPSEEK_V2)
     app = make_app(engine)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("f3")
-        await pilot.pause()
-        screen = app.screen
-        assert isinstance(screen, AttentionCheckScreen) and screen.unavailable is None
+        screen = await open_check_screen(app, pilot)
         assert [box.id for box in screen.query(Input)] == ["check-seq-len", "check-heads"]
         assert "latent 32 + RoPE 16, no-RoPE 16, value 12 dims" in str(screen.query_one("#check-shape").render())
         await pilot.press("f7")  # the real check: check-attention --mla's, under the interpreter

@@ -19,16 +19,22 @@ from inspector.cli import main
 from inspector.session_runner import read_results
 
 
-def _session(tmp_path, step: str, model: str | None = None) -> tuple:
+def check_step_session(tmp_path, name: str, config: dict, step: str, model: str | None = None) -> tuple:
+    """(session file, results file) of one check-attention `step` on `model` (None: a config.json-only directory
+    of `config`, random weights)."""
     if model is None:
-        directory = tmp_path / "deepseek"
+        directory = tmp_path / config["model_type"]
         directory.mkdir(exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(DEEPSEEK_V2))
-        model = "deepseek"
-    path = tmp_path / "latent.toml"
-    path.write_text(f'[session]\nversion = 1\nname = "latent"\n\n[engine]\nmodel = "{model}"\nweights = "random"\n\n'
+        (directory / "config.json").write_text(json.dumps(config))
+        model = config["model_type"]
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f'[session]\nversion = 1\nname = "{name}"\n\n[engine]\nmodel = "{model}"\nweights = "random"\n\n'
                     f'[[step]]\naction = "check-attention"\n{step}\n')
-    return path, tmp_path / "latent.results.jsonl"
+    return path, tmp_path / f"{name}.results.jsonl"
+
+
+def _session(tmp_path, step: str, model: str | None = None) -> tuple:
+    return check_step_session(tmp_path, "latent", DEEPSEEK_V2, step, model)
 
 
 def test_a_latent_check_step_runs_at_the_models_shape_and_replays(capsys, tmp_path):
@@ -57,7 +63,11 @@ def test_a_latent_check_step_runs_at_the_models_shape_and_replays(capsys, tmp_pa
     ('mla = "yes"\nseq_len = 16\nmode = "honor"', None, "mla"),
 ])
 def test_latent_check_steps_it_cannot_run_are_refused_in_one_line(capsys, tmp_path, step, model, fragment):
-    path, results = _session(tmp_path, step, model)
+    assert_refused(capsys, *_session(tmp_path, step, model), fragment)
+
+
+def assert_refused(capsys, path, results, fragment: str) -> None:
+    """`run` refuses the session in one line naming `fragment`, exit 2, before anything runs or is written."""
     assert main(["run", str(path), "--results", str(results), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1, err

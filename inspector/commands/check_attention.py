@@ -8,15 +8,20 @@ sizes (the measurement could not tell honouring the mask from dropping it).
 `--mla`: the same check for multi-head latent attention (engine.compare_mla): the absorbed kernel over
 the latent cache against the decompressed references (causal, unmasked, without the RoPE key); exit 0
 when it sits on the causal one.
+
+`--decode`: the decode check (engine.compare_decode): the split-KV decode kernel the decode step runs, over a
+cache of --seq-len slots holding --batch sequences at different positions with stale garbage past each, against
+the causal or sliding-window reference and one reference per failure mode (stale entries read, the newest key
+missed, a position off by one, the window's boundary, the GQA mapping, the sink), for each split count; exit 0
+when every run sits on `ok`. `--model` takes the dims from a preset or a checkpoint directory's config.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 
+from inspector.commands.check_output import print_result
 from inspector.commands.output import add_format_arguments, output_format
 
 
@@ -32,7 +37,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--head-dim", type=int, default=None, help="64, 128, 256 or 512 (default 64 cpu / 512 cuda)")
     parser.add_argument("--heads", type=int, default=None, help="query heads (default 2 cpu / 8 cuda)")
     parser.add_argument("--kv-heads", type=int, default=None, help="key-value heads (default: --heads)")
-    parser.add_argument("--window", type=int, default=None, help="sliding window W (default 16 cpu / 256 cuda)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="sliding window W (default 16 cpu / 256 cuda; --decode: none, or the model's; 0: none)")
     parser.add_argument("--block", type=int, default=None, help="block-start period B (default 8 cpu / 64 cuda)")
     parser.add_argument("--pad", type=int, default=None, help="leading padded keys (default 5 cpu / 64 cuda)")
     parser.add_argument("--mode", choices=("honor", "drop"), default="honor",
@@ -50,11 +56,21 @@ def add_parser(subparsers) -> None:
     mla.add_argument("--rope-dim", type=int, default=None, help="RoPE key dims r (default 16 cpu / 64 cuda)")
     mla.add_argument("--nope-dim", type=int, default=None, help="per-head no-RoPE q/k dims (default 32 cpu / 128 cuda)")
     mla.add_argument("--v-dim", type=int, default=None, help="per-head value dims (default 32 cpu / 128 cuda)")
+    decode = parser.add_argument_group("decode attention (--decode)")
+    decode.add_argument("--decode", action="store_true",
+                        help="check the split-KV decode kernel over a KV cache (causal or sliding-window layers)")
+    decode.add_argument("--batch", type=int, default=None, help="sequences in one launch (default 4 cpu / 8 cuda)")
+    decode.add_argument("--sinks", action=argparse.BooleanOptionalAction, default=None,
+                        help="learned per-head sinks (default: off, or the model's)")
+    decode.add_argument("--model", dest="decode_model", default=None, metavar="MODEL",
+                        help="take heads, kv heads, head_dim, the window and sinks from a preset or a checkpoint "
+                             "directory's config.json")
     parser.set_defaults(run=run)
 
 
 MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")
 SINKS_ONLY = ("head_dim", "kv_heads", "window", "block", "pad")
+DECODE_ONLY = ("batch", "sinks", "decode_model")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
+    if args.decode or any(getattr(args, name) is not None for name in DECODE_ONLY):
+        from inspector.commands.check_decode import run_decode
+
+        return run_decode(args, device, fmt)
     given = [name for name in (SINKS_ONLY if args.mla else MLA_ONLY) if getattr(args, name) is not None]
     if given:
         option = "--" + given[0].replace("_", "-")
@@ -93,13 +113,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         seed=getattr(args, "seed", 0),
     )
-    if fmt == "json":
-        print(json.dumps(_json_safe(result), indent=2))
-    else:
-        print(format_result(result))
-    if result["ok"]:
-        return 0
-    return 2 if not result["discrimination"]["fires"] else 1
+    return print_result(result, fmt, format_result)
 
 
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
@@ -111,10 +125,7 @@ def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
                   "check-attention --mla")
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
-    print(json.dumps(_json_safe(result), indent=2) if fmt == "json" else format_mla_result(result))
-    if result["ok"]:
-        return 0
-    return 2 if not result["discrimination"]["fires"] else 1
+    return print_result(result, fmt, format_mla_result)
 
 
 def format_mla_result(result: dict) -> str:
@@ -143,17 +154,6 @@ def format_mla_result(result: dict) -> str:
               "launches: " + (", ".join(f"{name} x{count}" for name, count in result["launches"].items()) or "none"),
               "", f"verdict: {result['verdict']}", result["sentence"]]
     return "\n".join(lines)
-
-
-def _json_safe(value):
-    """Strict JSON: non-finite floats become strings ("NaN", "+inf", "-inf")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(item) for item in value]
-    return value
 
 
 def format_result(result: dict) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from inspector.commands.check_attention import _json_safe
+from inspector.commands.check_output import _json_safe
 from inspector.commands.common import positive_int_list
 from inspector.commands.output import add_format_arguments, output_format, print_json
 

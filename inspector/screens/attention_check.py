@@ -8,8 +8,12 @@ does for that configuration:
             the 1-ULP control, the per-component ablation, the worst position, the sink sweep and the verdict
     mla     latent attention the fused MLA kernel takes: `engine.compare_mla.check_mla` (`check-attention --mla`)
             at the model's latent shape (kv_lora_rank, RoPE, no-RoPE and value dims), shown as the CLI prints it
-Any other attention (plain causal layers, a sliding window alone, no sinks, a head_dim no fused kernel takes, a
-latent shape the MLA kernel declines) has no such check: the screen says so in one line and runs nothing.
+    decode  plain causal or sliding-window layers (Qwen3-MoE, Mixtral, OLMoE, gpt-oss's window layers), with or
+            without sinks: `engine.compare_decode.check_decode` (`check-attention --decode`), the split-KV decode
+            kernel the decode step runs over a cache with stale entries, at the model's heads, kv heads, head_dim,
+            window and sinks; the cache capacity and the batch are editable; shown as the CLI prints it
+Any other attention (a composite mask without sinks, a head_dim no fused kernel takes, a latent shape the MLA
+kernel declines) has no such check: the screen says so in one line and runs nothing.
 The check runs in a thread worker; `engine.compare` is imported lazily: where a build lacks it, the screen says
 so instead of failing.
 
@@ -48,8 +52,9 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 SIZES = ("seq_len", "window", "block", "pad")
 
 
-SINKS, MLA = "sinks", "mla"
+SINKS, MLA, DECODE = "sinks", "mla", "decode"
 MLA_SIZES = ("seq_len", "heads")
+DECODE_SIZES = ("seq_len", "batch")
 
 
 def load_check(kind: str | None = SINKS) -> Callable[..., dict] | None:
@@ -59,6 +64,10 @@ def load_check(kind: str | None = SINKS) -> Callable[..., dict] | None:
             from engine.compare_mla import check_mla
 
             return check_mla
+        if kind == DECODE:
+            from engine.compare_decode import check_decode
+
+            return check_decode
         from engine.compare import check_attention
     except ImportError:
         return None
@@ -75,6 +84,13 @@ def attention_shape(engine: Engine) -> dict[str, Any]:
 
         return {"head_dim": c.head_dim, "heads": min(c.n_heads, 8) if cpu else c.n_heads, "kv_heads": 1,
                 **latent_dims(latent), "seq_len": min(c.max_seq_len, 48 if cpu else 1024)}
+    if _decode_applies(c):  # check_decode's shape: the model's dims, a cache capacity and a batch
+        from engine import compare_decode
+
+        dims = compare_decode.model_dims(c)
+        device = "cuda" if engine.device.type == "cuda" else "cpu"
+        return {**dims, "seq_len": compare_decode.default_seq_len(device, dims["window"], c.max_seq_len),
+                "batch": compare_decode.DEFAULTS[device]["batch"]}
     masked = next((mask for mask in c.layer_masks if mask.kind != "causal"), None)
     window = masked.window if masked is not None else 16
     block = masked.block if masked is not None and masked.block else 8
@@ -104,8 +120,18 @@ def model_attention(engine: Engine) -> str:
 
 def check_kind(engine: Engine) -> str | None:
     """The check that matches the attention the model runs: SINKS (the sinks kernel with the composite mask,
-    `check-attention`), MLA (the absorbed latent kernel, `check-attention --mla`), or None (`why_not_this_model`)."""
-    return None if why_not_this_model(engine) else MLA if engine.config.latent_attention is not None else SINKS
+    `check-attention`), MLA (the absorbed latent kernel, `check-attention --mla`), DECODE (the decode kernel over
+    causal or window-only layers, `check-attention --decode`), or None (`why_not_this_model`)."""
+    if why_not_this_model(engine):
+        return None
+    c = engine.config
+    return MLA if c.latent_attention is not None else DECODE if _decode_applies(c) else SINKS
+
+
+def _decode_applies(c) -> bool:
+    """Layers the decode check takes: no latent attention, a fused head dim, no composite mask."""
+    return (c.latent_attention is None and c.head_dim in FUSED_HEAD_DIMS
+            and not any(mask.kind == "composite" for mask in c.layer_masks))
 
 
 def why_not_this_model(engine: Engine) -> str | None:
@@ -120,9 +146,9 @@ def why_not_this_model(engine: Engine) -> str | None:
         return (f"head_dim {c.head_dim}: the fused attention kernel takes head_dim "
                 f"{', '.join(map(str, FUSED_HEAD_DIMS))}, so this model's layers run the unfused reference and there is "
                 f"no fused arm to check")
-    if not c.sinks or not any(mask.kind == "composite" for mask in c.layer_masks):
+    if not c.sinks and not _decode_applies(c):  # a composite mask without sinks
         return (f"nothing to check: its layers run the fused kernel with {_runs(c)}; check-attention checks sinks "
-                f"with a composite mask, or latent attention (--mla)")
+                f"with a composite mask, causal or window-only layers (--decode), or latent attention (--mla)")
     return None
 
 
@@ -228,6 +254,20 @@ def render_result(result: dict) -> Group:
     return Group(*parts)
 
 
+def render_decode_result(result: dict) -> Text:
+    """check_decode's dict as `check-attention --decode` prints it, under its verdict and sentence (what a screen of
+    24 lines shows first), the verdict styled."""
+    from inspector.commands.check_decode import format_decode_result
+
+    style = "bold green" if result.get("ok") else "bold red"
+    shown = Text("verdict: ", style="bold")
+    shown.append(str(result.get("verdict")), style=style)
+    shown.append("   (check " + ("passed" if result.get("ok") else "FAILED") + ")", style=style)
+    shown.append(f"\n{result.get('sentence', '')}\n\n")
+    shown.append(format_decode_result(result).rsplit("\n\nverdict: ", 1)[0])  # said above already
+    return shown
+
+
 def render_mla_result(result: dict) -> Text:
     """check_mla's dict as `check-attention --mla` prints it, the verdict styled."""
     from inspector.commands.check_attention import format_mla_result
@@ -258,7 +298,7 @@ class AttentionCheckScreen(Screen):
         elif self.unavailable is None and check is True and not triton_installed():
             self.unavailable = missing_message("the attention check")
         self.shape = attention_shape(engine)
-        self.sizes = MLA_SIZES if self.kind == MLA else SIZES if self.kind == SINKS else ()
+        self.sizes = {MLA: MLA_SIZES, SINKS: SIZES, DECODE: DECODE_SIZES}.get(self.kind, ())
         self.queue = EngineQueue()
         self.running = False
         self.result: dict | None = None
@@ -313,6 +353,9 @@ class AttentionCheckScreen(Screen):
 
             return {"seq_len": whole("seq_len", 2), "heads": whole("heads", 1),
                     **latent_dims(self.engine.config.latent_attention), **common}
+        if self.kind == DECODE:  # engine.compare_decode.check_decode's arguments: the model's dims, editable sizes
+            dims = {name: self.shape[name] for name in ("head_dim", "heads", "kv_heads", "window", "sinks")}
+            return {"seq_len": whole("seq_len", 2), "batch": whole("batch", 2), **dims, **common}
         return {"seq_len": whole("seq_len", 1), "head_dim": self.shape["head_dim"], "heads": self.shape["heads"],
                 "kv_heads": self.shape["kv_heads"], "window": whole("window", 1), "block": whole("block", 1),
                 "pad": whole("pad", 0), **common}
@@ -332,12 +375,12 @@ class AttentionCheckScreen(Screen):
         self.running = True
         self.refresh_bindings()
         shown = {**parameters, "dtype": DTYPE_NAMES.get(parameters["dtype"], parameters["dtype"])}
-        name = "check_mla" if self.kind == MLA else "check_attention"
+        name = {MLA: "check_mla", DECODE: "check_decode"}.get(self.kind, "check_attention")
         output.update(f"running {name}({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
         # Plain values for sessions: "torch.float32" (the session format reads float32); the latent check is the
-        # step's mla = true, with the model's dims written out
-        self._action = {"action": "check-attention", **({"mla": True} if self.kind == MLA else {}), **parameters,
-                        "dtype": str(parameters["dtype"])}
+        # step's mla = true, the decode check its decode = true, with the model's dims written out
+        kind = {MLA: {"mla": True}, DECODE: {"decode": True}}.get(self.kind, {})
+        self._action = {"action": "check-attention", **kind, **parameters, "dtype": str(parameters["dtype"])}
         self.run_check(parameters)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -367,7 +410,8 @@ class AttentionCheckScreen(Screen):
             output.update(f"check refused: {message.error}")
             return
         self.result = message.result
-        output.update(render_mla_result(message.result) if self.kind == MLA else render_result(message.result))
+        render = {MLA: render_mla_result, DECODE: render_decode_result}.get(self.kind, render_result)
+        output.update(render(message.result))
         if self._action is not None:  # recorded with what the user saw, as the step's results
             self.app.record_action(self._action, {"result": message.result, "wall_s": message.wall_s})
             self._action = None
