@@ -26,8 +26,6 @@
 #   preload  Qwen3-30B-A3B tg128 @ b1 at pdl_preload on, down+fused, gemv+fused, off, on again, a process each: the
 #            preload was measured on v4-shape's one layer; at 48 narrow layers the dense GEMVs' preload runs under
 #            the short kernels (rms_norm before q/k/v), which may wait on it
-#   route    route_in_arm (the MoE GEMV arm routing from the router's logits): its GPU tests, then tg128 @ b1 of
-#            Qwen3-30B-A3B, DeepSeek-V2-Lite and v4-shape with it off and on, a process each, off first
 #   fresh    bench/experiments/sweep_fresh.py: sweep_vs_runtime's figures each in a process of its own, then the
 #            sweep and the runtime in one process in both orders
 #   bash bench/gpu_next.sh check            # about 3 minutes
@@ -40,12 +38,11 @@
 #   bash bench/gpu_next.sh spacing          # about 1 minute
 #   bash bench/gpu_next.sh fresh            # about 3 minutes
 #   bash bench/gpu_next.sh preload          # about 3 minutes
-#   bash bench/gpu_next.sh route            # about 4 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,route 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -78,17 +75,6 @@ for preload in on down+fused gemv+fused off on; do  # the logs only (the device 
     want preload && TAIL=0 stage 70 "qwen3_preload${index}_${preload/+/_}" "${BENCH[@]}" \
         --model bench/configs/qwen3-30b-a3b --weights random --reps 2 --set pdl_preload=$preload \
         && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_preload${index}_${preload/+/_}.log" | cut -c1-160)"
-done
-want route && TAIL=6 stage 150 pytest_route python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-    tests/test_route_in_arm.py tests/test_decode_fused.py tests/test_moe_gemv_walk.py tests/test_moe_gemv_shared.py
-for model in qwen3-30b-a3b deepseek-v2-lite v4-shape; do  # the logs only (the device returns few files)
-    source_args=(--model bench/configs/$model --weights random)
-    [ $model = v4-shape ] && source_args=(--model v4-shape --gpu-weights)
-    for value in off on; do
-        want route && TAIL=0 stage 60 "route_${model}_$value" "${BENCH[@]}" "${source_args[@]}" --reps 2 \
-            --set route_in_arm=$value \
-            && say "   | $(grep -h 'tg128 @ b1:' "$OUT/route_${model}_$value.log" | cut -c1-150)"
-    done
 done
 say "done in ${SECONDS}s"
 exit 0

@@ -199,9 +199,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     `q_start` is what the attention hook receives as the query start (default `start`)."""
     from dataclasses import replace
 
-    from kernels import scratch
     from kernels.gemv_fused import NextNorm, Norm, Pick, Route, gemv_fused, next_norm_fits
-    from kernels.moe_gemv import Route as ArmRoute
     from kernels.rope_cache import rope_cache
     from kernels.router import group_topk, topk_softmax
 
@@ -243,7 +241,6 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             router = weights[p + "router"]
             # softmax over every expert, top k, not renormalised (DeepSeek-V2): the fold divides by the whole sum
             over_all = c.router == "softmax_topk" and not c.norm_topk_prob
-            moe_route = None  # the routing left to the MoE arm (hooks.routes_in_arm), else made here
             if c.router in GROUPED_ROUTERS:  # DeepSeek's group-limited routers: not folded (kernels.router.group_topk)
                 x, h = _rms_norm(x, norm)
                 logits = dense(h if router.dtype == h.dtype else h.to(router.dtype), router, torch.float32)  # [B, E]
@@ -253,31 +250,21 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                                  woken=True)
             elif _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
                 into = None if outputs is None else outputs.observed[batch + moe_index:batch + moe_index + 1]
-                if getattr(hooks, "routes_in_arm", None) is not None and hooks.routes_in_arm(layer, batch):
-                    # the fold stops at the logits; the MoE arm's launches route them (kernels.moe_gemv.Route)
-                    folded = gemv_fused(x, router, torch.float32,
-                                        norm=replace(norm, write_x=True, write_h=True, exact=True))
-                    x, h = folded.x, folded.h
-                    woken_out = into if into is not None else scratch.empty((1,), torch.int64, x.device)
-                    moe_route = ArmRoute(folded.out, over_all, c.routed_scaling_factor, woken_out)
-                    ids = scratch.empty((batch, c.top_k), torch.int32, x.device)
-                    routing = scratch.empty((batch, c.top_k), x.dtype, x.device)
-                    woken = woken_out[0]
-                else:
-                    folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
-                                        route=Route(c.top_k, x.dtype, into=into, over_all=over_all,
-                                                    scale=c.routed_scaling_factor))
-                    x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
+                folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
+                                    route=Route(c.top_k, x.dtype, into=into, over_all=over_all,
+                                                scale=c.routed_scaling_factor))
+                x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
             else:
                 x, h = _rms_norm(x, norm)
                 ids, routing, woken = topk_softmax(dense(h, router, torch.float32), c.top_k, h.dtype, woken=True,
                                                    over_all=over_all, scale=c.routed_scaling_factor)
-            extra = {} if moe_route is None else {"route": moe_route}  # hooks without routes_in_arm never see it
             if c.shared_experts is not None:
-                extra["shared"] = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"],
-                                                                       weights[p + "shared_down"], gemv_rows)
-            expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
-                                   **extra)  # [B, D]
+                shared = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"], weights[p + "shared_down"],
+                                                              gemv_rows)
+                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
+                                       shared=shared)  # [B, D]
+            else:
+                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)
             moe_index += 1
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
         norm = Norm(next_norm, c.norm_eps, residual=expert_out)

@@ -152,42 +152,17 @@ class Dispatcher:
             if logged:
                 record["arm_kernels"] = [launches.device_kernel_name(name) or name for name in launches.log_end()]
 
-    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None, route=None):
+    def moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None):
         """A MoE layer: on an expert-parallel engine (`engine.expert_group`), the exchange and this rank's
-        experts (engine.expert_parallel, which calls `moe_arm` on the rows it receives); else `moe_arm`.
-        `route` (kernels.moe_gemv.Route, where `routes_in_arm` said yes): the routing is still to be made from its
-        logits, into topk_ids, topk_weights and woken."""
+        experts (engine.expert_parallel, which calls `moe_arm` on the rows it receives); else `moe_arm`."""
         if getattr(self.engine, "expert_group", None) is not None:
             from engine import expert_parallel
 
-            if route is not None:
-                topk_ids, topk_weights, woken = self._route_apart(route, topk_ids, topk_weights, woken)
             return expert_parallel.moe(self, layer, h, w13, w2, topk_ids, topk_weights, experts, shared)
-        return self.moe_arm(layer, h, w13, w2, topk_ids, topk_weights, experts, woken, shared, route=route)
-
-    def routes_in_arm(self, layer: int, rows: int) -> bool:
-        """Whether a one-row decode step's router may stop at its logits and leave the routing to the MoE GEMV
-        arm's launches (the flag route_in_arm): one row of bf16-format experts, no expert parallelism. Should the
-        layer's arm turn out not to be the GEMV arm, `moe_arm` routes first, with kernels.router, and says so."""
-        return (bool(self.flags["route_in_arm"]) and rows == 1 and self.phase == DECODE
-                and getattr(self.engine, "expert_group", None) is None
-                and not matrices_format(self.engine.weights[f"layers.{layer}.w13"],
-                                        self.engine.weights[f"layers.{layer}.w2"]).coded)
-
-    @staticmethod
-    def _route_apart(route, topk_ids, topk_weights, woken):
-        """The routing `route` left to the arm, made by its own launch (kernels.router.topk_softmax): (ids,
-        weights, woken); the count also where the step's outputs expect it (route.woken)."""
-        from kernels.router import topk_softmax
-
-        ids, weights, count = topk_softmax(route.logits, topk_ids.shape[1], topk_weights.dtype, woken=True,
-                                           over_all=route.over_all, scale=route.scale)
-        if route.woken is not None:
-            route.woken.reshape(1).copy_(count.reshape(1))
-        return ids, weights, count
+        return self.moe_arm(layer, h, w13, w2, topk_ids, topk_weights, experts, woken, shared)
 
     def moe_arm(self, layer, h, w13, w2, topk_ids, topk_weights, experts=None, woken=None, shared=None, *,
-                k: int | None = None, n_experts: int | None = None, record_routing: bool = True, route=None):
+                k: int | None = None, n_experts: int | None = None, record_routing: bool = True):
         """The gate's decision, the arm's call, its count and its record for h [n, D] and topk_ids [n, k].
         `k`, `n_experts`: what the gate reads (default the model's top_k and E; an expert-parallel rank gives
         its rows' 1 and its local experts). `record_routing` False: the caller records the layer's routing.
@@ -198,9 +173,7 @@ class Dispatcher:
         experts (engine.model.SharedMLP, engine.decode_fused_mla.SharedExpertsDecode: `gate_up`, `down`), run on
         every token, outside the decision and the woken count: inside the GEMV arm's two launches where
         `_shared_path` allows (the flag shared_fold; the arm's µs then include them), else after the arm, apart
-        and untimed, with an add (the record's `shared_path` and `shared_reason` say which and why). `route`: as for
-        `moe`; the plain GEMV arm routes in its launches, any other path routes first (the record's execution note
-        says so)."""
+        and untimed, with an add (the record's `shared_path` and `shared_reason` say which and why)."""
         config, flags, device = self.engine.config, self.flags, self.engine.device
         n = h.shape[0]
         top_k = config.top_k if k is None else k
@@ -245,12 +218,6 @@ class Dispatcher:
         }
         if self.family_fields:
             record.update(self.family_fields)
-        if route is not None and (executed.name != dispatch.GEMV or experts is not None or n != 1):
-            topk_ids, topk_weights, woken = self._route_apart(route, topk_ids, topk_weights, woken)
-            record["execution_note"] = "; ".join(filter(None, [note, (
-                f"route_in_arm: the {executed.name} arm takes routed ids, so the router's logits were routed by "
-                f"kernels.router first")]))
-            route = None
         fold = False
         if "shared_experts" in self.family_fields:
             fold, why = self._shared_path(shared, executed.name, experts, h, w13, local)
@@ -289,14 +256,11 @@ class Dispatcher:
                                                               experts.b2, experts.alpha, experts.limit))
         if experts is not None:
             return self._run(record, lambda: experts(h, w13, w2, topk_ids, topk_weights))
-        if fold or route is not None:  # the shared experts as extra pairs of the routed launches (weight 1: no add,
-            # no launch of their own) and / or the routing from the logits in them
+        if fold:  # the shared experts as extra pairs of the routed launches, weight 1: no add, no launch of their own
             from kernels.moe_gemv import moe_gemv
 
-            folded = (shared.gate_up, shared.down) if fold else None
-            routed = self._run(record, lambda: moe_gemv(h, w13, w2, topk_ids, topk_weights, shared=folded,
-                                                        route=route))
-            return routed if fold or shared is None else routed + shared(h)
+            return self._run(record, lambda: moe_gemv(h, w13, w2, topk_ids, topk_weights,
+                                                      shared=(shared.gate_up, shared.down)))
         routed = self._run(record, lambda: executed.launch(h, w13, w2, topk_ids, topk_weights,
                                                            tile_m=flags["tile_m"], variant=decision.variant))
         return routed if shared is None else routed + shared(h)

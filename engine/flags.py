@@ -154,10 +154,6 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "shared experts (DeepSeek) computed inside the routed GEMV arm's two launches at a one-row decode step "
              "(weight 1, the output rounded once: tokens may differ at a near tie); off = their own launches and an "
              "add after the arm"),
-    FlagSpec("route_in_arm", False, "on or off", _parse_switch, "bool", (True, False),
-             "at a one-row decode step on the GEMV arm, its gate-up and down programs route the token from the "
-             "router's logits, so the router's fold ends at them (no last program routing for the grid); the same "
-             "ids and weights; off = the router's fold routes"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
     FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",

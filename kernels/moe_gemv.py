@@ -61,16 +61,12 @@ docs/decode-step.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
 from kernels.moe_checks import check_moe_inputs, check_triton_device
-from kernels.parts import first_copy, topk_softmax_choose
-from kernels.router import MAX_EXPERTS, route_replicas
 
 GATE_UP_BLOCK_F = 8  # hidden units per program: 2 x 8 rows of w13
 GATE_UP_BLOCK_D = 512  # hidden elements per step: 1 KB of each bf16 row, 16 B per thread x 64
@@ -206,40 +202,20 @@ def _gate_up_kernel(
     shared_intermediate=0,  # Fs
     stride_wsr=0,
     num_routed_pairs=0,  # N: programs from N on are shared chunks
-    logits_ptr=None,  # [E] float32: the token's router logits (ROUTE)
-    topk_weights_ptr=None,  # [k] out (ROUTE): the routing weights, with topk_ids_ptr's ids
-    woken_ptr=None,  # one int64 out (ROUTE): the woken count, k
-    route_scale=1.0,  # routed_scaling_factor (ROUTE)
     CLAMPED: tl.constexpr = False,  # gpt-oss experts: biases and the clamped SwiGLU (kernels.reference)
     HAS_B13: tl.constexpr = False,
     SHARED_CHUNKS: tl.constexpr = 0,  # S = cdiv(Fs, F) chunks of F shared units per token; 0: none
-    ROUTE: tl.constexpr = False,  # one token routed from logits_ptr here (Route), ids and weights written out
-    ROUTE_E_PAD: tl.constexpr = 1,
-    ROUTE_K_PAD: tl.constexpr = 1,
-    ROUTE_OVER_ALL: tl.constexpr = False,
-    ROUTE_REPLICAS: tl.constexpr = 1,
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     f_block = tl.program_id(1)
-    if ROUTE:  # the router's logits are the grid before's: route the token, program (0, 0) writes the routing out
-        ids_row, weights_row = _route_row(logits_ptr, num_experts, route_scale, TOP_K, ROUTE_E_PAD, ROUTE_K_PAD,
-                                          ROUTE_OVER_ALL, ROUTE_REPLICAS)
-        if (pair == 0) & (f_block == 0):
-            slots = tl.arange(0, ROUTE_K_PAD)
-            tl.store(topk_ids_ptr + slots, ids_row, mask=slots < TOP_K)
-            tl.store(topk_weights_ptr + slots, weights_row.to(topk_weights_ptr.dtype.element_ty), mask=slots < TOP_K)
-            tl.store(woken_ptr, tl.full([], TOP_K, tl.int64))  # one token: its k ids are distinct
     if SHARED_CHUNKS > 0:  # one loop for both kinds of pair, its scalars selected: one copy of the loop
         shared = pair >= num_routed_pairs  # chunk c of token t's shared units c F .. c F + F - 1: rows of ws13
         chunk = tl.maximum(pair - num_routed_pairs, 0)
         shared_token = chunk // SHARED_CHUNKS
         first_unit = (chunk - shared_token * SHARED_CHUNKS) * intermediate_size
-        if ROUTE:
-            expert = _pick(ids_row, tl.minimum(pair, num_routed_pairs - 1), ROUTE_K_PAD)
-        else:
-            expert = tl.load(topk_ids_ptr + tl.minimum(pair, num_routed_pairs - 1)).to(tl.int32)
+        expert = tl.load(topk_ids_ptr + tl.minimum(pair, num_routed_pairs - 1)).to(tl.int32)
         if shared | ((expert >= 0) & (expert < num_experts)):
             _gate_up_units(x_ptr, tl.where(shared, ws13_ptr, w13_ptr), tl.where(shared, first_unit, expert),
                            tl.where(shared, stride_wsr, stride_we), hidden_ptr, pair, stride_hp,
@@ -249,37 +225,10 @@ def _gate_up_kernel(
                            tl.where(shared, shared_token, pair // TOP_K), f_block, hidden_size, stride_xt,
                            tl.where(shared, stride_wsr, stride_wr), b13_ptr, stride_be, alpha, limit, BLOCK_F,
                            BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
-    elif ROUTE:  # one token: pair j is the token's j-th choice
-        expert = _pick(ids_row, pair, ROUTE_K_PAD)
-        _gate_up_units(x_ptr, w13_ptr, expert, stride_we, hidden_ptr, pair, stride_hp, intermediate_size,
-                       intermediate_size, pair // TOP_K, f_block, hidden_size, stride_xt, stride_wr, b13_ptr, stride_be, alpha,
-                       limit, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
     else:
         _gate_up_pair(x_ptr, w13_ptr, topk_ids_ptr, hidden_ptr, pair, f_block, num_experts, hidden_size,
                       intermediate_size, stride_xt, stride_we, stride_wr, stride_hp, b13_ptr, stride_be, alpha,
                       limit, TOP_K, BLOCK_F, BLOCK_D, F_STEPS, USE_GDC, WEIGHT_EVICTION, CLAMPED, HAS_B13)
-
-
-@triton.jit
-def _route_row(logits_ptr, num_experts, scale, TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-               OVER_ALL: tl.constexpr, REPLICAS: tl.constexpr):
-    """The token's ids [K_PAD] int32 and weights [K_PAD] float32 from its logits (kernels.parts.topk_softmax_choose,
-    the router's function: the same ids and weights), read past L1 (another grid wrote them)."""
-    _, ids, weights = topk_softmax_choose(logits_ptr, num_experts, E_PAD, TOP_K, K_PAD, OVER_ALL, scale, REPLICAS,
-                                          ".cg")
-    return first_copy(ids, REPLICAS), first_copy(weights, REPLICAS)
-
-
-@triton.jit
-def _pick(row, index, K_PAD: tl.constexpr):
-    """row[index] of a [K_PAD] routing row (0 past it)."""
-    return tl.sum(tl.where(tl.arange(0, K_PAD) == index, row, 0), axis=0)
-
-
-@triton.jit
-def _pick_each(row, indices, K_PAD: tl.constexpr):
-    """row[indices] of a [K_PAD] routing row, for indices [N] (0 past it)."""
-    return tl.sum(tl.where(indices[:, None] == tl.arange(0, K_PAD)[None, :], row[None, :], 0), axis=1)
 
 
 @triton.jit
@@ -293,22 +242,17 @@ def _pair_hidden(hidden_ptr, pair, f0, offs_f, f_mask, known, stride_hp):
 @triton.jit
 def _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
                d_mask, offs_f, stride_we, stride_wr, BLOCK_F: tl.constexpr, TILES: tl.constexpr,
-               WEIGHT_EVICTION: tl.constexpr, IDS_CACHE: tl.constexpr, ids_row, ROUTE: tl.constexpr,
-               K_PAD: tl.constexpr):
+               WEIGHT_EVICTION: tl.constexpr, IDS_CACHE: tl.constexpr):
     """Steps step .. step + TILES - 1 of a token's walk (step s: pair j = s // steps_per_pair, its F tile
     s % steps_per_pair), one load: w [TILES, BLOCK_D, BLOCK_F] as stored, with each step's pair [TILES], expert,
     F offset, F mask [TILES, BLOCK_F] and whether it counts (a step past the walk, or an id outside [0, E), reads
-    expert 0's rows masked off and adds nothing). ROUTE: the experts are ids_row's [K_PAD] (one token's first
-    picks: the preload's)."""
+    expert 0's rows masked off and adds nothing)."""
     steps = step + tl.arange(0, TILES)
     live = steps < walk
     j = tl.where(live, steps // steps_per_pair, 0)
     f0 = (steps - j * steps_per_pair) * BLOCK_F
     pair = first_pair + j
-    if ROUTE:
-        expert = _pick_each(ids_row, j, K_PAD)
-    else:
-        expert = tl.load(topk_ids_ptr + pair, cache_modifier=IDS_CACHE).to(tl.int32)
+    expert = tl.load(topk_ids_ptr + pair, cache_modifier=IDS_CACHE).to(tl.int32)
     known = live & (expert >= 0) & (expert < num_experts)
     f_mask = (offs_f[None, :] < intermediate_size - f0[:, None]) & live[:, None]
     rows = tl.where(known, expert, 0).to(tl.int64)[:, None, None] * stride_we + offs_d[None, :, None] * stride_wr
@@ -361,15 +305,9 @@ def _down_kernel(
     shared_intermediate=0,  # Fs
     stride_ws2r=0,
     num_routed_pairs=0,  # N: token t's shared hidden units are hidden rows N + t S .. N + t S + S - 1, flat
-    logits_ptr=None,  # [E] float32: the token's router logits (ROUTE)
     HAS_B2: tl.constexpr = False,
     SHARED_CHUNKS: tl.constexpr = 0,  # S, as gate-up's; 0: no shared experts
     TILES: tl.constexpr = 1,  # w2 tiles of the walk in one load (a power of two)
-    ROUTE: tl.constexpr = False,  # one token whose preload's experts are picked from logits_ptr here (Route)
-    ROUTE_PICKS: tl.constexpr = 1,  # the preload's pairs: min(TILES, k)
-    ROUTE_E_PAD: tl.constexpr = 1,
-    ROUTE_K_PAD: tl.constexpr = 1,
-    ROUTE_REPLICAS: tl.constexpr = 1,
 ):
     """One program per (token, BLOCK_D outputs) walks its k pairs' w2 rows one after the other, k x F / BLOCK_F
     tiles, TILES at a time (one load of [TILES, BLOCK_D, BLOCK_F]: bytes in flight where a program walks few
@@ -384,17 +322,9 @@ def _down_kernel(
     offs_f = tl.arange(0, BLOCK_F)
     first_pair = token * TOP_K
     steps_per_pair = tl.cdiv(intermediate_size, BLOCK_F)
-    ids_row = 0
-    if ROUTE:  # the preload's experts, the token's first ROUTE_PICKS choices, from the router's logits (two grids
-        # back, complete); after the wait the walk reads the ids and weights gate-up wrote, as it reads the router's
-        ids_row, _ = _route_row(logits_ptr, num_experts, 1.0, ROUTE_PICKS, ROUTE_E_PAD, ROUTE_K_PAD, False,
-                                ROUTE_REPLICAS)
     if TILES == 1:  # one tile at a time (the build every launch above MIN_DOWN_PROGRAMS programs makes)
         if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
-            if ROUTE:
-                expert = _pick(ids_row, 0, ROUTE_K_PAD)
-            else:
-                expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
+            expert = tl.load(topk_ids_ptr + first_pair, cache_modifier=".cg").to(tl.int32)
             known = (expert >= 0) & (expert < num_experts)
             w_first = tl.load(w2_ptr + tl.where(known, expert, 0).to(tl.int64) * stride_we + offs_d[:, None] * stride_wr
                               + offs_f[None, :], mask=d_mask[:, None] & (offs_f < intermediate_size)[None, :],
@@ -434,8 +364,7 @@ def _down_kernel(
         if PRELOAD:  # the ids are the router's, two grids back and complete (kernels.pdl): read past L1 before the wait
             first = _walk_load(
                 w2_ptr, topk_ids_ptr, first_pair, 0, walk, steps_per_pair, num_experts, intermediate_size, offs_d,
-                d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES, WEIGHT_EVICTION, ".cg", ids_row, ROUTE,
-                ROUTE_K_PAD)
+                d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES, WEIGHT_EVICTION, ".cg")
         if USE_GDC:
             tl.extra.cuda.gdc_wait()
         total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -447,7 +376,7 @@ def _down_kernel(
         for step in range(start, walk, TILES):
             tiles = _walk_load(w2_ptr, topk_ids_ptr, first_pair, step, walk, steps_per_pair, num_experts,
                                intermediate_size, offs_d, d_mask, offs_f, stride_we, stride_wr, BLOCK_F, TILES,
-                               WEIGHT_EVICTION, "", 0, False, 1)
+                               WEIGHT_EVICTION, "")
             total = _walk_add(total, tiles, hidden_ptr, stride_hp, topk_weights_ptr, offs_f, offs_d, d_mask,
                               steps_per_pair, b2_ptr, stride_b2e, BLOCK_F, HAS_B2)
     if SHARED_CHUNKS > 0:  # after the k routed pairs: the shared experts' Fs units, weight 1, no routing scale
@@ -465,18 +394,6 @@ def _down_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_d, total.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@dataclass(frozen=True)
-class Route:
-    """One token's routing left to the arm: its router logits, routed inside gate-up's and down's programs as
-    kernels.router.topk_softmax routes them (the same ids and weights), so the router's launch ends at the logits.
-    over_all and scale: as there. woken: one int64 element the woken count (k) is written into, or None."""
-
-    logits: torch.Tensor  # [1, E] float32
-    over_all: bool = False
-    scale: float = 1.0
-    woken: torch.Tensor | None = None
-
-
 def moe_gemv(
     x: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2F, D]
@@ -484,15 +401,11 @@ def moe_gemv(
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([2Fs, D], [D, Fs]): ungated shared experts
-    route: Route | None = None,  # the routing from the logits, in these launches (one token)
 ) -> torch.Tensor:  # [T, D]
     """The gather-GEMV arm; same contract as `kernels.reference.moe_reference`. With `shared` (gate_up [2Fs, D],
     rows 0..Fs-1 gate and Fs..2Fs-1 up; down [D, Fs]), plus the shared SwiGLU of every token, weight 1, in the
-    same two launches (module docstring): `moe_reference(...) + swiglu(x, gate_up, down)` rounded once. With
-    `route` (T = 1), topk_ids and topk_weights are outputs: gate-up routes the token from route.logits and writes
-    them (and the woken count), down routes it again before its preload; the result is the same as routing first
-    with kernels.router.topk_softmax and calling without `route`."""
-    return _moe_gemv(x, w13, w2, topk_ids, topk_weights, shared=shared, route=route)
+    same two launches (module docstring): `moe_reference(...) + swiglu(x, gate_up, down)` rounded once."""
+    return _moe_gemv(x, w13, w2, topk_ids, topk_weights, shared=shared)
 
 
 def moe_gemv_clamped(
@@ -532,30 +445,11 @@ def check_shared(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]) -> 
     return shared_intermediate
 
 
-def _check_route(route: Route, tokens: int, experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    logits = route.logits
-    if tokens != 1:
-        raise ValueError(f"moe_gemv: routing from logits takes one token, got {tokens}")
-    if logits.shape != (1, experts) or logits.dtype != torch.float32 or not logits.is_contiguous():
-        raise ValueError(f"moe_gemv: route.logits must be contiguous float32 [1, {experts}], got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
-        raise ValueError("moe_gemv: with a route, topk_ids (int32) and topk_weights are contiguous outputs")
-    if route.woken is not None and (route.woken.dtype != torch.int64 or route.woken.numel() != 1):
-        raise ValueError("moe_gemv: route.woken must be one int64 element")
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"moe_gemv: routing from logits takes at most {MAX_EXPERTS} experts, got {experts}")
-
-
-def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None, route=None) -> torch.Tensor:
+def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None) -> torch.Tensor:
     tokens, hidden_size, experts, intermediate, top_k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     check_triton_device(x, "moe_gemv")
     if shared is not None and clamped is not None:
         raise ValueError("shared experts ride only the plain SwiGLU launches, not the clamped epilogue")
-    if route is not None:
-        if clamped is not None:
-            raise ValueError("moe_gemv: routing from logits rides only the plain SwiGLU launches")
-        _check_route(route, tokens, experts, topk_ids, topk_weights)
     shared_intermediate = 0 if shared is None else check_shared(x, shared)
     out = scratch.empty((tokens, hidden_size), x.dtype, x.device)
     if tokens == 0:
@@ -581,18 +475,6 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None, rou
                              stride_wsr=shared[0].stride(0), num_routed_pairs=num_pairs, SHARED_CHUNKS=chunks)
         down_extra = dict(ws2_ptr=shared[1], shared_intermediate=shared_intermediate, stride_ws2r=shared[1].stride(0),
                           num_routed_pairs=num_pairs, SHARED_CHUNKS=chunks)
-    down_block_d, down_tiles, down_warps = down_schedule(tokens, hidden_size)
-    if route is not None:  # the ids and weights buffers are the outputs gate-up writes (views: contiguous)
-        woken = route.woken if route.woken is not None else scratch.empty((1,), torch.int64, x.device)
-        e_pad = triton.next_power_of_2(experts)
-        gate_up_extra = dict(gate_up_extra, topk_weights_ptr=flat_weights, woken_ptr=woken.reshape(1),
-                             logits_ptr=route.logits, route_scale=float(route.scale), ROUTE=True, ROUTE_E_PAD=e_pad,
-                             ROUTE_K_PAD=triton.next_power_of_2(top_k), ROUTE_OVER_ALL=route.over_all,
-                             ROUTE_REPLICAS=route_replicas(e_pad, NUM_WARPS))
-        if pdl.preload(x.device, "down"):  # down picks the preload's experts (only they are needed before its wait)
-            picks = min(down_tiles, top_k)
-            down_extra = dict(down_extra, logits_ptr=route.logits, ROUTE=True, ROUTE_PICKS=picks, ROUTE_E_PAD=e_pad,
-                              ROUTE_K_PAD=triton.next_power_of_2(picks), ROUTE_REPLICAS=route_replicas(e_pad, down_warps))
     # the routed pairs' schedule decides (the routed part of the grid is the launch without shared experts)
     f_steps = gate_up_f_steps(tokens, intermediate, top_k)
     _gate_up_kernel[(num_pairs + tokens * chunks, triton.cdiv(intermediate, GATE_UP_BLOCK_F * f_steps))](
@@ -604,6 +486,7 @@ def _moe_gemv(x, w13, w2, topk_ids, topk_weights, clamped=None, shared=None, rou
     )
     launches.record("moe_gemv.gate_up", kernel=_gate_up_kernel)
     # one program per (token, output block), walking the token's k pairs
+    down_block_d, down_tiles, down_warps = down_schedule(tokens, hidden_size)
     _down_kernel[(tokens, triton.cdiv(hidden_size, down_block_d))](
         hidden, w2, flat_ids, flat_weights, out,
         experts, hidden_size, intermediate,

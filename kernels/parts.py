@@ -6,7 +6,6 @@ kernels.rms_norm does) calls the same function here, so both compute the same bi
 inlined into its caller at compile time: a call costs nothing, and the caller's constexprs specialise it.
 
     topk_softmax_row   one token's top-k of its logits and their softmax   kernels.router, kernels.gemv_route
-    topk_softmax_choose, first_copy   the same in registers (kernels.moe_gemv routing from the logits)
     group_topk_row     one token's group-limited top-k (DeepSeek-V2/V3)      kernels.router, kernels.gemv_route
     count_ids          distinct experts among ids (the woken count)          kernels.router, kernels.gemv_route
     argmax_row         a float32 row's argmax, ties to the lowest id       kernels.next_tokens, kernels.gemv_pick
@@ -47,17 +46,18 @@ def count_ids(ids_ptr, count, experts, E_PAD: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def topk_softmax_choose(logits_row_ptr, experts, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                        OVER_ALL: tl.constexpr, scale, REPLICAS: tl.constexpr, CACHE: tl.constexpr):
-    """One token's routing in registers: (slots, ids, weights), each [REPLICAS, K_PAD] (every copy the same; slots
-    >= TOP_K hold nothing): the k largest of its float32 logits (logits_row_ptr[0:experts]) in descending order,
-    ties to the lowest id, and the softmax over them (OVER_ALL: over every expert, taken at the k chosen:
-    softmax-then-top-k, not renormalised), times `scale` (routed_scaling_factor), float32. CACHE: the load's
-    cache modifier ("" or ".cg" for logits other programs wrote).
+def topk_softmax_row(logits_row_ptr, experts, ids_row_ptr, weights_row_ptr,
+                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                     OVER_ALL: tl.constexpr, scale, REPLICAS: tl.constexpr, CACHE: tl.constexpr):
+    """One token: the k largest of its float32 logits (logits_row_ptr[0:experts]) in descending order, ties to
+    the lowest id, stored as ids (int32) and the softmax over them (weights' dtype); with OVER_ALL the softmax
+    over every expert, taken at the k chosen (softmax-then-top-k, not renormalised). The weights are multiplied
+    by `scale` (routed_scaling_factor) in float32 before the rounding. CACHE: the load's cache modifier ("" or
+    ".cg" for logits other programs of the launch wrote).
 
     The row is loaded REPLICAS times, [REPLICAS, E_PAD]: at REPLICAS = the program's warps and E_PAD <= 128 each
     warp holds a whole copy, so every pick is one warp's reduction (redux.sync on sm_90) with no barrier between
-    the warps, where a row spread over the warps paid two barriers a pick."""
+    the warps, where a row spread over the warps paid two barriers a pick. Copy 0 is stored."""
     # A NaN logit is never chosen (torch would rank it first; the model never produces one). One reduction per
     # pick (kernels.order_keys): the largest key is the largest value at the lowest id, -0.0 taken as 0.0.
     lanes = tl.arange(0, E_PAD)[None, :] + tl.zeros([REPLICAS, 1], dtype=tl.int32)  # [REPLICAS, E_PAD]
@@ -81,26 +81,10 @@ def topk_softmax_choose(logits_row_ptr, experts, E_PAD: tl.constexpr, TOP_K: tl.
         weights = exponent / tl.sum(tl.where(lanes < experts, tl.exp(values - top), 0.0), axis=1)[:, None]
     else:
         weights = exponent / tl.sum(exponent, axis=1)[:, None]
-    return slots, chosen_ids, weights * scale
-
-
-@triton.jit
-def topk_softmax_row(logits_row_ptr, experts, ids_row_ptr, weights_row_ptr,
-                     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                     OVER_ALL: tl.constexpr, scale, REPLICAS: tl.constexpr, CACHE: tl.constexpr):
-    """One token's topk_softmax_choose, stored: ids (int32) and weights (rounded to weights' dtype), copy 0's."""
-    slots, chosen_ids, weights = topk_softmax_choose(logits_row_ptr, experts, E_PAD, TOP_K, K_PAD, OVER_ALL, scale,
-                                                     REPLICAS, CACHE)
-    stored = (slots < TOP_K) & (tl.arange(0, REPLICAS)[:, None] == 0)
+    weights = weights * scale
+    stored = valid & (tl.arange(0, REPLICAS)[:, None] == 0)
     tl.store(ids_row_ptr + slots, chosen_ids, mask=stored)
     tl.store(weights_row_ptr + slots, weights.to(weights_row_ptr.dtype.element_ty), mask=stored)
-
-
-@triton.jit
-def first_copy(values, REPLICAS: tl.constexpr):
-    """[REPLICAS, K] -> [K]: copy 0 of values every copy holds alike (one reduction over the copies, exact: the
-    other copies add 0)."""
-    return tl.sum(tl.where(tl.arange(0, REPLICAS)[:, None] == 0, values, 0), axis=0)
 
 
 @triton.jit

@@ -56,9 +56,9 @@ def _topk_softmax_kernel(
 
 def route_replicas(e_pad: int, warps: int) -> int:
     """Copies of a row kernels.parts.topk_softmax_row routes at once in a program of `warps` warps: one a warp up
-    to 128 experts (a warp's loads hold 128 floats a pass, so a copy is one warp's and its picks need no barrier),
-    one per 256 / 128 ... warps above (a wider copy spans several warps anyway, and each copy costs registers)."""
-    return max(1, min(warps, warps * 128 // e_pad))
+    to 128 experts (its picks then need no barrier), fewer for wider rows (a copy spans several warps anyway, and
+    each copy costs its registers)."""
+    return max(1, min(warps, 512 // e_pad))
 
 
 def count_block(e_pad: int, pairs: int) -> int:
