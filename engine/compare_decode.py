@@ -96,9 +96,9 @@ class DecodeCheckConfig:
     seed: int
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise UserError(f"--seq-len must be >= 2 (the cache capacity: a stale entry needs a key past the "
-                            f"position), got {self.seq_len}")
+        if self.seq_len < 3:
+            raise UserError(f"--seq-len must be >= 3 (the cache capacity: two sequences at their own positions, "
+                            f"a stale entry past one of them), got {self.seq_len}")
         if self.seq_len > MAX_SEQ_LEN:
             raise UserError(f"--seq-len {self.seq_len} is more than {MAX_SEQ_LEN} keys per sequence")
         if not 2 <= self.batch <= min(MAX_BATCH, self.seq_len - 1):
