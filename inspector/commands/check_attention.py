@@ -64,7 +64,7 @@ def add_parser(subparsers) -> None:
                         help="learned per-head sinks (default: off, or the model's)")
     decode.add_argument("--model", dest="decode_model", default=None, metavar="MODEL",
                         help="take heads, kv heads, head_dim, the window and sinks from a preset or a checkpoint "
-                             "directory's config.json")
+                             "directory's config.json (with --mla: its heads and latent dims)")
     parser.set_defaults(run=run)
 
 
@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
-    if args.decode or any(getattr(args, name) is not None for name in DECODE_ONLY):
+    # --model is the decode check's and the latent check's (its heads and latent dims); the rest only the decode's
+    if args.decode or any(getattr(args, name) is not None for name in DECODE_ONLY
+                          if not (args.mla and name == "decode_model")):
         from inspector.commands.check_decode import run_decode
 
         return run_decode(args, device, fmt)
@@ -119,13 +121,30 @@ def run(args: argparse.Namespace) -> int:
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
     from engine.compare_mla import DEFAULTS, check_mla, check_request
 
+    defaults = dict(DEFAULTS[device])
+    if args.decode_model is not None:  # the model's heads and latent dims, as F3 takes them
+        defaults.update(_latent_defaults(args.decode_model))
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
-               for name, default in DEFAULTS[device].items()}
+               for name, default in defaults.items()}
     check_request(options["seq_len"], options["heads"], options["kv_lora_rank"], options["rope_dim"], device,
                   "check-attention --mla")
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
     return print_result(result, fmt, format_mla_result)
+
+
+def _latent_defaults(model_name: str) -> dict[str, int]:
+    """check_mla's heads and four latent dims from a preset or a checkpoint directory's config.json (UserError for a
+    model without latent attention)."""
+    from engine.compare_mla import latent_dims
+    from engine.errors import UserError
+    from engine.model_source import model_config
+
+    model = model_config(model_name)
+    if model.latent_attention is None:
+        raise UserError(f"check-attention --mla --model {model_name}: {model.name} has no latent attention (the "
+                        f"latent check is for DeepSeek-style layers; --decode checks causal and window attention)")
+    return {"heads": model.n_heads, **latent_dims(model.latent_attention)}
 
 
 def format_mla_result(result: dict) -> str:

@@ -25,6 +25,8 @@ def _refuse_other_options(args: argparse.Namespace) -> None:
     if not args.decode:
         given = next(name for name in ("batch", "sinks", "decode_model") if getattr(args, name) is not None)
         option = "--model" if given == "decode_model" else "--" + given
+        if given == "decode_model":
+            raise UserError("--model is an option of the decode and latent checks: add --decode or --mla, or drop it")
         raise UserError(f"{option} is an option of the decode check: add --decode, or drop it")
     if args.mla:
         raise UserError("--decode and --mla are two checks (the decode kernel, the latent kernel): give one")
