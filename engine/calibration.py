@@ -2,12 +2,12 @@
 
 One JSON object per file: {"version": 1, "entries": [{"device", "k", "experts", "hidden",
 "intermediate", "tile_m", "crossover_tokens", "measured_at", "commit", "timing", "routing_weights"}]}; an entry
-calibrated from
-a routing recording adds "routing" (file, sha256, model, MoE layers) and "layer_crossovers" ({layer: n}). The crossover is the
-smallest measured token count from which the grouped arm beats the GEMV arm at every larger
-measured width. Entries for trellis experts also carry "weight_format" (e.g. "trellis:hyb:K2"; an
-entry without it is bf16's) and "dequant_crossover_tokens" (from which trellis_dequant beats
-trellis_grouped, or null). Knows nothing of how the sweep measures.
+calibrated from a routing recording adds "routing" (file, sha256, model, MoE layers) and "layer_crossovers"
+({layer: n}). The crossover is the smallest measured token count from which the grouped arm beats the GEMV arm
+at every larger measured width. Entries for trellis experts also carry "weight_format" (e.g. "trellis:hyb:K2";
+an entry without it is bf16's) and "dequant_crossover_tokens" (from which trellis_dequant beats
+trellis_grouped, or null). Reads only entries timed as TIMED_AS says; knows nothing else of how the sweep
+measures.
 
 Reading never fails: a missing file means no calibration; a file that is not one (corrupt JSON,
 wrong types, an entry without its keys) is reported once on the engine's log, and its unusable
