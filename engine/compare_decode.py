@@ -262,8 +262,10 @@ def _draw_inputs(config: DecodeCheckConfig, positions: torch.Tensor, working: to
     visible = (hi - lo.clamp_min(0) + 1).float()  # [B]
     boost = (visible.log() + 1.0)[:, None] * math.sqrt(hd) / along  # [B, Hkv]: score += boost * q.u / sqrt(hd)
     # The first two invisible keys (window models) also carry large values: reading them moves the output far.
-    probes = {0: 1.0} if config.window is None else {0: 1.0, config.window - 1: 1.0, config.window: INVISIBLE_VALUE_SCALE,
-                                                   config.window + 1: INVISIBLE_VALUE_SCALE}
+    probes = {0: 1.0}
+    if config.window is not None:
+        probes.update({config.window - 1: 1.0, config.window: INVISIBLE_VALUE_SCALE,
+                       config.window + 1: INVISIBLE_VALUE_SCALE})
     for offset, value_scale in sorted(probes.items()):
         probe = positions - offset  # [B]
         for b in range(B):

@@ -100,7 +100,8 @@ def main() -> None:
     try:
         for warps in NORM_WARPS:
             rms_norm_module.num_warps = lambda hidden, warps=warps: warps
-            norm = time(f"o + rms_norm at {warps} warps", lambda: rms_norm(x, g_moe, 1e-6, residual=gemv(attended, w_o)))
+            norm = time(f"o + rms_norm at {warps} warps",
+                        lambda: rms_norm(x, g_moe, 1e-6, residual=gemv(attended, w_o)))
             print(f"rms_norm at {warps} warps adds {norm - base:.2f} µs", flush=True)
     finally:
         rms_norm_module.num_warps = default_warps
