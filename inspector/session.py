@@ -188,7 +188,8 @@ class CheckAttentionStep:
     `mla = true` the latent check (`check-attention --mla`: the absorbed MLA kernel against the decompressed
     causal, last-position and no-RoPE references), its dims defaulting to the model's latent attention. With
     `decode = true` the decode check (`check-attention --decode`: the split-KV decode kernel over a cache of
-    seq_len slots holding `batch` sequences, window and sinks defaulting to the model's)."""
+    seq_len slots holding `batch` sequences, window and sinks defaulting to the model's; `window = 0` checks plain
+    causal layers, e.g. gpt-oss's, whose model default is its sliding window)."""
 
     action = "check-attention"
     seq_len: int = _field(POSITIVE, required=True)
@@ -196,7 +197,7 @@ class CheckAttentionStep:
     head_dim: int | None = _field(POSITIVE)
     heads: int | None = _field(POSITIVE)
     kv_heads: int | None = _field(POSITIVE)
-    window: int | None = _field(POSITIVE)
+    window: int | None = _field(NON_NEGATIVE)  # 0: plain causal (the decode check only)
     block: int | None = _field(POSITIVE)
     pad: int = _field(NON_NEGATIVE, 0)
     dtype: str | None = _field(DTYPE)

@@ -49,7 +49,7 @@ def decode_shape(step, model, here: str) -> dict[str, Any]:
                         f"step, or drop decode = true")
     shape = {name: getattr(step, name) if getattr(step, name) is not None else from_model[name] for name in DIMS}
     return {"seq_len": step.seq_len, "batch": step.batch or compare_decode.DEFAULTS["cpu"]["batch"], **shape,
-            "window": step.window if step.window is not None else from_model.get("window"),
+            "window": (step.window or None) if step.window is not None else from_model.get("window"),  # 0: causal
             "sinks": step.sinks if step.sinks is not None else from_model.get("sinks", False)}
 
 

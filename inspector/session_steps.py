@@ -375,6 +375,9 @@ class CheckAttentionAction(Action):
             session_decode.preflight_decode(here, step, model, device)
             return
         session_decode.refuse_decode_options(here, step)
+        if step.window == 0:
+            raise UserError(f"{here}: window = 0 (plain causal layers) is the decode check's; add decode = true, or "
+                            f"give the sinks check a window >= 1")
         if step.mla:
             self._preflight_mla(here, step, model, device)
             return

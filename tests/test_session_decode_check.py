@@ -48,6 +48,15 @@ def test_a_decode_check_step_runs_at_the_models_shape_and_replays(capsys, tmp_pa
     assert "verdict differs: recorded window_wide, now ok" in capsys.readouterr().out
 
 
+def test_window_0_checks_the_causal_layers_of_a_windowed_model(capsys, tmp_path):
+    # gpt-oss-style: the model's default is its sliding window; window = 0 asks for its plain causal layers
+    path, results = _session(tmp_path, 'decode = true\nseq_len = 40\nbatch = 3\nwindow = 0\nmode = "honor"\n'
+                                       'expect = "ok"')
+    assert main(["run", str(path), "--results", str(results), "--device", "cpu"]) == 0, capsys.readouterr().err
+    _, steps = read_results(results, "decode.toml")
+    assert steps[0]["numbers"]["verdict"] == "ok" and steps[0]["numbers"]["config"]["window"] is None
+
+
 def test_a_dropped_mask_step_reads_stale_and_fails_an_ok_expectation(capsys, tmp_path):
     path, results = _session(tmp_path, 'decode = true\nseq_len = 40\nbatch = 3\nmode = "drop"\nexpect = "ok"')
     assert main(["run", str(path), "--results", str(results), "--device", "cpu"]) == 1
@@ -86,6 +95,8 @@ def test_f3s_recorded_decode_action_saves_as_a_step_that_loads(tmp_path):
     ('decode = true\nseq_len = 40\nmode = "honor"\ndtype = "bfloat16"', None, "dtype bf16 needs device cuda"),
     ('decode = true\nseq_len = 40\nmode = "honor"\nheads = 5', None, "must be a positive multiple of kv_heads"),
     ('decode = "yes"\nseq_len = 40\nmode = "honor"', None, "decode"),
+    ('seq_len = 40\nmode = "honor"\nwindow = 0', "tiny", "window = 0 (plain causal layers) is the decode check's"),
+    ('decode = true\nseq_len = 40\nmode = "honor"\nwindow = -1', None, "window"),
 ])
 def test_decode_check_steps_it_cannot_run_are_refused_in_one_line(capsys, tmp_path, step, model, fragment):
     assert_refused(capsys, *_session(tmp_path, step, model), fragment)
