@@ -43,9 +43,9 @@ def decided_summary(run: dict) -> str:
 
 def executed_summary(run: dict) -> str:
     """What the launch counters say ran: every arm with a non-zero count, then Triton kernels."""
-    counters = run["counters"]
-    arms = ", ".join(f"{name} {count}" for name, count in counters.get("arms", {}).items() if count)
-    kernels = ", ".join(f"{name} {count}" for name, count in counters.get("kernels", {}).items() if count)
+    counters = run["counters"]  # a family may be absent or null (the results schema): none counted
+    arms = ", ".join(f"{name} {count}" for name, count in (counters.get("arms") or {}).items() if count)
+    kernels = ", ".join(f"{name} {count}" for name, count in (counters.get("kernels") or {}).items() if count)
     return arms + (f"; kernels {kernels}" if kernels else "")
 
 
@@ -72,7 +72,7 @@ def stand_ins(steps: Iterable[dict]) -> list[str]:
 
 
 def _flag_overrides(run: dict, header: dict) -> str:
-    base = {name: entry["value"] for name, entry in header.get("flags", {}).items()}
+    base = {name: entry["value"] for name, entry in (header.get("flags") or {}).items()}
     return ", ".join(f"{name}={_format_flag(value)}" for name, value in run["flags"].items()
                      if base.get(name) != value)
 
@@ -153,7 +153,7 @@ def quant_rows(steps: list[dict]) -> list[dict]:
         if step["action"] != "check-quant":
             continue
         config = step["numbers"].get("config", {})
-        for row in step["numbers"].get("rows", []):
+        for row in (step["numbers"].get("rows") or []):
             errors, control = row.get("errors", {}), row.get("control")
             times = (f"{errors['dequantized'] / control:.3g}x" if isinstance(control, (int, float)) and control > 0
                      and isinstance(errors.get("dequantized"), (int, float)) else "")
@@ -174,7 +174,7 @@ def sweep_rows(steps: list[dict]) -> list[dict]:
     for step in steps:
         if step["action"] != "sweep":
             continue
-        for row in step["numbers"].get("rows", []):
+        for row in (step["numbers"].get("rows") or []):
             rows.append({"step": step["step"], **{key: value for key, value in row.items()
                                                   if not isinstance(value, (dict, list))}})
     return rows
@@ -186,7 +186,7 @@ def bench_rows(steps: list[dict]) -> list[dict]:
     for step in steps:
         if step["action"] != "bench":
             continue
-        for row in step["numbers"].get("rows", []):
+        for row in (step["numbers"].get("rows") or []):
             wall, device = row.get("tps_wall"), row.get("tps_device")
             arms = row.get("counters", {}).get("arms", {})
             rows.append({
@@ -235,7 +235,7 @@ def build_line(header: dict) -> str:
 
 def flags_line(header: dict) -> str:
     return ", ".join(f"{name}={_format_flag(entry['value'])} ({entry['source']})"
-                     for name, entry in header.get("flags", {}).items())
+                     for name, entry in (header.get("flags") or {}).items())
 
 
 def footer(header: dict) -> str:

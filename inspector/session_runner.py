@@ -332,7 +332,7 @@ def check_replayable(session: Session, header: dict, recorded: list[dict], resul
         if header.get(key) != now:
             raise UserError(f"{results_path}: recorded with {key} {header.get(key)!r}, the session now says "
                             f"{now!r}; {rerun}")
-    recorded_flags = {name: entry.get("value") for name, entry in header.get("flags", {}).items()}
+    recorded_flags = {name: entry.get("value") for name, entry in (header.get("flags") or {}).items()}
     for name in flag_registry.SPECS:
         if name in recorded_flags and recorded_flags[name] != current_flags[name]:
             source = current_flags.sources[name]
@@ -404,7 +404,7 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         if old != new:
             differences.append(f"{label}: verdict differs: recorded {old}, now {new}")
     if recorded["action"] == "check-quant":
-        old, new = ([row.get("verdict") for row in side.get("numbers", {}).get("rows", [])] for side in (recorded, now))
+        old, new = ([row.get("verdict") for row in ((side.get("numbers") or {}).get("rows") or [])] for side in (recorded, now))
         if old != new:
             differences.append(f"{label}: verdicts differ: recorded {old}, now {new}")
     if recorded["action"] == "bench":
@@ -418,8 +418,8 @@ BENCH_COMPARED = ("kind", "tokens", "batch", "prompt_tokens", "generated_tokens"
 def diff_bench(label: str, recorded: dict, now: dict) -> list[str]:
     """Bench rows: the same rows with the same token counts, state (admitting or not) and launch
     counters; rates and clocks are timings, shown beside the recording and never compared."""
-    rows_recorded = {row["test"]: row for row in recorded.get("rows", [])}
-    rows_now = {row["test"]: row for row in now.get("rows", [])}
+    rows_recorded = {row["test"]: row for row in (recorded.get("rows") or [])}
+    rows_now = {row["test"]: row for row in (now.get("rows") or [])}
     if list(rows_recorded) != list(rows_now):
         return [f"{label}: rows differ: recorded {', '.join(rows_recorded) or 'none'}, now {', '.join(rows_now) or 'none'}"]
     differences = []

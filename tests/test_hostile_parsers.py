@@ -305,3 +305,29 @@ def test_a_counters_family_recorded_as_null_is_diffed_as_no_launches():
     row = {"test": "tg8", "counters": {"arms": {"gemv": 3}, "kernels": None, "steps": 8}}
     assert diff_bench("step 2 (bench)", {"rows": [row]}, {"rows": [dict(row, counters=None)]}) == [
         "step 2 (bench), row tg8: gemv launches recorded 3, now 0; steps recorded 8, now None"]
+
+
+def test_a_counters_family_recorded_as_null_reports_as_nothing_counted():
+    """The report's "ran (counters)" column reads a null `arms` / `kernels` family as nothing counted. Hypothesis
+    found `"kernels": null` raising an AttributeError in the markdown report."""
+    from inspector.session_report import executed_summary
+
+    assert executed_summary({"counters": {"arms": {"gemv": 2, "reference": 0}, "kernels": None}}) == "gemv 2"
+    assert executed_summary({"counters": {"arms": None, "kernels": {"moe_gemv.down": 3}}}) == "; kernels moe_gemv.down 3"
+    assert executed_summary({"counters": {}}) == ""
+
+
+def test_optional_fields_recorded_as_null_are_read_as_absent():
+    """A header's flags and a bench or sweep step's rows may be missing or null (the results schema): the report and
+    the diff read null as absent, as they read a missing key."""
+    from inspector.session_report import render_markdown
+    from inspector.session_runner import diff_bench
+
+    row = {"test": "tg8", "counters": {"arms": {"gemv": 3}, "steps": 8}}
+    assert diff_bench("step 2 (bench)", {"rows": None}, {"rows": None}) == []
+    assert diff_bench("step 2 (bench)", {"rows": [row]}, {"rows": [row]}) == []
+    header = {"kind": "header", "schema": 1, "flags": None, "model": "tiny"}
+    steps = [{"kind": "step", "step": 1, "action": "bench", "definition": {}, "status": "ok", "runs": [],
+              "numbers": {"rows": None}, "check": None, "wall_s": 0.1}]
+    report = render_markdown(header, steps)  # no AttributeError on the null flags, no TypeError on the null rows
+    assert "1 step" in report and "flags: \n" in report
