@@ -61,11 +61,9 @@ def sweep_us(timing: str, scratch: Path, routing: Path | None = None) -> float:
     return entry["us"]
 
 
-def blocks_us(rotations: int = 1) -> float:
-    """bench/moe_gemv_blocks.py's method: one routing (or `rotations` uniform ones, cycled as the sweep cycles
-    its sets), 10 calls per graph."""
-    from kernels.moe_gemv import moe_gemv
-
+def v4_gemv_inputs(rotations: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """v4-shape experts (E=256, D=4096, F=2048, bf16) and `rotations` one-token uniform top-6 routings (x, ids,
+    bf16 weights), drawn on the GPU from seed 0: the inputs of blocks_us (and bench/experiments/sweep_spacing.py)."""
     E, D, F, K = 256, 4096, 2048, 6
     generator = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * F, D, generator=generator, device="cuda") / 64).bfloat16()
@@ -74,6 +72,15 @@ def blocks_us(rotations: int = 1) -> float:
              torch.randperm(E, generator=generator, device="cuda")[:K].view(1, K).int(),
              torch.softmax(torch.randn(1, K, generator=generator, device="cuda"), -1).bfloat16())
             for _ in range(rotations)]
+    return w13, w2, sets
+
+
+def blocks_us(rotations: int = 1) -> float:
+    """bench/moe_gemv_blocks.py's method: one routing (or `rotations` uniform ones, cycled as the sweep cycles
+    its sets), 10 calls per graph."""
+    from kernels.moe_gemv import moe_gemv
+
+    w13, w2, sets = v4_gemv_inputs(rotations)
     counter = iter(range(1 << 62))
 
     def call():

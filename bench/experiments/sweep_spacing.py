@@ -24,26 +24,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
 from engine.bench import graph_call_us  # noqa: E402
 from engine.provenance import commit_label  # noqa: E402
 from kernels.moe_gemv import moe_gemv  # noqa: E402
+from sweep_vs_runtime import v4_gemv_inputs  # noqa: E402
 
-E, D, F, K = 256, 4096, 2048, 6
 SLEEPS_US = (10, 40)
 COPIES_MB = (8, 76)
 
 
 def main() -> None:
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * F, D, generator=generator, device="cuda") / 64).bfloat16()
-    w2 = (torch.randn(E, D, F, generator=generator, device="cuda") / 45).bfloat16()
-    sets = [(torch.randn(1, D, generator=generator, device="cuda").bfloat16(),
-             torch.randperm(E, generator=generator, device="cuda")[:K].view(1, K).int(),
-             torch.softmax(torch.randn(1, K, generator=generator, device="cuda"), -1).bfloat16())
-            for _ in range(4)]
+    w13, w2, sets = v4_gemv_inputs(4)  # the inputs sweep_vs_runtime.py's graph_call_us rows time
     copy_source = torch.empty(max(COPIES_MB) << 18, device="cuda")  # float32: MB << 18 elements
     copy_target = torch.empty_like(copy_source)
     # cycles a µs, from the clock a spin of a known count takes
