@@ -28,6 +28,11 @@
 #            the short kernels (rms_norm before q/k/v), which may wait on it
 #   fresh    bench/experiments/sweep_fresh.py: sweep_vs_runtime's figures each in a process of its own, then the
 #            sweep and the runtime in one process in both orders
+#   mla      latent attention at one token: the split kernel with PDL and short walks split into one-tile splits,
+#            merged inside unabsorb (no combine launch); its GPU tests, bench/experiments/mla_short.py (split counts,
+#            merges and configs, beside bench/experiments/baseline_attention_mla.py's kernel
+#            when the tree has it: `git show REV:kernels/attention_mla.py > bench/experiments/baseline_attention_mla.py`), bench/mla_bench.py's 128-head rows, DeepSeek-V2-Lite tg128
+#            @ b1 profiled (run 70: 1.84x, the split 9.3 us a layer)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -38,11 +43,12 @@
 #   bash bench/gpu_next.sh spacing          # about 1 minute
 #   bash bench/gpu_next.sh fresh            # about 3 minutes
 #   bash bench/gpu_next.sh preload          # about 3 minutes
+#   bash bench/gpu_next.sh mla              # about 6 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -69,6 +75,12 @@ want sweep && TAIL=20 stage 240 sweep_vs_runtime env OUT="$OUT" python3 bench/sw
 want small && TAIL=30 stage 150 small_kernels env OUT="$OUT" python3 bench/experiments/small_kernels.py
 want spacing && TAIL=20 stage 150 sweep_spacing env OUT="$OUT" python3 bench/experiments/sweep_spacing.py
 want fresh && TAIL=12 stage 400 sweep_fresh env OUT="$OUT" python3 bench/experiments/sweep_fresh.py
+want mla && TAIL=8 stage 200 pytest_mla python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused_mla.py tests/test_attention_mla.py tests/test_hf_deepseek.py
+want mla && TAIL=60 stage 150 mla_short env OUT="$OUT" python3 bench/experiments/mla_short.py
+want mla && TAIL=12 stage 90 mla_bench python3 bench/mla_bench.py --out "$OUT/mla_bench.json"
+want mla && TAIL=30 stage 80 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deepseek-v2-lite --weights random \
+    --reps 2 --profile --json-out "$OUT/dsv2_tg128.json"
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

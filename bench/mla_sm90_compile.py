@@ -69,7 +69,7 @@ def compile_sm90(config: MlaConfig, latent: int = 512, rope: int = 64):
     fn = _mla_split_kernel
     constexprs = dict(LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n, OUTPUT="direct",
                       DOT_PRECISION="tf32", LAZY_RESCALE=config.lazy_rescale, UNCHAINED=config.unchained,
-                      PTX=True, WIDE_OFFSETS=False, TMA=config.tma, num_splits=1)
+                      PTX=True, WIDE_OFFSETS=False, TMA=config.tma, USE_GDC=True, num_splits=1)
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:

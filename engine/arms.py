@@ -87,9 +87,10 @@ def _attention_unfused(q, k, v, sinks, spec, q_start, key_padding):
 def _mla_fused(config, q, latent_cache, kv_b, q_start):
     """The absorbed form (engine.mla): q W_UK, the Triton walk over the latent cache, then W_UV. At decode widths
     (B * T <= kernels.mla_absorb.MAX_ROWS query rows) each per-head product is one launch (kernels.mla_absorb)
-    where the einsum and its copies and concatenation are several."""
+    where the einsum and its copies and concatenation are several; the W_UV product merges the key splits itself
+    (no combine launch)."""
     from kernels import mla_absorb
-    from kernels.attention_mla import mla_decode
+    from kernels.attention_mla import mla_decode, mla_split
     latent = config.latent_attention
     batch, steps, heads = q.shape[:3]
     rows = batch * steps
@@ -99,10 +100,10 @@ def _mla_fused(config, q, latent_cache, kv_b, q_start):
         return mla.unabsorb_output(config, out_latent, kv_b)
     nope, value = latent.qk_nope_head_dim, latent.v_head_dim
     absorbed = mla_absorb.absorb(q.reshape(rows, heads, q.shape[3]), kv_b, nope, value)  # [B*T, Hq, R + r]
-    out_latent = mla_decode(absorbed.view(batch, steps, heads, -1), latent_cache, latent.kv_lora_rank, latent.scale,
-                            q_start)  # [B, T, Hq, R]
-    return mla_absorb.unabsorb(out_latent.view(rows, heads, latent.kv_lora_rank), kv_b, nope,
-                               value).view(batch, steps, heads, value)
+    splits = mla_split(absorbed.view(batch, steps, heads, -1), latent_cache, latent.kv_lora_rank, latent.scale,
+                       q_start)  # out [B, T, Hq, R] written, or the splits' partials, merged by unabsorb
+    return mla_absorb.unabsorb(splits.out.view(rows, heads, latent.kv_lora_rank), kv_b, nope, value,
+                               splits).view(batch, steps, heads, value)
 
 
 def _mla_reference(config, q, latent_cache, kv_b, q_start):

@@ -29,7 +29,9 @@ stages: q 64 x 576 x 2 B = 72 KB and two 72 KB key tiles, 216 KB of shared memor
 64 x 512 fp32 is 128 registers per thread at 8 warps. `MlaConfig`'s structure candidates (`unchained`, `tma`, `lazy_rescale`) are off until
 bench/mla_bench.py --sweep has timed them; docs/mla.md gives the roofline and why each exists.
 Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
-(S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles, at most MAX_SPLITS.
+(S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles (a short walk: up to
+SHORT_WALK_SPLITS splits of one tile or more), at most MAX_SPLITS. `mla_split` leaves the partials to a
+consumer that merges them itself (kernels.mla_absorb.unabsorb at decode); `mla_decode` merges them here.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launches
+from kernels import launches, pdl
 from kernels.attention_common import LOG2_E, is_power_of_two, remember_compiled
 
 # Latent ranks and RoPE widths the kernel takes: powers of two (tl.arange), at least tl.dot's 16, the
@@ -53,6 +55,10 @@ MAX_SPLITS = 64
 # Each split walks at least this many key tiles: a split costs its q tile, its pipeline's prologue and
 # M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about two 64-key tiles of 72 KB). Predicted.
 MIN_TILES_PER_SPLIT = 4
+# A short walk is split up to this many ways even into one-tile splits: where the programs are few (one token at
+# 16 heads is one program a split) a split's walk is a chain of load latencies, not bandwidth (run 70: 9.3 µs for
+# 159 keys in one program). Predicted; bench/experiments/mla_short.py times it.
+SHORT_WALK_SPLITS = 8
 # Lazy rescaling keeps a row's reference max until the tile max passes it by more than this (log2 units):
 # the probabilities are then at most 2^8 (bf16 and fp16 hold it; the fp32 sum over any walk too), and the
 # accumulator's 64 x 512 multiply is skipped on most tiles. Exact either way: the sum and the accumulator
@@ -224,9 +230,12 @@ def _mla_split_kernel(
     PTX: tl.constexpr,  # compiled for a GPU (inline PTX allowed), not interpreted
     WIDE_OFFSETS: tl.constexpr,  # key offsets Tk x stride_ct reach 2^31: int64 (else int32, fewer registers)
     TMA: tl.constexpr,  # the key tiles through tensor descriptors (TMA on Hopper), not pointer arithmetic
+    USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """One program: BLOCK_M query rows of one sequence, split pid_split of its key walk."""
     pid_m, pid_split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if USE_GDC:  # q, q_start and the newest latent are the previous kernels' output
+        tl.extra.cuda.gdc_wait()
     row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = row < rows
     position = tl.load(q_start_ptr + batch) + row // heads  # [BLOCK_M] each row's last visible key
@@ -263,6 +272,8 @@ def _mla_split_kernel(
             running_max, running_sum, accumulator,
             scratch_p + parity * (BLOCK_M * BLOCK_N), scratch_alpha + parity * BLOCK_M,
             LATENT, ROPE, BLOCK_M, BLOCK_N, LAZY_RESCALE, UNCHAINED, DOT_PRECISION, PTX, WIDE_OFFSETS, TMA)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
     seen = running_sum > 0.0
     normalised = accumulator / tl.where(seen, running_sum, 1.0)[:, None]  # [BLOCK_M, R]; 0 where nothing was seen
@@ -288,9 +299,12 @@ def _mla_combine_kernel(
     LATENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """out = sum_s 2^(lse_s - L) partial_s with L the log2-sum of the lse_s, splits in order 0..S-1."""
     pid_m, batch, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = row < rows
     columns = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -310,6 +324,8 @@ def _mla_combine_kernel(
         out += partial * weight[:, None]
         weight_sum += weight
     out = out / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     out_rows = out_ptr + batch.to(tl.int64) * stride_ob + row.to(tl.int64)[:, None] * stride_om
     tl.store(out_rows + columns[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -322,13 +338,14 @@ def _device_sms(device: torch.device) -> int | None:
 
 def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, sms: int | None) -> int:
     """Splits of the key walk (host-side, shapes only): one wave of programs on `sms` SMs, each split
-    >= MIN_TILES_PER_SPLIT tiles; under the interpreter (sms None) up to 4 splits of >= 1 tile, enough to
+    >= MIN_TILES_PER_SPLIT tiles, but a short walk up to SHORT_WALK_SPLITS splits of >= 1 tile; under the interpreter (sms None) up to 4 splits of >= 1 tile, enough to
     exercise the merge."""
     tiles = max(1, triton.cdiv(key_len, config.block_n))
     if sms is None:
         return max(1, min(4, tiles))
     programs_per_split = batch * triton.cdiv(rows, config.block_m)
-    return max(1, min(MAX_SPLITS, sms // programs_per_split, tiles // MIN_TILES_PER_SPLIT))
+    wanted = max(tiles // MIN_TILES_PER_SPLIT, min(tiles, SHORT_WALK_SPLITS))
+    return max(1, min(MAX_SPLITS, sms // programs_per_split, wanted))
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -352,6 +369,17 @@ def needs_wide_offsets(key_len: int, token_stride: int, width: int) -> bool:
     return key_len * token_stride + width >= 2 ** 31
 
 
+@dataclass(frozen=True)
+class LatentSplits:
+    """What the split kernel leaves: `out` [B, Tq, Hq, R], written when one split ran (partials and lse None);
+    else each split's `partials` [S, B, Tq * Hq, R] float32 and `lse` [S, B, Tq * Hq] float32, which `combine`
+    merges into `out` (or a consumer merges itself: kernels.mla_absorb.unabsorb)."""
+
+    out: torch.Tensor
+    partials: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
 def mla_decode(
     q: torch.Tensor,  # [B, Tq, Hq, R + r] absorbed queries
     cache: torch.Tensor,  # [B, Tk, 1, R + r] latents then RoPE keys
@@ -364,6 +392,38 @@ def mla_decode(
     config: MlaConfig | None = None,  # None: `default_config` (benchmark sweeps pass others)
 ) -> torch.Tensor:  # [B, Tq, Hq, R]
     """Causal attention of the absorbed queries over the latent cache; equal to `mla_latent_reference`."""
+    splits = mla_split(q, cache, kv_lora_rank, scale, q_start, out=out, num_splits=num_splits, config=config)
+    return splits.out if splits.partials is None else combine(splits)
+
+
+def combine(splits: LatentSplits) -> torch.Tensor:
+    """splits.out [B, Tq, Hq, R] = the splits' partials merged in order 0..S-1 (the combine kernel)."""
+    partials, lse, out = splits.partials, splits.lse, splits.out
+    num_splits, batch, rows, kv_lora_rank = partials.shape
+    out_rows = out.view(batch, rows, kv_lora_rank)
+    block_d = min(kv_lora_rank, 128)
+    combine_rows = 16
+    compiled = _mla_combine_kernel[(triton.cdiv(rows, combine_rows), batch, kv_lora_rank // block_d)](
+        partials, lse, out_rows, rows, batch, num_splits, out_rows.stride(0), out_rows.stride(1),
+        LATENT=kv_lora_rank, BLOCK_M=combine_rows, BLOCK_D=block_d, num_warps=4, **pdl.launch_options(out.device),
+    )
+    launches.record("mla_combine", kernel=_mla_combine_kernel)
+    remember_compiled(f"mla_combine R{kv_lora_rank} {out.dtype}", compiled)
+    return out
+
+
+def mla_split(
+    q: torch.Tensor,  # [B, Tq, Hq, R + r] absorbed queries
+    cache: torch.Tensor,  # [B, Tk, 1, R + r] latents then RoPE keys
+    kv_lora_rank: int,  # R
+    scale: float,
+    q_start: torch.Tensor | int = 0,  # [B] or int
+    *,
+    out: torch.Tensor | None = None,  # [B, Tq, Hq, R] to write into at one split
+    num_splits: int | None = None,  # None: `default_num_splits`
+    config: MlaConfig | None = None,  # None: `default_config`
+) -> LatentSplits:
+    """The split kernel of `mla_decode` alone: at one split the output, else the splits' partials unmerged."""
     if q.dim() != 4 or cache.dim() != 4 or cache.shape[2] != 1:
         raise ValueError(f"q must be [B, Tq, Hq, R + r] and cache [B, Tk, 1, R + r]; got {tuple(q.shape)}, "
                          f"{tuple(cache.shape)}")
@@ -395,7 +455,7 @@ def mla_decode(
     elif out.shape != (batch, query_len, heads, kv_lora_rank) or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} [{batch}, {query_len}, {heads}, {kv_lora_rank}]")
     if rows == 0 or batch == 0:
-        return out
+        return LatentSplits(out)
     out_rows = out.view(batch, rows, kv_lora_rank)
     if config is None:
         config = default_config(kv_lora_rank, rows)
@@ -440,19 +500,11 @@ def mla_decode(
         LAZY_RESCALE=config.lazy_rescale, UNCHAINED=config.unchained,
         PTX=compiled_for_gpu,
         WIDE_OFFSETS=needs_wide_offsets(key_len, cache_rows.stride(1), width), TMA=config.tma,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(q.device),
     )
     launches.record("mla_split", kernel=_mla_split_kernel)
     remember_compiled(f"mla_split R{kv_lora_rank} r{width - kv_lora_rank} {q.dtype} {output} {config.label()}",
                       compiled)
     if output == "direct":
-        return out
-    block_d = min(kv_lora_rank, 128)
-    combine_rows = 16
-    compiled = _mla_combine_kernel[(triton.cdiv(rows, combine_rows), batch, kv_lora_rank // block_d)](
-        partials, lse, out_rows, rows, batch, num_splits, out_rows.stride(0), out_rows.stride(1),
-        LATENT=kv_lora_rank, BLOCK_M=combine_rows, BLOCK_D=block_d, num_warps=4,
-    )
-    launches.record("mla_combine", kernel=_mla_combine_kernel)
-    remember_compiled(f"mla_combine R{kv_lora_rank} {q.dtype}", compiled)
-    return out
+        return LatentSplits(out)
+    return LatentSplits(out, partials, lse)

@@ -14,6 +14,10 @@ Grids: absorb (Hq, cdiv(R, BLOCK_R)): a program holds W_UK_h's [n, BLOCK_R] tile
 copies the RoPE dims) and loops over the rows; unabsorb (Hq, cdiv(v, BLOCK_V)): W_UV_h's [BLOCK_V, R] tile.
 At DeepSeek-V2-Lite's widths (Hq 16, n = v = 128, R = 512) each is 128 programs of 16 KB of weights. Rows
 beyond MAX_ROWS (a prefill) are a GEMM: the caller keeps torch there.
+
+unabsorb may take the latent attention's split partials unmerged (`splits`): each program merges its head's
+rows as kernels.attention_mla's combine kernel does (the same fp32 operations in split order, rounded once to
+the input's dtype), so the combine's launch goes and the product is the same to the bit.
 """
 
 from __future__ import annotations
@@ -62,7 +66,10 @@ def _absorb_kernel(
 def _unabsorb_kernel(
     x_ptr, kv_b_ptr, out_ptr, rows, nope, latent_rank, value_dim, per_head,
     stride_xm, stride_xh, stride_w, stride_om, stride_oh,
+    lse_ptr, heads,  # MERGE: x_ptr is the splits' partials [S, rows * heads, R] float32, lse [S, rows * heads]
     BLOCK_V: tl.constexpr, LATENT_PAD: tl.constexpr,
+    MERGE: tl.constexpr,  # merge the split kernel's partials as kernels.attention_mla's combine does, then the product
+    SPLITS: tl.constexpr,  # S (MERGE): unrolled, so every split's loads issue at once
     USE_GDC: tl.constexpr,
 ):
     head, pid_v = tl.program_id(0), tl.program_id(1)
@@ -74,7 +81,23 @@ def _unabsorb_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     for m in range(rows):
-        x = tl.load(x_ptr + tl.cast(m, tl.int64) * stride_xm + head * stride_xh + offs_r, mask=r_mask, other=0.0)
+        if MERGE:  # the combine kernel's arithmetic, per element and in split order, so the rounded x is its bits
+            flat = tl.cast(m, tl.int64) * heads + head
+            split_rows = tl.cast(rows, tl.int64) * heads
+            total_max = float("-inf")
+            for split in tl.static_range(SPLITS):
+                total_max = tl.maximum(total_max, tl.load(lse_ptr + split * split_rows + flat))
+            safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+            weight_sum = 0.0
+            merged = tl.zeros([LATENT_PAD], dtype=tl.float32)
+            for split in tl.static_range(SPLITS):
+                weight = tl.math.exp2(tl.load(lse_ptr + split * split_rows + flat) - safe_max)
+                merged += tl.load(x_ptr + (split * split_rows + flat) * latent_rank + offs_r, mask=r_mask,
+                                  other=0.0) * weight
+                weight_sum += weight
+            x = (merged / tl.where(weight_sum > 0.0, weight_sum, 1.0)).to(out_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + tl.cast(m, tl.int64) * stride_xm + head * stride_xh + offs_r, mask=r_mask, other=0.0)
         out = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_V]
         tl.store(out_ptr + tl.cast(m, tl.int64) * stride_om + head * stride_oh + offs_v, out.to(x.dtype), mask=v_mask)
     if USE_GDC:
@@ -112,18 +135,29 @@ def absorb(q: torch.Tensor, kv_b: torch.Tensor, nope: int, value_dim: int) -> to
     return out
 
 
-def unabsorb(out_latent: torch.Tensor, kv_b: torch.Tensor, nope: int, value_dim: int) -> torch.Tensor:
-    """out_latent [M, Hq, R] (attention over the latents) -> [M, Hq, v]: W_UV applied per head."""
+def unabsorb(out_latent: torch.Tensor, kv_b: torch.Tensor, nope: int, value_dim: int,
+             splits=None) -> torch.Tensor:
+    """out_latent [M, Hq, R] (attention over the latents) -> [M, Hq, v]: W_UV applied per head. With `splits`
+    (a kernels.attention_mla.LatentSplits whose partials are unmerged) the latents are the splits' merge, computed
+    here as the combine kernel computes it, to the bit, and out_latent is not read: one launch fewer."""
     heads, latent_rank = out_latent.shape[1], kv_b.shape[1]
     _check("mla unabsorb", out_latent, kv_b, heads, latent_rank, nope + value_dim, latent_rank)
     rows = out_latent.shape[0]
+    merge = splits is not None and splits.partials is not None
+    if merge and (splits.partials.shape[1] * splits.partials.shape[2] != rows * heads
+                  or splits.partials.shape[3] != latent_rank or not splits.partials.is_contiguous()):
+        raise ValueError(f"mla unabsorb: partials {tuple(splits.partials.shape)} are not [S, B, T * {heads}, "
+                         f"{latent_rank}] for {rows} rows")
     out = scratch.empty((rows, heads, value_dim), out_latent.dtype, out_latent.device)
     latent_pad = triton.next_power_of_2(latent_rank)
     block_v = min(triton.next_power_of_2(value_dim), max(1, TILE_ELEMENTS // latent_pad))
+    source = splits.partials if merge else out_latent
+    lse = splits.lse if merge else out_latent  # never dereferenced without MERGE
     _unabsorb_kernel[(heads, triton.cdiv(value_dim, block_v))](
-        out_latent, kv_b, out, rows, nope, latent_rank, value_dim, nope + value_dim,
+        source, kv_b, out, rows, nope, latent_rank, value_dim, nope + value_dim,
         out_latent.stride(0), out_latent.stride(1), kv_b.stride(0), out.stride(0), out.stride(1),
-        BLOCK_V=block_v, LATENT_PAD=latent_pad, num_warps=4, **pdl.launch_options(out_latent.device),
+        lse, heads, BLOCK_V=block_v, LATENT_PAD=latent_pad, MERGE=merge,
+        SPLITS=splits.partials.shape[0] if merge else 1, num_warps=4, **pdl.launch_options(out_latent.device),
     )
     launches.record("mla_unabsorb", kernel=_unabsorb_kernel)
     return out

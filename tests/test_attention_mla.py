@@ -210,14 +210,18 @@ def test_decisions_of_latent_layers():
 
 def test_split_count_fills_one_wave_of_the_h200():
     """Host-side, shapes only (graph-safe). The bench's shape: 64 rows x 128 heads in 64-row blocks is 128
-    programs already: one split. Batch 1 at V2-Lite's 16 heads: the walk is split over the SMs."""
+    programs already: one split. Batch 1 at V2-Lite's 16 heads: the walk is split over the SMs, a short one into
+    one-tile splits."""
     config = attention_mla.default_config(512, 128)
     assert config == MlaConfig(64, 64, 8, 2, tma=True)  # run 63's fastest at R = 512 (bench/RESULTS.md)
     assert default_num_splits(64, 128, 8192, config, sms=132) == 1
     small = attention_mla.default_config(512, 16)
     assert small.block_m == 16 and small.num_warps == 4 and not small.tma
     assert default_num_splits(1, 16, 4096, small, sms=132) == 32  # 128 tiles / 4 per split
-    assert default_num_splits(1, 16, 160, small, sms=132) == 1  # 5 tiles: one split, no combine launch
+    assert default_num_splits(1, 16, 160, small, sms=132) == 5  # a short walk: one tile a split
+    assert default_num_splits(1, 16, 1024, small, sms=132) == attention_mla.SHORT_WALK_SPLITS  # 32 tiles
+    assert default_num_splits(8, 16, 160, small, sms=132) == 5
+    assert default_num_splits(64, 16, 160, small, sms=132) == 2  # 132 SMs over 64 programs a split
 
 
 _COMPILE = """

@@ -138,6 +138,40 @@ def test_absorb_and_unabsorb_are_engine_mlas_products(dtype, rows, heads, nope, 
         absorb(torch.zeros(65, heads, nope + rope, dtype=dtype), kv_b, nope, value)
 
 
+def _unabsorb_of_splits_is_combine_then_unabsorb(device, dtype, batch, steps, heads, latent_rank, rope, splits):
+    """mla_split's partials merged by unabsorb against the combine kernel's merge then unabsorb: the same bits,
+    and the attention itself against its reference."""
+    from kernels.attention_mla import combine, mla_split
+    from kernels.reference import mla_latent_reference
+
+    nope = value = 16
+    generator = torch.Generator().manual_seed(batch * 100 + splits)
+    draw = lambda *shape: torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)  # noqa: E731
+    kv_b, cache = draw(heads * (nope + value), latent_rank) / nope ** 0.5, draw(batch, 300, 1, latent_rank + rope)
+    q = draw(batch, steps, heads, latent_rank + rope)
+    q_start = torch.tensor([299 - steps, 170][:batch], device=device)
+    with scratch.poison_new_buffers():
+        split = mla_split(q, cache, latent_rank, 0.1, q_start, num_splits=splits)
+        assert (split.partials is None) == (splits == 1)
+        merged_here = unabsorb(split.out.view(batch * steps, heads, latent_rank), kv_b, nope, value, split)
+        latent = split.out if splits == 1 else combine(split)
+        merged_apart = unabsorb(latent.view(batch * steps, heads, latent_rank), kv_b, nope, value)
+    assert torch.equal(merged_here, merged_apart)
+    _close(latent.float(), mla_latent_reference(q.float(), cache.float(), latent_rank, 0.1, q_start), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch, steps, heads, splits", [(1, 1, 16, 3), (2, 1, 5, 2), (2, 3, 4, 4), (1, 1, 4, 1)])
+def test_unabsorb_merges_the_splits_as_the_combine_kernel_does(dtype, batch, steps, heads, splits):
+    _unabsorb_of_splits_is_combine_then_unabsorb("cpu", dtype, batch, steps, heads, 32, 16, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, splits", [(1, 1), (1, 5), (3, 8)])
+def test_gpu_unabsorb_merges_the_splits_as_the_combine_kernel_does(batch, splits):
+    _unabsorb_of_splits_is_combine_then_unabsorb("cuda", torch.bfloat16, batch, 1, 16, 512, 64, splits)
+
+
 @pytest.mark.parametrize("over_all, scale, renormalise", [(True, 1.0, False), (True, 2.5, False), (False, 1.5, True)])
 def test_router_weights_over_every_expert_and_scaled_are_engine_models(over_all, scale, renormalise):
     h, router = _draw(3, 40, seed=8), _draw(11, 40, seed=9)
