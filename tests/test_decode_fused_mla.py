@@ -149,7 +149,7 @@ def _unabsorb_of_splits_is_combine_then_unabsorb(device, dtype, batch, steps, he
     draw = lambda *shape: torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)  # noqa: E731
     kv_b, cache = draw(heads * (nope + value), latent_rank) / nope ** 0.5, draw(batch, 300, 1, latent_rank + rope)
     q = draw(batch, steps, heads, latent_rank + rope)
-    q_start = torch.tensor([299 - steps, 170][:batch], device=device)
+    q_start = torch.tensor([299 - steps, 170, 41][:batch], device=device)
     with scratch.poison_new_buffers():
         split = mla_split(q, cache, latent_rank, 0.1, q_start, num_splits=splits)
         assert (split.partials is None) == (splits == 1)

@@ -53,6 +53,7 @@ def _module_from(path: Path):
     """An older kernels/attention_mla.py, loaded as its own module (its imports resolve to this tree's kernels)."""
     spec = importlib.util.spec_from_file_location("attention_mla_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
