@@ -28,8 +28,8 @@
 #            the short kernels (rms_norm before q/k/v), which may wait on it
 #   fresh    bench/experiments/sweep_fresh.py: sweep_vs_runtime's figures each in a process of its own, then the
 #            sweep and the runtime in one process in both orders
-#   mla      latent attention at one token: the split kernel with PDL and short walks split into one-tile splits,
-#            merged inside unabsorb (no combine launch); its GPU tests, bench/experiments/mla_short.py (split counts,
+#   mla      latent attention at one token: the split kernel with PDL, one-tile splits merged inside unabsorb (no
+#            combine launch); its GPU tests, bench/experiments/mla_short.py (split counts,
 #            merges and configs, beside bench/experiments/baseline_attention_mla.py's kernel
 #            when the tree has it: `git show REV:kernels/attention_mla.py > bench/experiments/baseline_attention_mla.py`), bench/mla_bench.py's 128-head rows, DeepSeek-V2-Lite tg128
 #            @ b1 profiled (run 70: 1.84x, the split 9.3 us a layer)

@@ -101,7 +101,7 @@ def _mla_fused(config, q, latent_cache, kv_b, q_start):
     nope, value = latent.qk_nope_head_dim, latent.v_head_dim
     absorbed = mla_absorb.absorb(q.reshape(rows, heads, q.shape[3]), kv_b, nope, value)  # [B*T, Hq, R + r]
     splits = mla_split(absorbed.view(batch, steps, heads, -1), latent_cache, latent.kv_lora_rank, latent.scale,
-                       q_start)  # out [B, T, Hq, R] written, or the splits' partials, merged by unabsorb
+                       q_start, consumer_merges=True)  # out [B, T, Hq, R] written, or partials unabsorb merges
     return mla_absorb.unabsorb(splits.out.view(rows, heads, latent.kv_lora_rank), kv_b, nope, value,
                                splits).view(batch, steps, heads, value)
 

@@ -30,7 +30,7 @@ stages: q 64 x 576 x 2 B = 72 KB and two 72 KB key tiles, 216 KB of shared memor
 bench/mla_bench.py --sweep has timed them; docs/mla.md gives the roofline and why each exists.
 Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
 (S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles (a short walk: up to
-SHORT_WALK_SPLITS splits of one tile or more), at most MAX_SPLITS. `mla_split` leaves the partials to a
+SHORT_WALK_SPLITS splits of one tile or more), at most MAX_SPLITS; one tile a split where the consumer merges. `mla_split` leaves the partials to a
 consumer that merges them itself (kernels.mla_absorb.unabsorb at decode); `mla_decode` merges them here.
 """
 
@@ -56,8 +56,9 @@ MAX_SPLITS = 64
 # M x R x 4 B of partials (at 64 rows and R 512: 128 KB, about two 64-key tiles of 72 KB). Predicted.
 MIN_TILES_PER_SPLIT = 4
 # A short walk is split up to this many ways even into one-tile splits: where the programs are few (one token at
-# 16 heads is one program a split) a split's walk is a chain of load latencies, not bandwidth (run 70: 9.3 µs for
-# 159 keys in one program). Predicted; bench/experiments/mla_short.py times it.
+# 16 heads is one program a split) a split's walk is a chain of load latencies, not bandwidth. One token at
+# DeepSeek-V2-Lite's widths, the combine kernel merging (bench/RESULTS.md, run 77): 159 keys, attention added 9.1
+# µs at 1 split, 6.4 at 5; 512 keys, 10.3 at 4 splits, 9.7 at 8, 10.8 at 16.
 SHORT_WALK_SPLITS = 8
 # Lazy rescaling keeps a row's reference max until the tile max passes it by more than this (log2 units):
 # the probabilities are then at most 2^8 (bf16 and fp16 hold it; the fp32 sum over any walk too), and the
@@ -336,15 +337,20 @@ def _device_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, sms: int | None) -> int:
-    """Splits of the key walk (host-side, shapes only): one wave of programs on `sms` SMs, each split
-    >= MIN_TILES_PER_SPLIT tiles, but a short walk up to SHORT_WALK_SPLITS splits of >= 1 tile; under the interpreter (sms None) up to 4 splits of >= 1 tile, enough to
+def default_num_splits(batch: int, rows: int, key_len: int, config: MlaConfig, sms: int | None,
+                       consumer_merges: bool = False) -> int:
+    """Splits of the key walk (host-side, shapes only): one wave of programs on `sms` SMs, at most MAX_SPLITS.
+    Merged by the combine kernel, each split walks >= MIN_TILES_PER_SPLIT tiles, or a short walk up to
+    SHORT_WALK_SPLITS splits of >= 1 tile (the combine's loop over the splits grows with them); merged by the
+    consumer (`consumer_merges`: unabsorb's unrolled merge), one tile a split is enough: at one V2-Lite token
+    attention added 3.8 µs at 159 keys in 5 splits, 5.3 at 1024 in 32, 9.3 at 4096 in 64 (run 77: fewer splits
+    were slower at every length). Under the interpreter (sms None) up to 4 splits of >= 1 tile, enough to
     exercise the merge."""
     tiles = max(1, triton.cdiv(key_len, config.block_n))
     if sms is None:
         return max(1, min(4, tiles))
     programs_per_split = batch * triton.cdiv(rows, config.block_m)
-    wanted = max(tiles // MIN_TILES_PER_SPLIT, min(tiles, SHORT_WALK_SPLITS))
+    wanted = tiles if consumer_merges else max(tiles // MIN_TILES_PER_SPLIT, min(tiles, SHORT_WALK_SPLITS))
     return max(1, min(MAX_SPLITS, sms // programs_per_split, wanted))
 
 
@@ -422,6 +428,7 @@ def mla_split(
     out: torch.Tensor | None = None,  # [B, Tq, Hq, R] to write into at one split
     num_splits: int | None = None,  # None: `default_num_splits`
     config: MlaConfig | None = None,  # None: `default_config`
+    consumer_merges: bool = False,  # the caller merges the partials itself (the split count's rule)
 ) -> LatentSplits:
     """The split kernel of `mla_decode` alone: at one split the output, else the splits' partials unmerged."""
     if q.dim() != 4 or cache.dim() != 4 or cache.shape[2] != 1:
@@ -463,7 +470,7 @@ def mla_split(
             config = replace(config, tma=False)
     tiles = max(1, triton.cdiv(key_len, config.block_n))
     if num_splits is None:
-        num_splits = default_num_splits(batch, rows, key_len, config, _device_sms(q.device))
+        num_splits = default_num_splits(batch, rows, key_len, config, _device_sms(q.device), consumer_merges)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_splits = min(num_splits, tiles)

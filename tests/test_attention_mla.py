@@ -222,6 +222,11 @@ def test_split_count_fills_one_wave_of_the_h200():
     assert default_num_splits(1, 16, 1024, small, sms=132) == attention_mla.SHORT_WALK_SPLITS  # 32 tiles
     assert default_num_splits(8, 16, 160, small, sms=132) == 5
     assert default_num_splits(64, 16, 160, small, sms=132) == 2  # 132 SMs over 64 programs a split
+    # merged by unabsorb: one tile a split, up to the wave and MAX_SPLITS
+    assert default_num_splits(1, 16, 1024, small, sms=132, consumer_merges=True) == 32
+    assert default_num_splits(1, 16, 4096, small, sms=132, consumer_merges=True) == attention_mla.MAX_SPLITS
+    assert default_num_splits(8, 16, 4096, small, sms=132, consumer_merges=True) == 16
+    assert default_num_splits(64, 128, 8192, config, sms=132, consumer_merges=True) == 1
 
 
 _COMPILE = """
