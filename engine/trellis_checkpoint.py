@@ -2,7 +2,7 @@
 one experts-LLLLL.safetensors per layer, quantization.json, and tokenizer.json where the source had one.
 
 Reading: `is_trellis_config` tells engine.hf_loader which directories are these; `read_config` gives the
-engine's ModelConfig and the code; `load_weights` gives the weights dict in which each layer's `w13` and
+engine's ModelConfig (named after the source, marked with the code: `quantized_name`) and the code; `load_weights` gives the weights dict in which each layer's `w13` and
 `w2` are kernels.trellis_reference.TrellisMatrix stacks (what the trellis arms receive), every other
 tensor a dense tensor. Every tensor's dtype and shape is checked against config.json first, so a
 mismatch is one UserError naming the file and the tensor, and nothing is half loaded.
@@ -184,7 +184,16 @@ def read_config(values: dict, path: Path) -> tuple[ModelConfig, str, TrellisLayo
     if extra:
         raise UserError(f"{path}: {where}.matrices names {extra[0]}, which the model config does not have")
     seed = quantization.get("seed", 0)
+    config = dataclasses.replace(config, name=quantized_name(config.name, code))
     return config, f"trellis {code.code} K={code.K}", TrellisLayout(code, seed if isinstance(seed, int) else 0, matrices)
+
+
+def quantized_name(source_name: str, code: TrellisCode) -> str:
+    """The loaded model's name: its source's (what config.json's model entry keeps) marked with the experts' code,
+    `mixtral:m+trellis-hyb-K2`, so headers, the TUI and reports tell it from the source. Computed on reading, so
+    directories written before the mark was added get it too; a name already marked is left as it is."""
+    mark = f"+trellis-{code.code}-K{code.K}"
+    return source_name if source_name.endswith(mark) else source_name + mark
 
 
 def _dense_shape(config: ModelConfig, matrix: str) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ MAP_OF_INTS = ("map", INT)  # {name: int}
 COUNTERS = {"arms?": MAP_OF_INTS, "kernels?": MAP_OF_INTS}
 DECISION = {
     "step": INT, "layer": INT, "phase": TEXT, "n_tokens": INT,
-    "moe~": {"decided": TEXT, "executed": TEXT, "variant?": INT},
+    "moe~": {"decided": TEXT, "executed": TEXT, "variant?": INT, "shared_path?": TEXT, "shared_reason?": TEXT},
     "attention~": {"decided": TEXT, "executed": TEXT, "mask": TEXT, "applied_mask": TEXT},
 }
 RUN = {

@@ -49,6 +49,21 @@ def executed_summary(run: dict) -> str:
     return arms + (f"; kernels {kernels}" if kernels else "")
 
 
+def shared_summary(run: dict) -> str:
+    """Where the shared experts ran over every layer of every generated step, e.g. `apart x12, routed launches x4`;
+    "" for a model without them, or a run recorded before their path was (the field absent or null)."""
+    paths = Counter(entry["moe"]["shared_path"] for entry in run["decisions"]
+                    if "moe" in entry and entry["moe"].get("shared_path"))
+    return ", ".join(f"{path} x{count}" for path, count in paths.items())
+
+
+def shared_reasons(run: dict) -> list[str]:
+    """Each distinct `path: why` of the run's shared experts, in first-seen order."""
+    return list(dict.fromkeys(
+        entry["moe"]["shared_path"] + (f": {entry['moe']['shared_reason']}" if entry["moe"].get("shared_reason") else "")
+        for entry in run["decisions"] if "moe" in entry and entry["moe"].get("shared_path")))
+
+
 def prefill_summary(run: dict) -> str:
     """The prefill width and the MoE arm the gate chose for it (the width is what the gates read)."""
     prefill = [entry for entry in run["decisions"] if entry["phase"] == "prefill" and "moe" in entry]
@@ -114,6 +129,7 @@ def generation_rows(header: dict, steps: list[dict]) -> list[dict]:
                 "tokens": len(run["tokens"]), "text": run["text"], "prefill": prefill_summary(run),
                 "prefill reason": run["reasons"][0] if run.get("reasons") else "",
                 "decided": decided_summary(run), "ran (counters)": executed_summary(run),
+                "shared experts": shared_summary(run), "shared experts why": "; ".join(shared_reasons(run)),
                 "first divergence": ("none" if len(step["runs"]) > 1 and first and divergence is None else
                                      "" if divergence is None else str(divergence)),
                 "max logit rel err": "" if error is None else f"{error:.2e}",
@@ -254,13 +270,19 @@ def render_markdown(header: dict, steps: list[dict], description: str | None = N
         out += [description, ""]
     rows = [{**row, "text": _text(row["text"])} for row in generation_rows(header, steps)]
     if rows:
+        shared = any(row["shared experts"] for row in rows)  # a column only for models with shared experts
         out += ["## prompt and compare", "",
                 markdown_table(rows, ["step", "config", "overrides", "tokens", "text", "prefill", "decided",
-                                      "ran (counters)", "first divergence", "max logit rel err", "wall s", "check"],
+                                      "ran (counters)"] + (["shared experts"] if shared else [])
+                               + ["first divergence", "max logit rel err", "wall s", "check"],
                                right=("step", "tokens", "first divergence", "max logit rel err", "wall s")), ""]
         out += ["Why, at prefill (the first MoE layer of each run):", ""]
         out += [f"- step {row['step']} {row['config']}, {row['prefill']}: {row['prefill reason']}"
                 for row in rows] + [""]
+        if shared:
+            out += ["Where the shared experts ran, and why:", ""]
+            out += [f"- step {row['step']} {row['config']}: {row['shared experts why']}"
+                    for row in rows if row["shared experts"]] + [""]
     for step in steps:
         if step["action"] == "curve":
             numbers = step["numbers"]
@@ -353,6 +375,8 @@ def _same(old: Any, new: Any) -> str:
 
 
 def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
+    from inspector.session_runner import decisions_match  # what the diff compares
+
     rows = []
     for old, new in zip(recorded, rerun):
         runs = list(zip(old.get("runs", []), new.get("runs", [])))
@@ -362,7 +386,7 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
                     "step": old["step"], "action": old["action"], "config": run_old["config"],
                     "tokens": _same(run_old["tokens"], run_new["tokens"]),
                     "counters": _same(run_old["counters"], run_new["counters"]),
-                    "decisions": _same(run_old["decisions"], run_new["decisions"]),
+                    "decisions": "match" if decisions_match(run_old["decisions"], run_new["decisions"]) else "DIFFERS",
                     "wall s recorded": f"{run_old['timings']['wall_s']:.2f}",
                     "wall s now": f"{run_new['timings']['wall_s']:.2f}",
                 })

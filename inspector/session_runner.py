@@ -10,8 +10,8 @@ then one line per step, in order:
 
     {"kind": "step", "step": 1, "action", "definition": {the step as written}, "status": "ok" or
      "check failed", "runs": [per configuration: config, flags, prompt_tokens, tokens, text,
-     decisions (per generated step per layer: phase, n_tokens, moe decided/executed/variant,
-     attention decided/executed/mask/applied_mask), counters, reasons (each distinct decision
+     decisions (per generated step per layer: phase, n_tokens, moe decided/executed/variant and, for
+     a layer with shared experts, shared_path/shared_reason, attention decided/executed/mask/applied_mask), counters, reasons (each distinct decision
      reason once), notes (why an executed arm differs from the decided one), timings],
      "numbers": {...},
      "check": {"expect", "held", "detail"} or null, "wall_s"}
@@ -353,12 +353,31 @@ def _label(step: dict) -> str:
     return f"step {step['step']} ({step['action']})"
 
 
+SHARED = ("shared_path", "shared_reason")
+
+
+def _without_shared(entry: dict) -> dict:
+    return {**entry, "moe": {key: value for key, value in entry["moe"].items() if key not in SHARED}}
+
+
+def decisions_match(recorded: list[dict], now: list[dict]) -> bool:
+    """A run's decisions as recorded and as re-run are the same. A recorded MoE entry whose shared_path is absent or
+    null (a results file written before the shared experts' path was recorded) compares without it."""
+    if len(recorded) != len(now):
+        return False
+    return all(old == new or ("moe" in old and "moe" in new and not old["moe"].get("shared_path")
+                              and _without_shared(old) == _without_shared(new))
+               for old, new in zip(recorded, now))
+
+
 def _describe_decision(entry: dict) -> str:
     parts = []
     if "moe" in entry:
         moe = entry["moe"]
         variant = f" v{moe['variant']}" if moe.get("variant") is not None else ""
-        parts.append(f"moe decided {moe['decided']}{variant}, executed {moe['executed']}")
+        shared = (f", shared experts {moe['shared_path']}" + (f" ({moe['shared_reason']})" if moe.get("shared_reason")
+                                                            else "") if moe.get("shared_path") else "")
+        parts.append(f"moe decided {moe['decided']}{variant}, executed {moe['executed']}{shared}")
     if "attention" in entry:
         attention = entry["attention"]
         parts.append(f"attention decided {attention['decided']}, executed {attention['executed']} "
@@ -387,9 +406,9 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
                 changed += [f"{name} recorded {old.get(name, 0)}, now {new.get(name, 0)}"
                             for name in sorted(set(old) | set(new)) if old.get(name, 0) != new.get(name, 0)]
             differences.append(f"{where}: counters differ: {'; '.join(changed) or 'layout changed'}")
-        if run_recorded["decisions"] != run_now["decisions"]:
+        if not decisions_match(run_recorded["decisions"], run_now["decisions"]):
             pairs = list(zip(run_recorded["decisions"], run_now["decisions"]))
-            first = next(((old, new) for old, new in pairs if old != new), None)
+            first = next(((old, new) for old, new in pairs if not decisions_match([old], [new])), None)
             if first is None:
                 differences.append(f"{where}: {len(run_recorded['decisions'])} decisions recorded, "
                                    f"{len(run_now['decisions'])} now")

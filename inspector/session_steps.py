@@ -105,6 +105,8 @@ def summarize_generation(generation, config_name: str, wall_s: float) -> dict:
                 record = moe[layer]
                 entry["moe"] = {"decided": record["decided_arm"], "executed": record["executed_arm"],
                                 "variant": record["variant"]}
+                if record.get("shared_path"):  # only layers with shared experts (DeepSeek, Qwen2-MoE)
+                    entry["moe"].update(shared_path=record["shared_path"], shared_reason=record.get("shared_reason"))
             if layer in attention:
                 record = attention[layer]
                 entry["attention"] = {"decided": record["decided_arm"], "executed": record["executed_arm"],

@@ -46,3 +46,30 @@ def test_a_model_without_latent_attention_is_refused_in_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "has no latent attention" in err and "--decode" in err
+
+
+def test_the_global_model_gives_what_the_commands_own_model_gives(tmp_path, capsys):
+    model = _tiny_deepseek(tmp_path / "dsv2-tiny")
+    assert main(["check-attention", "--mla", "--model", str(model), "--seq-len", "24", "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)["config"]
+    assert main(["--model", str(model), "check-attention", "--mla", "--seq-len", "24", "--json"]) == 0
+    outer = json.loads(capsys.readouterr().out)["config"]
+    assert (outer["heads"], outer["kv_lora_rank"], outer["nope_dim"]) == (4, 32, 16)
+    assert outer == own
+
+
+def test_the_same_model_given_twice_is_one_model(tmp_path, capsys, monkeypatch):
+    _tiny_deepseek(tmp_path / "dsv2-tiny")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "dsv2-tiny", "check-attention", "--mla", "--model", "./dsv2-tiny/", "--seq-len", "24",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["kv_lora_rank"] == 32
+
+
+def test_two_different_models_are_refused_in_one_line(tmp_path, capsys):
+    model = _tiny_deepseek(tmp_path / "dsv2-tiny")
+    for check in ("--mla", "--decode"):
+        code = main(["--model", "tiny", "check-attention", check, "--model", str(model), "--seq-len", "24"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "two models" in err and "tiny" in err and str(model) in err

@@ -371,3 +371,33 @@ def test_quantize_with_a_calibration_text(tmp_path, capsys):
     code, _, err = _run(["quantize", directory, "--experts", "trellis:K=2,code=3inst", "--out", tmp_path / "x",
                          "--calibration", tmp_path / "missing.txt", "--device", "cpu"], capsys)
     assert code == 2 and "cannot read it" in err and not (tmp_path / "x").exists()
+
+
+def test_a_loaded_directory_is_named_as_the_quantized_form_of_its_source(source, quantized, tmp_path, capsys):
+    from engine.trellis_checkpoint import source_of
+
+    original = Engine.load(str(source), device="cpu")
+    engine = Engine.load(str(quantized), device="cpu")
+    assert original.config.name == "mixtral:mixtral"
+    assert engine.config.name == "mixtral:mixtral+trellis-hyb-K2" and engine.provenance()["name"] == engine.config.name
+    assert source_of(quantized)["model"] == str(source.resolve())  # the source stays recorded
+    # on disk, the model config keeps the source's name: the mark is added on reading
+    on_disk = json.loads((quantized / "config.json").read_text())
+    assert on_disk["moe_inspector"]["model"]["name"] == "mixtral:mixtral"
+    # a directory whose config already carries the mark (written by hand, or by a later version) is not marked twice
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    for path in quantized.iterdir():
+        (marked / path.name).write_bytes(path.read_bytes())
+    on_disk["moe_inspector"]["model"]["name"] = "mixtral:mixtral+trellis-hyb-K2"
+    (marked / "config.json").write_text(json.dumps(on_disk))
+    assert Engine.load(str(marked), device="cpu").config.name == "mixtral:mixtral+trellis-hyb-K2"
+
+
+def test_generate_names_a_quantized_preset_by_its_code(tmp_path, capsys):
+    out = tmp_path / "tiny-shape"
+    assert _run(["quantize", "tiny", "--experts", "trellis:K=3,code=1mad", "--out", out, "--shape-only"], capsys)[0] == 0
+    code, stdout, err = _run(["generate", "--model", out, "--weights", "random", "--device", "cpu", "--prompt", "hi",
+                              "--max-tokens", "1", "--no-progress", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["model"] == "tiny+trellis-1mad-K3"

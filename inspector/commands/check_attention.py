@@ -7,7 +7,8 @@ sizes (the measurement could not tell honouring the mask from dropping it).
 
 `--mla`: the same check for multi-head latent attention (engine.compare_mla): the absorbed kernel over
 the latent cache against the decompressed references (causal, unmasked, without the RoPE key); exit 0
-when it sits on the causal one.
+when it sits on the causal one. `--model` (after the command, or the global one when it is not the default)
+takes the heads and latent dims from a preset or a checkpoint directory's config.json.
 
 `--decode`: the decode check (engine.compare_decode): the split-KV decode kernel the decode step runs, over a
 cache of --seq-len slots holding --batch sequences at different positions with stale garbage past each, against
@@ -120,10 +121,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
     from engine.compare_mla import DEFAULTS, check_mla, check_request
+    from inspector.commands.check_decode import chosen_model
 
     defaults = dict(DEFAULTS[device])
-    if args.decode_model is not None:  # the model's heads and latent dims, as F3 takes them
-        defaults.update(_latent_defaults(args.decode_model))
+    model_name = chosen_model(args)  # either --model, as the decode check takes it
+    if model_name is not None:  # the model's heads and latent dims, as F3 takes them
+        defaults.update(_latent_defaults(model_name))
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
                for name, default in defaults.items()}
     check_request(options["seq_len"], options["heads"], options["kv_lora_rank"], options["rope_dim"], device,

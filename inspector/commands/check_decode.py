@@ -36,13 +36,33 @@ def _refuse_other_options(args: argparse.Namespace) -> None:
                         f"--decode")
 
 
+def chosen_model(args: argparse.Namespace) -> str | None:
+    """The model the decode and latent checks take their dims from: the subcommand's `--model`, else the global
+    `--model` when it is not the default; None for neither. Both given and naming different models: UserError
+    (which one was meant cannot be told)."""
+    own = args.decode_model
+    outer = getattr(args, "model", DEFAULT_MODEL)
+    outer = None if outer == DEFAULT_MODEL else outer
+    if own is not None and outer is not None and not _same_model(own, outer):
+        raise UserError(f"check-attention: --model {outer} before the command and --model {own} after it name two "
+                        f"models: give one")
+    return own or outer
+
+
+def _same_model(a: str, b: str) -> bool:
+    """The same preset, or two spellings of one directory (`dir`, `./dir/`)."""
+    from pathlib import Path
+
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
+
+
 def decode_options(args: argparse.Namespace, device: str) -> dict:
     """check_decode's sizes and dims from the options, the model and the defaults (UserError for a model the
     check does not take)."""
     from engine import compare_decode
     from engine.model_source import model_config
 
-    model_name = args.decode_model or (args.model if getattr(args, "model", DEFAULT_MODEL) != DEFAULT_MODEL else None)
+    model_name = chosen_model(args)
     defaults = dict(compare_decode.DEFAULTS[device])
     max_seq_len = None
     if model_name is not None:

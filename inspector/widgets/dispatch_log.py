@@ -7,8 +7,10 @@ differs; latent attention adds its cache bytes per token against the decompresse
 and the whole reason (a trellis-coded layer's starts with its format, bits per weight and the
 expert bytes the step moved, the record's `bytes_moved`; a layer with shared experts adds their path to
 the arm, "+ shared folded" or "+ shared apart", and the why to the reason). The header stays on top
-and over its columns. The line under the table gives the full reason of the row under the cursor (the newest while following);
-Enter opens the row's whole decision (`RecordScreen`).
+and over its columns. The line under the table gives the full reason of the row under the cursor (the newest while following),
+wrapped: it grows to the rows the longest reason shown so far needs (up to WHY_ROWS, so moving the cursor
+does not make the table jump), and a reason longer still ends in "…"; on a short screen it is one row that
+ends in an ellipsis. Enter opens the row's whole decision (`RecordScreen`).
 
 A DataTable, fed in batches (one `add_rows` per drained batch), so a streaming run costs the UI
 thread one call per batch. Filters (configuration, layer, arm, phase) rebuild the rows from the
@@ -38,6 +40,8 @@ PHASES = ("prefill", "decode", "mixed")
 COLUMNS = ("cfg", "step", "L", "phase", "n", "arm decided→executed", "woken p/o", "pairs/woken p/o", "fill",
            "mask → applied", "µs", "reason")
 FIXED_COLUMNS = 3  # cfg, step, layer: where a row is, kept in view when the table scrolls sideways
+WHY_ROWS = 6  # the most rows the reason line takes from the table (a MoE reason with its notes: ~3 at 200 columns)
+WHY_HINT = "  · enter: the whole decision"
 ARM_STYLE = {"gemv": "cyan", "grouped": "magenta", "torch_grouped_mm": "blue", "reference": "yellow",
              "fused": "green", "unfused": "yellow", "mla_fused": "green", "mla_reference": "yellow"}
 
@@ -144,6 +148,7 @@ class DispatchLog(Vertical):
         self.filters: dict[str, object] = {"side": None, "layer": None, "arm": None, "phase": None}
         self.bar_mode: str | None = None  # "find" or "step" while the bar under the table is open
         self._programmatic = 0  # cursor moves and scrolls the log makes itself never switch follow mode
+        self._why_rows = 0  # the reason line's rows: the most any reason shown since the last clear needed
         self.border_title = "dispatch log"
 
     def compose(self) -> ComposeResult:
@@ -179,6 +184,8 @@ class DispatchLog(Vertical):
         self.lines.clear()
         self._programmatic -= 1
         self.follow = True
+        self._why_rows = 0
+        self.query_one("#log-why", Static).styles.min_height = None
         self.query_one("#log-why", Static).update("")
 
     def add_steps(self, side: str, steps: list[dict]) -> None:
@@ -232,10 +239,30 @@ class DispatchLog(Vertical):
             why.append(f"why ({entry.side} step {r['step']} L{r['layer']} {'MoE' if entry.op == 'moe' else 'attn'}): ",
                        style="bold")
             why.append(entry.reason())
-            why.append("  · enter: the whole decision", style="dim")
+            why.append(WHY_HINT, style="dim")
         elif self.entries and not self.shown:
             why.append("no row passes the filters", style="dim")
-        self.query_one("#log-why", Static).update(why)
+        line = self.query_one("#log-why", Static)
+        line.update(self._fitted(line, why))
+
+    def _fitted(self, line: Static, why: Text) -> Text:
+        """`why` wrapped at the line's width: the line grows to its rows (never past WHY_ROWS, never shrinking
+        while the run's rows are shown: the table keeps its height), and a text longer still is cut to fit,
+        ending in "…" and the hint. A one-row line (a short screen: no wrap, an ellipsis) is left to its CSS."""
+        width = line.content_size.width
+        if width < 8 or line.styles.text_wrap == "nowrap":
+            return why
+        rows = len(why.wrap(self.app.console, width))
+        if rows > max(self._why_rows, 2):  # two rows are the CSS's own minimum
+            self._why_rows = min(rows, WHY_ROWS)
+            line.styles.min_height = self._why_rows
+        if rows <= WHY_ROWS:
+            return why
+        cut = why[:len(why) - len(WHY_HINT)]
+        hint = Text("… enter: the whole decision", style="dim")
+        while len(cut) and len((cut + hint).wrap(self.app.console, width)) > WHY_ROWS:
+            cut = cut[:len(cut) - max(1, width // 4)]
+        return cut + hint
 
     # -- the cursor and follow mode ---------------------------------------------------------------
 
