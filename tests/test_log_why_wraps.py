@@ -36,6 +36,11 @@ def _squashed(text: str) -> str:
     return " ".join(text.split())
 
 
+def _longest(log: DispatchLog) -> int:
+    """The shown row with the longest reason."""
+    return max(range(len(log.shown)), key=lambda row: len(log.shown[row].reason()))
+
+
 async def _at(pilot, log: DispatchLog, row: int) -> None:
     log.follow = False
     log._move_to(row)
@@ -49,7 +54,7 @@ async def test_every_reason_is_shown_whole_at_200x50(engine):
         main = await run_prompt(pilot, app, "why so long", max_tokens=3)
         log = main.query_one(DispatchLog)
         line = log.query_one("#log-why")
-        longest = max(range(len(log.shown)), key=lambda row: len(log.shown[row].reason()))
+        longest = _longest(log)
         reason = log.shown[longest].reason()
         assert log.shown[longest].op == "moe" and "shared experts apart" in reason
         assert len(reason) > 2 * line.content_size.width  # more than the two rows the line used to have
@@ -86,7 +91,7 @@ async def test_a_short_screen_keeps_one_row_and_enter_shows_the_reason_whole(eng
     async with app.run_test(size=(80, 24)) as pilot:
         main = await run_prompt(pilot, app, "why so long", max_tokens=2)
         log = main.query_one(DispatchLog)
-        longest = max(range(len(log.shown)), key=lambda row: len(log.shown[row].reason()))
+        longest = _longest(log)
         await _at(pilot, log, longest)
         line = log.query_one("#log-why")
         assert line.size.height == 1 and _rendered(line).endswith("…")

@@ -41,7 +41,8 @@ COLUMNS = ("cfg", "step", "L", "phase", "n", "arm decided→executed", "woken p/
            "mask → applied", "µs", "reason")
 FIXED_COLUMNS = 3  # cfg, step, layer: where a row is, kept in view when the table scrolls sideways
 WHY_ROWS = 6  # the most rows the reason line takes from the table (a MoE reason with its notes: ~3 at 200 columns)
-WHY_HINT = "  · enter: the whole decision"
+WHY_WORDS = "enter: the whole decision"  # the hint after a reason: "  · " after a whole one, "… " after a cut one
+WHY_HINT = f"  · {WHY_WORDS}"
 ARM_STYLE = {"gemv": "cyan", "grouped": "magenta", "torch_grouped_mm": "blue", "reference": "yellow",
              "fused": "green", "unfused": "yellow", "mla_fused": "green", "mla_reference": "yellow"}
 
@@ -259,7 +260,7 @@ class DispatchLog(Vertical):
         if rows <= WHY_ROWS:
             return why
         cut = why[:len(why) - len(WHY_HINT)]
-        hint = Text("… enter: the whole decision", style="dim")
+        hint = Text(f"… {WHY_WORDS}", style="dim")
         while len(cut) and len((cut + hint).wrap(self.app.console, width)) > WHY_ROWS:
             cut = cut[:len(cut) - max(1, width // 4)]
         return cut + hint
