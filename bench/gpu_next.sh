@@ -33,6 +33,9 @@
 #            merges and configs, beside bench/experiments/baseline_attention_mla.py's kernel
 #            when the tree has it: `git show REV:kernels/attention_mla.py > bench/experiments/baseline_attention_mla.py`), bench/mla_bench.py's 128-head rows, DeepSeek-V2-Lite tg128
 #            @ b1 profiled (run 70: 1.84x, the split 9.3 us a layer)
+#   qkvfold  each layer's attention norm folded into its q/k/v GEMV (the flag qkv_norm_fold):
+#            bench/experiments/qkv_fold.py (the fold's blocks against rms_norm + gemv at three widths), then
+#            Qwen3-30B-A3B and DeepSeek-V2-Lite tg128 @ b1 with it on (profiled) and off
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -44,11 +47,12 @@
 #   bash bench/gpu_next.sh fresh            # about 3 minutes
 #   bash bench/gpu_next.sh preload          # about 3 minutes
 #   bash bench/gpu_next.sh mla              # about 6 minutes
+#   bash bench/gpu_next.sh qkvfold          # about 7 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -81,6 +85,14 @@ want mla && TAIL=60 stage 150 mla_short env OUT="$OUT" python3 bench/experiments
 want mla && TAIL=12 stage 90 mla_bench python3 bench/mla_bench.py --out "$OUT/mla_bench.json"
 want mla && TAIL=30 stage 80 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deepseek-v2-lite --weights random \
     --reps 2 --profile --json-out "$OUT/dsv2_tg128.json"
+want qkvfold && TAIL=60 stage 150 qkv_fold env OUT="$OUT" python3 bench/experiments/qkv_fold.py
+for model in qwen3-30b-a3b deepseek-v2-lite; do
+    want qkvfold && TAIL=30 stage 90 "${model%%-*}_fold_on" "${BENCH[@]}" --model bench/configs/$model \
+        --weights random --reps 2 --profile --json-out "$OUT/${model%%-*}_fold_on.json"
+    want qkvfold && TAIL=0 stage 80 "${model%%-*}_fold_off" "${BENCH[@]}" --model bench/configs/$model \
+        --weights random --reps 2 --set qkv_norm_fold=off --json-out "$OUT/${model%%-*}_fold_off.json" \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_fold_off.log" | cut -c1-200)"
+done
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

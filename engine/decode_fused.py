@@ -45,6 +45,10 @@ GEMV_ROWS = 1
 # fold reads the whole x, residual and norm weight from L2, so the router and the LM head (N = 256) take
 # it and the qkv projection (N = 5120) keeps its own rms_norm (docs/decode-step.md).
 FOLD_RESIDUAL_MAX_N = 1024
+# The block (outputs, K elements a step) of a layer's attention norm folded into its q/k/v or latent GEMV (hooks'
+# `fold_qkv_norm`, the flag qkv_norm_fold): a program reads x, the residual and the norm weight once for BLOCK_N
+# outputs, so the L2 reads are 3 / BLOCK_N of the weight's bytes (bench/experiments/qkv_fold.py).
+QKV_FOLD_BLOCK = (16, 512)
 
 
 @dataclass
@@ -154,11 +158,11 @@ def dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
     return x @ w.t()
 
 
-def _qkv(weights: dict[str, torch.Tensor], p: str, h: torch.Tensor) -> torch.Tensor:
+def _qkv(weights: dict[str, torch.Tensor], p: str, layer_input: "_LayerInput") -> torch.Tensor:
     packed = packed_qkv(weights, p)
     if packed is not None:
-        return dense(h, packed)
-    return torch.cat([dense(h, weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
+        return layer_input.product(packed)
+    return torch.cat([layer_input.product(weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
 
 
 def fused_rows(rows: int) -> bool:
@@ -173,6 +177,35 @@ def _folds(norm, w: torch.Tensor, rows: int) -> bool:
     a one-row-style step, and a gather anywhere but a residual add only into a narrow product (every
     program of the fold reads the whole x, residual and norm weight: FOLD_RESIDUAL_MAX_N)."""
     return fused_rows(rows) and (norm.table is not None or w.shape[0] <= FOLD_RESIDUAL_MAX_N)
+
+
+def qkv_fold_block(k_in: int) -> tuple[int, int]:
+    """The (BLOCK_N, BLOCK_K) of a folded attention norm's GEMV at K = k_in: QKV_FOLD_BLOCK, BLOCK_K never wider
+    than K. Public: the sweep's neighbours (engine.sweep_neighbours) launch what the step launches."""
+    return QKV_FOLD_BLOCK[0], min(QKV_FOLD_BLOCK[1], 1 << max(0, k_in - 1).bit_length())
+
+
+class _LayerInput:
+    """A layer's input norm, held until its first product: `product(w)` is RMSNorm(x) @ w^T, with the norm folded into
+    that GEMV (`fold`: a one-row step, the flag qkv_norm_fold) or run on its own first. `x` is then the residual
+    stream after the norm's residual add (or gather); a second product reads h (or norms x again after a fold)."""
+
+    def __init__(self, x: torch.Tensor | None, norm, fold: bool, h: torch.Tensor | None = None) -> None:
+        self.x, self.norm, self.fold, self.h = x, norm, fold, h
+
+    def product(self, w: torch.Tensor) -> torch.Tensor:
+        from dataclasses import replace
+
+        from kernels.gemv_fused import Norm, gemv_fused
+
+        if self.h is None and self.fold:
+            folded = gemv_fused(self.x, w, norm=replace(self.norm, write_x=True), block=qkv_fold_block(w.shape[1]))
+            self.x, self.fold = folded.x, False
+            self.norm = Norm(self.norm.weight, self.norm.eps)  # a second product norms the new stream on its own
+            return folded.out
+        if self.h is None:
+            self.x, self.h = _rms_norm(self.x, self.norm)
+        return dense(self.h, w)
 
 
 def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,25 +247,27 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     dense_layers = set(c.dense_layers)
     gemv_rows = fused_rows(batch)
     moe_index = 0  # the MoE layer's ordinal: where its woken count goes in the step's outputs
+    fold_qkv = gemv_rows and bool(getattr(hooks, "fold_qkv_norm", False))
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        if layer == 0 and carried is not None:
-            x, h = carried  # this step's first norm, written by the step before's LM head
+        if layer == 0 and carried is not None:  # this step's first norm, written by the step before's LM head
+            layer_input = _LayerInput(carried[0], None, False, h=carried[1])
         else:
-            x, h = _rms_norm(x, norm)
+            layer_input = _LayerInput(x, norm, fold_qkv)
         if c.latent_attention is not None:
-            o = decode_fused_mla.attention(c, weights, layer, h, dense, _plain_norm, inv_freq, start, key_length,
-                                           slots, cache, hooks, q_start)  # [B, D]
+            o = decode_fused_mla.attention(c, weights, layer, layer_input.product, batch, dense, _plain_norm,
+                                           inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            q, start32 = rope_cache(_qkv(weights, p, h), inv_freq, start, slots, cache.k[layer], cache.v[layer],
-                                    c.n_heads, qk_norm)
+            q, start32 = rope_cache(_qkv(weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
+                                    cache.v[layer], c.n_heads, qk_norm)
             # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
             k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
             attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                        _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                        key_length)  # [B, 1, Hq, hd]
             o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
+        x = layer_input.x  # the residual stream after the attention norm's add
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
         if layer in dense_layers:  # a dense SwiGLU MLP: no router, no experts, no MoE record
             x, h = _rms_norm(x, norm)
@@ -274,7 +309,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         if outputs is not None:
             following = None
             # the next step's first norm, as its own rms_norm launch would compute it
-            if outputs.carry is not None and next_norm_fits(c.hidden):
+            # (with the attention norm folded into the first GEMV there is no launch to save: nothing is carried)
+            if outputs.carry is not None and next_norm_fits(c.hidden) and not fold_qkv:
                 following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]

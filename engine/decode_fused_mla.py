@@ -103,24 +103,24 @@ class SharedExpertsDecode:
         return swiglu(h, self.gate_up, self.down, self.gemv_rows and h.shape[0] == 1)
 
 
-def attention(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, h: torch.Tensor, dense,
+def attention(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, project, batch: int, dense,
               rms_norm, inv_freq: torch.Tensor, start: torch.Tensor, key_length: int, slots: torch.Tensor | None,
               cache, hooks, q_start) -> torch.Tensor:
-    """A latent attention layer of the decode step: h [B, D] (normed) -> the attention output o [B, D], the token's
-    latent cache entry written. `dense(x, w)` is the step's dense product and `rms_norm(x, weight, eps)` its norm
-    (engine.decode_fused); q_start None: the positions as int32."""
+    """A latent attention layer of the decode step for `batch` rows -> the attention output o [B, D], the token's
+    latent cache entry written. `project(w)` is the layer's normed input times w^T (its input norm applied or folded
+    into that GEMV: engine.decode_fused), `dense(x, w)` the step's dense product and `rms_norm(x, weight, eps)` its
+    norm; q_start None: the positions as int32."""
     from kernels.mla_rope_cache import mla_rope_cache
 
     c, latent, p = config, config.latent_attention, f"layers.{layer}."
-    batch = h.shape[0]
     first = latent.q_lora_rank if latent.q_lora_rank is not None else c.n_heads * latent.qk_head_dim
     names = _names(c, p)
     packed = packed_rows(weights, names)
     if packed is not None:
-        projected = dense(h, packed)  # [B, first + R + r]
+        projected = project(packed)  # [B, first + R + r]
         q, kv = projected[:, :first], projected[:, first:]
     else:
-        q, kv = dense(h, weights[names[0]]), dense(h, weights[names[1]])
+        q, kv = project(weights[names[0]]), project(weights[names[1]])
     if latent.q_lora_rank is not None:
         q = dense(rms_norm(q, weights[p + "q_a_norm"], latent.norm_eps), weights[p + "wq_b"])  # [B, Hq * (n + r)]
     scale = c.rope_scaling.resolved_attention_factor if c.rope_scaling is not None else 1.0

@@ -92,6 +92,8 @@ class Dispatcher:
         self.counters = Counters()
         # engine.decode_fused.StepOutputs while the batch runner has a decode step's folds write its outputs
         self.outputs = None
+        # engine.decode_fused reads it: a one-row step's attention norm inside its q/k/v GEMV (the flag qkv_norm_fold)
+        self.fold_qkv_norm = bool(flags["qkv_norm_fold"])
         self.timer = _Timer(engine.device)
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []

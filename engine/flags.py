@@ -154,6 +154,10 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "shared experts (DeepSeek) computed inside the routed GEMV arm's two launches at a one-row decode step "
              "(weight 1, the output rounded once: tokens may differ at a near tie); off = their own launches and an "
              "add after the arm"),
+    FlagSpec("qkv_norm_fold", True, "on or off", _parse_switch, "bool", (True, False),
+             "at a one-row decode step, each layer's attention RMSNorm (with its residual add) computed inside the "
+             "q/k/v (or latent) GEMV instead of its own launch (the fp32 sums in another order: tokens may differ "
+             "at a near tie); off = rms_norm, then the GEMV"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
     FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",

@@ -515,7 +515,8 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
             from engine.sweep_neighbours import runtime_neighbours
 
             neighbour_sets[tokens] = runtime_neighbours(shape.hidden, shape.experts, shape.top_k, tokens,
-                                                        torch.bfloat16, device, generator)
+                                                        torch.bfloat16, device, generator,
+                                                        fold_next=bool(flags["qkv_norm_fold"]))
         return neighbour_sets[tokens]
 
     def measure(tokens: int, sets: list, extra: dict) -> dict:

@@ -263,20 +263,27 @@ def _one_row_after_prefill():
     return engine, config, cache, dispatcher
 
 
+@pytest.mark.parametrize("fold_qkv", [False, True])
 @pytest.mark.parametrize("fold_wide", [False, True])
-def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, monkeypatch):
+def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, fold_qkv, monkeypatch):
     """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
     and experts take torch arms on a CPU): no topk_softmax, the norms in front of the router and the
-    head folded, qkv as rms_norm, gemv, rope_cache (whatever the widest fold)."""
+    head folded; qkv as rms_norm, gemv, rope_cache (whatever the widest fold), or with the flag qkv_norm_fold
+    the attention norm inside the q/k/v GEMV (gemv_norm), then rope_cache."""
     from kernels import launches
 
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine, config, cache, dispatcher = _one_row_after_prefill()
+    dispatcher.fold_qkv_norm = fold_qkv
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
                                 dispatcher)
-    assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 1}
+    if fold_qkv:
+        assert launches.since(before) == {"gemv": 2, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 3}
+    else:
+        assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2,
+                                          "gemv_norm": 1}
 
 
 def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
@@ -296,7 +303,9 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
     logits = decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None,
                                          cache, dispatcher)
     counted = launches.since(before)
-    assert counted["gemv_pick"] == 1 and "gemv_norm" not in counted and "next_tokens" not in counted
+    # gemv_norm: the q/k/v GEMVs' folded attention norms (the flag qkv_norm_fold, on by default), not the LM head
+    assert counted["gemv_pick"] == 1 and counted.get("gemv_norm", 0) == config.n_layers
+    assert "next_tokens" not in counted and "rms_norm" not in counted
     assert outputs.picked and torch.equal(logits, plain)
     assert observed[0] == torch.argmax(logits[0]) and inputs.tolist() == [[observed[0].item()], [6]]
     woken = dispatcher.pending_woken
@@ -308,11 +317,23 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
 def test_a_step_carries_the_next_steps_first_norm_and_the_next_step_uses_it():
     """StepOutputs.carry: the one-row step's LM head (gemv_pick_norm) also writes the next step's x and h (its
     picked token's embedding row, normed); the next step given them as `carried` launches no rms_norm and
-    computes the logits (and cache) of a step that norms on its own, to the bit."""
+    computes the logits (and cache) of a step that norms on its own, to the bit. With qkv_norm_fold (the first
+    norm inside the first GEMV, no launch to save) nothing is carried."""
     from kernels import launches
 
     engine, config, cache, dispatcher = _one_row_after_prefill()
     observed = torch.full((1 + config.n_layers,), -1, dtype=torch.int64)
+    buffers = (torch.full((1, config.hidden), float("nan")), torch.full((1, config.hidden), float("nan")))
+    dispatcher.outputs = outputs = decode_fused.StepOutputs(observed, torch.tensor([[3], [5]]), carry=buffers)
+    dispatcher.begin_step(5, "decode", 1)
+    before = launches.snapshot()
+    decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
+                                dispatcher)
+    dispatcher.outputs = None
+    assert dispatcher.fold_qkv_norm and not outputs.carried_out and "gemv_pick_norm" not in launches.since(before)
+    assert torch.isnan(buffers[0]).all()
+    engine, config, cache, dispatcher = _one_row_after_prefill()
+    dispatcher.fold_qkv_norm = False
 
     def step(position, inputs, **chain):
         dispatcher.begin_step(position, "decode", 1)

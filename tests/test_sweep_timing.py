@@ -130,6 +130,12 @@ def test_the_neighbours_are_the_steps_router_and_next_norm(tokens):
     else:
         assert router.get("rms_norm") == 1 and router.get("topk_softmax") == 1, router
     assert neighbours.stand_in.shape == (tokens, 48)
+    folding = runtime_neighbours(48, 8, 2, tokens, torch.float32, torch.device("cpu"),
+                                 torch.Generator().manual_seed(tokens), fold_next=True)
+    before = launches.snapshot()
+    folding.after(folding.stand_in)  # qkv_norm_fold: at one row the norm inside the next q/k/v GEMV
+    assert launches.since(before) == ({"gemv_norm": 1} if tokens == 1 else {"rms_norm": 1})
+    assert ("q/k/v GEMV with its norm folded in" in folding.describe) == (tokens == 1)
 
 
 @pytest.mark.gpu
