@@ -34,8 +34,9 @@
 #            when the tree has it: `git show REV:kernels/attention_mla.py > bench/experiments/baseline_attention_mla.py`), bench/mla_bench.py's 128-head rows, DeepSeek-V2-Lite tg128
 #            @ b1 profiled (run 70: 1.84x, the split 9.3 us a layer)
 #   qkvfold  each layer's attention norm folded into its q/k/v GEMV (the flag qkv_norm_fold):
-#            bench/experiments/qkv_fold.py (the fold's blocks against rms_norm + gemv at three widths), then
-#            Qwen3-30B-A3B and DeepSeek-V2-Lite tg128 @ b1 with it on (profiled) and off
+#            bench/experiments/qkv_fold.py, the fold's blocks against rms_norm + gemv at three widths (run 81)
+#   foldab   the fold's GPU tests, then tg128 @ b1 of Qwen3-30B-A3B, DeepSeek-V2-Lite (profiled) and v4-shape with
+#            qkv_norm_fold on and off (the tg128 lines in summary.txt)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -47,12 +48,13 @@
 #   bash bench/gpu_next.sh fresh            # about 3 minutes
 #   bash bench/gpu_next.sh preload          # about 3 minutes
 #   bash bench/gpu_next.sh mla              # about 6 minutes
-#   bash bench/gpu_next.sh qkvfold          # about 7 minutes
+#   bash bench/gpu_next.sh qkvfold          # about 1 minute
+#   bash bench/gpu_next.sh foldab           # about 6 minutes
 # Logs under $OUT (default bench/results/latest); a nested script's files under $OUT/<stage>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -86,12 +88,16 @@ want mla && TAIL=12 stage 90 mla_bench python3 bench/mla_bench.py --out "$OUT/ml
 want mla && TAIL=30 stage 80 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deepseek-v2-lite --weights random \
     --reps 2 --profile --json-out "$OUT/dsv2_tg128.json"
 want qkvfold && TAIL=60 stage 150 qkv_fold env OUT="$OUT" python3 bench/experiments/qkv_fold.py
-for model in qwen3-30b-a3b deepseek-v2-lite; do
-    want qkvfold && TAIL=30 stage 90 "${model%%-*}_fold_on" "${BENCH[@]}" --model bench/configs/$model \
-        --weights random --reps 2 --profile --json-out "$OUT/${model%%-*}_fold_on.json"
-    want qkvfold && TAIL=0 stage 80 "${model%%-*}_fold_off" "${BENCH[@]}" --model bench/configs/$model \
-        --weights random --reps 2 --set qkv_norm_fold=off --json-out "$OUT/${model%%-*}_fold_off.json" \
-        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_fold_off.log" | cut -c1-200)"
+want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused.py tests/test_decode_fused_mla.py tests/test_runtime_gpu.py tests/test_sweep_timing.py
+for model in qwen3-30b-a3b deepseek-v2-lite v4-shape; do  # the logs only (the device returns 8 files)
+    source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model --gpu-weights")
+    for fold in on off; do
+        want foldab && TAIL=0 stage 80 "${model%%-*}_fold_$fold" "${BENCH[@]}" --model $source --reps 2 \
+            --set qkv_norm_fold=$fold $([ $fold = on ] && [ $model != v4-shape ] && echo --profile) \
+            && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)" \
+            && say "   | $(grep -h 'GPU busy' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)"
+    done
 done
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)

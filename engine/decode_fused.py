@@ -46,9 +46,12 @@ GEMV_ROWS = 1
 # it and the qkv projection (N = 5120) keeps its own rms_norm (docs/decode-step.md).
 FOLD_RESIDUAL_MAX_N = 1024
 # The block (outputs, K elements a step) of a layer's attention norm folded into its q/k/v or latent GEMV (hooks'
-# `fold_qkv_norm`, the flag qkv_norm_fold): a program reads x, the residual and the norm weight once for BLOCK_N
-# outputs, so the L2 reads are 3 / BLOCK_N of the weight's bytes (bench/experiments/qkv_fold.py).
-QKV_FOLD_BLOCK = (16, 512)
+# `fold_qkv_norm`, the flag qkv_norm_fold): a program reads x, the residual and the norm weight for its BLOCK_N
+# outputs (L2 reads of 3 / BLOCK_N the weight's bytes), but fewer, longer programs lost: run 81
+# (bench/experiments/qkv_fold.py), µs the chain adds a layer against rms_norm + gemv, at Qwen3-30B-A3B /
+# DeepSeek-V2-Lite / v4-shape widths: 4 x 1024 -1.36 / -1.15 / -0.45, 8 x 1024 -1.30 / -0.83 / -0.49,
+# 16 x 512 +0.32 / +0.67 / +2.17; the exact norm (h rounded first) gave back most of the gain.
+QKV_FOLD_BLOCK = (4, 1024)
 
 
 @dataclass
