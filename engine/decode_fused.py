@@ -250,13 +250,17 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     dense_layers = set(c.dense_layers)
     gemv_rows = fused_rows(batch)
     moe_index = 0  # the MoE layer's ordinal: where its woken count goes in the step's outputs
+    # The attention norms folded into the q/k/v GEMVs (hooks' fold_qkv_norm); the first layer's only where the
+    # step before's LM head does not norm it (fold_first_norm: carry_norm off), so a carried step computes what a
+    # step that norms on its own computes, to the bit
     fold_qkv = gemv_rows and bool(getattr(hooks, "fold_qkv_norm", False))
+    fold_first = gemv_rows and bool(getattr(hooks, "fold_first_norm", fold_qkv))
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         if layer == 0 and carried is not None:  # this step's first norm, written by the step before's LM head
             layer_input = _LayerInput(carried[0], None, False, h=carried[1])
         else:
-            layer_input = _LayerInput(x, norm, fold_qkv)
+            layer_input = _LayerInput(x, norm, fold_first if layer == 0 else fold_qkv)
         if c.latent_attention is not None:
             o = decode_fused_mla.attention(c, weights, layer, layer_input.product, batch, dense, _plain_norm,
                                            inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
@@ -312,8 +316,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
         if outputs is not None:
             following = None
             # the next step's first norm, as its own rms_norm launch would compute it
-            # (with the attention norm folded into the first GEMV there is no launch to save: nothing is carried)
-            if outputs.carry is not None and next_norm_fits(c.hidden) and not fold_qkv:
+            # (with the first norm folded into the first GEMV there is no launch to save: nothing is carried)
+            if outputs.carry is not None and next_norm_fits(c.hidden) and not fold_first:
                 following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]

@@ -92,8 +92,10 @@ class Dispatcher:
         self.counters = Counters()
         # engine.decode_fused.StepOutputs while the batch runner has a decode step's folds write its outputs
         self.outputs = None
-        # engine.decode_fused reads it: a one-row step's attention norm inside its q/k/v GEMV (the flag qkv_norm_fold)
+        # engine.decode_fused reads them: a one-row step's attention norms inside the q/k/v GEMVs (the flag
+        # qkv_norm_fold); the first layer's only where carry_norm is off (else the step before's LM head norms it)
         self.fold_qkv_norm = bool(flags["qkv_norm_fold"])
+        self.fold_first_norm = self.fold_qkv_norm and not flags["carry_norm"]
         self.timer = _Timer(engine.device)
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []

@@ -263,24 +263,28 @@ def _one_row_after_prefill():
     return engine, config, cache, dispatcher
 
 
-@pytest.mark.parametrize("fold_qkv", [False, True])
+@pytest.mark.parametrize("fold_qkv, fold_first", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("fold_wide", [False, True])
-def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, fold_qkv, monkeypatch):
+def test_fused_decode_step_at_one_row_folds_the_norms(fold_wide, fold_qkv, fold_first, monkeypatch):
     """What a one-row step launches (tiny: 2 layers, qkv N = 2048, router and head N <= 256; attention
     and experts take torch arms on a CPU): no topk_softmax, the norms in front of the router and the
     head folded; qkv as rms_norm, gemv, rope_cache (whatever the widest fold), or with the flag qkv_norm_fold
-    the attention norm inside the q/k/v GEMV (gemv_norm), then rope_cache."""
+    the attention norm inside the q/k/v GEMV (gemv_norm), then rope_cache: the first layer's too where carry_norm
+    is off (the dispatcher's fold_first_norm)."""
     from kernels import launches
 
     if fold_wide:
         monkeypatch.setattr(decode_fused, "FOLD_RESIDUAL_MAX_N", 1 << 20)
     engine, config, cache, dispatcher = _one_row_after_prefill()
-    dispatcher.fold_qkv_norm = fold_qkv
+    dispatcher.fold_qkv_norm, dispatcher.fold_first_norm = fold_qkv, fold_first
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
                                 dispatcher)
-    if fold_qkv:
+    if fold_first:
         assert launches.since(before) == {"gemv": 2, "rope_cache": 2, "gemv_route": 2, "gemv_norm": 3}
+    elif fold_qkv:
+        assert launches.since(before) == {"rms_norm": 1, "gemv": 3, "rope_cache": 2, "gemv_route": 2,
+                                          "gemv_norm": 2}
     else:
         assert launches.since(before) == {"rms_norm": 2, "gemv": 4, "rope_cache": 2, "gemv_route": 2,
                                           "gemv_norm": 1}
@@ -303,9 +307,10 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
     logits = decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None,
                                          cache, dispatcher)
     counted = launches.since(before)
-    # gemv_norm: the q/k/v GEMVs' folded attention norms (the flag qkv_norm_fold, on by default), not the LM head
-    assert counted["gemv_pick"] == 1 and counted.get("gemv_norm", 0) == config.n_layers
-    assert "next_tokens" not in counted and "rms_norm" not in counted
+    # gemv_norm: the later layers' q/k/v GEMVs with their attention norms folded in (the flag qkv_norm_fold, on by
+    # default; the first layer's norm is its own launch, as carry_norm is on), not the LM head
+    assert counted["gemv_pick"] == 1 and counted.get("gemv_norm", 0) == config.n_layers - 1
+    assert "next_tokens" not in counted and counted["rms_norm"] == 1
     assert outputs.picked and torch.equal(logits, plain)
     assert observed[0] == torch.argmax(logits[0]) and inputs.tolist() == [[observed[0].item()], [6]]
     woken = dispatcher.pending_woken
@@ -317,23 +322,25 @@ def test_fused_decode_step_writes_its_outputs_where_the_runner_asks():
 def test_a_step_carries_the_next_steps_first_norm_and_the_next_step_uses_it():
     """StepOutputs.carry: the one-row step's LM head (gemv_pick_norm) also writes the next step's x and h (its
     picked token's embedding row, normed); the next step given them as `carried` launches no rms_norm and
-    computes the logits (and cache) of a step that norms on its own, to the bit. With qkv_norm_fold (the first
-    norm inside the first GEMV, no launch to save) nothing is carried."""
+    computes the logits (and cache) of a step that norms on its own, to the bit (the later layers' norms folded
+    into their q/k/v GEMVs in both). With the first norm folded too (fold_first_norm: qkv_norm_fold on and
+    carry_norm off; no launch to save) nothing is carried."""
     from kernels import launches
 
     engine, config, cache, dispatcher = _one_row_after_prefill()
     observed = torch.full((1 + config.n_layers,), -1, dtype=torch.int64)
     buffers = (torch.full((1, config.hidden), float("nan")), torch.full((1, config.hidden), float("nan")))
     dispatcher.outputs = outputs = decode_fused.StepOutputs(observed, torch.tensor([[3], [5]]), carry=buffers)
+    dispatcher.fold_first_norm = True
     dispatcher.begin_step(5, "decode", 1)
     before = launches.snapshot()
     decode_fused.forward_decode(config, engine.weights, torch.tensor([[3]]), torch.tensor([5]), 24, None, cache,
                                 dispatcher)
     dispatcher.outputs = None
-    assert dispatcher.fold_qkv_norm and not outputs.carried_out and "gemv_pick_norm" not in launches.since(before)
+    assert not outputs.carried_out and "gemv_pick_norm" not in launches.since(before)
     assert torch.isnan(buffers[0]).all()
     engine, config, cache, dispatcher = _one_row_after_prefill()
-    dispatcher.fold_qkv_norm = False
+    assert dispatcher.fold_qkv_norm and not dispatcher.fold_first_norm  # the defaults
 
     def step(position, inputs, **chain):
         dispatcher.begin_step(position, "decode", 1)
@@ -357,7 +364,7 @@ def test_a_step_carries_the_next_steps_first_norm_and_the_next_step_uses_it():
     assert torch.equal(buffers[0], x_expected) and torch.equal(buffers[1], h_expected)
     cache_before = (cache.k[0].clone(), cache.v[0].clone())
     plain, plain_counted, _ = step(6, inputs.clone())  # the next step, norming on its own
-    assert plain_counted["rms_norm"] == config.n_layers and plain_counted["gemv_pick"] == 1
+    assert plain_counted["rms_norm"] == 1 and plain_counted["gemv_pick"] == 1  # the first layer's norm
     plain_cache = (cache.k[0].clone(), cache.v[0].clone())
     cache.k[0].copy_(cache_before[0])
     cache.v[0].copy_(cache_before[1])

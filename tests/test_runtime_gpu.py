@@ -95,7 +95,7 @@ def test_two_replays_in_flight_give_the_eager_tokens(demo, lengths):
             for step in eager.steps if step["phase"] == "decode"]
 
 
-@pytest.mark.parametrize("run_ahead,fold", [(True, "on"), (False, "on"), (True, "off")])
+@pytest.mark.parametrize("run_ahead,fold", [(True, "on"), (False, "on"), (True, "off"), (True, "first")])
 @pytest.mark.parametrize("lengths,steps", [([40], 4), ([40, 17, 130, 64], 3)])
 def test_graphs_of_several_steps_give_the_eager_tokens_and_counts(demo, lengths, steps, run_ahead, fold):
     """steps_per_graph: one launch replays several decode steps, each fed by the one before on the device
@@ -103,30 +103,31 @@ def test_graphs_of_several_steps_give_the_eager_tokens_and_counts(demo, lengths,
     Tokens, every step's observed counts and the arm totals must be the eager run's, in a first run (capture)
     and a second one on the same runner; each step's kernel launches the eager step's, but where a one-row step
     of a graph of several carries the next one's first norm (engine.decode_fused.StepOutputs.carry): its LM head
-    is gemv_pick_norm, and the step after launches no rms_norm. With qkv_norm_fold on (the first norm inside the
-    first GEMV: no launch to save) nothing is carried."""
+    is gemv_pick_norm, and the step after launches no rms_norm (with qkv_norm_fold on or off: the fold leaves the
+    first layer's norm to the carry). `first`: qkv_norm_fold on and carry_norm off, the first norm folded too and
+    nothing carried."""
     from engine.decode_fused import carried_launches
 
+    settings = ("qkv_norm_fold=on", "carry_norm=off") if fold == "first" else (f"qkv_norm_fold={fold}",)
     batch = prompts(lengths, seed=7 + len(lengths))
-    eager = demo.generate_batch(batch, 24, resolved(f"qkv_norm_fold={fold}"), graphs=False)
+    eager = demo.generate_batch(batch, 24, resolved(*settings), graphs=False)
     eager_decode = [step for step in eager.steps if step["phase"] == "decode"]
     eager_woken = [[record["woken_observed"] for record in step["moe"]] for step in eager_decode]
     runner = BatchRunner(demo, len(batch), max(lengths) + 24 - 1, graphs=True, run_ahead=run_ahead)
     for run in range(2):
-        graphed = demo.generate_batch(batch, 24, resolved(f"steps_per_graph={steps}", f"qkv_norm_fold={fold}"),
-                                      runner=runner)
+        graphed = demo.generate_batch(batch, 24, resolved(f"steps_per_graph={steps}", *settings), runner=runner)
         assert graphed.tokens == eager.tokens, run
         assert graphed.counters["arms"] == eager.counters["arms"]
         decode = [step for step in graphed.steps if step["phase"] == "decode"]
         carried = 0
         for step, eager_step in zip(decode, eager_decode):
-            one_row = len(step["rows"]) == 1 and fold == "off"  # a one-row step carries, with the fold off
+            one_row = len(step["rows"]) == 1 and fold != "first"  # a one-row step carries, unless carry_norm=off
             carried_in = one_row and step["span_index"] > 0
             carried += carried_in
             expected = carried_launches(eager_step["kernel_launches"], carried_in,
                                         one_row and step["span_index"] + 1 < step["span"])
             assert step["kernel_launches"] == expected, (step["step"], step["span"], step["span_index"])
-        if lengths == [40] and fold == "off":  # one row throughout: every later step of a graph is carried in
+        if lengths == [40] and fold != "first":  # one row throughout: every later step of a graph is carried in
             assert carried > 0
         totals = dict(eager.counters["kernels"])
         for name, change in (("rms_norm", -carried), ("gemv_pick", -carried), ("gemv_pick_norm", carried)):
@@ -176,13 +177,14 @@ def test_launches_per_decode_step_are_the_same_at_batch_1_and_32(demo, gate):
     # 3 per layer (q/k/v, o, router) plus the LM head, whatever the batch, in one kernel or the other;
     # and the glue the one-row GEMVs fold in (kernels.gemv_fused): the top-k into the router, the norms
     # in front of the router and the LM head, the step's next tokens (kernels.next_tokens) into the LM
-    # head, and (qkv_norm_fold) each layer's attention norm into its q/k/v GEMV. rope_cache stays.
+    # head, and (qkv_norm_fold) each later layer's attention norm into its q/k/v GEMV (the first layer's norm is
+    # the carry's, carry_norm: this step is not carried). rope_cache stays.
     layers = demo.config.n_layers
     single_launches, wide_launches = dict(single[-1]["kernel_launches"]), dict(wide[-1]["kernel_launches"])
     products = {name: single_launches.pop(name, 0) for name in ("gemv", "gemv_route", "gemv_norm", "gemv_pick")}
-    assert products == {"gemv": layers, "gemv_route": layers, "gemv_norm": layers, "gemv_pick": 1}
+    assert products == {"gemv": layers + 1, "gemv_route": layers, "gemv_norm": layers - 1, "gemv_pick": 1}
     assert not wide_launches.keys() & products.keys()
-    folded = {"rms_norm": 2 * layers + 1, "topk_softmax": layers, "next_tokens": 1}
+    folded = {"rms_norm": 2 * layers, "topk_softmax": layers, "next_tokens": 1}
     for name, count in folded.items():
         wide_launches[name] -= count
     assert single_launches == {name: count for name, count in wide_launches.items() if count}
