@@ -90,7 +90,7 @@ want mla && TAIL=30 stage 80 dsv2_tg128 "${BENCH[@]}" --model bench/configs/deep
 want qkvfold && TAIL=60 stage 150 qkv_fold env OUT="$OUT" python3 bench/experiments/qkv_fold.py
 want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_decode_fused_mla.py tests/test_runtime_gpu.py tests/test_sweep_timing.py
-for model in qwen3-30b-a3b deepseek-v2-lite v4-shape; do  # the logs only (the device returns 8 files)
+for model in ${FOLD_MODELS:-qwen3-30b-a3b deepseek-v2-lite v4-shape}; do  # the logs only (the device returns 8 files)
     source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model --gpu-weights")
     for fold in on off; do
         want foldab && TAIL=0 stage 80 "${model%%-*}_fold_$fold" "${BENCH[@]}" --model $source --reps 2 \
