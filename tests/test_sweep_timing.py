@@ -91,7 +91,11 @@ def _gemv_case(device):
 @pytest.mark.gpu
 def test_graph_timing_is_the_runtimes_within_five_percent():
     """The GEMV arm at n = 1 on a small shape: graph-timed per call against the same calls replayed by
-    engine.bench.graph_call_us (the bench's own graph timing), and the cold figure at least as slow."""
+    engine.bench.graph_call_us (the bench's own graph timing), and the cold figure at least as slow. The two
+    harnesses take turns, three rounds, and their median ratio is compared: one pair taken once failed once in a
+    long GPU call (another process's or the clock's drift between the two figures)."""
+    import statistics
+
     import torch
 
     from engine.bench import graph_call_us
@@ -101,17 +105,20 @@ def test_graph_timing_is_the_runtimes_within_five_percent():
     device = torch.device("cuda")
     x, w13, w2, ids, weights, generator = _gemv_case(device)
     timer = _Timer(device)
-    graph = timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights))
-    peer = graph_call_us(lambda: moe_gemv(x, w13, w2, ids, weights), calls=16)
+    pairs = [(timer.graph_us(lambda: moe_gemv(x, w13, w2, ids, weights)),
+              graph_call_us(lambda: moe_gemv(x, w13, w2, ids, weights), calls=16)) for _ in range(3)]
+    ratio = statistics.median(graph / peer for graph, peer in pairs)
+    graph = statistics.median(graph for graph, _ in pairs)
     cold = timer.median_us(lambda: moe_gemv(x, w13, w2, ids, weights))
-    assert abs(graph / peer - 1) < 0.05, (graph, peer)
+    assert abs(ratio - 1) < 0.05, pairs
     assert cold > 0.95 * graph, (cold, graph)
 
 
 @pytest.mark.parametrize("tokens", [1, 3], ids=["folded-router", "unfolded-router"])
 def test_the_neighbours_are_the_steps_router_and_next_norm(tokens):
     """engine.sweep_neighbours launches what engine.decode_fused launches around a MoE arm: at one row the router's
-    fold (one launch), above it rms_norm, the logits' product and topk_softmax; then the next layer's rms_norm."""
+    fold (one launch), above it rms_norm, the logits' product and topk_softmax; then the next layer's rms_norm, or
+    with fold_next (the flag qkv_norm_fold) at one row its q/k/v GEMV with that norm folded in."""
     import torch
 
     from engine.sweep_neighbours import runtime_neighbours
