@@ -37,6 +37,7 @@
 #            bench/experiments/qkv_fold.py, the fold's blocks against rms_norm + gemv at three widths (run 81)
 #   foldab   the fold's GPU tests, then tg128 @ b1 of Qwen3-30B-A3B, DeepSeek-V2-Lite (profiled) and v4-shape with
 #            qkv_norm_fold on and off (the tg128 lines in summary.txt; FOLD_MODELS="demo v4-shape" picks others)
+#   foldrows foldab's tg128 rows alone
 #   foldall  the GPU tests of everything that runs the fused step's glue (families against transformers, DeepSeek,
 #            the engine, check-decode, sessions, traces, the sweep's timings, routing)
 #   bash bench/gpu_next.sh check            # about 3 minutes
@@ -56,7 +57,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldall 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -95,11 +96,11 @@ want foldall && TAIL=8 stage 360 pytest_glue python3 -m pytest -m gpu -q -p no:c
     tests/test_session_steps.py tests/test_trace.py tests/test_sweep_timing.py tests/test_routing_gpu.py
 want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_decode_fused_mla.py tests/test_runtime_gpu.py tests/test_sweep_timing.py
-for model in ${FOLD_MODELS:-qwen3-30b-a3b deepseek-v2-lite v4-shape}; do  # the logs only (the device returns 8 files)
+(want foldab || want foldrows) && for model in ${FOLD_MODELS:-qwen3-30b-a3b deepseek-v2-lite v4-shape}; do  # logs only
     source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model")
     [ $model = v4-shape ] && source="$model --gpu-weights"
     for fold in on off; do
-        want foldab && TAIL=0 stage 80 "${model%%-*}_fold_$fold" "${BENCH[@]}" --model $source --reps 2 \
+        TAIL=0 stage 80 "${model%%-*}_fold_$fold" "${BENCH[@]}" --model $source --reps 2 \
             --set qkv_norm_fold=$fold $([ $fold = on ] && [ $model != v4-shape ] && echo --profile) \
             && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)" \
             && say "   | $(grep -h 'GPU busy' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)"
