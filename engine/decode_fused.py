@@ -4,7 +4,8 @@ for one new token per sequence, in a few launches per layer instead of about 90 
 `forward_decode(config, weights, tokens [B, 1], start [B], key_length, slots, cache, hooks)` returns
 the logits [B, V] float32 and writes each layer's keys and values into the cache. At B <= GEMV_ROWS
 the dense products are GEMVs (kernels.gemv) and the RMSNorm in front of the router and of the LM
-head, the top-k routing and the argmax fold into their GEMVs (kernels.gemv_fused); above it they are
+head, the top-k routing and the argmax fold into their GEMVs (kernels.gemv_fused), and with the hooks'
+`fold_qkv_norm` (the flag qkv_norm_fold) each attention norm into its q/k/v or latent GEMV; above it they are
 torch matmuls between kernels.rms_norm, rope_cache and router launches. With the hooks' `outputs`
 (`StepOutputs`, set by engine.batch_runner around a graphed step) the folds write the step's next
 tokens and woken counts straight into the step's host buffer. Rounding happens where the torch
