@@ -399,7 +399,7 @@ def test_eligibility():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_gpu_gemv_bf16_v4_widths(rows):
-    for n_out, k_in in [(5120, 4096), (4096, 4096), (256, 4096)]:
+    for n_out, k_in in [(5120, 4096), (4096, 4096), (256, 4096), (2047, 4093)]:  # one row: the whole K a tile
         x = _draw(rows, k_in, dtype=torch.bfloat16, device="cuda", seed=20)
         w = (_draw(n_out, k_in, dtype=torch.bfloat16, device="cuda", seed=21) / 64).to(torch.bfloat16)
         expected = x.float() @ w.float().t()
