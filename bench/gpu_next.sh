@@ -38,9 +38,9 @@
 #   foldab   the fold's GPU tests, then tg128 @ b1 of Qwen3-30B-A3B, DeepSeek-V2-Lite (profiled) and v4-shape with
 #            qkv_norm_fold on and off (the tg128 lines in summary.txt; FOLD_MODELS="demo v4-shape" picks others)
 #   foldrows foldab's tg128 rows alone
-#   opreload the one-row GEMV's whole K in one tile (kernels.gemv.ONE_ROW_TILE_ELEMENTS): its GPU test,
-#            bench/experiments/o_preload.py, then tg128 @ b1 of Qwen3-30B-A3B and v4-shape with it and with the
-#            constant at 0 (the tiles before) in a process of its own
+#   opreload the o projection's one-row GEMV after attention by block: bench/experiments/o_preload.py (run 85: the
+#            whole K in one tile, all of the weight preloaded before the PDL wait, lost: Qwen3-30B-A3B tg128 @ b1
+#            398.3 against 402.8 t/s with kernels.gemv's 2 x 2048; it was not kept)
 #   foldall  the GPU tests of everything that runs the fused step's glue (families against transformers, DeepSeek,
 #            the engine, check-decode, sessions, traces, the sweep's timings, routing)
 #   bash bench/gpu_next.sh check            # about 3 minutes
@@ -109,20 +109,7 @@ want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:ca
             && say "   | $(grep -h 'GPU busy' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)"
     done
 done
-want opreload && TAIL=4 stage 60 pytest_gemv python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-    tests/test_decode_fused.py -k "gemv_bf16_v4_widths or fused_decode_matches"
 want opreload && TAIL=30 stage 120 o_preload env OUT="$OUT" python3 bench/experiments/o_preload.py
-BEFORE="import kernels.gemv as g, runpy, sys; g.ONE_ROW_TILE_ELEMENTS = 0; sys.argv = ['moe-inspector'] + sys.argv[1:]"
-for model in qwen3-30b-a3b v4-shape; do
-    source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model --gpu-weights")
-    for tile in whole before whole2; do  # logs only
-        python=(python3 -m inspector)
-        [ $tile = before ] && python=(python3 -c "$BEFORE; runpy.run_module('inspector', run_name='__main__')")
-        want opreload && TAIL=0 stage 80 "${model%%-*}_tile_$tile" "${python[@]}" "${BENCH[@]:3}" --model $source \
-            --reps 2 $([ $tile = whole ] && [ $model != v4-shape ] && echo --profile) \
-            && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_tile_$tile.log" | cut -c1-200)"
-    done
-done
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

@@ -36,11 +36,6 @@ from kernels import launches, pdl, scratch, streaming
 MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
 TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
 BYTES_PER_STEP = 8192  # weight bytes one program loads per K step
-# One row: a program takes the whole K in one tile where BLOCK_N x K fits this many elements (2 outputs up to
-# K = 4096, 32 registers a thread at 4 warps), so with PDL it loads all of its weight before its wait, while the
-# latency-bound kernels before it run (the o projection after attention; bench/experiments/o_preload.py). 0: tiles
-# of BYTES_PER_STEP, as before.
-ONE_ROW_TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -117,7 +112,7 @@ def _gemv_kernel(
 def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device, rows: int = 1) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 8 output features per program where N gives at least ~4 programs per SM,
     fewer for narrow outputs (16 for a tensor-core tile at >= 16 rows); BLOCK_K fills BYTES_PER_STEP
-    of weights per step, never wider than K, or at one row the whole K where it fits ONE_ROW_TILE_ELEMENTS."""
+    of weights per step, never wider than K."""
     dot = rows >= TENSOR_CORE_ROWS
     if device.type != "cuda":  # the interpreter pays per program: few, wide ones
         return min(64, max(16 if dot else 1, triton.next_power_of_2(n_out))), min(128, triton.next_power_of_2(k_in))
@@ -127,10 +122,8 @@ def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device,
     block_n = 16 if dot else 2 if rows == 1 else 8
     while block_n > (16 if dot else 1) and triton.cdiv(n_out, block_n) < 4 * sms:
         block_n //= 2
-    k_pad = triton.next_power_of_2(k_in)
-    if rows == 1 and block_n * k_pad <= ONE_ROW_TILE_ELEMENTS:
-        return block_n, k_pad
-    return block_n, min(k_pad, max(16, BYTES_PER_STEP // (block_n * element_bytes)))
+    block_k = min(triton.next_power_of_2(k_in), max(16, BYTES_PER_STEP // (block_n * element_bytes)))
+    return block_n, block_k
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,

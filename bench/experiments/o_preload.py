@@ -10,6 +10,11 @@ distinct o weight each in one CUDA graph, the median of 9 replays, minus the sam
 router's fold then reads a stand-in o output): what the o GEMV adds, the profile's "adds µs".
 
     python3 bench/experiments/o_preload.py          # JSON to $OUT/o_preload.json, a table on stdout
+
+Run 85 (930d2db): the whole K lost. Qwen3-30B-A3B: o adds 5.52 µs at 2 x 2048 against 5.97 at 2 x 4096, 5.99 at
+4 x 4096, 6.73 at 1 x 4096, 9.45 at 4 x 1024; v4-shape 9.40 against 9.68 / 9.39 / 9.85 / 11.64. The step agreed:
+Qwen3 tg128 @ b1 398.3 t/s with the whole K (twice) against 402.8 with 2 x 2048, v4-shape 8802.7 / 8790.5 against
+8799.4. kernels.gemv keeps its block.
 """
 
 from __future__ import annotations
