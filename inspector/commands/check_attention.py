@@ -8,7 +8,9 @@ sizes (the measurement could not tell honouring the mask from dropping it).
 `--mla`: the same check for multi-head latent attention (engine.compare_mla): the absorbed kernel over
 the latent cache against the decompressed references (causal, unmasked, without the RoPE key); exit 0
 when it sits on the causal one. `--model` (after the command, or the global one when it is not the default)
-takes the heads and latent dims from a preset or a checkpoint directory's config.json.
+takes the heads and latent dims from a preset or a checkpoint directory's config.json. The sinks check takes a
+global `--model`'s head_dim, heads, kv heads and first masked layer's window and block (the F3 screen's sizes);
+a model whose layers another check fits (--decode, --mla) or none is refused in one line naming it.
 
 `--decode`: the decode check (engine.compare_decode): the split-KV decode kernel the decode step runs, over a
 cache of --seq-len slots holding --batch sequences at different positions with stale garbage past each, against
@@ -93,9 +95,13 @@ def run(args: argparse.Namespace) -> int:
                         + ("drop it, or drop --mla" if args.mla else "add --mla, or drop it"))
     if args.mla:
         return _run_mla(args, device, fmt)
+    from inspector.commands.check_decode import chosen_model
+
+    model_name = chosen_model(args)  # the global --model when it is not the default: the model's dims, as F3 takes them
+    defaults = {**DEFAULTS[device], **(_sinks_defaults(model_name, device) if model_name is not None else {})}
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
-        for name, default in DEFAULTS[device].items()
+        for name, default in defaults.items()
     }
     dtype = None if args.dtype == "auto" else args.dtype
     CheckConfig(**{**options, "kv_heads": options["kv_heads"] or options["heads"]}, mode=args.mode, device=device,
@@ -134,6 +140,24 @@ def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
     return print_result(result, fmt, format_mla_result)
+
+
+def _sinks_defaults(model_name: str, device: str) -> dict[str, int]:
+    """The sinks check's dims and sizes from a preset or a checkpoint directory's config.json, as F3 takes them
+    (inspector.attention_kind); UserError naming the check that applies where the sinks check does not."""
+    from engine.errors import UserError
+    from engine.model_source import model_config
+    from inspector import attention_kind
+
+    config = model_config(model_name)
+    kind = attention_kind.check_kind(config)
+    if kind is None:
+        raise UserError(f"check-attention --model {model_name}: {attention_kind.why_not(config)}")
+    if kind != attention_kind.SINKS:
+        raise UserError(f"check-attention --model {model_name}: its layers have {attention_kind.model_attention(config)}; "
+                        f"the sinks check (sinks with a composite mask) does not apply: run check-attention --{kind}")
+    shape = attention_kind.attention_shape(config, device == "cuda")
+    return {name: shape[name] for name in ("seq_len", "head_dim", "heads", "kv_heads", "window", "block", "pad")}
 
 
 def _latent_defaults(model_name: str) -> dict[str, int]:
