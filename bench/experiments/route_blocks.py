@@ -8,6 +8,9 @@ router's fold with its exact norm, residual and top-k as the step runs it), 48 l
 weight each in one CUDA graph, the median of 9 replays, minus the o GEMV alone: what the fold adds.
 
     python3 bench/experiments/route_blocks.py          # JSON to $OUT/route_blocks.json, a table on stdout
+
+Run 86 (7e1a219): row_block's 2 x the whole K was best or level everywhere (Qwen3 5.04 µs against 5.02 at 1 x the
+whole K, V2-Lite 3.85 against 3.91, v4-shape 5.35 against 5.43); tiles of 1024 or 512 lost 0.8-6.4 µs. Kept.
 """
 
 from __future__ import annotations
