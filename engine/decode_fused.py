@@ -44,7 +44,7 @@ _SINKS: dict[int, tuple] = {}
 GEMV_ROWS = 1
 # Widest product (N) a residual-add RMSNorm is folded into (kernels.gemv_fused): every program of the
 # fold reads the whole x, residual and norm weight from L2, so the router and the LM head (N = 256) take
-# it and the qkv projection (N = 5120) keeps its own rms_norm (docs/decode-step.md).
+# it; the q/k/v projection (N = 5120) takes a fold of its own at QKV_FOLD_BLOCK (docs/decode-step.md).
 FOLD_RESIDUAL_MAX_N = 1024
 # The block (outputs, K elements a step) of a layer's attention norm folded into its q/k/v or latent GEMV (hooks'
 # `fold_qkv_norm`, the flag qkv_norm_fold): a program reads x, the residual and the norm weight for its BLOCK_N

@@ -705,7 +705,9 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         "routing": recorded,
         "commit": commit,
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
-        "flags": {name: entry for name, entry in flags.to_json().items() if name in LAUNCH_FLAGS},
+        # the kernels' launch switches, and the fold the neighbours timing launches after an arm
+        "flags": {name: entry for name, entry in flags.to_json().items()
+                  if name in LAUNCH_FLAGS or name == "qkv_norm_fold"},
     }
 
 
