@@ -16,13 +16,82 @@ from inspector.commands import COMMAND_MODULES
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 
 
+class _Unset(list):
+    """A value nobody gave: the parser's options start as these, so what the command line set can be told from a
+    default. A list, so an append action (--set) extends a copy of it."""
+
+
+def _unset(value) -> bool:
+    return isinstance(value, _Unset) and not value
+
+
+def _given(parser: argparse.ArgumentParser, arg_strings: list[str]) -> set[str]:
+    """The dests `arg_strings` set explicitly on `parser` (parsed again over a namespace of _Unset: no defaults)."""
+    probe = argparse.Namespace(**{action.dest: _Unset() for action in parser._actions
+                                  if action.dest is not argparse.SUPPRESS})
+    parser.parse_known_args(list(arg_strings), probe)
+    return {dest for dest, value in vars(probe).items() if not _unset(value)}
+
+
+class _Subcommands(argparse._SubParsersAction):
+    """Subcommands whose defaults do not undo an option given before the command: `moe-inspector --model X bench`
+    benches X (argparse's own would set bench's default over it). An option given on both sides is refused, unless
+    it appends (--set: both kept, the command's after)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, arg_strings = values[0], values[1:]
+        subparser = self._name_parser_map.get(name)
+        if subparser is None:  # argparse's own message
+            return super().__call__(parser, namespace, values, option_string)
+        outer = {dest for dest, value in vars(namespace).items() if not _unset(value) and dest != self.dest}
+        setattr(namespace, self.dest, name)
+        inner, rest = subparser.parse_known_args(list(arg_strings), None)
+        given = _given(subparser, arg_strings)
+        for dest, value in vars(inner).items():
+            current = getattr(namespace, dest, None)
+            if dest in outer and dest in given and current != value:
+                if isinstance(current, list) and isinstance(value, list):
+                    value = list(current) + list(value)
+                else:
+                    option = next(a.option_strings[-1] for a in subparser._actions if a.dest == dest)
+                    parser.error(f"{option} is given before the command ({current}) and after it ({value}): give "
+                                 f"one")
+            elif dest in outer and dest not in given:
+                continue  # the command's default does not override what was given before it
+            setattr(namespace, dest, value)
+        namespace.given_globals = frozenset(outer)
+        if rest:
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(rest)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad usage already; keep its message to one line plus the usage."""
+    """argparse exits 2 on bad usage already; keep its message to one line plus the usage. The top parser tells
+    the options given before a subcommand from its defaults (`_Subcommands`; `given_globals` names them)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         self.print_usage(sys.stderr)
         print(f"moe-inspector: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if namespace is not None or self._subparsers is None:  # a subcommand's parser, or a caller's namespace
+            return super().parse_known_args(args, namespace)
+        own = [action for action in self._actions if action.dest not in (argparse.SUPPRESS, "help")
+               and not isinstance(action, argparse._SubParsersAction)]
+        namespace = argparse.Namespace(**{action.dest: _Unset() for action in own})
+        namespace, rest = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "given_globals"):  # no subcommand: the TUI
+            namespace.given_globals = frozenset(action.dest for action in own
+                                                if not _unset(getattr(namespace, action.dest)))
+        for action in own:  # what nobody gave takes its default; an appended _Unset becomes a plain list
+            value = getattr(namespace, action.dest)
+            if isinstance(value, _Unset):
+                setattr(namespace, action.dest, list(value) if value else action.default)
+        return namespace, rest
 
 
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:

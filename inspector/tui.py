@@ -34,10 +34,11 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     if spec.ep > 1:
         raise UserError(f"--session {args.session}: [engine] ep = {spec.ep}; the TUI runs one device: run it headless "
                         f"with `moe-inspector run {args.session}`, which spawns the ranks")
-    if args.model not in (DEFAULT_MODEL, spec.model):
+    given = getattr(args, "given_globals", None)  # inspector.cli: what the command line gave (`--model demo` too)
+    if args.model != spec.model and (args.model != DEFAULT_MODEL if given is None else "model" in given):
         raise UserError(f"--session {args.session} records model {spec.model}, and --model says {args.model}: drop "
                         f"--model (the session decides), or start a new session file")
-    if args.seed not in (DEFAULT_SEED, spec.seed):
+    if args.seed != spec.seed and (args.seed != DEFAULT_SEED if given is None else "seed" in given):
         raise UserError(f"--session {args.session} records seed {spec.seed}, and --seed says {args.seed}: drop --seed, "
                         f"or start a new session file")
     if args.model != spec.model:

@@ -1,7 +1,7 @@
 """`moe-inspector check-attention --decode`: the decode check (engine.compare_decode) from the command line, and
 its text form (F3 shows the same text).
 
-Dims: the options given, else the model's (`--model`, or the global `--model` when it is not the default), else
+Dims: the options given, else the model's (`--model`, or the global `--model` where given), else
 engine.compare_decode.DEFAULTS for the device. Options of another check, or a model whose layers the decode
 check does not take, are refused in one line (exit 2) before anything runs. Exit 0 when every run sits on `ok`,
 1 when one sits elsewhere, 2 when a failure mode does not discriminate at these sizes.
@@ -38,11 +38,13 @@ def _refuse_other_options(args: argparse.Namespace) -> None:
 
 def chosen_model(args: argparse.Namespace) -> str | None:
     """The model the decode and latent checks take their dims from: the subcommand's `--model`, else the global
-    `--model` when it is not the default; None for neither. Both given and naming different models: UserError
-    (which one was meant cannot be told)."""
+    `--model` where it was given (`--model demo` too); None for neither. Both given and naming different models:
+    UserError (which one was meant cannot be told)."""
     own = args.decode_model
+    given = getattr(args, "given_globals", None)  # inspector.cli: the options given before the command
     outer = getattr(args, "model", DEFAULT_MODEL)
-    outer = None if outer == DEFAULT_MODEL else outer
+    if (outer == DEFAULT_MODEL) if given is None else ("model" not in given):
+        outer = None
     if own is not None and outer is not None and not _same_model(own, outer):
         raise UserError(f"check-attention: --model {outer} before the command and --model {own} after it name two "
                         f"models: give one")
