@@ -19,33 +19,26 @@ Qwen3 tg128 @ b1 398.3 t/s with the whole K (twice) against 402.8 with 2 x 2048,
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "experiments"))
 
 import torch  # noqa: E402
 
-from engine.bench import graph_call_us  # noqa: E402
-from engine.provenance import commit_label  # noqa: E402
+from chains import Layers, draw, timer, write  # noqa: E402
 from kernels.attention_decode import flash_decode  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import Norm, Route, gemv_fused  # noqa: E402
 from kernels.reference import MaskSpec  # noqa: E402
 from kernels.rope_cache import rope_cache  # noqa: E402
 
-LAYERS = 48
 # (D, Hq, Hkv, head dim, E, k): the o GEMV is [D, Hq * head dim]
 SHAPES = {"qwen3-30b-a3b": (2048, 32, 4, 128, 128, 8), "v4-shape": (4096, 8, 1, 512, 256, 6)}
 BLOCKS = ((2, 2048), (2, 4096), (1, 4096), (4, 1024), (4, 2048), (4, 4096))
 KEYS, CAPACITY = 128, 256
-
-
-def _draw(*shape, scale=0.02):
-    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
 
 def main() -> None:
@@ -54,42 +47,31 @@ def main() -> None:
     rows: list[dict] = []
     for shape, (hidden, heads, kv_heads, head_dim, experts, top_k) in SHAPES.items():
         width = heads * head_dim
-        w_o = [_draw(hidden, width) for _ in range(LAYERS)]
-        w_router, g = _draw(experts, hidden), (1 + _draw(hidden, scale=0.1)).contiguous()
-        x = _draw(1, hidden, scale=1.0)
-        qkv = _draw(1, (heads + 2 * kv_heads) * head_dim, scale=1.0)
-        k_cache = _draw(1, CAPACITY, kv_heads, head_dim, scale=1.0)
-        v_cache = _draw(1, CAPACITY, kv_heads, head_dim, scale=1.0)
+        layers = Layers((hidden, width))
+        w_router, g = draw(experts, hidden), (1 + draw(hidden, scale=0.1)).contiguous()
+        x = draw(1, hidden, scale=1.0)
+        qkv = draw(1, (heads + 2 * kv_heads) * head_dim, scale=1.0)
+        k_cache = draw(1, CAPACITY, kv_heads, head_dim, scale=1.0)
+        v_cache = draw(1, CAPACITY, kv_heads, head_dim, scale=1.0)
         start = torch.tensor([KEYS - 1], device=device)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-        stand_in = _draw(1, hidden, scale=1.0)
-        state = {"layer": 0}
-
-        def o_weight():
-            index = state["layer"] % LAYERS
-            state["layer"] += 1
-            return w_o[index]
+        stand_in = draw(1, hidden, scale=1.0)
+        time = timer(rows, shape, layers, width=34)
 
         def chain(block):
             def layer():
                 q, positions = rope_cache(qkv, inv_freq, start, None, k_cache, v_cache, heads)
                 attended = flash_decode(q.view(1, 1, heads, head_dim), k_cache, v_cache, None, MaskSpec("causal"),
                                         positions)
-                o = gemv(attended.reshape(1, width), o_weight(), block=block) if block else stand_in
+                o = gemv(attended.reshape(1, width), layers.next()[0], block=block) if block else stand_in
                 gemv_fused(x, w_router, norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
                            route=Route(top_k, torch.bfloat16))
             return layer
 
-        def time(name: str, layer) -> float:
-            state["layer"] = 0
-            us = graph_call_us(layer, LAYERS, warmup=3, replays=9)
-            rows.append({"shape": shape, "chain": name, "us_per_layer": us})
-            print(f"{shape:16s} {name:34s} {us:8.2f} µs a layer", flush=True)
-            return us
-
-        expected = gemv(qkv[:, :width].contiguous(), w_o[0]).float()
+        w_o = layers.first()[0]
+        expected = gemv(qkv[:, :width].contiguous(), w_o).float()
         for block in BLOCKS:  # every block computes the product (its fp32 sums in its own order)
-            got = gemv(qkv[:, :width].contiguous(), w_o[0], block=block).float()
+            got = gemv(qkv[:, :width].contiguous(), w_o, block=block).float()
             error = ((got - expected).abs().max() / expected.abs().max()).item()
             assert error < 1e-2, f"{shape} {block}: {error:.3g} off the default block"
         base = time("attention + route", chain(None))
@@ -97,13 +79,9 @@ def main() -> None:
             took = time(f"attention + o {block[0]} x {block[1]} + route", chain(block)) - base
             print(f"{shape}: o at {block[0]} x {block[1]} adds {took:.2f} µs", flush=True)
         del w_o
+        layers.stacks.clear()
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "bench/results/latest"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "o_preload.json").write_text(json.dumps({
-        "commit": commit_label(), "device": torch.cuda.get_device_name(), "layers": LAYERS, "keys": KEYS,
-        "rows": rows,
-    }, indent=1))
+    write("o_preload", rows, keys=KEYS)
 
 
 if __name__ == "__main__":

@@ -22,77 +22,58 @@ at Qwen3-30B-A3B (D 2048, q/k/v 5120 rows), DeepSeek-V2-Lite (D 2048, [q; kv_a] 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "experiments"))
 
 import torch  # noqa: E402
 
-from engine.bench import graph_call_us  # noqa: E402
-from engine.provenance import commit_label  # noqa: E402
+from chains import Layers, draw, timer, write  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import Norm, gemv_fused  # noqa: E402
 from kernels.rms_norm import rms_norm  # noqa: E402
 
-LAYERS = 48
 SHAPES = {"qwen3-30b-a3b": (2048, 4096, 5120), "deepseek-v2-lite": (2048, 2048, 3648),
           "v4-shape": (4096, 4096, 5120)}  # (D, o's input width, the first product's rows)
 BLOCKS = ((2, 2048), (4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256))
-
-
-def _draw(*shape, scale=0.02):
-    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
 
 def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     for shape, (hidden, o_in, qkv_rows) in SHAPES.items():
-        w_o = [_draw(hidden, o_in) for _ in range(LAYERS)]
-        w_qkv = [_draw(qkv_rows, hidden) for _ in range(LAYERS)]
-        g = (1 + _draw(hidden, scale=0.1)).contiguous()
-        x, attended = _draw(1, hidden, scale=1.0), _draw(1, o_in, scale=1.0)
-        state = {"layer": 0}
-
-        def layer_weights():
-            index = state["layer"] % LAYERS
-            state["layer"] += 1
-            return w_o[index], w_qkv[index]
-
-        def time(name: str, chain) -> float:
-            state["layer"] = 0
-            us = graph_call_us(chain, LAYERS, warmup=3, replays=9)
-            rows.append({"shape": shape, "chain": name, "us_per_layer": us})
-            print(f"{shape:18s} {name:40s} {us:8.2f} µs a layer", flush=True)
-            return us
+        layers = Layers((hidden, o_in), (qkv_rows, hidden))
+        g = (1 + draw(hidden, scale=0.1)).contiguous()
+        x, attended = draw(1, hidden, scale=1.0), draw(1, o_in, scale=1.0)
+        time = timer(rows, shape, layers)
 
         def base():
-            wo, _ = layer_weights()
+            wo, _ = layers.next()
             gemv(attended, wo)
 
         def unfolded():
-            wo, wqkv = layer_weights()
+            wo, wqkv = layers.next()
             _, h = rms_norm(x, g, 1e-6, residual=gemv(attended, wo))
             gemv(h, wqkv)
 
         def folded(block, exact):
             def chain():
-                wo, wqkv = layer_weights()
+                wo, wqkv = layers.next()
                 gemv_fused(x, wqkv, norm=Norm(g, 1e-6, residual=gemv(attended, wo), write_x=True, exact=exact),
                            block=block)
             return chain
 
         # the folded product against rms_norm + gemv (kernels.rms_norm rounds h before the product: compare with
         # the one-pass fold's tolerance, about one rounding of the output)
-        o = gemv(attended, w_o[0])
+        w_o, w_qkv = layers.first()
+        o = gemv(attended, w_o)
         x_new, h = rms_norm(x, g, 1e-6, residual=o)
-        expected = gemv(h, w_qkv[0]).float()
+        expected = gemv(h, w_qkv).float()
         for block in BLOCKS:
-            got = gemv_fused(x, w_qkv[0], norm=Norm(g, 1e-6, residual=o, write_x=True), block=block)
+            got = gemv_fused(x, w_qkv, norm=Norm(g, 1e-6, residual=o, write_x=True), block=block)
             error = ((got.out.float() - expected).abs().max() / expected.abs().max()).item()
             assert torch.equal(got.x, x_new), "the fold's residual stream differs from rms_norm's"
             assert error < 2e-2, f"{shape} {block}: the fold's product is {error:.3g} off rms_norm + gemv"
@@ -106,12 +87,9 @@ def main() -> None:
                 print(f"{shape}: fold {block[0]} x {block[1]}{' exact' if exact else ''} adds {took:.2f} µs "
                       f"({took - plain:+.2f})", flush=True)
         del w_o, w_qkv
+        layers.stacks.clear()
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "bench/results/latest"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "qkv_fold.json").write_text(json.dumps({
-        "commit": commit_label(), "device": torch.cuda.get_device_name(), "layers": LAYERS, "rows": rows,
-    }, indent=1))
+    write("qkv_fold", rows)
 
 
 if __name__ == "__main__":

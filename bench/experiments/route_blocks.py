@@ -15,69 +15,50 @@ whole K, V2-Lite 3.85 against 3.91, v4-shape 5.35 against 5.43); tiles of 1024 o
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "experiments"))
 
 import torch  # noqa: E402
 
-from engine.bench import graph_call_us  # noqa: E402
-from engine.provenance import commit_label  # noqa: E402
+from chains import Layers, draw, timer, write  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.gemv_fused import Norm, Route, gemv_fused  # noqa: E402
 
-LAYERS = 48
 SHAPES = {"qwen3-30b-a3b": (2048, 4096, 128, 8), "deepseek-v2-lite": (2048, 2048, 64, 6),
           "v4-shape": (4096, 4096, 256, 6)}  # (D, o's input width, E, k)
 BLOCKS = ((2, 2048), (1, 2048), (1, 1024), (2, 1024), (1, 512), (2, 4096), (1, 4096))
-
-
-def _draw(*shape, scale=0.02):
-    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
 
 def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     for shape, (hidden, o_in, experts, top_k) in SHAPES.items():
-        w_o = [_draw(hidden, o_in) for _ in range(LAYERS)]
-        w_router = [_draw(experts, hidden) for _ in range(LAYERS)]
-        g = (1 + _draw(hidden, scale=0.1)).contiguous()
-        x, attended = _draw(1, hidden, scale=1.0), _draw(1, o_in, scale=1.0)
-        state = {"layer": 0}
-
-        def weights():
-            index = state["layer"] % LAYERS
-            state["layer"] += 1
-            return w_o[index], w_router[index]
-
-        def time(name: str, chain) -> float:
-            state["layer"] = 0
-            us = graph_call_us(chain, LAYERS, warmup=3, replays=9)
-            rows.append({"shape": shape, "chain": name, "us_per_layer": us})
-            print(f"{shape:18s} {name:28s} {us:8.2f} µs a layer", flush=True)
-            return us
+        layers = Layers((hidden, o_in), (experts, hidden))
+        g = (1 + draw(hidden, scale=0.1)).contiguous()
+        x, attended = draw(1, hidden, scale=1.0), draw(1, o_in, scale=1.0)
+        time = timer(rows, shape, layers, width=28)
 
         def fold(block):
             def chain():
-                wo, wr = weights()
+                wo, wr = layers.next()
                 o = gemv(attended, wo)
                 if block is not None:
                     gemv_fused(x, wr, norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
                                route=Route(top_k, torch.bfloat16), block=block)
             return chain
 
-        o = gemv(attended, w_o[0])
-        reference = gemv_fused(x, w_router[0], norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
+        w_o, w_router = layers.first()
+        o = gemv(attended, w_o)
+        reference = gemv_fused(x, w_router, norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
                                route=Route(top_k, torch.bfloat16))
         for block in BLOCKS:  # the exact norm: the same h to the bit, the same experts (the logits' sums differ)
             if block[1] > 1 << (hidden - 1).bit_length():
                 continue
-            got = gemv_fused(x, w_router[0], norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
+            got = gemv_fused(x, w_router, norm=Norm(g, 1e-6, residual=o, write_x=True, write_h=True, exact=True),
                              route=Route(top_k, torch.bfloat16), block=block)
             assert torch.equal(got.h, reference.h) and torch.equal(got.x, reference.x), f"{shape} {block}"
             assert set(got.ids.tolist()[0]) == set(reference.ids.tolist()[0]), f"{shape} {block}: other experts"
@@ -89,12 +70,9 @@ def main() -> None:
             print(f"{shape}: the fold at {block[0]} x {block[1]} ({-(-experts // block[0])} programs) adds "
                   f"{took:.2f} µs", flush=True)
         del w_o, w_router
+        layers.stacks.clear()
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "bench/results/latest"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "route_blocks.json").write_text(json.dumps({
-        "commit": commit_label(), "device": torch.cuda.get_device_name(), "layers": LAYERS, "rows": rows,
-    }, indent=1))
+    write("route_blocks", rows)
 
 
 if __name__ == "__main__":
