@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from engine.errors import UserError
-from engine.printable import one_line
+from engine.printable import one_line, printable
 from inspector.commands import COMMAND_MODULES
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 
@@ -53,9 +53,13 @@ class _Subcommands(argparse._SubParsersAction):
                 if isinstance(current, list) and isinstance(value, list):
                     value = list(current) + list(value)
                 else:
-                    option = next(a.option_strings[-1] for a in subparser._actions if a.dest == dest)
-                    parser.error(f"{option} is given before the command ({current}) and after it ({value}): give "
-                                 f"one")
+                    inner_action = next(a for a in subparser._actions if a.dest == dest)
+                    outer_option = next((a.option_strings[-1] for a in parser._actions if a.dest == dest), dest)
+                    inner_option = (inner_action.option_strings[-1] if inner_action.option_strings
+                                    else inner_action.metavar or dest)  # a positional: its name
+                    both = outer_option if inner_option == outer_option else f"{outer_option} and {inner_option}"
+                    parser.error(f"{both}: given before the command ({printable(str(current))}) and after it "
+                                 f"({printable(str(value))}): give one")
             elif dest in outer and dest not in given:
                 continue  # the command's default does not override what was given before it
             setattr(namespace, dest, value)

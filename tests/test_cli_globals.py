@@ -4,9 +4,34 @@ with two values is refused in one line; --set given on both sides keeps both."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
+import pytest
+
 from inspector.cli import build_parser, main
+
+# two valid values of each top-level option a command also takes (--set appends: both kept, tested below)
+TWO_VALUES = {"model": ("tiny", "demo"), "device": ("cpu", "cuda"), "seed": ("1", "2"), "weights": ("auto", "random"),
+              "session": ("a.toml", "b.toml"), "prompt_file": ("a.txt", "b.txt"), "sweep": ("a.json", "b.json")}
+
+
+# what each command requires besides the option under test, by the dest that also satisfies it (--prompt-file
+# does what --prompt would)
+REQUIRED = {"generate": [("prompt_file", ["--prompt", "x"])], "compare": [("prompt_file", ["--prompt", "x"])],
+            "run": [("session", ["s.toml"])], "replay": [("session", ["s.toml"])], "routing": [("file", ["r.json"])],
+            "quantize": [("model", ["tiny"]), ("experts", ["--experts", "trellis:K=2,code=hyb"]),
+                         ("out", ["--out", "o"])]}
+
+
+def _clashes():
+    parser = build_parser()
+    outer = {action.dest: action.option_strings[-1] for action in parser._actions if action.option_strings}
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.dest in outer and action.dest in TWO_VALUES and action.default is not argparse.SUPPRESS:
+                yield name, action.dest, outer[action.dest], action.option_strings[-1] if action.option_strings else None
 
 
 def test_a_global_option_is_not_undone_by_the_commands_default(capsys):
@@ -37,7 +62,7 @@ def test_one_option_given_twice_with_two_values_is_refused_in_one_line(capsys):
     except SystemExit as stop:
         assert stop.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "moe-inspector: error: --model is given before the command (tiny) and after it (demo): give one"
+    assert err[-1] == "moe-inspector: error: --model: given before the command (tiny) and after it (demo): give one"
     assert main(["--model", "tiny", "generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "1",
                  "--json"]) == 0  # the same value twice is one
 
@@ -48,3 +73,17 @@ def test_an_explicit_global_demo_is_a_model_given(capsys):
     assert main(["--model", "demo", "check-attention", "--mla"]) == 2
     assert "demo has no latent attention" in capsys.readouterr().err
     assert build_parser().parse_args(["--model", "demo", "curve"]).given_globals == {"model"}
+
+
+@pytest.mark.parametrize("command, dest, outer, inner", list(_clashes()))
+def test_every_option_on_both_sides_with_two_values_is_one_line_exit_2(command, dest, outer, inner, capsys):
+    """Generated over every command: a top-level option the command also takes (as an option or a positional),
+    given on both sides with two values: one line naming both, exit 2, never a traceback."""
+    first, second = TWO_VALUES[dest]
+    required = [part for required_dest, parts in REQUIRED.get(command, []) if required_dest != dest for part in parts]
+    argv = [outer, first, command] + ([inner, second] if inner else [second]) + required
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("moe-inspector: error: ") and f"({first})" in last and f"({second})" in last, last
