@@ -47,6 +47,7 @@ from pathlib import Path
 
 from engine import calibration, routing_replay
 from engine.errors import MeasurementError, UserError
+from engine.flags import LAUNCH_FLAGS
 from engine.provenance import commit_and_dirty
 
 
@@ -458,6 +459,11 @@ def _arm_functions(arms, tile_m: int):
     return {arm: table[arm] for arm in arms}
 
 
+# The flags a sweep's results record: the kernels' launch switches, and the fold the neighbours timing launches
+# after an arm (engine.sweep_neighbours)
+RECORDED_FLAGS = (*LAUNCH_FLAGS, "qkv_norm_fold")
+
+
 def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
     """Measure everything `config` asks for; returns the JSON-ready result. Needs CUDA. The arms launch as
     `flags` (engine.flags.ResolvedFlags; None: the defaults and the environment) set the launch switches,
@@ -465,7 +471,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
     require_cuda()
     import torch
 
-    from engine.flags import LAUNCH_FLAGS, from_environment, launch_settings
+    from engine.flags import from_environment, launch_settings
     from kernels import settings as kernel_settings
     from kernels import launches
     from kernels.moe_align import moe_align
@@ -705,9 +711,7 @@ def run_sweep(config: SweepConfig, progress=None, flags=None) -> dict:
         "routing": recorded,
         "commit": commit,
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
-        # the kernels' launch switches, and the fold the neighbours timing launches after an arm
-        "flags": {name: entry for name, entry in flags.to_json().items()
-                  if name in LAUNCH_FLAGS or name == "qkv_norm_fold"},
+        "flags": {name: entry for name, entry in flags.to_json().items() if name in RECORDED_FLAGS},
     }
 
 

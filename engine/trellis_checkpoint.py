@@ -1,11 +1,11 @@
 """Checkpoint directories with trellis-coded experts (docs/trellis.md): config.json, dense.safetensors,
 one experts-LLLLL.safetensors per layer, quantization.json, and tokenizer.json where the source had one.
 
-Reading: `is_trellis_config` tells engine.hf_loader which directories are these; `read_config` gives the
-engine's ModelConfig (named after the source, marked with the code: `quantized_name`) and the code; `load_weights` gives the weights dict in which each layer's `w13` and
-`w2` are kernels.trellis_reference.TrellisMatrix stacks (what the trellis arms receive), every other
-tensor a dense tensor. Every tensor's dtype and shape is checked against config.json first, so a
-mismatch is one UserError naming the file and the tensor, and nothing is half loaded.
+Reading: `is_trellis_config` tells engine.hf_loader which directories are these; `read_config` gives the engine's
+ModelConfig (named after the source, marked with the code: `quantized_name`) and the code; `load_weights` gives the
+weights dict in which each layer's `w13` and `w2` are kernels.trellis_reference.TrellisMatrix stacks (what the
+trellis arms receive), every other tensor a dense tensor. Every tensor's dtype and shape is checked against
+config.json first, so a mismatch is one UserError naming the file and the tensor, and nothing is half loaded.
 
 Writing: the pieces engine.trellis_job assembles (config.json's entry, the layer and dense files), each
 written to a temporary name and renamed, so a file is whole or absent.

@@ -96,9 +96,3 @@ def _runs(c) -> str:
     kinds = sorted({mask.describe() if mask.kind != "causal" else "causal" for mask in c.layer_masks})
     masks = f"a {kinds[0]} mask" if len(kinds) == 1 else f"{' and '.join(kinds)} masks"
     return f"{masks}, {'sinks' if c.sinks else 'no sinks'}"
-
-
-def _runs(c) -> str:
-    kinds = sorted({mask.describe() if mask.kind != "causal" else "causal" for mask in c.layer_masks})
-    masks = f"a {kinds[0]} mask" if len(kinds) == 1 else f"{' and '.join(kinds)} masks"
-    return f"{masks}, {'sinks' if c.sinks else 'no sinks'}"

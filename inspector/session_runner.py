@@ -11,8 +11,9 @@ then one line per step, in order:
     {"kind": "step", "step": 1, "action", "definition": {the step as written}, "status": "ok" or
      "check failed", "runs": [per configuration: config, flags, prompt_tokens, tokens, text,
      decisions (per generated step per layer: phase, n_tokens, moe decided/executed/variant and, for
-     a layer with shared experts, shared_path/shared_reason, attention decided/executed/mask/applied_mask), counters, reasons (each distinct decision
-     reason once), notes (why an executed arm differs from the decided one), timings],
+     a layer with shared experts, shared_path/shared_reason, attention decided/executed/mask/applied_mask),
+     counters, reasons (each distinct decision reason once), notes (why an executed arm differs from the decided
+     one), timings],
      "numbers": {...},
      "check": {"expect", "held", "detail"} or null, "wall_s"}
 

@@ -30,8 +30,9 @@ stages: q 64 x 576 x 2 B = 72 KB and two 72 KB key tiles, 216 KB of shared memor
 bench/mla_bench.py --sweep has timed them; docs/mla.md gives the roofline and why each exists.
 Split count (`default_num_splits`, host-side, shapes only: CUDA-graph safe): one wave of programs
 (S x B x row blocks <= SMs), each split >= MIN_TILES_PER_SPLIT key tiles (a short walk: up to
-SHORT_WALK_SPLITS splits of one tile or more), at most MAX_SPLITS; one tile a split where the consumer merges. `mla_split` leaves the partials to a
-consumer that merges them itself (kernels.mla_absorb.unabsorb at decode); `mla_decode` merges them here.
+SHORT_WALK_SPLITS splits of one tile or more), at most MAX_SPLITS; one tile a split where the consumer merges.
+`mla_split` leaves the partials to a consumer that merges them itself (kernels.mla_absorb.unabsorb at decode);
+`mla_decode` merges them here.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def _clashes():
     for name, command in commands.items():
         for action in command._actions:
             if action.dest in outer and action.dest in TWO_VALUES and action.default is not argparse.SUPPRESS:
-                yield name, action.dest, outer[action.dest], action.option_strings[-1] if action.option_strings else None
+                inner = action.option_strings[-1] if action.option_strings else None  # None: a positional
+                yield name, action.dest, outer[action.dest], inner
 
 
 def test_a_global_option_is_not_undone_by_the_commands_default(capsys):

@@ -1,5 +1,5 @@
-"""What the router's one-row fold adds at narrow widths, by block: 2 outputs x the whole K a program (kernels.gemv_norm's
-row_block) against fewer outputs or shorter tiles, so that more of the SMs take part.
+"""What the router's one-row fold adds at narrow widths, by block: 2 outputs x the whole K a program
+(kernels.gemv_norm's row_block) against fewer outputs or shorter tiles, so that more of the SMs take part.
 
 At Qwen3-30B-A3B's router (E 128, D 2048) the fold runs 64 programs on a 132-SM H200, at DeepSeek-V2-Lite's (E 64) 32:
 most SMs idle while its exact norm and product run, then the last program routes (kernels.arrivals). Run 81 found

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_mla(args, device, fmt)
     from inspector.commands.check_decode import chosen_model
 
-    model_name = chosen_model(args)  # the global --model when it is not the default: the model's dims, as F3 takes them
+    model_name = chosen_model(args)  # the global --model where given: the model's dims, as F3 takes them
     defaults = {**DEFAULTS[device], **(_sinks_defaults(model_name, device) if model_name is not None else {})}
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
@@ -154,8 +154,9 @@ def _sinks_defaults(model_name: str, device: str) -> dict[str, int]:
     if kind is None:
         raise UserError(f"check-attention --model {model_name}: {attention_kind.why_not(config)}")
     if kind != attention_kind.SINKS:
-        raise UserError(f"check-attention --model {model_name}: its layers have {attention_kind.model_attention(config)}; "
-                        f"the sinks check (sinks with a composite mask) does not apply: run check-attention --{kind}")
+        raise UserError(f"check-attention --model {model_name}: its layers have "
+                        f"{attention_kind.model_attention(config)}; the sinks check (sinks with a composite mask) does "
+                        f"not apply: run check-attention --{kind}")
     shape = attention_kind.attention_shape(config, device == "cuda")
     return {name: shape[name] for name in ("seq_len", "head_dim", "heads", "kv_heads", "window", "block", "pad")}
 

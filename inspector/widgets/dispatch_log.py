@@ -7,8 +7,8 @@ differs; latent attention adds its cache bytes per token against the decompresse
 and the whole reason (a trellis-coded layer's starts with its format, bits per weight and the
 expert bytes the step moved, the record's `bytes_moved`; a layer with shared experts adds their path to
 the arm, "+ shared folded" or "+ shared apart", and the why to the reason). The header stays on top
-and over its columns. The line under the table gives the full reason of the row under the cursor (the newest while following),
-wrapped: it grows to the rows the longest reason shown so far needs (up to WHY_ROWS, so moving the cursor
+and over its columns. The line under the table gives the full reason of the row under the cursor (the newest while
+following), wrapped: it grows to the rows the longest reason shown so far needs (up to WHY_ROWS, so moving the cursor
 does not make the table jump), and a reason longer still ends in "…"; on a short screen it is one row that
 ends in an ellipsis. Enter opens the row's whole decision (`RecordScreen`).
 
