@@ -44,9 +44,6 @@
 #   foldall  the GPU tests of everything that runs the fused step's glue (families against transformers, DeepSeek,
 #            the engine, check-decode, sessions, traces, the sweep's timings, routing)
 #   routeblk bench/experiments/route_blocks.py: the router's one-row fold by block at Qwen3, V2-Lite and v4-shape widths
-#   ropeab   RoPE and the cache write inside the decode attention kernel (the flag rope_in_attention): its GPU tests
-#            and those of everything that runs the fused step, then tg128 @ b1 of Qwen3-30B-A3B (on profiled, off,
-#            on again), v4-shape and demo with rope_in_attention on and off (ROPE_TESTS=0 skips the tests)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -64,7 +61,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,ropeab 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -112,20 +109,6 @@ want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:ca
             && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)" \
             && say "   | $(grep -h 'GPU busy' "$OUT/${model%%-*}_fold_$fold.log" | cut -c1-200)"
     done
-done
-[ "${ROPE_TESTS:-1}" = 1 ] && want ropeab && TAIL=8 stage 330 pytest_rope python3 -m pytest -m gpu -q \
-    -p no:cacheprovider -rf tests/test_attention_fresh.py tests/test_decode_fused.py tests/test_runtime_gpu.py \
-    tests/test_attention_kernels.py tests/test_families_gpu.py tests/test_engine_gpu.py tests/test_check_decode.py \
-    tests/test_session_steps.py tests/test_trace.py
-for row in qwen3-30b-a3b:on qwen3-30b-a3b:off qwen3-30b-a3b:on v4-shape:on v4-shape:off demo:on demo:off; do
-    model=${row%%:*} rope=${row##*:}
-    source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model")
-    [ $model = v4-shape ] && source="$model --gpu-weights"
-    name="${model%%-*}_rope_${rope}$([ -f "$OUT/${model%%-*}_rope_${rope}.log" ] && echo _again)"
-    want ropeab && TAIL=0 stage 80 "$name" "${BENCH[@]}" --model $source --reps 2 --set rope_in_attention=$rope \
-        $([ $rope = on ] && [ $model = qwen3-30b-a3b ] && [ ! -f "$OUT/qwen3_rope_on.log" ] && echo --profile) \
-        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/$name.log" | cut -c1-200)" \
-        && say "   | $(grep -h 'GPU busy' "$OUT/$name.log" | cut -c1-200)"
 done
 want opreload && TAIL=30 stage 120 o_preload env OUT="$OUT" python3 bench/experiments/o_preload.py
 want routeblk && TAIL=30 stage 120 route_blocks env OUT="$OUT" python3 bench/experiments/route_blocks.py

@@ -73,26 +73,15 @@ def _attention_fused(q, k, v, sinks, spec, q_start, key_padding):
     # A small query chunk (decode: one query) goes to the split-KV decode kernel whatever the key
     # length (a short cache too: the prefill kernel with one query cost 17.7 us on the H200, for 1 of
     # its 64 rows); a chunk whose (Hq / Hkv) x Tq rows exceed one decode program goes to prefill.
-    # q may be a kernels.rope_cache.FreshToken (the flag rope_in_attention): the decode kernel rotates it itself.
     from kernels.attention_decode import MAX_ROWS, flash_decode
     if q.shape[1] <= 4 and (q.shape[2] // max(k.shape[2], 1)) * q.shape[1] <= MAX_ROWS:
         return flash_decode(q, k, v, sinks, spec, q_start, key_padding)
-    q, q_start = _rotated(q, q_start)
     from kernels.attention import flash_attention
     return flash_attention(q, k, v, sinks, spec, q_start, key_padding)
 
 
 def _attention_unfused(q, k, v, sinks, spec, q_start, key_padding):
-    q, q_start = _rotated(q, q_start)
     return attention_reference(q, k, v, sinks, spec, q_start, key_padding)
-
-
-def _rotated(q, q_start):
-    """(q, q_start) for an arm that takes q rotated: a FreshToken's rope_cache run first (k and v into the cache)."""
-    from kernels.rope_cache import FreshToken
-    if isinstance(q, FreshToken):
-        return q.materialize()
-    return q, q_start
 
 
 def _mla_fused(config, q, latent_cache, kv_b, q_start):

@@ -237,7 +237,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     from dataclasses import replace
 
     from kernels.gemv_fused import NextNorm, Norm, Pick, Route, gemv_fused, next_norm_fits
-    from kernels.rope_cache import FreshToken, rope_cache
+    from kernels.rope_cache import rope_cache
     from kernels.router import group_topk, topk_softmax
 
     c = config
@@ -256,11 +256,6 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     # step that norms on its own computes, to the bit
     fold_qkv = gemv_rows and bool(getattr(hooks, "fold_qkv_norm", False))
     fold_first = gemv_rows and bool(getattr(hooks, "fold_first_norm", fold_qkv))
-    # RoPE and the cache write inside the attention arm (hooks' rope_in_attention): rows read as views of cache rows
-    # 0..B-1 (no slots, whose rows are copies taken before the arm runs); the queries at `start` (an int q_start is
-    # the same positions)
-    fresh_token = bool(getattr(hooks, "rope_in_attention", False)) and slots is None \
-        and not isinstance(q_start, torch.Tensor)
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         if layer == 0 and carried is not None:  # this step's first norm, written by the step before's LM head
@@ -272,19 +267,13 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                            inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            sinks = _float_sinks(weights.get(p + "sinks"))
-            if fresh_token:  # the attention arm rotates q and k and writes the cache (the flag rope_in_attention)
-                fresh = FreshToken(_qkv(weights, p, layer_input), inv_freq, start, cache.k[layer], cache.v[layer],
-                                   c.n_heads, qk_norm)
-                k_rows, v_rows = cache.rows(layer, batch, key_length, None)  # views: the arm's writes land there
-                attended = hooks.attention(layer, fresh, k_rows, v_rows, sinks, fresh.position, key_length)
-            else:
-                q, start32 = rope_cache(_qkv(weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
-                                        cache.v[layer], c.n_heads, qk_norm)
-                # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
-                k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
-                attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows, sinks,
-                                           start32 if q_start is None else q_start, key_length)  # [B, 1, Hq, hd]
+            q, start32 = rope_cache(_qkv(weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
+                                    cache.v[layer], c.n_heads, qk_norm)
+            # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
+            k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
+            attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
+                                       _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
+                                       key_length)  # [B, 1, Hq, hd]
             o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
         x = layer_input.x  # the residual stream after the attention norm's add
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)

@@ -96,8 +96,6 @@ class Dispatcher:
         # qkv_norm_fold); the first layer's only where carry_norm is off (else the step before's LM head norms it)
         self.fold_qkv_norm = bool(flags["qkv_norm_fold"])
         self.fold_first_norm = self.fold_qkv_norm and not flags["carry_norm"]
-        # and whether the attention hook takes the new token before RoPE (the flag rope_in_attention)
-        self.rope_in_attention = bool(flags["rope_in_attention"])
         self.timer = _Timer(engine.device)
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []

@@ -158,10 +158,6 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "at a one-row decode step, each layer's attention RMSNorm (with its residual add) computed inside the "
              "q/k/v (or latent) GEMV instead of its own launch (the fp32 sums in another order: tokens may differ "
              "at a near tie); off = rms_norm, then the GEMV"),
-    FlagSpec("rope_in_attention", True, "on or off", _parse_switch, "bool", (True, False),
-             "at a decode step without slots, the fused attention kernel norms and rotates the new token's q and k "
-             "and writes its k and v into the cache itself, one launch fewer a layer (the per-head norm's fp32 sum "
-             "in another order: tokens may differ at a near tie); off = rope_cache, then attention"),
     FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
     FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",

@@ -150,7 +150,7 @@ def _flash_attention_kernel(
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the chunk
     row_valid = rows < query_len
-    q_start = tl.load(q_start_ptr + batch).to(tl.int32)
+    q_start = tl.load(q_start_ptr + batch)
     positions = q_start + rows  # [BLOCK_M] absolute query positions
     p_first = q_start + pid_m * BLOCK_M
     p_last = q_start + tl.minimum(pid_m * BLOCK_M + BLOCK_M, query_len) - 1

@@ -148,9 +148,7 @@ def check_attention_inputs(
     if isinstance(q_start, torch.Tensor):
         if q_start.numel() not in (1, batch):
             raise ValueError(f"q_start must be an int or have B={batch} entries; got shape {tuple(q_start.shape)}")
-        # int64 positions (the step's own) are read as they are: the kernels load q_start as int32 either way
-        dtype = q_start.dtype if q_start.dtype in (torch.int32, torch.int64) else torch.int32
-        q_start_tensor = q_start.to(device=q.device, dtype=dtype).reshape(-1).expand(batch).contiguous()
+        q_start_tensor = q_start.to(device=q.device, dtype=torch.int32).reshape(-1).expand(batch).contiguous()
     else:
         if q_start < 0:
             raise ValueError(f"q_start must be >= 0, got {q_start}")
@@ -283,25 +281,12 @@ def _attend_key_tile(
     """One step of the walk: scores of BLOCK_N keys, masked, folded into the online softmax."""
     key_rows = keys.to(tl.int64)  # int64 before the stride multiply (long caches pass 2^31)
     k = tl.load(k_base + key_rows[:, None] * stride_kt + dims[None, :], mask=key_in_range[:, None], other=0.0)
-    scores = _tile_scores(q, k, visible, qk_scale_log2, DOT_PRECISION)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
+    scores = tl.where(visible, scores, float("-inf"))
     values = tl.load(
         v_base + key_rows[:, None] * stride_vt + value_dims[None, :], mask=key_in_range[:, None], other=0.0
     )  # [BLOCK_N, BLOCK_DV]
-    return _fold_scores(accumulator, running_max, running_sum, scores, values, DOT_PRECISION)
 
-
-@triton.jit
-def _tile_scores(q, k, visible, qk_scale_log2, DOT_PRECISION: tl.constexpr):
-    """Base-2 scores [BLOCK_M, BLOCK_N] of q [BLOCK_M, HEAD_DIM] against k [BLOCK_N, HEAD_DIM], -inf where not
-    visible."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-    return tl.where(visible, scores, float("-inf"))
-
-
-@triton.jit
-def _fold_scores(accumulator, running_max, running_sum, scores, values, DOT_PRECISION: tl.constexpr):
-    """A tile's scores and values [BLOCK_N, BLOCK_DV] folded into the online softmax: the new (accumulator, max,
-    sum)."""
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     # Nothing visible so far (and no sink): rescale against 0, not -inf (-inf - -inf is NaN).
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)

@@ -43,9 +43,7 @@ from kernels import arrivals, launches, pdl
 from kernels.attention_common import (
     _LOG2_E,
     _attend_key_tile,
-    _fold_scores,
     _key_walk_bounds,
-    _tile_scores,
     _visible_keys,
     check_attention_inputs,
     is_power_of_two,
@@ -53,7 +51,6 @@ from kernels.attention_common import (
     remember_compiled,
 )
 from kernels.reference import MaskSpec
-from kernels.rope_cache import FreshToken, rope_rows
 
 MAX_SPLITS = 128
 MAX_ROWS = 64  # (Hq / Hkv) * Tq; longer chunks belong to flash_attention
@@ -228,12 +225,6 @@ def _flash_decode_split_kernel(
     OUTPUT: tl.constexpr,  # "last": the group's last split merges; "direct": S == 1; "partials": combine kernel
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
-    inv_freq_ptr=None,  # [hd / 2] float32 (FRESH)
-    q_norm_ptr=None,  # [hd] per-head RMSNorm weights (FRESH with QK_NORM)
-    k_norm_ptr=None,
-    eps=1e-6,
-    FRESH: tl.constexpr = False,  # q_ptr is the q/k/v projection before RoPE (Tq 1): see `flash_decode`'s `fresh`
-    QK_NORM: tl.constexpr = False,
 ):
     """One program: split pid_split of the key walk of one (sequence, kv head), all its
     kv_group x Tq query rows. Grid: (S, B * Hkv)."""
@@ -248,13 +239,16 @@ def _flash_decode_split_kernel(
     row_valid = rows < kv_group * query_len
     query_index = rows % query_len
     head = kv_head * kv_group + rows // query_len
-    q_start = tl.load(q_start_ptr + batch).to(tl.int32)
+    q_start = tl.load(q_start_ptr + batch)
     positions = q_start + query_index
     dims = tl.arange(0, HEAD_DIM)
 
     q_base = q_ptr + batch.to(tl.int64) * stride_qb
-    q_rows = q_base + query_index.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh
-    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(
+        q_base + query_index.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
     k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     padding_row = padding_ptr + batch.to(tl.int64) * stride_padding_b
@@ -265,25 +259,6 @@ def _flash_decode_split_kernel(
     # Balanced: every split walks floor(T / S) or ceil(T / S) tiles (>= MIN_TILES_PER_SPLIT by default).
     walk_begin = (pid_split * walk_tiles // num_splits) * BLOCK_N
     walk_end = tl.minimum(((pid_split + 1) * walk_tiles // num_splits) * BLOCK_N, walk_len)
-    if FRESH:
-        # rope_cache's work in every program: its rows' q heads normed and rotated, the token's key the same and
-        # its value as it is ([1, HEAD_DIM] each, from the heads after q's); the program whose walk holds the
-        # newest key writes both into the cache and reads them from registers (the cache row at q_start may not
-        # be written yet when another program loads its tile, but no other program's walk holds it).
-        partner = (dims + HEAD_DIM // 2) % HEAD_DIM
-        q = rope_rows(q, tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0), q_start,
-                      inv_freq_ptr, q_norm_ptr, eps, dims, HEAD_DIM, QK_NORM)
-        k_head = q_base + (query_heads + kv_head).to(tl.int64) * stride_qh
-        v_head = q_base + (query_heads + kv_heads + kv_head).to(tl.int64) * stride_qh
-        fresh_key = rope_rows(tl.load(k_head + dims)[None, :], tl.load(k_head + partner)[None, :], q_start,
-                              inv_freq_ptr, k_norm_ptr, eps, dims, HEAD_DIM, QK_NORM)  # [1, HEAD_DIM]
-        fresh_value = tl.load(v_head + dims)[None, :]
-        fresh_index = q_start - band_lo  # its place in the walk
-        owned = (walk_begin <= fresh_index) & (fresh_index < walk_end)
-        owner = dims[None, :] < tl.where(owned, HEAD_DIM, 0)  # [1, HEAD_DIM]: all or nothing
-        fresh_row = q_start.to(tl.int64)
-        tl.store(k_base + fresh_row * stride_kt + dims[None, :], fresh_key, mask=owner)
-        tl.store(v_base + fresh_row * stride_vt + dims[None, :], fresh_value, mask=owner)
 
     # No sink here: the merge adds it once.
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -295,21 +270,10 @@ def _flash_decode_split_kernel(
             walk_index, walk_end, positions, band_lo, band_len, key_len, window, summary_block,
             padding_row, stride_padding_t, CAUSAL, HAS_WINDOW, HAS_SUMMARIES, HAS_PADDING,
         )
-        if FRESH:
-            key_rows = keys.to(tl.int64)
-            is_fresh = ((keys == q_start) & key_in_range)[:, None]
-            k = tl.load(k_base + key_rows[:, None] * stride_kt + dims[None, :], mask=key_in_range[:, None], other=0.0)
-            scores = _tile_scores(q, tl.where(is_fresh, fresh_key, k), visible, qk_scale_log2, DOT_PRECISION)
-            values = tl.load(v_base + key_rows[:, None] * stride_vt + dims[None, :], mask=key_in_range[:, None],
-                             other=0.0)
-            accumulator, running_max, running_sum = _fold_scores(
-                accumulator, running_max, running_sum, scores, tl.where(is_fresh, fresh_value, values), DOT_PRECISION
-            )
-        else:
-            accumulator, running_max, running_sum = _attend_key_tile(
-                accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
-                dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
-            )
+        accumulator, running_max, running_sum = _attend_key_tile(
+            accumulator, running_max, running_sum, q, k_base, v_base, keys, key_in_range, visible,
+            dims, dims, stride_kt, stride_vt, qk_scale_log2, DOT_PRECISION,
+        )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -502,36 +466,8 @@ def default_combine(rows: int) -> str:
     return "last" if rows == 1 else "kernel"
 
 
-def _fresh_options(fresh: FreshToken, k: torch.Tensor, v: torch.Tensor, q_start) -> dict:
-    """The split kernel's FRESH arguments for `fresh`, after checking that k and v are its cache's rows 0..B-1 and
-    that q_start is its positions (ValueError naming what is not)."""
-    batch = fresh.qkv.shape[0]
-    kv_heads, head_dim = fresh.k_cache.shape[2], fresh.head_dim
-    if fresh.qkv.dim() != 2 or fresh.qkv.shape[1] != (fresh.query_heads + 2 * kv_heads) * head_dim \
-            or fresh.qkv.stride(1) != 1:
-        raise ValueError(f"flash_decode: the fresh token's qkv {tuple(fresh.qkv.shape)} is not [B, (Hq + 2 Hkv) * hd]"
-                         f" = [B, {(fresh.query_heads + 2 * kv_heads) * head_dim}] with unit stride")
-    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
-        raise ValueError(f"flash_decode: a fresh token needs head_dim / 2 a power of two, got head_dim {head_dim}")
-    if fresh.inv_freq.shape != (head_dim // 2,) or fresh.inv_freq.dtype != torch.float32:
-        raise ValueError(f"flash_decode: the fresh token's inv_freq must be float32 [{head_dim // 2}]")
-    for name, view, cache in (("k", k, fresh.k_cache), ("v", v, fresh.v_cache)):
-        if view.data_ptr() != cache.data_ptr() or view.stride() != cache.stride() or view.shape[0] != batch:
-            raise ValueError(f"flash_decode: with a fresh token, {name} must be a view of its cache's rows 0..B-1")
-    if q_start is not fresh.position:
-        raise ValueError("flash_decode: with a fresh token, q_start must be the token's positions")
-    options = {"inv_freq_ptr": fresh.inv_freq, "FRESH": True}
-    if fresh.qk_norm is not None:
-        q_weight, k_weight, eps = fresh.qk_norm
-        if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
-            raise ValueError(f"flash_decode: the q/k norm weights must be [{head_dim}], got {tuple(q_weight.shape)} "
-                             f"and {tuple(k_weight.shape)}")
-        options.update(q_norm_ptr=q_weight, k_norm_ptr=k_weight, eps=float(eps), QK_NORM=True)
-    return options
-
-
 def flash_decode(
-    q: torch.Tensor | FreshToken,  # [B, Tq, Hq, hd], Tq small (or a fresh token: see below)
+    q: torch.Tensor,  # [B, Tq, Hq, hd], Tq small
     k: torch.Tensor,  # [B, Tk, Hkv, hd]
     v: torch.Tensor,  # [B, Tk, Hkv, hd]
     sinks: torch.Tensor | None,  # [Hq]
@@ -546,22 +482,12 @@ def flash_decode(
     combine: str | None = None,  # "last": one launch, the last split merges; "kernel": a second combine
     # launch; None: `default_combine` ("last" for one row per group, "kernel" for GQA groups)
 ) -> torch.Tensor:  # [B, Tq, Hq, hd]
-    """Split-KV attention with sinks, equal to `attention_reference` with the same arguments.
-
-    q may be a kernels.rope_cache.FreshToken (one token per sequence, before RoPE): the split kernel then does
-    rope_cache's work itself (q and the token's key normed and rotated in registers, the key and value written
-    into the cache at q_start by the program whose walk holds that position) and attends as if rope_cache had run
-    first; k and v must be the token's cache rows 0..B-1 (views of its k_cache and v_cache). One launch fewer;
-    the same function, with rope_rows' note on the norm's rounding."""
+    """Split-KV attention with sinks, equal to `attention_reference` with the same arguments."""
     if combine is not None and combine not in COMBINES:
         raise ValueError(
             f"combine must be 'last' (one launch: the last split of each (sequence, kv head) merges) or "
             f"'kernel' (a second combine launch); got {combine!r}"
         )
-    fresh, fresh_options = None, {}
-    if isinstance(q, FreshToken):
-        fresh, q = q, q.raw_query()
-        fresh_options = _fresh_options(fresh, k, v, q_start)
     inputs = check_attention_inputs(q, k, v, sinks, spec, q_start, key_padding, scale)
     group = inputs.query_heads // inputs.kv_heads
     rows = group * inputs.query_len
@@ -634,11 +560,10 @@ def flash_decode(
         num_warps=num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(q.device),
-        **fresh_options,
     )
     launches.record("flash_decode_split", kernel=_flash_decode_split_kernel)
     remember_compiled(
-        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output}{' fresh' if fresh else ''} "
+        f"flash_decode_split hd{head_dim} rows{block_m} {spec.kind} {q.dtype} {output} "
         f"merge{merge_rows}x{splits_pow2}x{block_d} {config}", compiled
     )
     if output != "partials":

@@ -24,8 +24,6 @@ Grid: (B, Hq + 2 Hkv): one program per (sequence, head), the head's kind by its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -53,29 +51,6 @@ def _head_norm(first, second, weight_ptr, offs, eps, HALF: tl.constexpr):
     weight_first = tl.load(weight_ptr + offs).to(tl.float32)
     weight_second = tl.load(weight_ptr + HALF + offs).to(tl.float32)
     return (normed_first * weight_first).to(first.dtype), (normed_second * weight_second).to(first.dtype)
-
-
-@triton.jit
-def rope_rows(x, partner, position, inv_freq_ptr, norm_ptr, eps, dims, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """rope_cache's math on whole heads, for a kernel that rotates its own rows (kernels.attention_decode's fresh
-    token): x [R, HEAD_DIM] one head a row, partner [R, HEAD_DIM] the same rows read at (d + HEAD_DIM / 2) mod
-    HEAD_DIM, dims 0..HEAD_DIM-1; with QK_NORM each row RMSNormed first (norm_ptr [HEAD_DIM]). The same roundings
-    as `_head_norm` and `_rotate`; the norm's fp32 mean sums the row in another order (a last-bit difference may
-    round a normed element the other way)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    x32, partner32 = x.to(tl.float32), partner.to(tl.float32)
-    if QK_NORM:
-        scale = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps)  # [R]
-        weight = tl.load(norm_ptr + dims).to(tl.float32)
-        weight_partner = tl.load(norm_ptr + (dims + HALF) % HEAD_DIM).to(tl.float32)
-        x32 = ((x32 * scale[:, None]).to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype).to(tl.float32)
-        partner32 = ((partner32 * scale[:, None]).to(x.dtype).to(tl.float32)
-                     * weight_partner[None, :]).to(x.dtype).to(tl.float32)
-    angle = position.to(tl.float32) * tl.load(inv_freq_ptr + dims % HALF)  # [HEAD_DIM]
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    # first half: first cos - second sin; second half: second cos + first sin
-    signed_sin = tl.where(dims < HALF, -sin, sin)
-    return (x32 * cos[None, :] + partner32 * signed_sin[None, :]).to(x.dtype)
 
 
 @triton.jit
@@ -172,39 +147,3 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
     )
     launches.record("rope_cache", kernel=_rope_cache_kernel)
     return q_out, position32
-
-
-@dataclass(frozen=True)
-class FreshToken:
-    """One new token per sequence before RoPE, for an attention kernel that rotates it itself: what `rope_cache`
-    takes, the cache rows being rows 0..B-1 (no slots). `materialize` is rope_cache on it, for an arm that needs
-    q rotated and the cache written first. Shapes as rope_cache's: qkv [B, (Hq + 2 Hkv) * hd] unit stride along
-    its last dim; inv_freq [hd / 2] float32; position [B] int; k_cache, v_cache [>= B, S, Hkv, hd]."""
-
-    qkv: torch.Tensor
-    inv_freq: torch.Tensor
-    position: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query_heads: int
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (q weight [hd], k weight [hd], eps)
-
-    @property
-    def head_dim(self) -> int:
-        return self.k_cache.shape[3]
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The rotated query's shape, [B, 1, Hq, hd]."""
-        return (self.qkv.shape[0], 1, self.query_heads, self.head_dim)
-
-    def raw_query(self) -> torch.Tensor:
-        """q before RoPE as a view [B, 1, Hq, hd] of qkv; the token's k and v heads follow each row's q heads."""
-        batch = self.qkv.shape[0]
-        return self.qkv[:, :self.query_heads * self.head_dim].view(batch, 1, self.query_heads, self.head_dim)
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """rope_cache on the token: (q [B, 1, Hq, hd] rotated, the positions as int32 [B]); k and v written."""
-        q, position32 = rope_cache(self.qkv, self.inv_freq, self.position, None, self.k_cache, self.v_cache,
-                                   self.query_heads, self.qk_norm)
-        return q.view(self.shape), position32

@@ -410,36 +410,25 @@ def test_gpu_gemv_bf16_v4_widths(rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["demo", "v4-shape"])
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("rope", ["on", "off"])
-def test_gpu_fused_decode_matches_torch_forward(model, rows, rope):
+def test_gpu_fused_decode_matches_torch_forward(model, rows):
     """Two rows: cuBLAS products; one row: kernels.gemv with the norms, the routing and RoPE folded in.
-    bf16: the fold's two skipped roundings of h are ~2^-8 relative per term, inside 2e-2. With rope_in_attention
-    the attention kernel rotates the token and writes the cache (no rope_cache launch): the same keys and values."""
-    from kernels import launches
-
+    bf16: the fold's two skipped roundings of h are ~2^-8 relative per term, inside 2e-2."""
     engine = _v4_on_gpu() if model == "v4-shape" else Engine.load(model, "cuda", seed=0)
     assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None
     config = engine.config
     cache_fused = KVCache.allocate(config, rows, 64, engine.device, engine.dtype)
     cache_torch = KVCache.allocate(config, rows, 64, engine.device, engine.dtype)
     prompt = torch.randint(0, config.vocab_size, (rows, 20), generator=torch.Generator().manual_seed(5)).cuda()
-    dispatcher = Dispatcher(engine, flags.resolve([f"rope_in_attention={rope}"]), timed=False)
+    dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
     with torch.inference_mode():
         forward(config, engine.weights, prompt, 0, cache_fused, dispatcher)
         forward(config, engine.weights, prompt, 0, cache_torch, dispatcher)
         tokens, start = prompt[:, -1:].contiguous(), torch.full((rows,), 20, device="cuda")
-        before = launches.snapshot()
         fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, cache_fused, dispatcher)
-        launched = launches.since(before)
         # the torch glue: the ragged forward with the fused path switched off for this call
         reference = _torch_forward(config, engine.weights, tokens, StepLayout(start, 64), cache_torch, dispatcher)
-    assert launched.get("rope_cache", 0) == (0 if rope == "on" else config.n_layers)
     _close(fused, reference, torch.bfloat16)
     assert torch.equal(fused.argmax(-1), reference.argmax(-1)) or model == "v4-shape"
-    for layer in range(config.n_layers):  # the step's key and value (position 20) as the torch glue wrote them
-        for written, wanted in ((cache_fused.k[layer], cache_torch.k[layer]),
-                                (cache_fused.v[layer], cache_torch.v[layer])):
-            _close(written[:rows, 20].float(), wanted[:rows, 20].float(), torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=1)

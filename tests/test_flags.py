@@ -10,7 +10,7 @@ def test_defaults_match_the_design():
     resolved = flags.resolve(environ={})
     assert resolved.values == {"moe_gate": "measured", "decode_floor": 8, "moe_max_tokens": 0, "grouped_variant": 2,
                                "tile_m": 16, "flash_512": True, "fused_mask": "honor", "shared_fold": True,
-                               "qkv_norm_fold": True, "rope_in_attention": True,
+                               "qkv_norm_fold": True,
                                "prefill_chunk": 512, "nonfinite_weights": "refuse", "steps_per_graph": 8,
                                "mixed_steps": True, "layer_timing": "profile", "run_ahead": True, "carry_norm": True,
                                "pdl": True, "pdl_preload": "on", "stream_weights": True,
