@@ -44,6 +44,11 @@
 #   foldall  the GPU tests of everything that runs the fused step's glue (families against transformers, DeepSeek,
 #            the engine, check-decode, sessions, traces, the sweep's timings, routing)
 #   routeblk bench/experiments/route_blocks.py: the router's one-row fold by block at Qwen3, V2-Lite and v4-shape widths
+#   tprobe   bench/experiments/trellis_probe.py --profile: the trellis GEMV arm at n = 1 by launch (run 63: 1mad and
+#            3inst at the same 91 us for loops a quarter apart)
+#   ncu      Nsight Compute's counters (speed of light, occupancy, warp states, scheduler, memory) on the trellis
+#            arm's launches and the bf16 GEMV arm at v4-shape (trellis_probe.py --window), then on a Qwen3-30B-A3B
+#            decode step's kernels (NCU_SKIP matching launches skipped, NCU_COUNT profiled)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -61,7 +66,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -112,6 +117,15 @@ want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:ca
 done
 want opreload && TAIL=30 stage 120 o_preload env OUT="$OUT" python3 bench/experiments/o_preload.py
 want routeblk && TAIL=30 stage 120 route_blocks env OUT="$OUT" python3 bench/experiments/route_blocks.py
+want tprobe && TAIL=12 stage 150 trellis_probe env OUT="$OUT" python3 bench/experiments/trellis_probe.py --profile
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+NCU_ARGS=(--clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats
+          --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis)
+want ncu && TAIL=4 stage 200 ncu_trellis "$NCU" "${NCU_ARGS[@]}" --profile-from-start off \
+    python3 bench/experiments/trellis_probe.py --window --codes ${NCU_CODES:-hyb,1mad}
+want ncu && TAIL=4 stage 200 ncu_qwen3 "$NCU" "${NCU_ARGS[@]}" --launch-skip ${NCU_SKIP:-3000} \
+    --launch-count ${NCU_COUNT:-16} -k "regex:_gate_up_kernel|_down_kernel|_gemv_kernel|_gemv_norm_kernel|_gemv_route_kernel|_flash_decode|_rope_cache" \
+    "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random --tg 32 --reps 1
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))
