@@ -44,7 +44,8 @@
 #   foldall  the GPU tests of everything that runs the fused step's glue (families against transformers, DeepSeek,
 #            the engine, check-decode, sessions, traces, the sweep's timings, routing)
 #   routeblk bench/experiments/route_blocks.py: the router's one-row fold by block at Qwen3, V2-Lite and v4-shape widths
-#   tprobe   bench/experiments/trellis_probe.py --profile: the trellis GEMV arm at n = 1 by launch (run 63: 1mad and
+#   tprobe   bench/experiments/trellis_probe.py --profile (PROBE_SCHEDULES), the trellis GPU tests, trellis_bench.py
+#            --gemv-only: the trellis GEMV arm at n = 1 by launch and schedule (run 63: 1mad and
 #            3inst at the same 91 us for loops a quarter apart)
 #   ncu      Nsight Compute's counters (speed of light, occupancy, warp states, scheduler, memory) on the trellis
 #            arm's launches and the bf16 GEMV arm at v4-shape (trellis_probe.py --window), then on a Qwen3-30B-A3B
@@ -117,7 +118,11 @@ want foldab && TAIL=8 stage 240 pytest_fold python3 -m pytest -m gpu -q -p no:ca
 done
 want opreload && TAIL=30 stage 120 o_preload env OUT="$OUT" python3 bench/experiments/o_preload.py
 want routeblk && TAIL=30 stage 120 route_blocks env OUT="$OUT" python3 bench/experiments/route_blocks.py
-want tprobe && TAIL=12 stage 150 trellis_probe env OUT="$OUT" python3 bench/experiments/trellis_probe.py --profile
+want tprobe && TAIL=20 stage 240 trellis_probe env OUT="$OUT" python3 bench/experiments/trellis_probe.py --profile \
+    --schedules ${PROBE_SCHEDULES:-u2c16,u2c16r80,u1c16,u1c32,u2c32}
+want tprobe && TAIL=8 stage 150 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_kernels.py tests/test_trellis_gemv_unrolled.py
+want tprobe && TAIL=14 stage 150 trellis_gemv python3 bench/trellis_bench.py --gemv-only
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 NCU_ARGS=(--clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats
           --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis)

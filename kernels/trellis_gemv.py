@@ -62,6 +62,7 @@ class GemvSchedule:
     num_warps: int
     unrolled: bool = False  # `_trellis_gemv_steps_kernel` (steps unrolled, [units, tile columns] tensors)
     hyb_table: str = "shared"  # unrolled hyb: the signed table through shared memory, or "global" (L1 gathers)
+    max_registers: int | None = None  # ptxas's cap per thread (Triton's maxnreg); None: as many as it takes
 
 
 # Per program and step at K = 2: BLOCK_TR x BLOCK_TC tiles of 64 bytes (the words) and 16 BLOCK_TC fp32
@@ -90,6 +91,9 @@ SCHEDULES = {
     "u1c32": GemvSchedule(block_tile_rows=1, block_tile_columns=32, num_warps=4, unrolled=True),
     "u2c32": GemvSchedule(block_tile_rows=2, block_tile_columns=32, num_warps=4, unrolled=True),
     "u4c16": GemvSchedule(block_tile_rows=4, block_tile_columns=16, num_warps=4, unrolled=True),
+    # u2c16 at 80 registers: the computed codes take 96, 5 programs a SM, so v4-shape's 768 a product ran in
+    # 1.16 waves (ncu, run 89); at 80, 6 fit (one wave), for 56-72 bytes of stack a thread
+    "u2c16r80": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=80),
 }
 DEFAULT_SCHEDULE = "u2c16"
 BASELINE_SCHEDULE = "r1c16"  # the tensor-form kernel's default before the unrolled one: the bench times both
@@ -355,6 +359,8 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
             table = matrix.signed_table
         extra = dict(TABLE_IN_SHARED=code.needs_table and schedule.hyb_table == "shared",
                      EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0)
+    if schedule.max_registers is not None and compiled(vectors.device):
+        extra["maxnreg"] = schedule.max_registers
     kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](
         matrix.codes, matrix.scales, table, vectors, flat_ids, flat_weights, out,
         experts, row_tiles, column_tiles, matrix.codes.stride(0), matrix.scales.stride(0),

@@ -16,9 +16,13 @@ The last is linear and its signs are shared, so the k pairs of a token are summe
 and turned back once. Each block of B values is a normalised Walsh-Hadamard transform in Sylvester
 order, H_B v / sqrt(B), H_B[i, j] = (-1)^popcount(i & j). For B <= 128 a program multiplies BLOCK_ROWS
 blocks at once by H_B (one tl.dot); for 256 <= B <= 16384 it views one block as an [A, C] matrix (row-major,
-A C = B, both in 16..128) and computes H_A X H_C (two tl.dots), which is H_B's Kronecker form. fp32
-operands go through tf32x3 on the GPU (about fp32's accuracy, on tensor cores); the interpreter's dot
-is exact to one rounding. The results equal the reference's butterflies to fp32 rounding, not bit for bit.
+A C = B, both in 16..128) and computes H_A X H_C (two tl.dots), which is H_B's Kronecker form. H is +-1,
+exact in tf32, so only the fp32 operand is split: x = high + low, high rounded to tf32's 11 bits (exact, and
+so is the difference), and each product is two tf32 dots (`_times_hadamard`). That is tf32x3's accuracy
+(its third dot multiplies by H's low part, which is zero) in two thirds of the MMAs and half the registers:
+tf32x3 took 255 registers and spilled 1 KB a thread, which made the one-program rotation of a 4096-wide
+token 13.5 us on an H200. The interpreter's dot is exact to one rounding. The results equal the reference's
+butterflies to fp32 rounding, not bit for bit.
 
 Knows nothing of experts or routing beyond the validity of a pair's id.
 """
@@ -33,7 +37,7 @@ from kernels import launches
 
 MAX_BLOCK = 16384
 BLOCK_ROWS = 32  # blocks per program when B <= 128 (tl.dot's M)
-NUM_WARPS = 4
+NUM_WARPS = 8  # a one-program rotation (one token) runs on its warps alone: eight halve its chain a thread
 
 
 def split(block: int) -> tuple[int, int]:
@@ -48,7 +52,8 @@ def split(block: int) -> tuple[int, int]:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    return "tf32x3" if dtype == torch.float32 else "ieee"
+    """float32: "split" (`_times_hadamard`'s two tf32 dots); narrower inputs are widened before any dot."""
+    return "split" if dtype == torch.float32 else "ieee"
 
 
 @triton.jit
@@ -62,12 +67,39 @@ def _sylvester(SIZE: tl.constexpr):
 
 
 @triton.jit
+def _tf32_high(x):
+    """float32 x rounded (half away from zero) to tf32's 11 significant bits: exact in tf32, and x - high is
+    exact in float32, with at most 12 significant bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _times_hadamard(x, hadamard, X_FIRST: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ hadamard (X_FIRST) or hadamard @ x, float32, hadamard +-1. "split": x's tf32 high part and the
+    rest, one tf32 dot each (the rest's truncation to tf32 costs 2^-22 of x: fp32-like accuracy)."""
+    if PRECISION == "split":
+        high = _tf32_high(x)
+        if X_FIRST:
+            y = tl.dot(high, hadamard, input_precision="tf32")
+            y = tl.dot(x - high, hadamard, y, input_precision="tf32")
+        else:
+            y = tl.dot(hadamard, high, input_precision="tf32")
+            y = tl.dot(hadamard, x - high, y, input_precision="tf32")
+    elif X_FIRST:
+        y = tl.dot(x, hadamard, input_precision=PRECISION)
+    else:
+        y = tl.dot(hadamard, x, input_precision=PRECISION)
+    return y
+
+
+@triton.jit
 def _walsh(x, A: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
     """x float32 [M, C] (A == 1: M blocks of C values, each transformed) or [A, C] (A > 1: one block of A C
     values, row-major): the normalised Walsh-Hadamard transform, float32."""
-    y = tl.dot(x, _sylvester(C), input_precision=PRECISION)
+    y = _times_hadamard(x, _sylvester(C), True, PRECISION)
     if A > 1:
-        y = tl.dot(_sylvester(A), y, input_precision=PRECISION)
+        y = _times_hadamard(y, _sylvester(A), False, PRECISION)
     return y * (1.0 / tl.sqrt(float(A * C)))
 
 

@@ -113,24 +113,36 @@ PDL_OFF = {"USE_GDC": False}
 
 @pytest.mark.parametrize("size", [48, 256, 2048], ids=["blocks-of-16", "one-block-of-256-two-dots", "block-2048"])
 def test_rotations_match_the_reference(size):
+    check_rotations(size, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("size", [48, 384, 2048, 4096])
+def test_gpu_rotations_match_the_reference(size):
+    # the tensor cores' tf32 dots of x's high part and its rest: fp32's accuracy, not tf32's (about 1e-3)
+    check_rotations(size, "cuda")
+
+
+def check_rotations(size, device):
     generator = torch.Generator().manual_seed(size)
     block = hadamard_block(size)
-    signs = reference.hadamard_signs(7, size)
-    x = torch.randn(5, size, generator=generator)
+    signs = reference.hadamard_signs(7, size).to(device)
+    x = torch.randn(5, size, generator=generator).to(device)
     with scratch.poison_new_buffers():
         rotated = rotate_rows(x, signs, block, scratch.empty((5, size), torch.float32, x.device), PDL_OFF)
     assert relative_error(rotated, rotate(x, signs, block)) < 1e-6
     # swiglu between: y [R, 2F] -> T_R2(silu(g) * u) with (g, u) = T_L^T y
-    y = torch.randn(6, 2 * size, generator=generator)
-    left, right = reference.hadamard_signs(8, 2 * size), reference.hadamard_signs(9, size)
+    y = torch.randn(6, 2 * size, generator=generator).to(device)
+    left, right = reference.hadamard_signs(8, 2 * size).to(device), reference.hadamard_signs(9, size).to(device)
     with scratch.poison_new_buffers():
         hidden = swiglu_between(y, left, right, block, scratch.empty((6, size), torch.float32, x.device), PDL_OFF)
     back = unrotate(y.view(6, 2, size), left.view(2, size), block)
     want = rotate(torch.nn.functional.silu(back[:, 0]) * back[:, 1], right, block)
     assert relative_error(hidden, want) < 1e-6
     # unrotate the sum of each token's k rows, a row with an id outside [0, E) left out
-    z = torch.randn(4 * 3, size, generator=generator)
-    ids = torch.tensor([0, 1, 9, 2, -1, 3, 4, 5, 6, 7, 7, 1], dtype=torch.int32)
+    z = torch.randn(4 * 3, size, generator=generator).to(device)
+    ids = torch.tensor([0, 1, 9, 2, -1, 3, 4, 5, 6, 7, 7, 1], dtype=torch.int32, device=device)
     with scratch.poison_new_buffers():
         out = unrotate_sum(z, ids, 8, 3, signs, block, scratch.empty((4, size), torch.float32, x.device), PDL_OFF)
     keep = ((ids >= 0) & (ids < 8)).float()[:, None]

@@ -5,8 +5,8 @@ Run 63 timed the arm (five launches: rotate, gate-up, between, down, unrotate) a
 products' issue rate is not what holds the arm. This splits the arm by launch.
 
     --profile   torch.profiler over graph replays of the arm, GEMV_CALLS calls a graph on disjoint experts (as
-                bench/trellis_bench.py times it, PDL on): each launch's mean device time a call, for every code,
-                beside the bf16 GEMV arm's launches
+                bench/trellis_bench.py times it, PDL on): each launch's mean device time a call, for every code
+                and every schedule of --schedules, beside the bf16 GEMV arm's launches
     --window    one call of each code's arm, and of the bf16 arm, between torch.cuda.profiler.start() and stop(),
                 after every kernel has compiled: the window `ncu --profile-from-start off` reads
 
@@ -37,7 +37,7 @@ from kernels.trellis_reference import TrellisCode, hadamard_block, random_trelli
 E, K_TOP, D, F = trellis_bench.E, trellis_bench.K_TOP, trellis_bench.D, trellis_bench.F
 
 
-def build(device, codes, schedule):
+def build(device, codes, schedules):
     generator = torch.Generator(device=device).manual_seed(0)
     w13 = torch.randn(E, 2 * F, D, device=device, dtype=torch.bfloat16, generator=generator).mul_(D ** -0.5)
     w2 = torch.randn(E, D, F, device=device, dtype=torch.bfloat16, generator=generator).mul_(F ** -0.5)
@@ -50,8 +50,10 @@ def build(device, codes, schedule):
         trellis = TrellisCode.of(code, 2)
         t13 = random_trellis_matrix(E, 2 * F, D, trellis, seed=10 * index, device=device, row_block=hadamard_block(F))
         t2 = random_trellis_matrix(E, D, F, trellis, seed=10 * index + 1, device=device)
-        arms[code] = [lambda i=i, a=t13, b=t2: trellis_gemv.moe_trellis_gemv(x, a, b, i, weights, schedule=schedule)
-                      for i in ids]
+        for schedule in schedules:
+            arms[f"{code}/{schedule}"] = [
+                lambda i=i, a=t13, b=t2, s=schedule: trellis_gemv.moe_trellis_gemv(x, a, b, i, weights, schedule=s)
+                for i in ids]
     return arms
 
 
@@ -94,12 +96,13 @@ def main() -> int:
     mode.add_argument("--profile", action="store_true")
     mode.add_argument("--window", action="store_true")
     parser.add_argument("--codes", default="hyb,3inst,1mad")
-    parser.add_argument("--schedule", default=trellis_gemv.DEFAULT_SCHEDULE)
+    parser.add_argument("--schedules", default=trellis_gemv.DEFAULT_SCHEDULE,
+                        help="comma-separated kernels.trellis_gemv.SCHEDULES names, each timed for every code")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("trellis_probe needs a CUDA GPU", file=sys.stderr)
         return 2
-    arms = build(torch.device("cuda"), args.codes.split(","), args.schedule)
+    arms = build(torch.device("cuda"), args.codes.split(","), args.schedules.split(","))
     if args.profile:
         result = profile(arms)
         for name, row in result.items():
