@@ -47,6 +47,8 @@
 #   tprobe   bench/experiments/trellis_probe.py --profile (PROBE_SCHEDULES), the trellis GPU tests, trellis_bench.py
 #            --gemv-only: the trellis GEMV arm at n = 1 by launch and schedule (run 63: 1mad and
 #            3inst at the same 91 us for loops a quarter apart)
+#   tcheck   the rotations' error by dot precision (bench/experiments/rotation_error.py), trellis_bench.py --gemv-only
+#            at the per-code defaults, ncu on the trellis arm, then the trellis kernels' GPU tests
 #   ncu      Nsight Compute's counters (speed of light, occupancy, warp states, scheduler, memory) on the trellis
 #            arm's launches and the bf16 GEMV arm at v4-shape (trellis_probe.py --window), then on a Qwen3-30B-A3B
 #            decode step's kernels (NCU_SKIP matching launches skipped, NCU_COUNT profiled)
@@ -67,7 +69,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -131,6 +133,12 @@ want ncu && TAIL=4 stage 200 ncu_trellis "$NCU" "${NCU_ARGS[@]}" --profile-from-
 want ncu && TAIL=4 stage 200 ncu_qwen3 "$NCU" "${NCU_ARGS[@]}" --launch-skip ${NCU_SKIP:-3000} \
     --launch-count ${NCU_COUNT:-16} -k "regex:_gate_up_kernel|_down_kernel|_gemv_kernel|_gemv_norm_kernel|_gemv_route_kernel|_flash_decode|_rope_cache" \
     "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random --tg 32 --reps 1
+want tcheck && TAIL=8 stage 60 rotation_error python3 bench/experiments/rotation_error.py
+want tcheck && TAIL=14 stage 120 trellis_gemv python3 bench/trellis_bench.py --gemv-only
+want tcheck && TAIL=2 stage 60 ncu_trellis "$NCU" "${NCU_ARGS[@]}" --profile-from-start off \
+    python3 bench/experiments/trellis_probe.py --window --codes hyb,1mad --schedules u2c16,u1c16
+want tcheck && TAIL=12 stage 330 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_kernels.py
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

@@ -343,9 +343,8 @@ def measure(setup: Setup) -> dict:
         bf16_gemv.update(rel_err=bf16_error, bound_us=(6 * 3 * D * F * 2 + 2 * D * 2) / bandwidth * 1e6)
         if not bf16_error <= TOLERANCE:
             failed.append(f"bf16 gemv rel err {bf16_error:.2e}")
-        configs = [(code, trellis_gemv.DEFAULT_SCHEDULE) for code in setup.codes]
-        if trellis_gemv.BASELINE_SCHEDULE != trellis_gemv.DEFAULT_SCHEDULE:  # old against new, every code
-            configs += [(code, trellis_gemv.BASELINE_SCHEDULE) for code in setup.codes]
+        configs = [(code, trellis_gemv.default_schedule(TrellisCode.of(code, 2))) for code in setup.codes]
+        configs += [(code, trellis_gemv.BASELINE_SCHEDULE) for code in setup.codes]  # old against new, every code
         configs += [(first, name) for name in setup.gemv_schedules if (first, name) not in configs]
     for code, schedule in configs:
         w13, w2 = stacks[code]

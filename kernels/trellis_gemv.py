@@ -35,7 +35,7 @@ over [units, BLOCK_TC] tensors: no layout change of the words per step, a consta
 signed table read through shared memory. docs/trellis-kernels.md counts both.
 
 Block shapes are not autotuned (the autotuner times inside CUDA-graph capture); `SCHEDULES` holds the
-few a GPU run compares (bench/trellis_bench.py), `DEFAULT_SCHEDULE` the one the arm uses.
+few a GPU run compares (bench/trellis_bench.py), `default_schedule` the one the arm uses for a code.
 """
 
 from __future__ import annotations
@@ -95,8 +95,18 @@ SCHEDULES = {
     # 1.16 waves (ncu, run 89); at 80, 6 fit (one wave), for 56-72 bytes of stack a thread
     "u2c16r80": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=80),
 }
-DEFAULT_SCHEDULE = "u2c16"
+# The defaults, per code (run 90, v4-shape, n = 1, the whole arm): the computed codes at u1c16, 1536 programs
+# of 40-56 registers a product (1mad 68.8 us against u2c16's 81.1, 3inst 75.7 against 80.3: more warps a
+# SM and a shorter tail than u2c16's 768 programs at 96 registers, 1.16 waves); hyb at u2c16 (110.2 against
+# u1c16's 121.3: each program copies the 8 KB table into shared memory, so fewer programs copy less).
+TABLE_SCHEDULE = "u2c16"
+COMPUTED_SCHEDULE = "u1c16"
 BASELINE_SCHEDULE = "r1c16"  # the tensor-form kernel's default before the unrolled one: the bench times both
+
+
+def default_schedule(code) -> str:
+    """The schedule the arm runs `code` (a TrellisCode) with when the caller names none."""
+    return TABLE_SCHEDULE if code.needs_table else COMPUTED_SCHEDULE
 
 
 @triton.jit
@@ -382,12 +392,15 @@ def moe_trellis_gemv(
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k]
     *,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str | None = None,
 ) -> torch.Tensor:  # [T, D]
     """The trellis GEMV arm; the contract of `kernels.reference.moe_reference` over the dequantized stacks
-    (`trellis_reference.dequantize`). Never waits for the device (CUDA-graph capturable)."""
+    (`trellis_reference.dequantize`). Never waits for the device (CUDA-graph capturable). `schedule`: a
+    SCHEDULES name; None runs `default_schedule(w13.code)`."""
     tokens, hidden, experts, intermediate, top_k = check_trellis_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     check_triton_device(x, "moe_trellis_gemv")
+    if schedule is None:
+        schedule = default_schedule(w13.code)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     chosen = SCHEDULES[schedule]

@@ -32,8 +32,8 @@ def test_the_bench_runs_end_to_end_on_a_small_shape():
         grouped_tokens=(5,), codes=("hyb", "1mad"), gemv_schedules=("r2c8",), grouped_schedules=("m64",))
     result = trellis_bench.measure(setup)
     assert [(row["code"], row["schedule"]) for row in result["trellis_gemv"]] == [
-        ("hyb", "u2c16"), ("1mad", "u2c16"), ("hyb", "r1c16"), ("1mad", "r1c16"),
-        ("hyb", "r2c8")]  # each code at the default and the baseline, the first at the others
+        ("hyb", "u2c16"), ("1mad", "u1c16"), ("hyb", "r1c16"), ("1mad", "r1c16"),
+        ("hyb", "r2c8")]  # each code at its default and the baseline, the first at the others
     for row in result["trellis_gemv"]:
         assert "error" in row or (row["mean_us"] > 0 and row["bound_us"] >= row["bytes_bound_us"] > 0
                                   and row["issue_limit"] == "no SASS")  # interpreted: no cubin to read

@@ -122,6 +122,9 @@ def test_unrolled_gemv_matches_the_moe_over_dequantized_experts(code_name, bits,
 
 def test_the_default_schedule_is_the_unrolled_kernel():
     """The arm users run is the one the bench times as the default (and the sm_90 counts describe)."""
-    assert gemv_module.SCHEDULES[gemv_module.DEFAULT_SCHEDULE].unrolled
+    assert gemv_module.SCHEDULES[gemv_module.TABLE_SCHEDULE].unrolled
+    assert gemv_module.SCHEDULES[gemv_module.COMPUTED_SCHEDULE].unrolled
+    assert gemv_module.default_schedule(TrellisCode.of("hyb", 2)) == gemv_module.TABLE_SCHEDULE
+    assert gemv_module.default_schedule(TrellisCode.of("1mad", 2)) == gemv_module.COMPUTED_SCHEDULE
     assert not gemv_module.SCHEDULES[gemv_module.BASELINE_SCHEDULE].unrolled
     assert all(s.hyb_table in ("shared", "global") for s in gemv_module.SCHEDULES.values())

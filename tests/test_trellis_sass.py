@@ -41,7 +41,7 @@ import json, sys
 sys.path.insert(0, "bench")
 import sass_loops, trellis_sm90_compile as report
 from kernels import trellis_gemv
-schedule = trellis_gemv.SCHEDULES[trellis_gemv.DEFAULT_SCHEDULE]
+schedule = trellis_gemv.SCHEDULES[trellis_gemv.TABLE_SCHEDULE]
 function, constants = report.gemv_kernel(schedule, "hyb", 2)
 kernel = report.compile_sm90(function, dict(constants, USE_GDC=False), schedule.num_warps, 3)
 loop = sass_loops.main_loop(sass_loops.sass_of(kernel.asm["cubin"]))

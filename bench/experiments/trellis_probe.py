@@ -96,7 +96,7 @@ def main() -> int:
     mode.add_argument("--profile", action="store_true")
     mode.add_argument("--window", action="store_true")
     parser.add_argument("--codes", default="hyb,3inst,1mad")
-    parser.add_argument("--schedules", default=trellis_gemv.DEFAULT_SCHEDULE,
+    parser.add_argument("--schedules", default=f"{trellis_gemv.TABLE_SCHEDULE},{trellis_gemv.COMPUTED_SCHEDULE}",
                         help="comma-separated kernels.trellis_gemv.SCHEDULES names, each timed for every code")
     args = parser.parse_args()
     if not torch.cuda.is_available():
