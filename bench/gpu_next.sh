@@ -49,6 +49,8 @@
 #            3inst at the same 91 us for loops a quarter apart)
 #   tcheck   the rotations' error by dot precision (bench/experiments/rotation_error.py), trellis_bench.py --gemv-only
 #            at the per-code defaults, ncu on the trellis arm, then the trellis kernels' GPU tests
+#   tconfirm the rotations' error and GPU tests, the arm by launch at the defaults, trellis_bench.py's n = 1 rows and
+#            its grouped rows (the rotations run in the grouped arms too)
 #   ncu      Nsight Compute's counters (speed of light, occupancy, warp states, scheduler, memory) on the trellis
 #            arm's launches and the bf16 GEMV arm at v4-shape (trellis_probe.py --window), then on a Qwen3-30B-A3B
 #            decode step's kernels (NCU_SKIP matching launches skipped, NCU_COUNT profiled)
@@ -69,7 +71,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -139,6 +141,12 @@ want tcheck && TAIL=2 stage 60 ncu_trellis "$NCU" "${NCU_ARGS[@]}" --profile-fro
     python3 bench/experiments/trellis_probe.py --window --codes hyb,1mad --schedules u2c16,u1c16
 want tcheck && TAIL=12 stage 330 pytest_trellis python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_trellis_kernels.py
+want tconfirm && TAIL=8 stage 40 rotation_error python3 bench/experiments/rotation_error.py
+want tconfirm && TAIL=6 stage 90 pytest_rotations python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_kernels.py -k "rotations or graph_replay"
+want tconfirm && TAIL=6 stage 90 trellis_probe env OUT="$OUT" python3 bench/experiments/trellis_probe.py --profile
+want tconfirm && TAIL=12 stage 90 trellis_gemv python3 bench/trellis_bench.py --gemv-only --out "$OUT/gemv"
+want tconfirm && TAIL=20 stage 240 trellis_grouped python3 bench/trellis_bench.py --grouped-only --out "$OUT/grouped"
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

@@ -18,7 +18,7 @@ order, H_B v / sqrt(B), H_B[i, j] = (-1)^popcount(i & j). For B <= 128 a program
 blocks at once by H_B (one tl.dot); for 256 <= B <= 16384 it views one block as an [A, C] matrix (row-major,
 A C = B, both in 16..128) and computes H_A X H_C (two tl.dots), which is H_B's Kronecker form. H is +-1,
 exact in tf32, so only the fp32 operand is split: x = high + low, high rounded to tf32's 11 bits (exact, and
-so is the difference), and each product is two tf32 dots (`_times_hadamard`). That is tf32x3's accuracy
+so is the difference), and each product is two tf32 dots (`_times_hadamard`). That is tf32x3's arithmetic
 (its third dot multiplies by H's low part, which is zero) in two thirds of the MMAs and half the registers:
 tf32x3 took 255 registers and spilled 1 KB a thread, which made the one-program rotation of a 4096-wide
 token 13.5 us on an H200. The interpreter's dot is exact to one rounding. The results equal the reference's
@@ -76,16 +76,19 @@ def _tf32_high(x):
 
 @triton.jit
 def _times_hadamard(x, hadamard, X_FIRST: tl.constexpr, PRECISION: tl.constexpr):
-    """x @ hadamard (X_FIRST) or hadamard @ x, float32, hadamard +-1. "split": x's tf32 high part and the
-    rest, one tf32 dot each (the rest's truncation to tf32 costs 2^-22 of x: fp32-like accuracy)."""
+    """x @ hadamard (X_FIRST) or hadamard @ x, float32, hadamard +-1. "split": x = high + low + (under
+    2^-23 of x), both parts rounded to tf32, one tf32 dot each, the low part's first: the tensor cores
+    truncate their fp32 accumulator at every k step, so the small products are summed before the large
+    ones join them (high first, with the low part truncated by the MMA, measured 5x tf32x3's error)."""
     if PRECISION == "split":
         high = _tf32_high(x)
+        low = _tf32_high(x - high)
         if X_FIRST:
-            y = tl.dot(high, hadamard, input_precision="tf32")
-            y = tl.dot(x - high, hadamard, y, input_precision="tf32")
+            y = tl.dot(low, hadamard, input_precision="tf32")
+            y = tl.dot(high, hadamard, y, input_precision="tf32")
         else:
-            y = tl.dot(hadamard, high, input_precision="tf32")
-            y = tl.dot(hadamard, x - high, y, input_precision="tf32")
+            y = tl.dot(hadamard, low, input_precision="tf32")
+            y = tl.dot(hadamard, high, y, input_precision="tf32")
     elif X_FIRST:
         y = tl.dot(x, hadamard, input_precision=PRECISION)
     else:
