@@ -141,8 +141,8 @@ def stats(samples: list[float]) -> dict:
             "samples": len(samples)}
 
 
-def graph_per_call_us(calls: list) -> dict:
-    """The calls captured in one CUDA graph; per-call mean of each timed replay (warm-up replays excluded)."""
+def captured(calls: list) -> torch.cuda.CUDAGraph:
+    """The calls in one CUDA graph, after two of them ran eagerly (compiled, scratch allocated)."""
     for call in calls[:2]:
         call()
     torch.cuda.synchronize()
@@ -150,6 +150,12 @@ def graph_per_call_us(calls: list) -> dict:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
+    return graph
+
+
+def graph_per_call_us(calls: list) -> dict:
+    """The calls captured in one CUDA graph; per-call mean of each timed replay (warm-up replays excluded)."""
+    graph = captured(calls)
     samples = []
     for replay in range(GEMV_WARMUP + GEMV_REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

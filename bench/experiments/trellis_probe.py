@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-
 import trellis_bench  # noqa: E402
+
 from kernels import trellis_gemv  # noqa: E402
 from kernels.moe_gemv import moe_gemv  # noqa: E402
 from kernels.trellis_reference import TrellisCode, hadamard_block, random_trellis_matrix  # noqa: E402
@@ -62,13 +62,7 @@ def profile(arms: dict) -> dict:
     from torch.profiler import ProfilerActivity
     result = {}
     for name, calls in arms.items():
-        for call in calls[:2]:
-            call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
+        graph = trellis_bench.captured(calls)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
