@@ -94,11 +94,6 @@ SCHEDULES = {
     # u2c16 at 80 registers: the computed codes take 96, 5 programs a SM, so v4-shape's 768 a product ran in
     # 1.16 waves (ncu, run 89); at 80, 6 fit (one wave), for 56-72 bytes of stack a thread
     "u2c16r80": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=80),
-    # u1c16 at 48 and 40 registers: 10 and 12 programs a SM against 8 at 59 (1536 programs: 1.16 and 0.97 waves
-    # against 1.45), for up to 64 bytes of stack (1mad); u1c8: half the columns a step, fewer registers uncapped
-    "u1c16r48": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=48),
-    "u1c16r40": GemvSchedule(block_tile_rows=1, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=40),
-    "u1c8": GemvSchedule(block_tile_rows=1, block_tile_columns=8, num_warps=4, unrolled=True),
 }
 # The defaults, per code (run 90, v4-shape, n = 1, the whole arm): the computed codes at u1c16, 1536 programs
 # of 40-56 registers a product (1mad 68.8 us against u2c16's 81.1, 3inst 75.7 against 80.3: more warps a
