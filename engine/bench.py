@@ -786,7 +786,8 @@ def _preloading(device, launch) -> str:
     """Which kernels preload under PDL (kernels.pdl.preload), in words."""
     from kernels import pdl
 
-    names = {"gemv": "the dense GEMVs", "down": "MoE down", "fused": "the router's and the LM head's fused GEMVs"}
+    names = {"gemv": "the dense GEMVs", "down": "MoE down", "fused": "the router's and the LM head's fused GEMVs",
+             "trellis": "the trellis GEMV's products"}
     chosen = [names[kernel] for kernel in pdl.PRELOADERS if pdl.preload(device, kernel, launch)]
     return ", ".join(chosen[:-1]) + (" and " if len(chosen) > 1 else "") + chosen[-1]
 

@@ -19,7 +19,7 @@ from typing import Iterator
 
 # The kernels whose first weight tile may load before their PDL wait: kernels.gemv's dense GEMV, MoE down
 # (kernels.moe_gemv) and the fused GEMVs of the router and the LM head (kernels.gemv_route, kernels.gemv_pick).
-PRELOADERS = ("gemv", "down", "fused")
+PRELOADERS = ("gemv", "down", "fused", "trellis")
 
 
 @dataclass(frozen=True)

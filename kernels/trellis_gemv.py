@@ -245,16 +245,25 @@ def _trellis_gemv_steps_kernel(
     WEIGHT_EVICTION: tl.constexpr,
     TABLE_IN_SHARED: tl.constexpr,  # hyb: the signed table read through shared memory (tl.gather), not L1
     EVEN_COLUMNS: tl.constexpr,  # num_column_tiles % BLOCK_TC == 0: no column masks
+    PRELOAD: tl.constexpr = False,  # with USE_GDC: the id, the first step's words and the table before the wait
 ):
     """`_trellis_gemv_kernel`'s contract, with the steps of a unit unrolled at compile time: every tensor is
     [units, tile columns], so each thread decodes every state of its own units from its own words (no
     layout change of the words, a constant shift per state: `_step_window`), and reads each vector value
-    once for all of its units."""
-    if USE_GDC:
+    once for all of its units. PRELOAD: the codes and the ids do not depend on the grid before (the ids are
+    the router's, complete two grids back: kernels.pdl), so their first loads overlap its tail; only the
+    vector waits."""
+    if USE_GDC and not PRELOAD:
         tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int32)
-    if (expert >= 0) & (expert < num_experts):
+    if PRELOAD:
+        expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int32)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):
+        if USE_GDC and PRELOAD:  # every program waits before it exits (kernels.pdl: completion stays transitive)
+            tl.extra.cuda.gdc_wait()
+    else:
         UT: tl.constexpr = 16 // G
         U: tl.constexpr = BLOCK_TR * UT
         S: tl.constexpr = 16 * G // V
@@ -286,6 +295,8 @@ def _trellis_gemv_steps_kernel(
         table = table_ptr
         if TABLE_IN_SHARED:
             table = tl.load(table_ptr.to(tl.pointer_type(tl.uint64)) + tl.arange(0, 1024))
+        if USE_GDC and PRELOAD:
+            tl.extra.cuda.gdc_wait()
         for column0 in range(0, num_column_tiles, BLOCK_TC):
             unit_ptrs += BLOCK_TC * words_per_tile
             next_ptrs += BLOCK_TC * words_per_tile
@@ -368,7 +379,8 @@ def _product(vectors: torch.Tensor, matrix: TrellisMatrix, flat_ids: torch.Tenso
         if code.needs_table:
             table = matrix.signed_table
         extra = dict(TABLE_IN_SHARED=code.needs_table and schedule.hyb_table == "shared",
-                     EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0)
+                     EVEN_COLUMNS=column_tiles % schedule.block_tile_columns == 0,
+                     PRELOAD=pdl.preload(vectors.device, "trellis"))
     if schedule.max_registers is not None and compiled(vectors.device):
         extra["maxnreg"] = schedule.max_registers
     kernel[(pairs, triton.cdiv(row_tiles, schedule.block_tile_rows))](

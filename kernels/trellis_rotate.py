@@ -137,12 +137,11 @@ def _rotate_kernel(
     """out = H(signs * x) blockwise. Grid: (blocks / BLOCK_ROWS,) for B <= 128, else (blocks,)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # early: the product after it preloads its codes meanwhile
     row, offset, row_ok = _block_offsets(tl.program_id(0), size // (A * C), num_blocks_total, A, C, BLOCK_ROWS)
     valid = row_ok[:, None] & (offset >= 0)
     x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + offset, mask=valid, other=0.0).to(tl.float32)
     y = _walsh(x * tl.load(signs_ptr + offset, mask=valid, other=0.0), A, C, PRECISION)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row.to(tl.int64)[:, None] * stride_o + offset, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -163,6 +162,7 @@ def _swiglu_between_kernel(
     block i: the rotations never cross a block, and no block straddles gate and up)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # early: the down product preloads its codes meanwhile
     row, offset, row_ok = _block_offsets(tl.program_id(0), intermediate // (A * C), num_blocks_total, A, C,
                                          BLOCK_ROWS)
     valid = row_ok[:, None] & (offset >= 0)
@@ -173,8 +173,6 @@ def _swiglu_between_kernel(
     up = up * tl.load(left_signs_ptr + intermediate + offset, mask=valid, other=0.0)
     hidden = gate * tl.sigmoid(gate) * up
     hidden = _walsh(hidden * tl.load(right_signs_ptr + offset, mask=valid, other=0.0), A, C, PRECISION)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row.to(tl.int64)[:, None] * stride_o + offset, hidden.to(out_ptr.dtype.element_ty),
              mask=valid)
 
@@ -202,11 +200,13 @@ def _unrotate_sum_kernel(
     total = tl.zeros(offset.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        keep = valid
+        # the row is loaded whatever its id (it exists, written or not) and dropped by a select: the id's load
+        # and the row's then make one round trip, not two
+        z = tl.load(z_ptr + pair.to(tl.int64)[:, None] * stride_z + offset, mask=valid, other=0.0).to(tl.float32)
         if HAS_IDS:
             expert = tl.load(ids_ptr + pair, mask=row_ok, other=-1)
-            keep = keep & ((expert >= 0) & (expert < num_experts))[:, None]
-        total += tl.load(z_ptr + pair.to(tl.int64)[:, None] * stride_z + offset, mask=keep, other=0.0).to(tl.float32)
+            z = tl.where(((expert >= 0) & (expert < num_experts))[:, None], z, 0.0)
+        total += z
     y = _walsh(total, A, C, PRECISION) * tl.load(signs_ptr + offset, mask=valid, other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()

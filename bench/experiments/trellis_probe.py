@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 import trellis_bench  # noqa: E402
 
-from kernels import trellis_gemv  # noqa: E402
+from kernels import settings, trellis_gemv  # noqa: E402
 from kernels.moe_gemv import moe_gemv  # noqa: E402
 from kernels.trellis_reference import TrellisCode, hadamard_block, random_trellis_matrix  # noqa: E402
 
@@ -90,12 +90,16 @@ def main() -> int:
     mode.add_argument("--profile", action="store_true")
     mode.add_argument("--window", action="store_true")
     parser.add_argument("--codes", default="hyb,3inst,1mad")
+    parser.add_argument("--preload", choices=("on", "off"), default="on",
+                        help="the trellis products' PDL preload (kernels.settings' 'trellis' preloader)")
     parser.add_argument("--schedules", default=f"{trellis_gemv.TABLE_SCHEDULE},{trellis_gemv.COMPUTED_SCHEDULE}",
                         help="comma-separated kernels.trellis_gemv.SCHEDULES names, each timed for every code")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("trellis_probe needs a CUDA GPU", file=sys.stderr)
         return 2
+    preloaders = set(settings.PRELOADERS) - ({"trellis"} if args.preload == "off" else set())
+    settings.apply(settings.LaunchSettings(pdl_preload=frozenset(preloaders)))
     arms = build(torch.device("cuda"), args.codes.split(","), args.schedules.split(","))
     if args.profile:
         result = profile(arms)
