@@ -96,7 +96,7 @@ SCHEDULES = {
     "u2c16r80": GemvSchedule(block_tile_rows=2, block_tile_columns=16, num_warps=4, unrolled=True, max_registers=80),
 }
 # The defaults, per code (run 90, v4-shape, n = 1, the whole arm): the computed codes at u1c16, 1536 programs
-# of 40-56 registers a product (1mad 68.8 us against u2c16's 81.1, 3inst 75.7 against 80.3: more warps a
+# of 40-59 registers a product (1mad 68.8 us against u2c16's 81.1, 3inst 75.7 against 80.3: more warps a
 # SM and a shorter tail than u2c16's 768 programs at 96 registers, 1.16 waves); hyb at u2c16 (110.2 against
 # u1c16's 121.3: each program copies the 8 KB table into shared memory, so fewer programs copy less).
 TABLE_SCHEDULE = "u2c16"
