@@ -24,7 +24,7 @@ def host_timer(calls: list) -> dict:
     return {"mean_us": (time.perf_counter() - started) * 1e6, "std_us": 0.0, "samples": 1}
 
 
-@pytest.mark.slow  # about 15 s of interpreter: every arm of the bench runs once, at the smallest shape they take
+@pytest.mark.slow  # about 50 s of interpreter, most of it the grouped arms: every arm of the bench runs once
 def test_the_bench_runs_end_to_end_on_a_small_shape():
     setup = trellis_bench.Setup(
         torch.device("cpu"), "cpu", sms=1, bandwidth=1e10, clock=lambda note: (1e9, "test"),
