@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 # The kernels whose first weight tile may load before their PDL wait: kernels.gemv's dense GEMV, MoE down
-# (kernels.moe_gemv) and the fused GEMVs of the router and the LM head (kernels.gemv_route, kernels.gemv_pick).
+# (kernels.moe_gemv), the fused GEMVs of the router and the LM head (kernels.gemv_route, kernels.gemv_pick) and
+# the trellis GEMV's two products (kernels.trellis_gemv: the id, the first step's codes and hyb's table).
 PRELOADERS = ("gemv", "down", "fused", "trellis")
 
 

@@ -292,13 +292,13 @@ def hadamard_signs(seed: int, size: int) -> torch.Tensor:
     return torch.from_numpy(1.0 - 2.0 * negative)
 
 
-def _walsh_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+def _walsh_hadamard(x: torch.Tensor, block: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Normalised Walsh-Hadamard transform (Sylvester order) of each contiguous `block` of the last
-    dimension, in float32 butterflies; its own inverse."""
+    dimension, in `dtype` butterflies (float32; float64 for an error's ground truth); its own inverse."""
     if block & (block - 1) or x.shape[-1] % block:
         raise ValueError(f"hadamard block {block} must be a power of two dividing {x.shape[-1]}")
     lead, size = x.shape[:-1], x.shape[-1]
-    y = x.to(torch.float32).reshape(-1, size // block, block)
+    y = x.to(dtype).reshape(-1, size // block, block)
     half = 1
     while half < block:
         pairs = y.view(y.shape[0], y.shape[1], block // (2 * half), 2, half)

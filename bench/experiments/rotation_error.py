@@ -12,7 +12,6 @@ is the tensor cores' and which the split's.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -22,21 +21,15 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from kernels import trellis_rotate  # noqa: E402
-from kernels.trellis_reference import hadamard_block, hadamard_signs, rotate  # noqa: E402
+from kernels.trellis_reference import (  # noqa: E402
+    _walsh_hadamard,
+    hadamard_block,
+    hadamard_signs,
+    rotate,
+)
 
 SIZES = (48, 384, 2048, 4096)
 PRECISIONS = ("split", "tf32x3", "tf32")
-
-
-def butterflies64(x: torch.Tensor, block: int) -> torch.Tensor:
-    y = x.to(torch.float64).reshape(-1, x.shape[-1] // block, block)
-    half = 1
-    while half < block:
-        pairs = y.view(y.shape[0], y.shape[1], block // (2 * half), 2, half)
-        y = torch.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], dim=-2)
-        y = y.reshape(x.shape[0], x.shape[-1] // block, block)
-        half *= 2
-    return (y / math.sqrt(block)).reshape(x.shape)
 
 
 def kernel_rotation(x, signs, block, precision):
@@ -60,7 +53,7 @@ def main() -> int:
         x = torch.randn(64, size, device="cuda", generator=generator)
         block = hadamard_block(size)
         signs = hadamard_signs(7, size).cuda()
-        truth = butterflies64(x.double() * signs.double(), block)
+        truth = _walsh_hadamard(x.double() * signs.double(), block, torch.float64)
         errors = []
         for precision in PRECISIONS + ("reference",):
             got = rotate(x, signs, block) if precision == "reference" else kernel_rotation(x, signs, block, precision)
