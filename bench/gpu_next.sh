@@ -54,6 +54,9 @@
 #   ncu      Nsight Compute's counters (speed of light, occupancy, warp states, scheduler, memory) on the trellis
 #            arm's launches and the bf16 GEMV arm at v4-shape (trellis_probe.py --window), then on a Qwen3-30B-A3B
 #            decode step's kernels (NCU_SKIP matching launches skipped, NCU_COUNT profiled)
+#   gcand    the trellis grouped arm's candidate schedules at n = 2048 / 8192 (bench/experiments/grouped_candidates.py:
+#            256-row windows, 16 warps) beside the bf16 grouped arm, then ncu on 1mad's gate-up and down at m64, m128
+#            and m256 (run 92: 1mad 1.33x / 1.92x the bf16 arm, 2.96x / 3.24x its decode bound)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -71,7 +74,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -147,6 +150,11 @@ want tconfirm && TAIL=6 stage 90 pytest_rotations python3 -m pytest -m gpu -q -p
 want tconfirm && TAIL=6 stage 90 trellis_probe env OUT="$OUT" python3 bench/experiments/trellis_probe.py --profile
 want tconfirm && TAIL=12 stage 90 trellis_gemv python3 bench/trellis_bench.py --gemv-only --out "$OUT/gemv"
 want tconfirm && TAIL=20 stage 240 trellis_grouped python3 bench/trellis_bench.py --grouped-only --out "$OUT/grouped"
+want gcand && TAIL=30 stage 300 grouped_candidates env OUT="$OUT" python3 bench/experiments/grouped_candidates.py \
+    --time --schedules ${GCAND_SCHEDULES:-m64,m128,m256,m256d64,m128w16,m64w16,m64w16r64}
+want gcand && TAIL=2 stage 200 ncu_grouped "$NCU" "${NCU_ARGS[@]}" --profile-from-start off \
+    -k "regex:_trellis_gate_up_kernel|_trellis_down_kernel" \
+    python3 bench/experiments/grouped_candidates.py --window --codes 1mad --schedules m64,m128,m256
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))
