@@ -57,6 +57,8 @@
 #   gcand    the trellis grouped arm's candidate schedules at n = 2048 / 8192 (bench/experiments/grouped_candidates.py:
 #            256-row windows, 16 warps) beside the bf16 grouped arm, then ncu on 1mad's gate-up and down at m64, m128
 #            and m256 (run 92: 1mad 1.33x / 1.92x the bf16 arm, 2.96x / 3.24x its decode bound)
+#   rstack   the rotations with several blocks a program (kernels.trellis_rotate.STACKED) by config
+#            (bench/experiments/rotation_stacks.py), their GPU tests, then the grouped candidates at m64, m128, m256
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -74,7 +76,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -155,6 +157,11 @@ want gcand && TAIL=30 stage 300 grouped_candidates env OUT="$OUT" python3 bench/
 want gcand && TAIL=2 stage 200 ncu_grouped "$NCU" "${NCU_ARGS[@]}" --profile-from-start off \
     -k "regex:_trellis_gate_up_kernel|_trellis_down_kernel" \
     python3 bench/experiments/grouped_candidates.py --window --codes 1mad --schedules m64,m128,m256
+want rstack && TAIL=12 stage 120 rotation_stacks env OUT="$OUT" python3 bench/experiments/rotation_stacks.py
+want rstack && TAIL=4 stage 180 pytest_rotations python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_kernels.py -k "rotations or graph_replay or several"
+want rstack && TAIL=12 stage 200 grouped_candidates env OUT="$OUT" python3 bench/experiments/grouped_candidates.py \
+    --time --schedules ${GCAND_SCHEDULES:-m64,m128,m256}
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

@@ -87,6 +87,9 @@ class GroupedSchedule:
 #            its wgmma (uncapped, the gate-up takes 128-150 and one program fills the SM)
 #   "m64x"   m64 uncapped, to time the cap against
 #   "m128"   128-row windows (two warpgroups of 64 rows), BLOCK_N 64 / 128
+#   "m256"   256-row windows: an expert's weights decoded once up to 256 pairs. 16 warps (four warpgroups of 64
+#            rows) at most 128 registers, BLOCK_K 128 so that a gate-up block of 64 rows still has a 16-column
+#            run for every thread, 2 stages (168 KB of shared memory): one program a SM
 #   "m64t"   m64 (uncapped) with the tensor-form decode the unrolled one replaced: the bench's baseline
 SCHEDULES = {
     "m64": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
@@ -95,21 +98,26 @@ SCHEDULES = {
                             num_stages=3, group_windows=4),
     "m128": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4),
+    "m256": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
+                            num_stages=2, group_windows=4, max_registers=128),
     "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4, decode="tensor"),
 }
 DEFAULT_SCHEDULE = "m64"  # auto's pick up to AUTO_WIDE_ABOVE_PAIRS pairs an expert
 BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: the bench times both
-# "auto": m128 where the routing's mean pairs per expert (n k / E) passes 64, else m64. Above 64 pairs an
-# expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
-# 64-row ones decode them twice; per window m128's loop counts about 1.3x m64's (docs/trellis-kernels.md).
+# "auto", by the routing's mean pairs per expert (n k / E): m64 up to 64, m128 up to 128, m256 above. Above 64
+# pairs an expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
+# 64-row ones decode them twice (per window m128's loop counts about 1.3x m64's, docs/trellis-kernels.md);
+# above 128 one 256-row window does where two of 128 did, for the same padded rows of wgmma.
 # Not at K = 3: m128's 64-row gate-up block is 32 two-row units by 4 tile columns, fewer than its 256
-# threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6).
+# threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6); m256's is
+# 32 by 8 for 512 threads.
 # Chosen from the shapes alone (no device read), so a CUDA graph captures one schedule per n.
-# The launchers' default (run 65, v4-shape experts, K = 2: at n = 8192 m128 took 21.1 / 15.1 / 14.3 ms against
-# m64's 24.1 / 16.7 / 15.4 for hyb / 3inst / 1mad; at n = 2048 auto runs m64).
+# Run 96 (v4-shape experts, K = 2, n = 8192: 192 pairs an expert): m256 12.5 / 13.0 / 14.9 ms against m128's
+# 13.1 / 13.9 / 19.6 for 1mad / 3inst / hyb; at n = 2048 (48 pairs) m64 4.4 / 4.7 / 7.0 against m128's 6.2 / 7.1 / 9.9.
 AUTO_SCHEDULE = "auto"
 AUTO_WIDE_ABOVE_PAIRS = 64
+AUTO_WIDEST_ABOVE_PAIRS = 128
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
 
 
@@ -118,8 +126,11 @@ def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits:
     code's K bits per weight) picks."""
     if schedule != AUTO_SCHEDULE:
         return schedule
-    wide = tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts and unit_geometry(bits)[0] == 1
-    return "m128" if wide else DEFAULT_SCHEDULE
+    if unit_geometry(bits)[0] != 1:
+        return DEFAULT_SCHEDULE
+    if tokens * top_k > AUTO_WIDEST_ABOVE_PAIRS * experts:
+        return "m256"
+    return "m128" if tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts else DEFAULT_SCHEDULE
 
 
 @triton.jit

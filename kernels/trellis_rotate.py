@@ -97,29 +97,39 @@ def _times_hadamard(x, hadamard, X_FIRST: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _walsh(x, A: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
-    """x float32 [M, C] (A == 1: M blocks of C values, each transformed) or [A, C] (A > 1: one block of A C
-    values, row-major): the normalised Walsh-Hadamard transform, float32."""
+def _walsh(x, A: tl.constexpr, C: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr):
+    """x float32 [M, C] (A == 1: M blocks of C values, each transformed) or [RB A, C] (A > 1: RB blocks of A C
+    values, each row-major, stacked): the normalised Walsh-Hadamard transform, float32."""
     y = _times_hadamard(x, _sylvester(C), True, PRECISION)
     if A > 1:
-        y = _times_hadamard(y, _sylvester(A), False, PRECISION)
+        if RB == 1:
+            y = _times_hadamard(y, _sylvester(A), False, PRECISION)
+        else:  # each block's H_A on the left: the RB blocks side by side, [A, RB C], one dot
+            side = tl.reshape(tl.permute(tl.reshape(y, [RB, A, C]), (1, 0, 2)), [A, RB * C])
+            side = _times_hadamard(side, _sylvester(A), False, PRECISION)
+            y = tl.reshape(tl.permute(tl.reshape(side, [A, RB, C]), (1, 0, 2)), [RB * A, C])
     return y * (1.0 / tl.sqrt(float(A * C)))
 
 
 @triton.jit
 def _block_offsets(program, blocks_per_vector, num_blocks_total, A: tl.constexpr, C: tl.constexpr,
-                   BLOCK_ROWS: tl.constexpr):
+                   BLOCK_ROWS: tl.constexpr, RB: tl.constexpr):
     """For this program: (row [M], in-row offset of each value [M, C], which rows exist [M]), where a vector
-    of the input is `blocks_per_vector` blocks. A == 1: BLOCK_ROWS consecutive blocks; A > 1: block
-    `program` viewed as [A, C] (M = A, every row the same vector)."""
+    of the input is `blocks_per_vector` blocks. A == 1: BLOCK_ROWS consecutive blocks; A > 1: blocks
+    `program` RB .. + RB - 1, each viewed as [A, C] and stacked (M = RB A)."""
     if A == 1:
         block = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [M]
         offset = (block % blocks_per_vector)[:, None] * C + tl.arange(0, C)[None, :]
         return block // blocks_per_vector, offset, block < num_blocks_total
-    else:
+    elif RB == 1:
         row = program // blocks_per_vector + tl.zeros([A], dtype=tl.int32)
         offset = (program % blocks_per_vector) * (A * C) + tl.arange(0, A)[:, None] * C + tl.arange(0, C)[None, :]
         return row, offset, (program + tl.zeros([A], dtype=tl.int32)) < num_blocks_total
+    else:
+        block = program * RB + tl.arange(0, RB * A) // A  # [M]
+        offset = (block % blocks_per_vector)[:, None] * (A * C) + (tl.arange(0, RB * A) % A)[:, None] * C \
+            + tl.arange(0, C)[None, :]
+        return block // blocks_per_vector, offset, block < num_blocks_total
 
 
 @triton.jit
@@ -131,17 +141,17 @@ def _rotate_kernel(
     num_blocks_total,  # T n / B
     stride_x,
     stride_o,
-    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     """out = H(signs * x) blockwise. Grid: (blocks / BLOCK_ROWS,) for B <= 128, else (blocks,)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # early: the product after it preloads its codes meanwhile
-    row, offset, row_ok = _block_offsets(tl.program_id(0), size // (A * C), num_blocks_total, A, C, BLOCK_ROWS)
+    row, offset, row_ok = _block_offsets(tl.program_id(0), size // (A * C), num_blocks_total, A, C, BLOCK_ROWS, RB)
     valid = row_ok[:, None] & (offset >= 0)
     x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + offset, mask=valid, other=0.0).to(tl.float32)
-    y = _walsh(x * tl.load(signs_ptr + offset, mask=valid, other=0.0), A, C, PRECISION)
+    y = _walsh(x * tl.load(signs_ptr + offset, mask=valid, other=0.0), A, C, RB, PRECISION)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * stride_o + offset, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -155,7 +165,7 @@ def _swiglu_between_kernel(
     num_blocks_total,  # R F / B
     stride_y,
     stride_o,
-    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     """out = T_R2(silu(g) * u), (g, u) = T_L13^T y, block by block (gate block i and up block i, then hidden
@@ -164,15 +174,15 @@ def _swiglu_between_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # early: the down product preloads its codes meanwhile
     row, offset, row_ok = _block_offsets(tl.program_id(0), intermediate // (A * C), num_blocks_total, A, C,
-                                         BLOCK_ROWS)
+                                         BLOCK_ROWS, RB)
     valid = row_ok[:, None] & (offset >= 0)
     base = y_ptr + row.to(tl.int64)[:, None] * stride_y + offset
-    gate = _walsh(tl.load(base, mask=valid, other=0.0).to(tl.float32), A, C, PRECISION)
-    up = _walsh(tl.load(base + intermediate, mask=valid, other=0.0).to(tl.float32), A, C, PRECISION)
+    gate = _walsh(tl.load(base, mask=valid, other=0.0).to(tl.float32), A, C, RB, PRECISION)
+    up = _walsh(tl.load(base + intermediate, mask=valid, other=0.0).to(tl.float32), A, C, RB, PRECISION)
     gate = gate * tl.load(left_signs_ptr + offset, mask=valid, other=0.0)
     up = up * tl.load(left_signs_ptr + intermediate + offset, mask=valid, other=0.0)
     hidden = gate * tl.sigmoid(gate) * up
-    hidden = _walsh(hidden * tl.load(right_signs_ptr + offset, mask=valid, other=0.0), A, C, PRECISION)
+    hidden = _walsh(hidden * tl.load(right_signs_ptr + offset, mask=valid, other=0.0), A, C, RB, PRECISION)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * stride_o + offset, hidden.to(out_ptr.dtype.element_ty),
              mask=valid)
 
@@ -189,13 +199,13 @@ def _unrotate_sum_kernel(
     stride_z,
     stride_o,
     TOP_K: tl.constexpr, HAS_IDS: tl.constexpr,
-    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    A: tl.constexpr, C: tl.constexpr, BLOCK_ROWS: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     """out[t] = signs * H(sum over j = 0..TOP_K-1, in that order, of z[t TOP_K + j]) blockwise, in fp32."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    token, offset, row_ok = _block_offsets(tl.program_id(0), size // (A * C), num_blocks_total, A, C, BLOCK_ROWS)
+    token, offset, row_ok = _block_offsets(tl.program_id(0), size // (A * C), num_blocks_total, A, C, BLOCK_ROWS, RB)
     valid = row_ok[:, None] & (offset >= 0)
     total = tl.zeros(offset.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
@@ -207,25 +217,34 @@ def _unrotate_sum_kernel(
             expert = tl.load(ids_ptr + pair, mask=row_ok, other=-1)
             z = tl.where(((expert >= 0) & (expert < num_experts))[:, None], z, 0.0)
         total += z
-    y = _walsh(total, A, C, PRECISION) * tl.load(signs_ptr + offset, mask=valid, other=0.0)
+    y = _walsh(total, A, C, RB, PRECISION) * tl.load(signs_ptr + offset, mask=valid, other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + token.to(tl.int64)[:, None] * stride_o + offset, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _grid_and_meta(rows: int, size: int, block: int, dtype: torch.dtype) -> tuple[tuple[int], dict]:
+# Blocks stacked per program (RB) and warps, per kernel, where a launch has at least STACK_FROM_BLOCKS blocks
+# of more than 128 values: a program then builds its Hadamard matrices once for RB blocks and multiplies them
+# in dots of RB times the rows. Fewer blocks (a decode step's few rows) keep one block a program, whose chain
+# is shorter.
+STACKED = {"rotate": (2, 8), "swiglu_between": (4, 8), "unrotate_sum": (2, 8)}
+STACK_FROM_BLOCKS = 1024
+
+
+def _grid_and_meta(rows: int, size: int, block: int, kind: str) -> tuple[tuple[int], dict]:
     first, second = split(block)
     blocks = rows * size // block
-    programs = triton.cdiv(blocks, BLOCK_ROWS) if first == 1 else blocks
-    return (max(programs, 1),), dict(A=first, C=second, BLOCK_ROWS=BLOCK_ROWS, PRECISION=dot_precision(dtype),
-                                     num_warps=NUM_WARPS)
+    stacked, warps = STACKED[kind] if first > 1 and blocks >= STACK_FROM_BLOCKS else (1, NUM_WARPS)
+    programs = triton.cdiv(blocks, BLOCK_ROWS) if first == 1 else triton.cdiv(blocks, stacked)
+    return (max(programs, 1),), dict(A=first, C=second, BLOCK_ROWS=BLOCK_ROWS, RB=stacked,
+                                     PRECISION=dot_precision(torch.float32), num_warps=warps)
 
 
 def rotate_rows(x: torch.Tensor, signs: torch.Tensor, block: int, out: torch.Tensor, pdl: dict) -> torch.Tensor:
     """out [T, n] = T(x) = blockwise Hadamard of signs * x, row by row (one launch)."""
     rows, size = x.shape
     if rows:
-        grid, meta = _grid_and_meta(rows, size, block, torch.float32)
+        grid, meta = _grid_and_meta(rows, size, block, "rotate")
         _rotate_kernel[grid](x, signs, out, size, rows * size // block, x.stride(0), out.stride(0), **meta, **pdl)
         launches.record("trellis.rotate", kernel=_rotate_kernel)
     return out
@@ -236,7 +255,7 @@ def swiglu_between(y: torch.Tensor, left_signs: torch.Tensor, right_signs: torch
     """out [R, F] = T_R2(silu(g) * u) with (g, u) = T_L13^T y, y [R, 2F] (one launch)."""
     rows, intermediate = out.shape
     if rows:
-        grid, meta = _grid_and_meta(rows, intermediate, block, torch.float32)
+        grid, meta = _grid_and_meta(rows, intermediate, block, "swiglu_between")
         _swiglu_between_kernel[grid](y, left_signs, right_signs, out, intermediate, rows * intermediate // block,
                                      y.stride(0), out.stride(0), **meta, **pdl)
         launches.record("trellis.swiglu_between", kernel=_swiglu_between_kernel)
@@ -249,7 +268,7 @@ def unrotate_sum(z: torch.Tensor, ids: torch.Tensor | None, num_experts: int, to
     left out (ids None: every row counts). One launch."""
     tokens, size = out.shape
     if tokens:
-        grid, meta = _grid_and_meta(tokens, size, block, torch.float32)
+        grid, meta = _grid_and_meta(tokens, size, block, "unrotate_sum")
         _unrotate_sum_kernel[grid](z, z if ids is None else ids, signs, out, num_experts, size, tokens * size // block,
                                    z.stride(0), out.stride(0), TOP_K=top_k, HAS_IDS=ids is not None, **meta, **pdl)
         launches.record("trellis.unrotate_sum", kernel=_unrotate_sum_kernel)

@@ -125,10 +125,12 @@ def test_fused_schedules_equal_the_dequantize_arm_bit_for_bit(schedule, code_nam
 
 def test_auto_picks_wide_windows_above_64_pairs_per_expert():
     assert resolve_schedule("auto", 2048, 6, 256, 2) == "m64"  # 48 pairs an expert: one 64-row window each
-    assert resolve_schedule("auto", 8192, 6, 256, 2) == "m128"  # 192: two 128-row windows, not three or four
+    assert resolve_schedule("auto", 8192, 6, 256, 2) == "m256"  # 192: one 256-row window, not two of 128
+    assert resolve_schedule("auto", 5462, 6, 256, 2) == "m256"  # 128.02
+    assert resolve_schedule("auto", 5461, 6, 256, 2) == "m128"  # 127.99: one 128-row window
     assert resolve_schedule("auto", 2731, 6, 256, 4) == "m128"  # 64.01: two 64-row windows or one of 128
     assert resolve_schedule("auto", 2730, 6, 256, 2) == "m64"  # 63.98
-    assert resolve_schedule("auto", 8192, 6, 256, 3) == "m64"  # K = 3: m128's gate-up would decode twice
+    assert resolve_schedule("auto", 8192, 6, 256, 3) == "m64"  # K = 3: m128's and m256's gate-up would decode twice
     for launcher in (grouped_module.moe_trellis_grouped, grouped_module.moe_trellis_dequant):  # the arms run auto
         assert inspect.signature(launcher).parameters["schedule"].default == "auto"
     assert resolve_schedule("m64t", 8192, 6, 256, 2) == "m64t"  # a named schedule is itself
@@ -219,13 +221,15 @@ def test_gpu_grouped_decode_of_every_k_matches_dequantize_and_reference(code_nam
 
 
 @pytest.mark.gpu
-def test_gpu_graph_replay_of_the_auto_pick_equals_eager():
-    """75 pairs an expert: "auto" runs m128 (two warpgroups of 64 rows); replays read the same bits."""
+@pytest.mark.parametrize("tokens, schedule", [(300, "m128"), (700, "m256")])
+def test_gpu_graph_replay_of_the_auto_pick_equals_eager(tokens, schedule):
+    """75 pairs an expert: "auto" runs m128 (two warpgroups of 64 rows); 175: m256 (four warpgroups, 16 warps);
+    replays read the same bits."""
     w13, w2 = make_stacks(TrellisCode.of("1mad", 2), 16, 512, 1024, seed=12, device="cuda")
-    ids, weights = make_routing(300, 4, 16, seed=12, device="cuda")
-    x = torch.randn(300, 512, device="cuda").bfloat16()
+    ids, weights = make_routing(tokens, 4, 16, seed=12, device="cuda")
+    x = torch.randn(tokens, 512, device="cuda").bfloat16()
     weights = weights.bfloat16()
-    assert resolve_schedule("auto", 300, 4, 16, 2) == "m128"
+    assert resolve_schedule("auto", tokens, 4, 16, 2) == schedule
     eager = moe_trellis_grouped(x, w13, w2, ids, weights, schedule="auto").clone()
     assert relative_error(eager, expected(x, w13, w2, ids, weights)) < TOLERANCE[torch.bfloat16]
     torch.cuda.synchronize()

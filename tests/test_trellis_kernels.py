@@ -12,16 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import launches, scratch
+from kernels import launches, scratch, trellis_rotate
 from kernels import trellis_gemv as gemv_module
 from kernels import trellis_grouped as grouped_module
+from kernels import trellis_reference as reference
 from kernels.reference import moe_reference
 from kernels.trellis_decode import dequantize_rotated
 from kernels.trellis_gemv import moe_trellis_gemv
 from kernels.trellis_grouped import moe_trellis_dequant, moe_trellis_grouped
-from kernels.trellis_reference import (TrellisCode, dequantize, hadamard_block, random_trellis_matrix, rotate,
-                                       unrotate)
-from kernels import trellis_reference as reference
+from kernels.trellis_reference import (
+    TrellisCode,
+    dequantize,
+    hadamard_block,
+    random_trellis_matrix,
+    rotate,
+    unrotate,
+)
 from kernels.trellis_rotate import rotate_rows, swiglu_between, unrotate_sum
 
 HAS_CUDA = torch.cuda.is_available()
@@ -116,11 +122,21 @@ def test_rotations_match_the_reference(size):
     check_rotations(size, "cpu")
 
 
+@pytest.mark.parametrize("size", [256, 2048], ids=["blocks-of-256", "block-2048"])
+def test_stacked_rotations_match_the_reference(size, monkeypatch):
+    # several blocks a program (as a wide launch stacks them), their count not a multiple of the stack
+    monkeypatch.setattr(trellis_rotate, "STACK_FROM_BLOCKS", 1)
+    check_rotations(size, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("size", [48, 384, 2048, 4096])
-def test_gpu_rotations_match_the_reference(size):
+@pytest.mark.parametrize("stacked", [False, True], ids=["a-block-a-program", "stacked"])
+def test_gpu_rotations_match_the_reference(size, stacked, monkeypatch):
     # the tensor cores' tf32 dots of x's high part and its rest: fp32's accuracy, not tf32's (about 1e-3)
+    if stacked:
+        monkeypatch.setattr(trellis_rotate, "STACK_FROM_BLOCKS", 1)
     check_rotations(size, "cuda")
 
 

@@ -4,7 +4,8 @@ Run 92 timed 1mad at 1.33x the bf16 grouped arm at n = 2048 (m64, 2.96x its deco
 (m128, 3.24x): a weight is decoded once per window, and at 8192 an expert's 192 pairs take two 128-row windows.
 The candidates here change what a window holds and how many warps share an SM's decode:
 
-    m256      256-row windows (one per expert up to 256 pairs), 16 warps, BLOCK_K 128, 2 stages
+    m256      256-row windows (one per expert up to 256 pairs), 16 warps, BLOCK_K 128, 2 stages (in
+              kernels.trellis_grouped.SCHEDULES since run 96)
     m256d64   m256 with down's BLOCK_N 64 (half its accumulators)
     m128w16   128-row windows at 16 warps, gate-up BLOCK_N 128
     m64w16    64-row windows at 16 warps (96 / 72 registers); m64w16r64 capped at 64 (two programs a SM)
@@ -45,8 +46,6 @@ from kernels.trellis_reference import (  # noqa: E402
 E, K_TOP, D, F = trellis_bench.E, trellis_bench.K_TOP, trellis_bench.D, trellis_bench.F
 
 CANDIDATES = {
-    "m256": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
-                            num_stages=2, group_windows=4, max_registers=128),
     "m256d64": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=64, block_k=128, num_warps=16,
                                num_stages=2, group_windows=4, max_registers=128),
     "m128w16": GroupedSchedule(block_m=128, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=16,

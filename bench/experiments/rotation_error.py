@@ -34,7 +34,7 @@ PRECISIONS = ("split", "tf32x3", "tf32")
 
 def kernel_rotation(x, signs, block, precision):
     rows, size = x.shape
-    grid, meta = trellis_rotate._grid_and_meta(rows, size, block, torch.float32)
+    grid, meta = trellis_rotate._grid_and_meta(rows, size, block, "rotate")
     meta["PRECISION"] = precision
     out = torch.empty_like(x)
     trellis_rotate._rotate_kernel[grid](x, signs, out, size, rows * size // block, x.stride(0), out.stride(0),
