@@ -28,6 +28,7 @@ from kernels.trellis_reference import hadamard_block, hadamard_signs, rotate, un
 D, F, K_TOP = 4096, 2048, 6
 CONFIGS = ((1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8))
 CALLS = 20
+NO_PDL = {"USE_GDC": False}
 
 
 def per_call_us(call) -> float:
@@ -61,12 +62,12 @@ def cases(tokens: int, generator) -> dict:
     back = unrotate(y.float().view(rows, 2, F), s_f2.view(2, F), bf)
     out = {}
     o1 = torch.empty(tokens, D, device="cuda", dtype=torch.bfloat16)
-    out["rotate"] = (lambda: trellis_rotate.rotate_rows(x, s_d, bd, o1, {}), o1, rotate(x.float(), s_d, bd))
+    out["rotate"] = (lambda: trellis_rotate.rotate_rows(x, s_d, bd, o1, NO_PDL), o1, rotate(x.float(), s_d, bd))
     o2 = torch.empty(rows, F, device="cuda", dtype=torch.bfloat16)
-    out["swiglu_between"] = (lambda: trellis_rotate.swiglu_between(y, s_f2, s_f, bf, o2, {}), o2,
+    out["swiglu_between"] = (lambda: trellis_rotate.swiglu_between(y, s_f2, s_f, bf, o2, NO_PDL), o2,
                              rotate(torch.nn.functional.silu(back[:, 0]) * back[:, 1], s_f, bf))
     o3 = torch.empty(tokens, D, device="cuda", dtype=torch.bfloat16)
-    out["unrotate_sum"] = (lambda: trellis_rotate.unrotate_sum(z, ids, 256, K_TOP, s_d, bd, o3, {}), o3,
+    out["unrotate_sum"] = (lambda: trellis_rotate.unrotate_sum(z, ids, 256, K_TOP, s_d, bd, o3, NO_PDL), o3,
                            unrotate(z.float().view(tokens, K_TOP, D).sum(1), s_d, bd))
     return out
 
