@@ -59,6 +59,8 @@
 #            and m256 (run 92: 1mad 1.33x / 1.92x the bf16 arm, 2.96x / 3.24x its decode bound)
 #   rstack   the rotations with several blocks a program (kernels.trellis_rotate.STACKED) by config
 #            (bench/experiments/rotation_stacks.py), their GPU tests, then the grouped candidates at m64, m128, m256
+#   gfuse    the grouped candidates with the gate-up's two tiles in one dot (m64f, m128f, m256f) beside m64, m128
+#            and m256, then the grouped decode's and the rotations' GPU tests
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -76,7 +78,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
@@ -162,6 +164,10 @@ want rstack && TAIL=4 stage 180 pytest_rotations python3 -m pytest -m gpu -q -p 
     tests/test_trellis_kernels.py -k "rotations or graph_replay or several"
 want rstack && TAIL=12 stage 200 grouped_candidates env OUT="$OUT" python3 bench/experiments/grouped_candidates.py \
     --time --schedules ${GCAND_SCHEDULES:-m64,m128,m256}
+want gfuse && TAIL=40 stage 260 grouped_candidates env OUT="$OUT" python3 bench/experiments/grouped_candidates.py \
+    --time --schedules ${GCAND_SCHEDULES:-m64,m64f,m128,m128f,m256,m256f}
+want gfuse && TAIL=6 stage 260 pytest_grouped python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_grouped_decode.py tests/test_trellis_kernels.py -k "grouped or rotations or several"
 index=0
 for preload in on down+fused gemv+fused off on; do  # the logs only (the device returns few files)
     index=$((index + 1))

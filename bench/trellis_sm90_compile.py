@@ -108,7 +108,8 @@ def grouped_kernels(schedule, code: str, bits: int) -> list:
     """[(product, kernel function, constexprs, weights a thread decodes per K step)] of the grouped arm's two
     products as kernels.trellis_grouped._run launches them at v4-shape (D = 4096, F = 2048: every block
     divides, so EVEN)."""
-    products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, schedule.gate_up_block_n, {"TOP_K": 6}, 2),
+    products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, schedule.gate_up_block_n,
+                 {"TOP_K": 6, "FUSED": schedule.fuse_gate_up}, 2),
                 ("down", trellis_grouped._trellis_down_kernel, schedule.down_block_n, {}, 1))
     return [(label, fn, dict(TILE_M=16, BLOCK_M=schedule.block_m, BLOCK_N=block_n, BLOCK_K=schedule.block_k,
                              GROUP_WINDOWS=schedule.group_windows, DENSE=False, STEPS=schedule.decode == "steps",

@@ -72,6 +72,7 @@ class GroupedSchedule:
     group_windows: int  # windows walked together per n-block (their weight tiles shared through L2)
     decode: str = "steps"  # "steps": the unrolled decode (trellis_decode._decoded_tile); "tensor": the old form
     max_registers: int | None = None  # ptxas's cap per thread (Triton's maxnreg); None: as many as it takes
+    fuse_gate_up: bool = False  # gate-up: one dot of N = 2 BLOCK_N on the two tiles' columns interleaved
 
     def __post_init__(self) -> None:
         if self.decode not in ("steps", "tensor"):
@@ -220,8 +221,10 @@ def _trellis_gate_up_kernel(
     K: tl.constexpr, V: tl.constexpr, G: tl.constexpr, WU: tl.constexpr, CODE: tl.constexpr,
     DENSE: tl.constexpr, STEPS: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides D and BLOCK_N divides F: no K masks, weight blocks inside the matrix
+    FUSED: tl.constexpr,  # one dot a K step on [gate | up] interleaved by column (N = 2 BLOCK_N)
 ):
-    """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block."""
+    """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block.
+    FUSED halves the wgmma's shared-memory reads of A per flop (each warpgroup reads its rows once for both)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
@@ -234,8 +237,11 @@ def _trellis_gate_up_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
         n0 = n_block * BLOCK_N
-        gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FUSED:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        else:
+            gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         row_tiles = 2 * intermediate_size // 16
         column_tiles = hidden_size // 16
         table = _product_table(table_ptr, CODE, DENSE, STEPS)
@@ -250,11 +256,17 @@ def _trellis_gate_up_kernel(
             up = _weight_tile(codes_ptr, scales_ptr, table, expert, intermediate_size + n0, k0, row_tiles,
                               column_tiles, stride_we, stride_wn, stride_se, K, V, G, WU, CODE, BLOCK_N, BLOCK_K,
                               DENSE, STEPS, EVEN, PTX, x_ptr.dtype.element_ty)
-            gate_acc = tl.dot(a, gate, gate_acc, input_precision=DOT_PRECISION)
-            up_acc = tl.dot(a, up, up_acc, input_precision=DOT_PRECISION)
+            if FUSED:  # column 2 j is gate row n0 + j, column 2 j + 1 up's
+                acc = tl.dot(a, tl.reshape(tl.join(gate, up), [BLOCK_K, 2 * BLOCK_N]), acc,
+                             input_precision=DOT_PRECISION)
+            else:
+                gate_acc = tl.dot(a, gate, gate_acc, input_precision=DOT_PRECISION)
+                up_acc = tl.dot(a, up, up_acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
         if USE_GDC:
             tl.extra.cuda.gdc_launch_dependents()
+        if FUSED:
+            gate_acc, up_acc = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         offs_n = n0 + tl.arange(0, BLOCK_N)
         store_ok = row_ok[:, None] & (offs_n < intermediate_size)[None, :]
         y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yr + offs_n[None, :]
@@ -368,7 +380,8 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         TOP_K=top_k, TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=gate_up_block_n, BLOCK_K=chosen.block_k,
         GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
         DENSE=dense13 is not None, STEPS=steps, PTX=ptx, DOT_PRECISION=dot_precision,
-        EVEN=hidden % chosen.block_k == 0 and intermediate % gate_up_block_n == 0, **options, **meta,
+        EVEN=hidden % chosen.block_k == 0 and intermediate % gate_up_block_n == 0, FUSED=chosen.fuse_gate_up,
+        **options, **meta,
     )
     launches.record(f"{label}.gate_up", kernel=_trellis_gate_up_kernel)
     h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,

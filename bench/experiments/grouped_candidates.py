@@ -8,6 +8,8 @@ The candidates here change what a window holds and how many warps share an SM's 
               kernels.trellis_grouped.SCHEDULES since run 96)
     m256d64   m256 with down's BLOCK_N 64 (half its accumulators)
     m128w16   128-row windows at 16 warps, gate-up BLOCK_N 128
+    m256f, m128f, m64f   the gate-up's two tiles in one dot of twice the columns (fuse_gate_up): each warpgroup
+              reads its A rows from shared memory once for both (run 96's m256 gate-up: L1 69 % busy)
     m64w16    64-row windows at 16 warps (96 / 72 registers); m64w16r64 capped at 64 (two programs a SM)
 
     --time      each (code, schedule, n) between CUDA events beside the bf16 grouped arm, its rows checked against
@@ -46,6 +48,12 @@ from kernels.trellis_reference import (  # noqa: E402
 E, K_TOP, D, F = trellis_bench.E, trellis_bench.K_TOP, trellis_bench.D, trellis_bench.F
 
 CANDIDATES = {
+    "m256f": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
+                             num_stages=2, group_windows=4, max_registers=128, fuse_gate_up=True),
+    "m128f": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
+                             num_stages=3, group_windows=4, fuse_gate_up=True),
+    "m64f": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                            num_stages=3, group_windows=4, max_registers=128, fuse_gate_up=True),
     "m256d64": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=64, block_k=128, num_warps=16,
                                num_stages=2, group_windows=4, max_registers=128),
     "m128w16": GroupedSchedule(block_m=128, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=16,
