@@ -408,7 +408,7 @@ def measure(setup: Setup) -> dict:
         for arm, code, schedule in configs:
             w13, w2 = stacks[code]
             function = trellis_grouped.moe_trellis_grouped if arm == "grouped" else trellis_grouped.moe_trellis_dequant
-            resolved = trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, w13.code.K)
+            resolved = trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, w13.code.K, w13.code.needs_table)
             before = {kernel: cache_keys(kernel) for kernel in GROUPED_KERNELS}
             try:
                 out = function(x, w13, w2, ids, weights, schedule=schedule)
@@ -439,8 +439,9 @@ def measure(setup: Setup) -> dict:
         # the same weights, tiles and K order: every fused schedule with the dequantize arm's block shapes
         dequantized = outputs.get(("dequant", first, trellis_grouped.DEFAULT_SCHEDULE))
         shape, bits = block_shape(trellis_grouped.DEFAULT_SCHEDULE), stacks[first][0].code.K
+        table = stacks[first][0].code.needs_table
         compared = [schedule for arm, code, schedule in outputs if arm == "grouped" and code == first
-                    and block_shape(trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, bits)) == shape]
+                    and block_shape(trellis_grouped.resolve_schedule(schedule, tokens, K_TOP, E, bits, table)) == shape]
         differing = [schedule for schedule in compared
                      if dequantized is None or not torch.equal(outputs[("grouped", first, schedule)], dequantized)]
         row["fused_equals_dequant"] = bool(compared) and not differing

@@ -88,9 +88,12 @@ class GroupedSchedule:
 #            its wgmma (uncapped, the gate-up takes 128-150 and one program fills the SM)
 #   "m64x"   m64 uncapped, to time the cap against
 #   "m128"   128-row windows (two warpgroups of 64 rows), BLOCK_N 64 / 128
-#   "m256"   256-row windows: an expert's weights decoded once up to 256 pairs. 16 warps (four warpgroups of 64
-#            rows) at most 128 registers, BLOCK_K 128 so that a gate-up block of 64 rows still has a 16-column
-#            run for every thread, 2 stages (168 KB of shared memory): one program a SM
+#   "m128f"  m128 with the gate-up's gate and up tiles in one dot of 128 columns (fuse_gate_up): each warpgroup
+#            reads its A rows from shared memory once for both
+#   "m64f"   m64 so fused (256 columns)
+#   "m256f"  256-row windows, fused: an expert's weights decoded once up to 256 pairs. 16 warps (four warpgroups
+#            of 64 rows) at most 128 registers, BLOCK_K 128 so that a gate-up block of 64 rows still has a
+#            16-column run for every thread, 2 stages (168 KB of shared memory): one program a SM
 #   "m64t"   m64 (uncapped) with the tensor-form decode the unrolled one replaced: the bench's baseline
 SCHEDULES = {
     "m64": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
@@ -99,39 +102,48 @@ SCHEDULES = {
                             num_stages=3, group_windows=4),
     "m128": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4),
-    "m256": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
-                            num_stages=2, group_windows=4, max_registers=128),
+    "m128f": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
+                             num_stages=3, group_windows=4, fuse_gate_up=True),
+    "m64f": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
+                            num_stages=3, group_windows=4, max_registers=128, fuse_gate_up=True),
+    "m256f": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
+                             num_stages=2, group_windows=4, max_registers=128, fuse_gate_up=True),
     "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4, decode="tensor"),
 }
-DEFAULT_SCHEDULE = "m64"  # auto's pick up to AUTO_WIDE_ABOVE_PAIRS pairs an expert
+DEFAULT_SCHEDULE = "m64"  # auto's pick up to AUTO_WIDE_ABOVE_PAIRS pairs an expert, for hyb and at K = 3
 BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: the bench times both
-# "auto", by the routing's mean pairs per expert (n k / E): m64 up to 64, m128 up to 128, m256 above. Above 64
-# pairs an expert takes two or more 64-row windows, and one 128-row window decodes its weights once where two
-# 64-row ones decode them twice (per window m128's loop counts about 1.3x m64's, docs/trellis-kernels.md);
-# above 128 one 256-row window does where two of 128 did, for the same padded rows of wgmma.
+# "auto", by the routing's mean pairs per expert (n k / E) and the code (run 98, v4-shape experts, K = 2,
+# bench/experiments/grouped_candidates.py; 1mad / 3inst / hyb, ms):
+#   up to 64 pairs: m64f for the computed codes, m64 for hyb (n = 2048, 48 pairs: m64f 4.33 / 4.72 / 7.40,
+#     m64 4.48 / 4.94 / 7.15; the 128-row windows pad 48 rows to 128: m128f 5.99 / 6.01 / 9.47)
+#   above 64: m128f, one 128-row window where two 64-row ones decode every weight twice (per window m128's loop
+#     counts about 1.3x m64's, docs/trellis-kernels.md); and for hyb above 128 pairs m256f, whose gather bound
+#     decode once an expert pays for its single program a SM (n = 8192, 192 pairs: m128f 11.47 / 12.10 / 18.23,
+#     m256f 11.84 / 12.73 / 14.31, m64f 12.76 / 13.94 / 23.13)
 # Not at K = 3: m128's 64-row gate-up block is 32 two-row units by 4 tile columns, fewer than its 256
-# threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6); m256's is
-# 32 by 8 for 512 threads.
+# threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6); m256f's
+# is 32 by 8 for 512 threads. K = 3 runs m64 throughout.
 # Chosen from the shapes alone (no device read), so a CUDA graph captures one schedule per n.
-# Run 96 (v4-shape experts, K = 2, n = 8192: 192 pairs an expert): m256 12.5 / 13.0 / 14.9 ms against m128's
-# 13.1 / 13.9 / 19.6 for 1mad / 3inst / hyb; at n = 2048 (48 pairs) m64 4.4 / 4.7 / 7.0 against m128's 6.2 / 7.1 / 9.9.
 AUTO_SCHEDULE = "auto"
 AUTO_WIDE_ABOVE_PAIRS = 64
 AUTO_WIDEST_ABOVE_PAIRS = 128
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
 
 
-def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits: int) -> str:
-    """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape (and the
-    code's K bits per weight) picks."""
+def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits: int, table: bool = False) -> str:
+    """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape, the
+    code's K bits per weight and whether it reads a table (hyb) pick."""
     if schedule != AUTO_SCHEDULE:
         return schedule
     if unit_geometry(bits)[0] != 1:
         return DEFAULT_SCHEDULE
-    if tokens * top_k > AUTO_WIDEST_ABOVE_PAIRS * experts:
-        return "m256"
-    return "m128" if tokens * top_k > AUTO_WIDE_ABOVE_PAIRS * experts else DEFAULT_SCHEDULE
+    pairs = tokens * top_k
+    if pairs > AUTO_WIDEST_ABOVE_PAIRS * experts and table:
+        return "m256f"
+    if pairs > AUTO_WIDE_ABOVE_PAIRS * experts:
+        return "m128f"
+    return DEFAULT_SCHEDULE if table else "m64f"
 
 
 @triton.jit
@@ -342,7 +354,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m!r}")
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
-    schedule = resolve_schedule(schedule, tokens, top_k, experts, w13.code.K)
+    schedule = resolve_schedule(schedule, tokens, top_k, experts, w13.code.K, w13.code.needs_table)
     chosen = SCHEDULES[schedule]
     if chosen.block_m < tile_m:
         raise ValueError(f"schedule {schedule}'s {chosen.block_m}-row windows cannot hold {tile_m}-row m-tiles")

@@ -48,12 +48,6 @@ from kernels.trellis_reference import (  # noqa: E402
 E, K_TOP, D, F = trellis_bench.E, trellis_bench.K_TOP, trellis_bench.D, trellis_bench.F
 
 CANDIDATES = {
-    "m256f": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
-                             num_stages=2, group_windows=4, max_registers=128, fuse_gate_up=True),
-    "m128f": GroupedSchedule(block_m=128, gate_up_block_n=64, down_block_n=128, block_k=64, num_warps=8,
-                             num_stages=3, group_windows=4, fuse_gate_up=True),
-    "m64f": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
-                            num_stages=3, group_windows=4, max_registers=128, fuse_gate_up=True),
     "m256d64": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=64, block_k=128, num_warps=16,
                                num_stages=2, group_windows=4, max_registers=128),
     "m128w16": GroupedSchedule(block_m=128, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=16,
