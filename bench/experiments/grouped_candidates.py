@@ -4,12 +4,12 @@ Run 92 timed 1mad at 1.33x the bf16 grouped arm at n = 2048 (m64, 2.96x its deco
 (m128, 3.24x): a weight is decoded once per window, and at 8192 an expert's 192 pairs take two 128-row windows.
 The candidates here change what a window holds and how many warps share an SM's decode:
 
-    m256      256-row windows (one per expert up to 256 pairs), 16 warps, BLOCK_K 128, 2 stages (in
-              kernels.trellis_grouped.SCHEDULES since run 96)
+    m256      256-row windows (one per expert up to 256 pairs), 16 warps, BLOCK_K 128, 2 stages (run 96;
+              kernels.trellis_grouped.SCHEDULES holds it fused, m256f)
     m256d64   m256 with down's BLOCK_N 64 (half its accumulators)
     m128w16   128-row windows at 16 warps, gate-up BLOCK_N 128
-    m256f, m128f, m64f   the gate-up's two tiles in one dot of twice the columns (fuse_gate_up): each warpgroup
-              reads its A rows from shared memory once for both (run 96's m256 gate-up: L1 69 % busy)
+    m64f, m128f, m256f   (kernels.trellis_grouped.SCHEDULES) the gate-up's two tiles in one dot of twice the
+              columns (fuse_gate_up): each warpgroup reads its A rows from shared memory once (run 98)
     m64w16    64-row windows at 16 warps (96 / 72 registers); m64w16r64 capped at 64 (two programs a SM)
 
     --time      each (code, schedule, n) between CUDA events beside the bf16 grouped arm, its rows checked against
@@ -48,6 +48,8 @@ from kernels.trellis_reference import (  # noqa: E402
 E, K_TOP, D, F = trellis_bench.E, trellis_bench.K_TOP, trellis_bench.D, trellis_bench.F
 
 CANDIDATES = {
+    "m256": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
+                            num_stages=2, group_windows=4, max_registers=128),
     "m256d64": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=64, block_k=128, num_warps=16,
                                num_stages=2, group_windows=4, max_registers=128),
     "m128w16": GroupedSchedule(block_m=128, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=16,
