@@ -232,10 +232,11 @@ def grouped_loop_counts(before: dict, schedule) -> dict | None:
     """{"gate_up": per-weight counts, "down": ...} of the grouped products compiled since `before` (kernel ->
     cache keys), a weight being one a thread decodes per K step (paid once per window); None without SASS."""
     counts = {}
-    for label, kernel, block_n, tiles in (("gate_up", GROUPED_KERNELS[0], schedule.gate_up_block_n, 2),
-                                          ("down", GROUPED_KERNELS[1], schedule.down_block_n, 1)):
+    gate = trellis_grouped.SCHEDULES[schedule.gate_up_from] if schedule.gate_up_from else schedule
+    for label, kernel, shapes, block_n, tiles in (("gate_up", GROUPED_KERNELS[0], gate, gate.gate_up_block_n, 2),
+                                                  ("down", GROUPED_KERNELS[1], schedule, schedule.down_block_n, 1)):
         counts[label] = loop_counts(compiled_since(kernel, before[kernel]),
-                                    tiles * block_n * schedule.block_k / (32 * schedule.num_warps))
+                                    tiles * block_n * shapes.block_k / (32 * shapes.num_warps))
         if counts[label] is None:
             return None
     return counts

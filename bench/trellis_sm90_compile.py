@@ -108,14 +108,15 @@ def grouped_kernels(schedule, code: str, bits: int) -> list:
     """[(product, kernel function, constexprs, weights a thread decodes per K step)] of the grouped arm's two
     products as kernels.trellis_grouped._run launches them at v4-shape (D = 4096, F = 2048: every block
     divides, so EVEN)."""
-    products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, schedule.gate_up_block_n,
-                 {"TOP_K": 6, "FUSED": schedule.fuse_gate_up}, 2),
-                ("down", trellis_grouped._trellis_down_kernel, schedule.down_block_n, {}, 1))
-    return [(label, fn, dict(TILE_M=16, BLOCK_M=schedule.block_m, BLOCK_N=block_n, BLOCK_K=schedule.block_k,
-                             GROUP_WINDOWS=schedule.group_windows, DENSE=False, STEPS=schedule.decode == "steps",
+    gate = trellis_grouped.SCHEDULES[schedule.gate_up_from] if schedule.gate_up_from else schedule
+    products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, gate, gate.gate_up_block_n,
+                 {"TOP_K": 6, "FUSED": gate.fuse_gate_up, "PARTS": schedule.block_m // gate.block_m}, 2),
+                ("down", trellis_grouped._trellis_down_kernel, schedule, schedule.down_block_n, {}, 1))
+    return [(label, fn, dict(TILE_M=16, BLOCK_M=shapes.block_m, BLOCK_N=block_n, BLOCK_K=shapes.block_k,
+                             GROUP_WINDOWS=shapes.group_windows, DENSE=False, STEPS=shapes.decode == "steps",
                              EVEN=True, DOT_PRECISION="tf32", USE_GDC=True, **extra, **code_constants(code, bits)),
-             tiles * block_n * schedule.block_k / (32 * schedule.num_warps))
-            for label, fn, block_n, extra, tiles in products]
+             tiles * block_n * shapes.block_k / (32 * shapes.num_warps))
+            for label, fn, shapes, block_n, extra, tiles in products]
 
 
 DEQUANT_POINTERS = {"out_ptr": "*bf16", "experts_ptr": "*i32"}
@@ -150,8 +151,8 @@ def main() -> int:
         for name, schedule in trellis_grouped.SCHEDULES.items():
             for code, bits in every_k if name == trellis_grouped.DEFAULT_SCHEDULE else codes[:3]:
                 for label, fn, constants, weights in grouped_kernels(schedule, code, bits):
-                    kernel = compile_sm90(fn, constants, schedule.num_warps, schedule.num_stages,
-                                          schedule.max_registers)
+                    shapes = trellis_grouped.product_schedules(name)[0 if label == "gate_up" else 1]
+                    kernel = compile_sm90(fn, constants, shapes.num_warps, shapes.num_stages, shapes.max_registers)
                     print(describe(f"grouped {name} {label} {code} K={bits}", kernel, weights))
     if "dequant" in sections:
         print("\ntrellis dequantize (bf16 out), per weight = loop instructions / weights a thread decodes per step")

@@ -73,6 +73,7 @@ class GroupedSchedule:
     decode: str = "steps"  # "steps": the unrolled decode (trellis_decode._decoded_tile); "tensor": the old form
     max_registers: int | None = None  # ptxas's cap per thread (Triton's maxnreg); None: as many as it takes
     fuse_gate_up: bool = False  # gate-up: one dot of N = 2 BLOCK_N on the two tiles' columns interleaved
+    gate_up_from: str | None = None  # gate-up at this SCHEDULES entry's shapes, on parts of these windows
 
     def __post_init__(self) -> None:
         if self.decode not in ("steps", "tensor"):
@@ -94,6 +95,8 @@ class GroupedSchedule:
 #   "m256f"  256-row windows, fused: an expert's weights decoded once up to 256 pairs. 16 warps (four warpgroups
 #            of 64 rows) at most 128 registers, BLOCK_K 128 so that a gate-up block of 64 rows still has a
 #            16-column run for every thread, 2 stages (168 KB of shared memory): one program a SM
+#   "m256h"  m256f's windows and down; the gate-up at m128f's shapes on each window's two halves (run 98: the
+#            computed codes' gate-up fastest at m128f, their down at m256f)
 #   "m64t"   m64 (uncapped) with the tensor-form decode the unrolled one replaced: the bench's baseline
 SCHEDULES = {
     "m64": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
@@ -108,6 +111,9 @@ SCHEDULES = {
                             num_stages=3, group_windows=4, max_registers=128, fuse_gate_up=True),
     "m256f": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
                              num_stages=2, group_windows=4, max_registers=128, fuse_gate_up=True),
+    "m256h": GroupedSchedule(block_m=256, gate_up_block_n=64, down_block_n=128, block_k=128, num_warps=16,
+                             num_stages=2, group_windows=4, max_registers=128, fuse_gate_up=True,
+                             gate_up_from="m128f"),
     "m64t": GroupedSchedule(block_m=64, gate_up_block_n=128, down_block_n=128, block_k=64, num_warps=8,
                             num_stages=3, group_windows=4, decode="tensor"),
 }
@@ -118,9 +124,11 @@ BASELINE_SCHEDULE = "m64t"  # the tensor-form decode the unrolled one replaced: 
 #   up to 64 pairs: m64f for the computed codes, m64 for hyb (n = 2048, 48 pairs: m64f 4.33 / 4.72 / 7.40,
 #     m64 4.48 / 4.94 / 7.15; the 128-row windows pad 48 rows to 128: m128f 5.99 / 6.01 / 9.47)
 #   above 64: m128f, one 128-row window where two 64-row ones decode every weight twice (per window m128's loop
-#     counts about 1.3x m64's, docs/trellis-kernels.md); and for hyb above 128 pairs m256f, whose gather bound
-#     decode once an expert pays for its single program a SM (n = 8192, 192 pairs: m128f 11.47 / 12.10 / 18.23,
-#     m256f 11.84 / 12.73 / 14.31, m64f 12.76 / 13.94 / 23.13)
+#     counts about 1.3x m64's, docs/trellis-kernels.md); above 128 pairs m256f for hyb, whose gather bound
+#     decode once an expert pays for its single program a SM, and m256h for the computed codes, whose gate-up
+#     ran fastest at m128f and down at m256f (n = 8192, 192 pairs: m128f 11.47 / 12.10 / 18.23, m256f
+#     11.84 / 12.73 / 14.31, m64f 12.76 / 13.94 / 23.13; gate-up 5735 / 5900 us at m128f, down 3152 / 3351 at
+#     m256f)
 # Not at K = 3: m128's 64-row gate-up block is 32 two-row units by 4 tile columns, fewer than its 256
 # threads, so threads decode the same states twice (20.7 instructions a weight against m64's 6.6); m256f's
 # is 32 by 8 for 512 threads. K = 3 runs m64 throughout.
@@ -131,6 +139,13 @@ AUTO_WIDEST_ABOVE_PAIRS = 128
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
 
 
+def product_schedules(name: str) -> tuple[GroupedSchedule, GroupedSchedule]:
+    """(the gate-up's shapes, the down's) of a `SCHEDULES` entry: the same one, or for `gate_up_from` the gate-up
+    of another, run on parts of the entry's windows."""
+    chosen = SCHEDULES[name]
+    return (SCHEDULES[chosen.gate_up_from] if chosen.gate_up_from else chosen), chosen
+
+
 def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits: int, table: bool = False) -> str:
     """The `SCHEDULES` key a launch runs: `schedule` itself, or for "auto" the one its routing shape, the
     code's K bits per weight and whether it reads a table (hyb) pick."""
@@ -139,8 +154,8 @@ def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits:
     if unit_geometry(bits)[0] != 1:
         return DEFAULT_SCHEDULE
     pairs = tokens * top_k
-    if pairs > AUTO_WIDEST_ABOVE_PAIRS * experts and table:
-        return "m256f"
+    if pairs > AUTO_WIDEST_ABOVE_PAIRS * experts:
+        return "m256f" if table else "m256h"
     if pairs > AUTO_WIDE_ABOVE_PAIRS * experts:
         return "m128f"
     return DEFAULT_SCHEDULE if table else "m64f"
@@ -234,17 +249,33 @@ def _trellis_gate_up_kernel(
     DENSE: tl.constexpr, STEPS: tl.constexpr, PTX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
     EVEN: tl.constexpr,  # BLOCK_K divides D and BLOCK_N divides F: no K masks, weight blocks inside the matrix
     FUSED: tl.constexpr,  # one dot a K step on [gate | up] interleaved by column (N = 2 BLOCK_N)
+    PARTS: tl.constexpr,  # programs a window and n-block, each BLOCK_M of its rows (the windows PARTS BLOCK_M)
 ):
     """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block.
     FUSED halves the wgmma's shared-memory reads of A per flop (each warpgroup reads its rows once for both)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
-    window, n_block = _work_item(tl.program_id(0), max_windows, num_n_blocks, GROUP_WINDOWS)
-    if tl.load(window_first_tiles_ptr + window) >= 0:
-        expert, rows, pair, row_ok = _window_rows(
-            sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
-            window, num_pairs, TILE_M, BLOCK_M, BLOCK_M)
+    part_item, n_block = _work_item(tl.program_id(0), max_windows * PARTS, num_n_blocks, GROUP_WINDOWS)
+    if PARTS == 1:
+        window = part_item
+        present = tl.load(window_first_tiles_ptr + window) >= 0
+    else:
+        window, part = part_item // PARTS, part_item % PARTS
+        window_tile = tl.load(window_first_tiles_ptr + window)
+        first_row = (tl.maximum(window_tile, 0) * TILE_M) + part * BLOCK_M
+        expert_end = tl.load(padded_offsets_ptr + tl.load(tile_expert_ids_ptr + tl.maximum(window_tile, 0)) + 1)
+        present = (window_tile >= 0) & (first_row < expert_end)
+    if present:
+        if PARTS == 1:
+            expert, rows, pair, row_ok = _window_rows(
+                sorted_pair_ids_ptr, tile_expert_ids_ptr, window_first_tiles_ptr, padded_offsets_ptr,
+                window, num_pairs, TILE_M, BLOCK_M, BLOCK_M)
+        else:
+            expert = tl.load(tile_expert_ids_ptr + window_tile)
+            rows = first_row + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_pair_ids_ptr + rows, mask=rows < expert_end, other=num_pairs)
+            row_ok = (pair >= 0) & (pair < num_pairs)
         token = pair // TOP_K
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
@@ -355,9 +386,10 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     schedule = resolve_schedule(schedule, tokens, top_k, experts, w13.code.K, w13.code.needs_table)
-    chosen = SCHEDULES[schedule]
-    if chosen.block_m < tile_m:
-        raise ValueError(f"schedule {schedule}'s {chosen.block_m}-row windows cannot hold {tile_m}-row m-tiles")
+    gate, chosen = product_schedules(schedule)
+    parts = chosen.block_m // gate.block_m
+    if gate.block_m < tile_m:
+        raise ValueError(f"schedule {schedule}'s {gate.block_m}-row windows cannot hold {tile_m}-row m-tiles")
     out = scratch.empty((tokens, hidden), x.dtype, x.device)
     if tokens == 0:
         return out
@@ -381,19 +413,22 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
     meta = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages)
     if chosen.max_registers is not None and ptx:
         meta["maxnreg"] = chosen.max_registers
-    gate_up_block_n = max(16, min(chosen.gate_up_block_n, triton.next_power_of_2(intermediate)))
+    gate_meta = dict(num_warps=gate.num_warps, num_stages=gate.num_stages)
+    if gate.max_registers is not None and ptx:
+        gate_meta["maxnreg"] = gate.max_registers
+    gate_up_block_n = max(16, min(gate.gate_up_block_n, triton.next_power_of_2(intermediate)))
     down_block_n = max(16, min(chosen.down_block_n, triton.next_power_of_2(hidden)))
     weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13, steps)
-    _trellis_gate_up_kernel[(max_windows * triton.cdiv(intermediate, gate_up_block_n),)](
+    _trellis_gate_up_kernel[(max_windows * parts * triton.cdiv(intermediate, gate_up_block_n),)](
         x_rot, weights, w13.scales, table, y_rot,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,
         num_pairs, hidden, intermediate, max_windows,
         x_rot.stride(0), stride_we, stride_wn, w13.scales.stride(0), y_rot.stride(0),
-        TOP_K=top_k, TILE_M=tile_m, BLOCK_M=chosen.block_m, BLOCK_N=gate_up_block_n, BLOCK_K=chosen.block_k,
-        GROUP_WINDOWS=chosen.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
-        DENSE=dense13 is not None, STEPS=steps, PTX=ptx, DOT_PRECISION=dot_precision,
-        EVEN=hidden % chosen.block_k == 0 and intermediate % gate_up_block_n == 0, FUSED=chosen.fuse_gate_up,
-        **options, **meta,
+        TOP_K=top_k, TILE_M=tile_m, BLOCK_M=gate.block_m, BLOCK_N=gate_up_block_n, BLOCK_K=gate.block_k,
+        GROUP_WINDOWS=gate.group_windows, K=bits, V=per_step, G=group, WU=words, CODE=code,
+        DENSE=dense13 is not None, STEPS=gate.decode == "steps", PTX=ptx, DOT_PRECISION=dot_precision,
+        EVEN=hidden % gate.block_k == 0 and intermediate % gate_up_block_n == 0, FUSED=gate.fuse_gate_up,
+        PARTS=parts, **options, **gate_meta,
     )
     launches.record(f"{label}.gate_up", kernel=_trellis_gate_up_kernel)
     h_rot = swiglu_between(y_rot, w13.left_signs, w2.right_signs, w13.left_block,

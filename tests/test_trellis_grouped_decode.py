@@ -110,7 +110,8 @@ FUSED_CASES = ([pytest.param("m64", code, bits, *FUSED_SHAPES[0][1:], id=f"m64-{
                   # gate and up in one dot: the same bits as two
                   pytest.param("m64f", "1mad", 2, *FUSED_SHAPES[0][1:], id="m64f-fused-gate-up-1mad-K2-even"),
                   pytest.param("m128f", "3inst", 2, *FUSED_SHAPES[1][1:], id="m128f-fused-gate-up-3inst-K2-uneven"),
-                  pytest.param("m256f", "hyb", 2, *FUSED_SHAPES[1][1:], id="m256f-fused-gate-up-hyb-K2-uneven")])
+                  pytest.param("m256f", "hyb", 2, *FUSED_SHAPES[1][1:], id="m256f-fused-gate-up-hyb-K2-uneven"),
+                  pytest.param("m256h", "1mad", 2, *FUSED_SHAPES[1][1:], id="m256h-gate-up-in-halves-1mad-K2-uneven")])
 
 
 @pytest.mark.parametrize("schedule, code_name, bits, hidden, intermediate", FUSED_CASES)
@@ -130,12 +131,13 @@ def test_fused_schedules_equal_the_dequantize_arm_bit_for_bit(schedule, code_nam
 def test_auto_picks_wide_windows_above_64_pairs_per_expert():
     assert resolve_schedule("auto", 2048, 6, 256, 2) == "m64f"  # 48 pairs an expert: one 64-row window each
     assert resolve_schedule("auto", 2048, 6, 256, 2, table=True) == "m64"  # hyb: the fused dot lost (run 98)
-    assert resolve_schedule("auto", 8192, 6, 256, 2) == "m128f"  # 192: two 128-row windows, not three or four
+    assert resolve_schedule("auto", 8192, 6, 256, 2) == "m256h"  # 192: one 256-row window, gate-up in halves
     assert resolve_schedule("auto", 8192, 6, 256, 2, table=True) == "m256f"  # hyb: one 256-row window
     assert resolve_schedule("auto", 5462, 6, 256, 2, table=True) == "m256f"  # 128.02
     assert resolve_schedule("auto", 5461, 6, 256, 2, table=True) == "m128f"  # 127.99: one 128-row window
     assert resolve_schedule("auto", 2731, 6, 256, 4) == "m128f"  # 64.01: two 64-row windows or one of 128
     assert resolve_schedule("auto", 2730, 6, 256, 2) == "m64f"  # 63.98
+    assert resolve_schedule("auto", 5462, 6, 256, 2) == "m256h"
     assert resolve_schedule("auto", 8192, 6, 256, 3) == "m64"  # K = 3: m128's and m256f's gate-up would decode twice
     assert resolve_schedule("auto", 8192, 6, 256, 3, table=True) == "m64"
     for launcher in (grouped_module.moe_trellis_grouped, grouped_module.moe_trellis_dequant):  # the arms run auto
@@ -228,7 +230,8 @@ def test_gpu_grouped_decode_of_every_k_matches_dequantize_and_reference(code_nam
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("code_name, tokens, schedule", [("1mad", 300, "m128f"), ("hyb", 700, "m256f")])
+@pytest.mark.parametrize("code_name, tokens, schedule", [("1mad", 300, "m128f"), ("1mad", 700, "m256h"),
+                                                         ("hyb", 700, "m256f")])
 def test_gpu_graph_replay_of_the_auto_pick_equals_eager(code_name, tokens, schedule):
     """75 pairs an expert: "auto" runs m128f (two warpgroups of 64 rows); hyb at 175: m256f (four warpgroups, 16
     warps); replays read the same bits."""

@@ -251,6 +251,9 @@ def test_every_schedule_is_well_formed():
     for schedule in grouped_module.SCHEDULES.values():
         assert schedule.block_m % 64 == 0 and schedule.block_k % 16 == 0
         assert schedule.gate_up_block_n % 16 == 0 and schedule.down_block_n % 16 == 0
+        if schedule.gate_up_from is not None:  # its gate-up runs whole parts of these windows
+            part = grouped_module.SCHEDULES[schedule.gate_up_from]
+            assert part.gate_up_from is None and schedule.block_m % part.block_m == 0
     assert {gemv_module.TABLE_SCHEDULE, gemv_module.COMPUTED_SCHEDULE} <= set(gemv_module.SCHEDULES)
     assert grouped_module.DEFAULT_SCHEDULE in grouped_module.SCHEDULES
 
