@@ -185,6 +185,19 @@ def events_per_call_us(calls: list) -> dict:
     return stats(samples)
 
 
+def grouped_inputs(device, tokens: int, hidden: int, experts: int, generator) -> list:
+    """Two (x [T, D] bf16, top-k ids [T, k] of uniform random scores, softmax weights [T, k] bf16) sets: the
+    grouped rows alternate between them, so no call reads the one before's activations from L2."""
+    sets = []
+    for _ in range(2):
+        x = torch.randn(tokens, hidden, device=device, generator=generator).bfloat16()
+        scores = torch.rand(tokens, experts, device=device, generator=generator)
+        ids = scores.topk(K_TOP, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(tokens, K_TOP, device=device, generator=generator), dim=1).bfloat16()
+        sets.append((x, ids, weights))
+    return sets
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -232,7 +245,7 @@ def grouped_loop_counts(before: dict, schedule) -> dict | None:
     """{"gate_up": per-weight counts, "down": ...} of the grouped products compiled since `before` (kernel ->
     cache keys), a weight being one a thread decodes per K step (paid once per window); None without SASS."""
     counts = {}
-    gate = trellis_grouped.SCHEDULES[schedule.gate_up_from] if schedule.gate_up_from else schedule
+    gate = trellis_grouped.gate_up_shapes(schedule)
     for label, kernel, shapes, block_n, tiles in (("gate_up", GROUPED_KERNELS[0], gate, gate.gate_up_block_n, 2),
                                                   ("down", GROUPED_KERNELS[1], schedule, schedule.down_block_n, 1)):
         counts[label] = loop_counts(compiled_since(kernel, before[kernel]),
@@ -382,13 +395,7 @@ def measure(setup: Setup) -> dict:
     grouped_rows = []
     grouped_counts: dict = {}  # (code, schedule run) -> {"gate_up": per-weight counts, "down": ...} or None
     for tokens in setup.grouped_tokens:
-        sets = []
-        for _ in range(2):
-            x = torch.randn(tokens, D, device=device, generator=generator).bfloat16()
-            scores = torch.rand(tokens, E, device=device, generator=generator)
-            ids = scores.topk(K_TOP, dim=1).indices.to(torch.int32)
-            weights = torch.softmax(torch.randn(tokens, K_TOP, device=device, generator=generator), dim=1).bfloat16()
-            sets.append((x, ids, weights))
+        sets = grouped_inputs(device, tokens, D, E, generator)
         x, ids, weights = sets[0]
         head = (x[:CHECK_TOKENS], ids[:CHECK_TOKENS], weights[:CHECK_TOKENS])
         out = moe_grouped(x, w13_bf16, w2_bf16, ids, weights)
@@ -431,9 +438,12 @@ def measure(setup: Setup) -> dict:
                 if (code, resolved) not in grouped_counts:  # this run's SASS of the two products, once per build
                     grouped_counts[(code, resolved)] = grouped_loop_counts(before, chosen)
                 arm_row["per_weight"] = grouped_counts[(code, resolved)]
-                # a weight is decoded once per window: sum over experts of ceil(pairs / window rows)
+                # a weight is decoded once per window (the gate-up's: once per part of one): sum over experts of
+                # ceil(pairs / rows a program)
+                part_rows = trellis_grouped.gate_up_shapes(chosen).block_m
                 arm_row["windows"] = int(((pairs_per_expert + chosen.block_m - 1) // chosen.block_m).sum())
-                arm_row["weights"] = {"gate_up": arm_row["windows"] * 2 * F * D, "down": arm_row["windows"] * D * F}
+                parts = int(((pairs_per_expert + part_rows - 1) // part_rows).sum())
+                arm_row["weights"] = {"gate_up": parts * 2 * F * D, "down": arm_row["windows"] * D * F}
             row["arms"].append(arm_row)
             if not error <= TOLERANCE:
                 failed.append(f"trellis {arm} {code}/{schedule} n={tokens} rel err {error:.2e}")

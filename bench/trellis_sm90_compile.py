@@ -108,7 +108,7 @@ def grouped_kernels(schedule, code: str, bits: int) -> list:
     """[(product, kernel function, constexprs, weights a thread decodes per K step)] of the grouped arm's two
     products as kernels.trellis_grouped._run launches them at v4-shape (D = 4096, F = 2048: every block
     divides, so EVEN)."""
-    gate = trellis_grouped.SCHEDULES[schedule.gate_up_from] if schedule.gate_up_from else schedule
+    gate = trellis_grouped.gate_up_shapes(schedule)
     products = (("gate_up", trellis_grouped._trellis_gate_up_kernel, gate, gate.gate_up_block_n,
                  {"TOP_K": 6, "FUSED": gate.fuse_gate_up, "PARTS": schedule.block_m // gate.block_m}, 2),
                 ("down", trellis_grouped._trellis_down_kernel, schedule, schedule.down_block_n, {}, 1))

@@ -139,11 +139,16 @@ AUTO_WIDEST_ABOVE_PAIRS = 128
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
 
 
+def gate_up_shapes(schedule: GroupedSchedule) -> GroupedSchedule:
+    """The shapes a schedule's gate-up runs at: its own, or for `gate_up_from` that entry's, on parts of the
+    schedule's windows."""
+    return SCHEDULES[schedule.gate_up_from] if schedule.gate_up_from else schedule
+
+
 def product_schedules(name: str) -> tuple[GroupedSchedule, GroupedSchedule]:
-    """(the gate-up's shapes, the down's) of a `SCHEDULES` entry: the same one, or for `gate_up_from` the gate-up
-    of another, run on parts of the entry's windows."""
+    """(the gate-up's shapes, the down's) of a `SCHEDULES` entry."""
     chosen = SCHEDULES[name]
-    return (SCHEDULES[chosen.gate_up_from] if chosen.gate_up_from else chosen), chosen
+    return gate_up_shapes(chosen), chosen
 
 
 def resolve_schedule(schedule: str, tokens: int, top_k: int, experts: int, bits: int, table: bool = False) -> str:
@@ -251,7 +256,8 @@ def _trellis_gate_up_kernel(
     FUSED: tl.constexpr,  # one dot a K step on [gate | up] interleaved by column (N = 2 BLOCK_N)
     PARTS: tl.constexpr,  # programs a window and n-block, each BLOCK_M of its rows (the windows PARTS BLOCK_M)
 ):
-    """Grid (max_windows * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window and n-block.
+    """Grid (max_windows * PARTS * F / BLOCK_N,): y_rot[rows, n] and y_rot[rows, F + n] of one window's part and
+    n-block.
     FUSED halves the wgmma's shared-memory reads of A per flop (each warpgroup reads its rows once for both)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -418,7 +424,8 @@ def _run(x, w13, w2, topk_ids, topk_weights, tile_m, schedule, dense_copies: boo
         gate_meta["maxnreg"] = gate.max_registers
     gate_up_block_n = max(16, min(gate.gate_up_block_n, triton.next_power_of_2(intermediate)))
     down_block_n = max(16, min(chosen.down_block_n, triton.next_power_of_2(hidden)))
-    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(w13, dense13, steps)
+    weights, stride_we, stride_wn, table, bits, per_step, group, words, code = _weight_args(
+        w13, dense13, gate.decode == "steps")
     _trellis_gate_up_kernel[(max_windows * parts * triton.cdiv(intermediate, gate_up_block_n),)](
         x_rot, weights, w13.scales, table, y_rot,
         align.sorted_pair_ids, align.tile_expert_ids, align.window_first_tiles, align.padded_offsets,

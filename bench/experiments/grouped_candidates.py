@@ -68,17 +68,6 @@ def register() -> None:
     trellis_grouped.SCHEDULE_NAMES = (*trellis_grouped.SCHEDULES, trellis_grouped.AUTO_SCHEDULE)
 
 
-def inputs(device, tokens: int, generator) -> list:
-    sets = []
-    for _ in range(2):
-        x = torch.randn(tokens, D, device=device, generator=generator).bfloat16()
-        scores = torch.rand(tokens, E, device=device, generator=generator)
-        ids = scores.topk(K_TOP, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(tokens, K_TOP, device=device, generator=generator), dim=1).bfloat16()
-        sets.append((x, ids, weights))
-    return sets
-
-
 def kernel_times(call) -> dict:
     """{kernel name: device us} of one call (after it ran once)."""
     from torch.profiler import ProfilerActivity
@@ -121,7 +110,8 @@ def main() -> int:
     if args.time:
         w13_bf16 = torch.randn(E, 2 * F, D, device=device, dtype=torch.bfloat16, generator=generator).mul_(D ** -0.5)
         w2_bf16 = torch.randn(E, D, F, device=device, dtype=torch.bfloat16, generator=generator).mul_(F ** -0.5)
-    token_sets = {tokens: inputs(device, tokens, generator) for tokens in map(int, args.tokens.split(","))}
+    token_sets = {tokens: trellis_bench.grouped_inputs(device, tokens, D, E, generator)
+                  for tokens in map(int, args.tokens.split(","))}
     for tokens, sets in token_sets.items():
         x, ids, weights = sets[0]
         if args.time:
