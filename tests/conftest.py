@@ -14,6 +14,27 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def foreign_kernels_distribution() -> str | None:
+    """The version of an installed distribution named `kernels` (Hugging Face's, which transformers >= 5.25
+    requires), or None. Its import name is this project's kernels/: transformers finds ours, takes it for
+    its own and fails to build any model, so the family tests would all error on an ImportError."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pytest_sessionstart(session):
+    version = foreign_kernels_distribution()
+    if version is not None:
+        pytest.exit(f"Hugging Face's `kernels` {version} is installed (transformers >= 5.25 requires it) and shares "
+                    "the import name of this project's kernels/: run `pip uninstall -y kernels` and "
+                    "`pip install 'transformers<5.25'`, or `make test` in a fresh virtual environment",
+                    returncode=2)
+
+
 def _dot_in_one_rounding() -> None:
     """The interpreter's tl.dot is numpy's matmul, whose BLAS sums each element in an order that depends
     on the operands' shapes (its N and M blocking), so two schedules that multiply the same rows and
