@@ -16,14 +16,16 @@ DeepSeek-V2/V3-family layers take engine.decode_fused_mla: latent attention (its
 YaRN, the latent cache write; the arm stays the hooks'), shared experts and dense SwiGLU layers. The
 routers fold softmax-then-top-k with or without renormalisation and routed_scaling_factor; the
 group-limited routers (V2's group_limited_greedy, V3's sigmoid with its correction bias) take
-rms_norm, the router's GEMV and kernels.router.group_topk, unfolded.
+rms_norm, the router's GEMV and kernels.router.group_topk, unfolded. gpt-oss's layers add biases (each added
+in its product's epilogue, as torch adds it to the rounded product), YaRN's attention factor on RoPE's cos and
+sin (rope_cache), a router bias in the router's fold, norms rounded once (`Norm.rounds_once`) and its clamped,
+biased experts (engine.family_experts, handed to the hooks' `moe`).
 
 Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
 interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
-it lacks: biases, a full-projection q/k norm, clipping, YaRN outside latent attention, a router bias,
-a sigmoid-gated shared expert; per-head q/k norms fold into rope_cache); the
-other families keep the torch forward. The launch table per step, and why each fold is where it is:
+it lacks: a full-projection q/k norm and clipping (OLMoE), a sigmoid-gated shared expert (Qwen2-MoE); per-head
+q/k norms fold into rope_cache); the other families keep the torch forward. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
 
@@ -35,6 +37,7 @@ import torch
 
 from engine import decode_fused_mla
 from engine.config import GROUPED_ROUTERS, ModelConfig
+from engine.family_experts import family_experts
 from engine.rope import rope_inverse_frequency, yarn_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -91,16 +94,12 @@ def ineligible(config: ModelConfig) -> str:
     """Why a decode step of this architecture keeps engine.model's torch forward ("" when the fused glue
     computes it): each feature the fused step does not have. Per-head q/k norms (Qwen3-MoE) are folded into
     rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function, and without the
-    renormalisation the router's fold divides by the sum over every expert."""
-    latent = config.latent_attention is not None
+    renormalisation the router's fold divides by the sum over every expert; gpt-oss's biases, YaRN, router bias,
+    once-rounded norms and clamped experts are computed (the module's docstring)."""
     shared = config.shared_experts
     missing = [feature for feature, present in (
-        ("q/k/v/o biases", config.attention_bias), ("a q/k norm over the whole projection", config.qk_norm == "full"),
+        ("a q/k norm over the whole projection", config.qk_norm == "full"),
         ("clip_qkv", config.clip_qkv is not None),
-        ("YaRN RoPE outside latent attention", config.rope_scaling is not None and not latent),
-        ("a router bias", config.router_bias),
-        ("an RMSNorm rounded once (gpt-oss)", config.norm_rounds_once),  # kernels.rms_norm rounds twice
-        ("q/k/v biases", config.qkv_bias),
         ("a sigmoid-gated shared expert (Qwen2-MoE)", shared is not None and shared.gated),
     ) if present]
     return ", ".join(missing)
@@ -113,13 +112,15 @@ def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> 
 def pack_qkv(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Lay each layer's wq, wk, wv out back to back in one buffer and make the dict's entries views
     of it, so the decode step reads them with one GEMV (latent attention: the query's first projection
-    and wkv_a, engine.decode_fused_mla.pack_latent). Values are unchanged; memory is freed."""
+    and wkv_a, engine.decode_fused_mla.pack_latent); their biases too, where the family has them, for that
+    GEMV's epilogue. Values are unchanged; memory is freed."""
     if config.latent_attention is not None:
         decode_fused_mla.pack_latent(config, weights)
         return
     for layer in range(config.n_layers):
         p = f"layers.{layer}."
         decode_fused_mla.pack_rows(weights, [p + "wq", p + "wk", p + "wv"])
+        decode_fused_mla.pack_rows(weights, [p + "bq", p + "bk", p + "bv"])  # where the family has them
 
 
 def packed_qkv(weights: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
@@ -149,24 +150,33 @@ def _float_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     return entry[2]
 
 
-def dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [B, K] @ w [N, K]^T -> [B, N] in out_dtype (default x's) as the step computes its dense products:
-    kernels.gemv up to GEMV_ROWS rows, torch matmuls above (float32 ones for float32 logits). Public: the sweep's
-    neighbours (engine.sweep_neighbours) launch exactly what the step launches."""
+def dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, K] @ w [N, K]^T (+ bias [N], added to the rounded product as engine.model adds it) -> [B, N] in
+    out_dtype (default x's) as the step computes its dense products: kernels.gemv up to GEMV_ROWS rows (the bias
+    in its epilogue), torch matmuls above (float32 ones for float32 logits). Public: the sweep's neighbours
+    (engine.sweep_neighbours) launch exactly what the step launches."""
     from kernels.gemv import gemv
 
     if x.shape[0] <= GEMV_ROWS:
-        return gemv(x, w, out_dtype)
+        return gemv(x, w, out_dtype, bias=bias)
     if out_dtype == torch.float32:
-        return x.float() @ w.float().t()
-    return x @ w.t()
+        product = x.float() @ w.float().t()
+        return product if bias is None else product + bias.float()
+    return x @ w.t() if bias is None else x @ w.t() + bias
 
 
-def _qkv(weights: dict[str, torch.Tensor], p: str, layer_input: "_LayerInput") -> torch.Tensor:
+def _qkv(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, layer_input: "_LayerInput") -> torch.Tensor:
+    """[B, (Hq + 2 Hkv) hd]: q, k and v of the layer's input, their biases added where the family has them."""
+    names = ("wq", "wk", "wv")
+    biases = ("bq", "bk", "bv") if config.attention_bias or config.qkv_bias else None
     packed = packed_qkv(weights, p)
     if packed is not None:
-        return layer_input.product(packed)
-    return torch.cat([layer_input.product(weights[p + name]) for name in ("wq", "wk", "wv")], dim=1)
+        bias = None if biases is None else decode_fused_mla.packed_rows(weights, [p + name for name in biases])
+        if biases is None or bias is not None:
+            return layer_input.product(packed, bias)
+    return torch.cat([layer_input.product(weights[p + name], None if biases is None else weights[p + bias_name])
+                      for name, bias_name in zip(names, biases or (None,) * 3)], dim=1)
 
 
 def fused_rows(rows: int) -> bool:
@@ -197,19 +207,21 @@ class _LayerInput:
     def __init__(self, x: torch.Tensor | None, norm, fold: bool, h: torch.Tensor | None = None) -> None:
         self.x, self.norm, self.fold, self.h = x, norm, fold, h
 
-    def product(self, w: torch.Tensor) -> torch.Tensor:
+    def product(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from dataclasses import replace
 
         from kernels.gemv_fused import Norm, gemv_fused
 
         if self.h is None and self.fold:
-            folded = gemv_fused(self.x, w, norm=replace(self.norm, write_x=True), block=qkv_fold_block(w.shape[1]))
+            folded = gemv_fused(self.x, w, norm=replace(self.norm, write_x=True), bias=bias,
+                                block=qkv_fold_block(w.shape[1]))
             self.x, self.fold = folded.x, False
-            self.norm = Norm(self.norm.weight, self.norm.eps)  # a second product norms the new stream on its own
+            # a second product norms the new stream on its own
+            self.norm = Norm(self.norm.weight, self.norm.eps, rounds_once=self.norm.rounds_once)
             return folded.out
         if self.h is None:
             self.x, self.h = _rms_norm(self.x, self.norm)
-        return dense(self.h, w)
+        return dense(self.h, w, bias=bias)
 
 
 def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,8 +229,8 @@ def _rms_norm(x: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]
     from kernels.rms_norm import rms_norm
 
     if norm.table is not None:
-        return rms_norm(None, norm.weight, norm.eps, table=norm.table, index=norm.index)
-    return rms_norm(x, norm.weight, norm.eps, residual=norm.residual)
+        return rms_norm(None, norm.weight, norm.eps, table=norm.table, index=norm.index, rounds_once=norm.rounds_once)
+    return rms_norm(x, norm.weight, norm.eps, residual=norm.residual, rounds_once=norm.rounds_once)
 
 
 def _plain_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -244,9 +256,12 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     batch = tokens.shape[0]
     outputs: StepOutputs | None = getattr(hooks, "outputs", None)
     inv_freq = _inverse_frequency(c, tokens.device)
+    rope_scale = 1.0 if c.rope_scaling is None else c.rope_scaling.resolved_attention_factor  # YaRN's, on cos and sin
+    once = c.norm_rounds_once  # every norm's h rounded once (gpt-oss), as engine.model.rms_norm
     # Each RMSNorm is held as its input until the GEMV it feeds: folded into it, or run on its own.
     x = None  # [B, D] the residual stream, once written
-    norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1))
+    norm = Norm(weights["layers.0.attn_norm"], c.norm_eps, table=weights["embed"], index=tokens.reshape(-1),
+                rounds_once=once)
     carried = None if outputs is None else outputs.carried  # x and h of this step's first norm, computed already
     dense_layers = set(c.dense_layers)
     gemv_rows = fused_rows(batch)
@@ -267,21 +282,22 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                            inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            q, start32 = rope_cache(_qkv(weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
-                                    cache.v[layer], c.n_heads, qk_norm)
+            q, start32 = rope_cache(_qkv(c, weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
+                                    cache.v[layer], c.n_heads, qk_norm, rope_scale)
             # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
             k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
             attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,
                                        _float_sinks(weights.get(p + "sinks")), start32 if q_start is None else q_start,
                                        key_length)  # [B, 1, Hq, hd]
-            o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"])  # [B, D]
+            o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"],
+                      bias=weights[p + "bo"] if c.attention_bias else None)  # [B, D]
         x = layer_input.x  # the residual stream after the attention norm's add
-        norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o)
+        norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o, rounds_once=once)
         if layer in dense_layers:  # a dense SwiGLU MLP: no router, no experts, no MoE record
             x, h = _rms_norm(x, norm)
             expert_out = decode_fused_mla.swiglu(h, weights[p + "mlp_gate_up"], weights[p + "mlp_down"], gemv_rows)
         else:
-            router = weights[p + "router"]
+            router, router_bias = weights[p + "router"], weights.get(p + "router_bias")  # bias: gpt-oss
             # softmax over every expert, top k, not renormalised (DeepSeek-V2): the fold divides by the whole sum
             over_all = c.router == "softmax_topk" and not c.norm_topk_prob
             if c.router in GROUPED_ROUTERS:  # DeepSeek's group-limited routers: not folded (kernels.router.group_topk)
@@ -294,23 +310,25 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             elif _folds(norm, router, batch):  # the norm, the fp32 logits and the routing in one launch
                 into = None if outputs is None else outputs.observed[batch + moe_index:batch + moe_index + 1]
                 folded = gemv_fused(x, router, norm=replace(norm, write_x=True, write_h=True, exact=True),
-                                    route=Route(c.top_k, x.dtype, into=into, over_all=over_all,
-                                                scale=c.routed_scaling_factor))
+                                    bias=router_bias, route=Route(c.top_k, x.dtype, into=into, over_all=over_all,
+                                                                  scale=c.routed_scaling_factor))
                 x, h, ids, routing, woken = folded.x, folded.h, folded.ids, folded.weights, folded.woken
             else:
                 x, h = _rms_norm(x, norm)
-                ids, routing, woken = topk_softmax(dense(h, router, torch.float32), c.top_k, h.dtype, woken=True,
-                                                   over_all=over_all, scale=c.routed_scaling_factor)
+                ids, routing, woken = topk_softmax(dense(h, router, torch.float32, router_bias), c.top_k, h.dtype,
+                                                   woken=True, over_all=over_all, scale=c.routed_scaling_factor)
             if c.shared_experts is not None:
                 shared = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"], weights[p + "shared_down"],
                                                               gemv_rows)
                 expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
                                        shared=shared)  # [B, D]
-            else:
-                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken)
+            else:  # gpt-oss's clamped, biased experts go to the hooks as `experts` (engine.family_experts)
+                extras = family_experts(c, weights, layer)
+                expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
+                                       **({} if extras is None else dict(experts=extras)))
             moe_index += 1
         next_norm = weights[f"layers.{layer + 1}.attn_norm"] if layer + 1 < c.n_layers else weights["norm"]
-        norm = Norm(next_norm, c.norm_eps, residual=expert_out)
+        norm = Norm(next_norm, c.norm_eps, residual=expert_out, rounds_once=once)
     head = weights["embed"] if c.tie_embeddings else weights["lm_head"]
     if _folds(norm, head, batch):
         pick = None
@@ -319,7 +337,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
             # the next step's first norm, as its own rms_norm launch would compute it
             # (with the first norm folded into the first GEMV there is no launch to save: nothing is carried)
             if outputs.carry is not None and next_norm_fits(c.hidden) and not fold_first:
-                following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry)
+                following = NextNorm(weights["embed"], weights["layers.0.attn_norm"], c.norm_eps, *outputs.carry,
+                                     rounds_once=once)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]
         if pick is not None:

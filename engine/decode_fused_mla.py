@@ -37,7 +37,8 @@ def _names(config: ModelConfig, p: str) -> list[str]:
 
 
 def packed_rows(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
-    """The [N1 + N2 + ..., D] matrix the named weights form when they lie back to back in memory, else None."""
+    """The [N1 + N2 + ..., D] matrix (or [N1 + N2 + ...] vector: biases) the named weights form when they lie back
+    to back in memory, else None."""
     tensors = [weights[name] for name in names]
     if not all(tensor.is_contiguous() for tensor in tensors):
         return None
@@ -48,12 +49,12 @@ def packed_rows(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Ten
         if after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():
             return None
     rows = sum(tensor.shape[0] for tensor in tensors)
-    return torch.as_strided(tensors[0], (rows, tensors[0].shape[1]), (tensors[0].shape[1], 1))
+    return torch.as_strided(tensors[0], (rows, *tensors[0].shape[1:]), tensors[0].stride())
 
 
 def pack_rows(weights: dict[str, torch.Tensor], names: list[str]) -> None:
-    """Lay the named [Ni, D] weights back to back in one buffer and make the dict's entries views of it.
-    Values are unchanged; the old tensors are freed."""
+    """Lay the named [Ni, D] weights (or [Ni] biases) back to back in one buffer and make the dict's entries views
+    of it. Values are unchanged; the old tensors are freed."""
     if any(name not in weights for name in names) or packed_rows(weights, names) is not None:
         return
     packed = torch.cat([weights[name] for name in names], dim=0)

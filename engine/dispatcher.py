@@ -170,8 +170,9 @@ class Dispatcher:
         """The gate's decision, the arm's call, its count and its record for h [n, D] and topk_ids [n, k].
         `k`, `n_experts`: what the gate reads (default the model's top_k and E; an expert-parallel rank gives
         its rows' 1 and its local experts). `record_routing` False: the caller records the layer's routing.
-        `experts`: a family's expert math that no kernel arm computes (engine.model.FamilyExperts,
-        e.g. gpt-oss's biased, clamped SwiGLU); it then runs on the reference arm, and the record says so.
+        `experts`: a family's expert math that the plain SwiGLU arms do not compute (engine.family_experts,
+        gpt-oss's biased, clamped SwiGLU): the GEMV arm's clamped epilogue where the gate picks GEMV, else the
+        reference arm, and the record says so.
         `woken`: the number of distinct experts in topk_ids (0-d int64) when the caller's routing kernel
         already counted it (engine.decode_fused); else it is counted here. `shared`: the layer's shared
         experts (engine.model.SharedMLP, engine.decode_fused_mla.SharedExpertsDecode: `gate_up`, `down`), run on

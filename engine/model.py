@@ -35,8 +35,8 @@ import torch
 
 from engine import decode_fused, mla, routing
 from engine.config import GROUPED_ROUTERS, ModelConfig, SharedExperts
+from engine.family_experts import FamilyExperts, family_experts
 from engine.rope import apply_rope, rope_inverse_frequency, yarn_inverse_frequency
-from kernels.reference import moe_reference_gpt_oss
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -237,32 +237,6 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, bias: torch.Tensor | No
         return top_ids.to(torch.int32), top_probabilities
     top_logits, top_ids = torch.topk(logits, k, dim=-1)  # [N, k]
     return top_ids.to(torch.int32), torch.softmax(top_logits, dim=-1)
-
-
-@dataclass(frozen=True)
-class FamilyExperts:
-    """Expert math that no kernel arm computes: gpt-oss's biases and clamped SwiGLU. `forward` hands
-    it to the hooks' `moe` as `experts=`; the dispatcher runs it on the reference arm and records why."""
-
-    description: str
-    b13: torch.Tensor | None  # [E, 2F]
-    b2: torch.Tensor | None  # [E, D]
-    alpha: float
-    limit: float
-
-    def __call__(self, h, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
-        return moe_reference_gpt_oss(h, w13, w2, topk_ids, topk_weights, self.b13, self.b2, self.alpha, self.limit)
-
-
-def family_experts(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> FamilyExperts | None:
-    """The layer's expert extras, or None when its experts are plain SwiGLU (every arm computes them)."""
-    if config.plain_experts:
-        return None
-    p = f"layers.{layer}."
-    return FamilyExperts(
-        f"gpt-oss experts (clamped SwiGLU alpha={config.activation_alpha:g} limit={config.activation_limit:g}"
-        + (", biases)" if config.expert_bias else ")"),
-        weights.get(p + "b13"), weights.get(p + "b2"), config.activation_alpha, config.activation_limit)
 
 
 def _attention_inputs(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, h: torch.Tensor,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch, streaming
+from kernels.parts import bias_epilogue
 
 MAX_ROWS = 64  # a decode batch; more rows are a prefill GEMM
 TENSOR_CORE_ROWS = 9  # from this many rows (padded to 16) the tile goes through tl.dot
@@ -74,6 +75,8 @@ def _gemv_kernel(
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # with USE_GDC: the first weight tile loaded before the wait (kernels.pdl.preload)
     WEIGHT_EVICTION: tl.constexpr,  # the weight loads' L2 policy (kernels.streaming)
+    bias_ptr=None,  # [N] (HAS_BIAS)
+    HAS_BIAS: tl.constexpr = False,  # out = the rounded product + bias, rounded again (as torch adds a bias)
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +109,8 @@ def _gemv_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, bias_epilogue(accumulator, bias_ptr, offs_n, n_mask, out_ptr.dtype.element_ty, HAS_BIAS),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device, rows: int = 1) -> tuple[int, int]:
@@ -127,8 +131,10 @@ def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device,
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-         block: tuple[int, int] | None = None, preload: bool | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in `out_dtype` (default x's), fp32 accumulation, one launch. `preload`:
+         bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+         preload: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in `out_dtype` (default x's), fp32 accumulation, one launch; with `bias` [N]
+    then + bias in fp32 on the rounded product, rounded again (what `x @ w.t() + b` gives in torch). `preload`:
     load the first weight tile before the PDL wait (None: as kernels.pdl.preload says; the same result)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x must be [M, K] and w [N, K] with the same K, got {tuple(x.shape)} and "
@@ -139,6 +145,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {x.shape[0]}: use a GEMM for more")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv: x and w need unit stride along K")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.stride(0) != 1 or bias.device != w.device):
+        raise ValueError(f"gemv: the bias must be [{w.shape[0]}] with unit stride on {w.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")
     rows, k_in = x.shape
     n_out = w.shape[0]
     out = scratch.empty((rows, n_out), out_dtype or x.dtype, x.device)
@@ -154,6 +163,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl.launch_options(x.device),
         PRELOAD=pdl.preload(x.device, "gemv") if preload is None else preload,
         WEIGHT_EVICTION=streaming.weight_eviction(x.device),
+        **({} if bias is None else dict(bias_ptr=bias, HAS_BIAS=True)),
     )
     launches.record("gemv", kernel=_gemv_kernel)
     return out

@@ -20,16 +20,16 @@ from kernels.gemv_route import Route, gemv_route  # noqa: F401
 
 
 def gemv_fused(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-               norm: Norm | None = None, route: Route | None = None,
+               norm: Norm | None = None, bias: torch.Tensor | None = None, route: Route | None = None,
                pick: Pick | None = None, block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
     """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one
-    launch; with `route` the top-k routing of the logits, with `pick` each row's argmax (and the next
-    replay's inputs). `preload`: load the first weight tile before the PDL wait (None: as kernels.pdl.preload
-    says for the device; the same result either way)."""
+    launch, plus `bias` [N] as torch adds it to a rounded product; with `route` the top-k routing of the
+    logits, with `pick` each row's argmax (and the next replay's inputs). `preload`: load the first weight tile
+    before the PDL wait (None: as kernels.pdl.preload says for the device; the same result either way)."""
     if route is not None and pick is not None:
         raise ValueError("gemv_fused: one epilogue per launch (route or pick)")
     if route is not None:
-        return gemv_route(x, w, route=route, norm=norm, block=block, preload=preload)
+        return gemv_route(x, w, route=route, norm=norm, bias=bias, block=block, preload=preload)
     if pick is not None:
-        return gemv_pick(x, w, out_dtype, pick=pick, norm=norm, block=block, preload=preload)
-    return gemv_norm(x, w, out_dtype, norm=norm, block=block, preload=preload)
+        return gemv_pick(x, w, out_dtype, pick=pick, norm=norm, bias=bias, block=block, preload=preload)
+    return gemv_norm(x, w, out_dtype, norm=norm, bias=bias, block=block, preload=preload)

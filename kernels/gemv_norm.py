@@ -3,18 +3,20 @@ kernels.gemv); and the host side the other fused GEMVs share (kernels.gemv_route
 
     out[m, n] = sum_k w[n, k] * a[m, k]                     a = x (no norm), or
     out[m, n] = r[m] * sum_k w[n, k] * (g[k] * x[m, k])     RMSNorm folded: r = rsqrt(mean_k(x^2) + eps)
+    out[m, n] = round(round(out[m, n]) + bias[n])           with a bias, as torch adds one (parts.bias_epilogue)
 
 with x, the norm's input, one of (each row m): plain x[m]; residual (x_prev[m] + residual[m]) rounded to
 the dtype, as torch's add; gather table[index[m]] (the step's embedding rows).
 
 Shapes: M rows (1 <= M <= MAX_ROWS), K = D hidden, N outputs. x / residual / x_out / h [M, K]; g [K];
-table [V, K]; index [M]; w [N, K] unit stride along K; out [M, N] in out_dtype (x's, or float32).
+table [V, K]; index [M]; w [N, K] unit stride along K; bias [N]; out [M, N] in out_dtype (x's, or float32).
 Grid (cdiv(N, BLOCK_N),): kernels.gemv's blocks, or `row_block`'s at one row on a GPU; rows are
 looped over, never padded to a tensor-core tile. The body is kernels.parts.fold_gemv.
 
 Rounding: the one-pass norm takes the product with g * x in fp32 and scales by r at the end, about one
 rounding of the output away from gemv(h, w); `Norm.exact` (a first pass for r, then h rounded as
-kernels.rms_norm rounds it) gives gemv(h, w) to the bit, for consumers that jump at near ties. Each
+kernels.rms_norm rounds it) gives gemv(h, w) to the bit, for consumers that jump at near ties; `Norm.rounds_once`
+rounds that h (and the written h) once, as gpt-oss's norm does (kernels.rms_norm's ROUND_ONCE). Each
 program writes a disjoint slice of the new residual stream and of h (write_x, write_h), as
 kernels.rms_norm computes them. Why: docs/decode-step.md.
 
@@ -57,6 +59,7 @@ class Norm:
     write_x: bool = False
     write_h: bool = False
     exact: bool = False  # round h before the product (a first pass over x for the scale), as rms_norm + gemv
+    rounds_once: bool = False  # h = (x * r * weight) rounded once (gpt-oss), not x * r rounded, then times weight
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Fold:
     x: torch.Tensor | None
     w: torch.Tensor
     norm: Norm | None
+    bias: torch.Tensor | None  # [N], added to the rounded product
     source: torch.Tensor  # x, or the gather's table
     rows: int
     k_in: int
@@ -130,7 +134,7 @@ class Fold:
             norm.table if gather else dummy, norm.index if gather else dummy,
             norm.weight if norm is not None else dummy,
             result.x if write_x else dummy, result.h if write_h else dummy,
-            w, out,
+            w, out, self.bias if self.bias is not None else dummy,
             rows, n_out, k_in, norm.eps if norm is not None else 0.0, slice_cols,
             x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
             norm.table.stride(0) if gather else 0, result.x.stride(0) if write_x else 0,
@@ -141,13 +145,15 @@ class Fold:
             SLICE=triton.next_power_of_2(slice_cols),
             NORM=norm is not None, EXACT=norm is not None and norm.exact, GATHER=gather,
             RESIDUAL=residual is not None, WRITE_X=write_x, WRITE_H=write_h,
+            ROUND_ONCE=norm is not None and norm.rounds_once, HAS_BIAS=self.bias is not None,
             num_warps=FOLD_WARPS, **pdl.launch_options(device),
             PRELOAD=pdl.preload(device, "fused") if preload is None else preload,
         )
         return result
 
 
-def check_fold(name: str, x: torch.Tensor | None, w: torch.Tensor, norm: Norm | None) -> Fold:
+def check_fold(name: str, x: torch.Tensor | None, w: torch.Tensor, norm: Norm | None,
+               bias: torch.Tensor | None = None) -> Fold:
     """The inputs every fused GEMV takes, checked (ValueError naming the launcher and the problem)."""
     gather = norm is not None and norm.table is not None
     residual = norm.residual if norm is not None else None
@@ -175,32 +181,38 @@ def check_fold(name: str, x: torch.Tensor | None, w: torch.Tensor, norm: Norm | 
             raise ValueError(f"{name}: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         if norm.write_x and residual is None and not gather:
             raise ValueError(f"{name}: write_x needs a residual add or a gather (else x is the input)")
-    return Fold(name, x, w, norm, source, rows, k_in, n_out)
+    if bias is not None and (bias.shape != (n_out,) or bias.stride(0) != 1 or bias.device != w.device):
+        raise ValueError(f"{name}: the bias must be [{n_out}] with unit stride on {w.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    return Fold(name, x, w, norm, bias, source, rows, k_in, n_out)
 
 
 @triton.jit
 def _gemv_norm_kernel(
-    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
     rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
-    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr, ROUND_ONCE: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
               rows, n_out, k_in, eps, slice_cols,
               stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
-              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, USE_GDC, PRELOAD)
+              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, ROUND_ONCE, HAS_BIAS,
+              USE_GDC, PRELOAD)
 
 
 def gemv_norm(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-              norm: Norm | None = None, block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
+              norm: Norm | None = None, bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+              preload: bool | None = None) -> Fused:
     """out = x @ w^T (or RMSNorm(x) @ w^T with `norm`) for M <= MAX_ROWS rows, fp32 accumulation, one launch,
-    rounded to `out_dtype` (default x's). `preload`: load the first weight tile before the PDL wait (None: as
-    kernels.pdl.preload says for the device; the same result either way)."""
-    fold = check_fold("gemv_norm", x, w, norm)
+    rounded to `out_dtype` (default x's); with `bias` [N] then + bias, rounded again (as torch adds it).
+    `preload`: load the first weight tile before the PDL wait (None: as kernels.pdl.preload says for the device;
+    the same result either way)."""
+    fold = check_fold("gemv_norm", x, w, norm, bias)
     result = fold.allocate(out_dtype, block, preload)
     _gemv_norm_kernel[(fold.programs,)](*fold.args, **fold.constexprs)
     if norm is not None:

@@ -44,6 +44,7 @@ class NextNorm:
     eps: float
     x: torch.Tensor  # [M, K] written
     h: torch.Tensor  # [M, K] written
+    rounds_once: bool = False  # h rounded once (gpt-oss), as kernels.rms_norm's rounds_once
 
 
 def next_norm_fits(k_in: int) -> bool:
@@ -65,7 +66,7 @@ class Pick:
 
 @triton.jit
 def _gemv_pick_kernel(
-    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
     rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
     tokens_ptr, feed_ptr, stride_feed,
@@ -73,16 +74,18 @@ def _gemv_pick_kernel(
     arrivals_ptr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
-    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr, ROUND_ONCE: tl.constexpr, HAS_BIAS: tl.constexpr,
     FEED: tl.constexpr, PICK_BLOCK: tl.constexpr,
     NEXT_NORM: tl.constexpr, NEXT_BLOCK: tl.constexpr,  # the next step's norm on the tokens picked
+    NEXT_ROUND_ONCE: tl.constexpr,  # that norm's h rounded once (NextNorm.rounds_once)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
               rows, n_out, k_in, eps, slice_cols,
               stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
-              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, USE_GDC, PRELOAD)
+              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, ROUND_ONCE, HAS_BIAS,
+              USE_GDC, PRELOAD)
     # the last program takes every row's argmax
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
@@ -98,17 +101,17 @@ def _gemv_pick_kernel(
                 x = tl.load(next_table_ptr + token.to(tl.int64) * stride_next_t + cols, mask=lanes, other=0.0)
                 tl.store(next_x_ptr + tl.cast(row, tl.int64) * stride_next_x + cols, x, mask=lanes)
                 tl.store(next_h_ptr + tl.cast(row, tl.int64) * stride_next_h + cols,
-                         norm_row(x, next_norm_ptr, cols, lanes, k_in, next_eps), mask=lanes)
+                         norm_row(x, next_norm_ptr, cols, lanes, k_in, next_eps, NEXT_ROUND_ONCE), mask=lanes)
         tl.atomic_xchg(arrivals_ptr, 0)
 
 
 def gemv_pick(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | None = torch.float32, *,
-              pick: Pick, norm: Norm | None = None, block: tuple[int, int] | None = None,
-              preload: bool | None = None) -> Fused:
+              pick: Pick, norm: Norm | None = None, bias: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
     """The float32 logits x @ w^T (or RMSNorm(x) @ w^T with `norm`) and each row's argmax into pick.tokens
     (with pick.inputs, the next replay's feed; with pick.next_norm, the next step's first norm), one launch.
     `out_dtype` must be float32 (the argmax is of float32 logits). `preload`: as kernels.gemv_norm.gemv_norm."""
-    fold = check_fold("gemv_pick", x, w, norm)
+    fold = check_fold("gemv_pick", x, w, norm, bias)
     rows, k_in, dtype = fold.rows, fold.k_in, fold.dtype
     if out_dtype != torch.float32:
         raise ValueError("gemv_pick: pick takes the argmax of float32 logits (out_dtype=torch.float32)")
@@ -139,6 +142,7 @@ def gemv_pick(x: torch.Tensor | None, w: torch.Tensor, out_dtype: torch.dtype | 
         *fold.args, pick.tokens, feed, feed.stride(0) if feed is not dummy else 0, *next_args, counters,
         FEED=feed is not dummy, PICK_BLOCK=min(PICK_BLOCK, triton.next_power_of_2(fold.n_out)),
         NEXT_NORM=following is not None, NEXT_BLOCK=triton.next_power_of_2(k_in),
+        NEXT_ROUND_ONCE=following is not None and following.rounds_once,
         **fold.constexprs,
     )
     launches.record("gemv_pick_norm" if following is not None else "gemv_pick", kernel=_gemv_pick_kernel)

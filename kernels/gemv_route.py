@@ -15,9 +15,8 @@ step's output buffer, so no copy gathers it); for one row it is k, stored withou
 With Route.over_all the weights are the softmax over every expert at the k chosen (softmax-then-top-k
 without renormalisation), with Route.scale times routed_scaling_factor (kernels.parts.topk_softmax_row).
 
-Does not: route more than one group of rows per launch, take a router bias (engine.decode_fused keeps such
-models on the torch forward) or route group-limited (engine.decode_fused launches kernels.router.group_topk
-after an unfused GEMV).
+Does not: route more than one group of rows per launch, or route group-limited (engine.decode_fused launches
+kernels.router.group_topk after an unfused GEMV).
 """
 
 from __future__ import annotations
@@ -49,23 +48,24 @@ class Route:
 
 @triton.jit
 def _gemv_route_kernel(
-    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
     rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
     ids_ptr, weights_ptr, woken_ptr, arrivals_ptr, stride_ids, stride_weights, route_scale,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
-    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    WRITE_X: tl.constexpr, WRITE_H: tl.constexpr, ROUND_ONCE: tl.constexpr, HAS_BIAS: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, WOKEN: tl.constexpr, COUNT_BLOCK: tl.constexpr,
     OVER_ALL: tl.constexpr,
     REPLICAS: tl.constexpr,  # copies of a row the last program routes (kernels.router.route_replicas)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr,
+    fold_gemv(x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr, x_out_ptr, h_ptr, w_ptr, out_ptr, bias_ptr,
               rows, n_out, k_in, eps, slice_cols,
               stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
-              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, USE_GDC, PRELOAD)
+              M_PAD, BLOCK_N, BLOCK_K, SLICE, NORM, EXACT, GATHER, RESIDUAL, WRITE_X, WRITE_H, ROUND_ONCE, HAS_BIAS,
+              USE_GDC, PRELOAD)
     # the last program routes every row (kernels.arrivals)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
@@ -85,11 +85,13 @@ def _gemv_route_kernel(
 
 
 def gemv_route(x: torch.Tensor | None, w: torch.Tensor, *, route: Route, norm: Norm | None = None,
-               block: tuple[int, int] | None = None, preload: bool | None = None) -> Fused:
-    """The float32 logits x @ w^T (or RMSNorm(x) @ w^T with `norm`) and their top-k routing, one launch:
+               bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+               preload: bool | None = None) -> Fused:
+    """The float32 logits x @ w^T (or RMSNorm(x) @ w^T with `norm`), plus `bias` [E] where given (gpt-oss's router
+    bias, added in float32 before the routing reads them), and their top-k routing, one launch:
     Fused.out, .ids, .weights and (route.woken) .woken; with the norm's write_x / write_h also .x and .h.
     `preload`: as kernels.gemv_norm.gemv_norm."""
-    fold = check_fold("gemv_route", x, w, norm)
+    fold = check_fold("gemv_route", x, w, norm, bias)
     if not 1 <= route.top_k <= fold.n_out or fold.n_out > MAX_EXPERTS:
         raise ValueError(f"gemv_route: need 1 <= k <= E <= {MAX_EXPERTS}, got k={route.top_k}, E={fold.n_out}")
     if route.into is not None and (route.into.dtype != torch.int64 or route.into.numel() != 1):

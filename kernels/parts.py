@@ -12,6 +12,7 @@ inlined into its caller at compile time: a call costs nothing, and the caller's 
     best_key, token_of  the argmax of some columns as a key, and its index  kernels.next_tokens (a split row)
     feed_next          the next graph replay's token and position           kernels.next_tokens, kernels.gemv_pick
     norm_row           one row's RMSNorm times its weight                   kernels.rms_norm, kernels.gemv_pick
+    bias_epilogue      a product's output plus its bias, rounded as torch   kernels.gemv, kernels.parts.fold_gemv
     fold_gemv          a GEMV of M <= 8 rows with the RMSNorm in front      kernels.gemv_norm, gemv_route, gemv_pick
                        folded (the shared body of the three fused GEMVs)
     fold_activation, fold_step   fold_gemv's pieces: one row's x at some columns, one K step of the product
@@ -179,14 +180,20 @@ def feed_next(inputs_ptr, stride_inputs, row, token):
 
 
 @triton.jit
-def norm_row(x, weight_ptr, offs, mask, hidden, eps):
-    """h = RMSNorm(x) * weight of one whole row x [BLOCK_D] (x's dtype), rounded where torch rounds. The same
-    bits wherever it is called with the same warps (a reduction's order follows its layout)."""
+def norm_row(x, weight_ptr, offs, mask, hidden, eps, ROUND_ONCE: tl.constexpr):
+    """h = RMSNorm(x) * weight of one whole row x [BLOCK_D] (x's dtype), rounded where torch rounds: the normed
+    value, then its product with the weight; ROUND_ONCE (gpt-oss) only the float32 product. The same bits
+    wherever it is called with the same warps (a reduction's order follows its layout)."""
     x32 = x.to(tl.float32)
     mean_square = tl.sum(x32 * x32, axis=0) / hidden
-    normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    return (normed.to(tl.float32) * weight.to(tl.float32)).to(x.dtype)
+    if ROUND_ONCE:
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        h = (x32 * tl.math.rsqrt(mean_square + eps) * weight.to(tl.float32)).to(x.dtype)
+    else:  # the build from before ROUND_ONCE, op for op
+        normed = (x32 * tl.math.rsqrt(mean_square + eps)).to(x.dtype)
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        h = (normed.to(tl.float32) * weight.to(tl.float32)).to(x.dtype)
+    return h
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,9 +219,10 @@ def fold_activation(x_ptr, residual_ptr, table_ptr, index_ptr, m, rows, cols, la
 @triton.jit
 def fold_step(accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr, index_ptr,
               norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD: tl.constexpr, NORM: tl.constexpr,
-              EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr):
+              EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr, ROUND_ONCE: tl.constexpr):
     """The accumulator (and, for the norm without EXACT, the sums of squares) plus one loaded [BLOCK_N,
-    BLOCK_K] weight tile, as fp32, times every row's activation at k0 (normed by `scale` with EXACT)."""
+    BLOCK_K] weight tile, as fp32, times every row's activation at k0 (normed by `scale` with EXACT, rounded as
+    norm_row rounds)."""
     cols = k0 + offs_k
     k_mask = cols < k_in
     if NORM:
@@ -227,7 +235,10 @@ def fold_step(accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, resid
         if NORM:
             if EXACT:  # h as kernels.rms_norm rounds it
                 r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
-                a = ((a * r).to(x.dtype).to(tl.float32) * g).to(x.dtype).to(tl.float32)
+                if ROUND_ONCE:
+                    a = (a * r * g).to(x.dtype).to(tl.float32)
+                else:
+                    a = ((a * r).to(x.dtype).to(tl.float32) * g).to(x.dtype).to(tl.float32)
             else:
                 squares += tl.where(offs_m == m, tl.sum(a * a, axis=0), 0.0)
                 a = a * g
@@ -240,17 +251,19 @@ def fold_step(accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, resid
 def fold_gemv(
     x_ptr, residual_ptr, table_ptr, index_ptr, norm_ptr,  # the norm's input and weight
     x_out_ptr, h_ptr,  # [M, K] slices written (WRITE_X / WRITE_H)
-    w_ptr, out_ptr,  # [N, K], [M, N]
+    w_ptr, out_ptr, bias_ptr,  # [N, K], [M, N], [N] (HAS_BIAS)
     rows, n_out, k_in, eps, slice_cols,
     stride_xm, stride_rm, stride_t, stride_xo, stride_h, stride_wn, stride_om,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr,
     NORM: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr,
     WRITE_X: tl.constexpr, WRITE_H: tl.constexpr,
+    ROUND_ONCE: tl.constexpr,  # the norm's h rounded once (gpt-oss), as norm_row
+    HAS_BIAS: tl.constexpr,  # out = the rounded product + bias, rounded again (bias_epilogue)
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
     PRELOAD: tl.constexpr,  # the first weight tile loaded before the wait (kernels.pdl.preload)
 ):
-    """This program's BLOCK_N outputs of out = (RMSNorm(x) or x) @ w^T for every row, stored to out; with the
-    norm, its slice of the new residual stream (WRITE_X) and of h (WRITE_H). Signals the next grid (PDL) once
+    """This program's BLOCK_N outputs of out = (RMSNorm(x) or x) @ w^T (+ bias) for every row, stored to out; with
+    the norm, its slice of the new residual stream (WRITE_X) and of h (WRITE_H). Signals the next grid (PDL) once
     its weights are read. The caller's epilogue (routing, picking) runs after it."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -280,7 +293,8 @@ def fold_gemv(
     if PRELOAD:  # the loop's first step, on the preloaded tile
         accumulator, squares = fold_step(
             accumulator, squares, scale, w_first.to(tl.float32), 0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr,
-            index_ptr, norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL)
+            index_ptr, norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL,
+            ROUND_ONCE)
         w_ptrs += BLOCK_K
         k_start = BLOCK_K
     for k0 in range(k_start, k_in, BLOCK_K):
@@ -288,7 +302,7 @@ def fold_gemv(
         w32 = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         accumulator, squares = fold_step(
             accumulator, squares, scale, w32, k0, offs_k, offs_m, x_ptr, residual_ptr, table_ptr, index_ptr,
-            norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL)
+            norm_ptr, rows, k_in, stride_xm, stride_rm, stride_t, M_PAD, NORM, EXACT, GATHER, RESIDUAL, ROUND_ONCE)
         w_ptrs += BLOCK_K
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -306,12 +320,27 @@ def fold_gemv(
                                     stride_rm, stride_t, GATHER, RESIDUAL)
                 if WRITE_X:
                     tl.store(x_out_ptr + m * stride_xo + cols, x, mask=lanes)
-                if WRITE_H:  # as kernels.rms_norm: x32 * r rounded, times the weight, rounded
+                if WRITE_H:  # as kernels.rms_norm: x32 * r rounded, times the weight, rounded (ROUND_ONCE: once)
                     r = tl.sum(tl.where(offs_m == m, scale, 0.0), axis=0)
-                    normed = (x.to(tl.float32) * r).to(h_ptr.dtype.element_ty)
-                    h = (normed.to(tl.float32) * g_slice.to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    if ROUND_ONCE:
+                        h = (x.to(tl.float32) * r * g_slice.to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    else:
+                        normed = (x.to(tl.float32) * r).to(h_ptr.dtype.element_ty)
+                        h = (normed.to(tl.float32) * g_slice.to(tl.float32)).to(h_ptr.dtype.element_ty)
                     tl.store(h_ptr + m * stride_h + cols, h, mask=lanes)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    values = accumulator.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, values, mask=out_mask)
+    tl.store(out_ptrs, bias_epilogue(accumulator, bias_ptr, offs_n, n_mask, out_ptr.dtype.element_ty, HAS_BIAS),
+             mask=out_mask)
+
+
+@triton.jit
+def bias_epilogue(accumulator, bias_ptr, offs_n, n_mask, out_dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A product's fp32 accumulator [M_PAD, BLOCK_N] in out_dtype; with HAS_BIAS plus bias[offs_n] as torch adds a
+    bias to a rounded product (F.linear's product, then `+ b`): in fp32 on the rounded values, rounded again (for
+    float32 logits the plain fp32 sum)."""
+    values = accumulator.to(out_dtype)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        values = (values.to(tl.float32) + bias[None, :]).to(out_dtype)
+    return values

@@ -7,8 +7,9 @@ Computes what engine.model writes as two or three torch kernels each:
     h = (x32 * rsqrt(mean(x32^2) + eps)).to(dtype) * weight                 x32 = x in float32
 
 and returns (x, h): the new residual stream and its normed copy. Rounding happens where the torch
-expression rounds (the normalised value to the dtype, then the product with the weight), so h
-differs from the torch path only through the order of the mean's sum.
+expression rounds (the normalised value to the dtype, then the product with the weight; with
+`rounds_once`, gpt-oss's norm, only the float32 product), so h differs from the torch path only through
+the order of the mean's sum.
 
 Shapes: rows R (tokens), D hidden.  x / residual / h [R, D]; weight [D]; table [V, D]; index [R].
 Grid: (R,); a program holds its whole row (D <= MAX_HIDDEN).
@@ -42,6 +43,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GATHER: tl.constexpr,
     USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+    ROUND_ONCE: tl.constexpr = False,  # h = (x32 * r * weight) rounded once (gpt-oss)
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -59,7 +61,8 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_out_ptr.dtype.element_ty)
     if HAS_RESIDUAL or GATHER:
         tl.store(x_out_ptr + row.to(tl.int64) * stride_xo + offs, x, mask=mask)
-    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, norm_row(x, weight_ptr, offs, mask, hidden, eps), mask=mask)
+    tl.store(h_ptr + row.to(tl.int64) * stride_h + offs, norm_row(x, weight_ptr, offs, mask, hidden, eps, ROUND_ONCE),
+             mask=mask)
 
 
 def num_warps(hidden: int) -> int:
@@ -68,9 +71,10 @@ def num_warps(hidden: int) -> int:
 
 
 def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             table: torch.Tensor | None = None, index: torch.Tensor | None = None
+             table: torch.Tensor | None = None, index: torch.Tensor | None = None, rounds_once: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x', h) with x' = x + residual, or table[index], or x itself; h = RMSNorm(x') * weight."""
+    """(x', h) with x' = x + residual, or table[index], or x itself; h = RMSNorm(x') * weight (rounded once with
+    `rounds_once`, as engine.model.rms_norm's rounds_once)."""
     gather = table is not None
     if gather == (x is not None) or gather != (index is not None):
         raise ValueError("rms_norm: give either x, or table and index")
@@ -99,7 +103,7 @@ def rms_norm(x: torch.Tensor | None, weight: torch.Tensor, eps: float, *, residu
         0 if gather else x.stride(0), residual.stride(0) if residual is not None else 0,
         table.stride(0) if gather else 0, x_out.stride(0), h.stride(0),
         BLOCK_D=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, GATHER=gather,
-        num_warps=num_warps(hidden), **pdl.launch_options(weight.device),
+        num_warps=num_warps(hidden), **pdl.launch_options(weight.device), ROUND_ONCE=rounds_once,
     )
     launches.record("rms_norm", kernel=_rms_norm_kernel)
     return x_out, h

@@ -10,7 +10,8 @@ index_put_ into the cache):
 
 rope(x, p): first/second halves of x in float32, angle_i = p * inv_freq[i] (float32, inv_freq
 passed in so it is the model's own table), first*cos - second*sin ++ second*cos + first*sin,
-rounded to x's dtype. With q_norm and k_norm (Qwen3-MoE's per-head q/k RMSNorm) each q and k head is
+rounded to x's dtype; with YaRN's attention factor (`scale`), cos and sin are each multiplied by it first,
+as engine.model's YaRN tables carry it. With q_norm and k_norm (Qwen3-MoE's per-head q/k RMSNorm) each q and k head is
 first normed as engine.model.rms_norm does: (x32 * rsqrt(mean(x32^2) + eps)) rounded to x's dtype, times
 the [hd] weight, rounded again.
 
@@ -32,10 +33,13 @@ from kernels import launches, pdl, scratch
 
 
 @triton.jit
-def _rotate(first, second, position, inv_freq_ptr, offs):
-    """rope(x, position) of one head from its halves [HALF] (x's dtype): float32 math, rounded back."""
+def _rotate(first, second, position, inv_freq_ptr, offs, scale, SCALED: tl.constexpr):
+    """rope(x, position) of one head from its halves [HALF] (x's dtype): float32 math, rounded back; SCALED:
+    cos and sin times `scale` (YaRN's attention factor)."""
     angle = position.to(tl.float32) * tl.load(inv_freq_ptr + offs)
     cos, sin = tl.cos(angle), tl.sin(angle)
+    if SCALED:
+        cos, sin = cos * scale, sin * scale
     first32, second32 = first.to(tl.float32), second.to(tl.float32)
     return (first32 * cos - second32 * sin).to(first.dtype), (second32 * cos + first32 * sin).to(first.dtype)
 
@@ -68,6 +72,8 @@ def _rope_cache_kernel(
     k_norm_ptr=None,  # [hd] of the keys
     eps=1e-6,
     QK_NORM: tl.constexpr = False,
+    scale=1.0,  # YaRN's attention factor on cos and sin (SCALED)
+    SCALED: tl.constexpr = False,
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
@@ -96,7 +102,7 @@ def _rope_cache_kernel(
                 first, second = _head_norm(first, second, q_norm_ptr, offs, eps, HALF)
             else:
                 first, second = _head_norm(first, second, k_norm_ptr, offs, eps, HALF)
-        rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, offs)
+        rotated_first, rotated_second = _rotate(first, second, position, inv_freq_ptr, offs, scale, SCALED)
         if head < query_heads:
             destination = q_out_ptr + b.to(tl.int64) * stride_qo_b + head * stride_qo_h
         else:
@@ -108,10 +114,12 @@ def _rope_cache_kernel(
 
 def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor, slot: torch.Tensor | None,
                k_cache: torch.Tensor, v_cache: torch.Tensor, query_heads: int,
-               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k of one token per sequence, write k and v into the cache (row slot[b], or row b
     when slot is None); returns q [B, Hq, hd] and the positions as int32 [B]. `qk_norm` (q weight [hd],
-    k weight [hd], eps): each q and k head RMSNormed first."""
+    k weight [hd], eps): each q and k head RMSNormed first. `scale`: YaRN's attention factor, multiplying
+    cos and sin (1: plain RoPE, the same build as before it)."""
     batch = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if qkv.dim() != 2 or qkv.shape[1] != (query_heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -144,6 +152,7 @@ def rope_cache(qkv: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HALF=head_dim // 2, HAS_SLOTS=slot is not None, num_warps=1 if head_dim <= 256 else 2,
         **pdl.launch_options(qkv.device), **norm_options,
+        **({} if scale == 1.0 else dict(scale=float(scale), SCALED=True)),
     )
     launches.record("rope_cache", kernel=_rope_cache_kernel)
     return q_out, position32

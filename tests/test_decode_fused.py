@@ -228,6 +228,127 @@ def test_fused_decode_step_of_a_qwen3_moe_architecture_matches_the_torch_forward
         _close(fused_cache.k[layer], torch_cache.k[layer], torch.float32)
 
 
+def _gpt_oss_like():
+    """tiny with gpt-oss's architecture: q/k/v/o biases, YaRN RoPE, a router bias, norms rounded once, clamped and
+    biased experts, sinks, a sliding-window layer then a full one, grouped queries at head_dim 32."""
+    from engine.config import LayerMask, YarnScaling
+
+    return replace(PRESETS["tiny"], name="gpt-oss-like", attention_bias=True, router_bias=True,
+                   norm_rounds_once=True, rope_scaling=YarnScaling(factor=32.0, original_max_position=64),
+                   expert_activation="gpt_oss_clamped", expert_bias=True, n_heads=4, n_kv_heads=2, head_dim=32,
+                   layer_masks=(LayerMask("window", 4), LayerMask("causal")))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_decode_step_of_a_gpt_oss_architecture_matches_the_torch_forward(rows):
+    """Biases in the products' epilogues, YaRN's attention factor in rope_cache, the router bias in the router's
+    fold, the clamped experts handed to the hooks, sinks and a window shorter than the prefill: the fused glue
+    computes what the torch forward does, to fp32 rounding (in fp32 one rounding of a norm is the same as two)."""
+    config = _gpt_oss_like()
+    assert decode_fused.ineligible(config) == ""
+    weights = random_weights(config, 5, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(6)
+    for name in [name for name in weights if name.endswith("norm")]:  # off one, so the norms' weights matter
+        weights[name] = 1 + 0.3 * torch.randn(weights[name].shape, generator=generator)
+    engine = Engine(config, torch.device("cpu"), 5, weights=weights)
+    decode_fused.pack_qkv(config, engine.weights)
+    assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None
+    prompt = torch.randint(0, config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(7))
+    tokens, start = torch.tensor([[3], [200], [77]])[:rows], torch.full((rows,), 12)
+    logits, caches, records = [], [], []
+    for fused in (True, False):
+        cache = KVCache.allocate(config, 3, 24, engine.device, engine.dtype)
+        dispatcher = Dispatcher(engine, flags.resolve(), timed=False)
+        forward(config, engine.weights, prompt, 0, cache, dispatcher)
+        dispatcher.moe_records.clear()
+        if fused:
+            logits.append(decode_fused.forward_decode(config, engine.weights, tokens, start, 24, None, cache,
+                                                      dispatcher))
+        else:
+            logits.append(forward(config, engine.weights, tokens, StepLayout(start, 24), cache, dispatcher))
+        caches.append(cache)
+        records.append(list(dispatcher.moe_records))
+    _close(logits[0], logits[1], torch.float32)
+    for layer in range(config.n_layers):
+        _close(caches[0].k[layer], caches[1].k[layer], torch.float32)
+        _close(caches[0].v[layer], caches[1].v[layer], torch.float32)
+    # both steps handed the clamped experts to the hooks: their records say which arm computed them
+    assert all("gpt-oss experts" in record["execution_note"] or record["executed_arm"] == "reference"
+               for record in records[0]) and len(records[0]) == config.n_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("out_float", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 9])  # 9: kernels.gemv's tensor-core tile, the fused GEMVs' widest
+def test_gemv_bias_is_added_to_the_rounded_product_as_torch_adds_it(dtype, out_float, rows):
+    """kernels.gemv's and the fused GEMVs' bias epilogue: the product rounded to the output dtype, then + bias in
+    fp32, rounded again (what `x @ w.t() + b` gives); float32 logits take the plain fp32 sum."""
+    from kernels.gemv_fused import MAX_ROWS, Norm, gemv_fused
+
+    x, w = _draw(rows, 70, dtype=dtype, seed=31), _draw(37, 70, dtype=dtype, seed=32)
+    bias = _draw(37, dtype=dtype, seed=33)
+    out_dtype = torch.float32 if out_float else None
+    product = x.float() @ w.float().t()
+    expected = product + bias.float() if out_float else (product.to(dtype).float() + bias.float()).to(dtype)
+    with scratch.poison_new_buffers():
+        plain = gemv(x, w, out_dtype, bias=bias)
+    _close(plain, expected, dtype)
+    x, expected = x[:MAX_ROWS], expected[:MAX_ROWS]
+    with scratch.poison_new_buffers():
+        folded = gemv_fused(x, w, out_dtype, bias=bias).out
+    _close(folded, expected, dtype)
+    weight = (1 + 0.1 * _draw(70, seed=34)).to(dtype)
+    with scratch.poison_new_buffers():
+        normed = gemv_fused(x, w, out_dtype, norm=Norm(weight, 1e-5, exact=True), bias=bias).out
+    product = rms_norm(x, weight, 1e-5).float() @ w.float().t()
+    _close(normed, product + bias.float() if out_float else (product.to(dtype).float() + bias.float()).to(dtype),
+           dtype)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv(x, w, bias=bias[:5])
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv_fused(x, w, bias=bias[:5])
+
+
+def test_norms_rounded_once_round_where_gpt_oss_rounds():
+    """ROUND_ONCE (kernels.rms_norm, the fused GEMVs' exact norm and written h): h = (x * r * weight) rounded once.
+    In fp16 it sits on engine.model.rms_norm(rounds_once=True) to the bit for almost every element (r's sum order
+    may move one), and off the twice-rounded norm for many: the check tells the two apart."""
+    from kernels.gemv_fused import Norm, gemv_fused
+
+    x = _draw(3, 200, dtype=torch.float16, seed=41)
+    weight = (1 + 0.5 * _draw(200, seed=42)).to(torch.float16)
+    once, twice = rms_norm(x, weight, 1e-5, rounds_once=True), rms_norm(x, weight, 1e-5)
+    assert (once != twice).float().mean() > 0.1  # the two roundings differ often enough to be told apart
+    residual = torch.zeros_like(x)
+    with scratch.poison_new_buffers():
+        _, h_kernel = fused_rms_norm(x, weight, 1e-5, residual=residual, rounds_once=True)
+        h_fold = gemv_fused(x, _draw(8, 200, dtype=torch.float16, seed=43),
+                            norm=Norm(weight, 1e-5, residual=residual, write_h=True, exact=True,
+                                      rounds_once=True)).h
+    for h in (h_kernel, h_fold):
+        assert (h == once).float().mean() > 0.99
+        assert (h == twice).float().mean() < 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_cache_scales_cos_and_sin_by_yarns_attention_factor(dtype):
+    batch, heads, kv_heads, head_dim = 2, 4, 2, 32
+    qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=44)
+    positions = torch.tensor([3, 40])
+    half = head_dim // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+    k_cache = torch.zeros(batch, 48, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    with scratch.poison_new_buffers():
+        q, _ = rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, scale=1.3466)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = (angles.cos() * 1.3466)[:, None, :], (angles.sin() * 1.3466)[:, None, :]
+    q_in, k_in, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    _close(q, apply_rope(q_in.view(batch, 1, heads, head_dim), cos, sin)[:, 0], dtype)
+    _close(k_cache[torch.arange(batch), positions], apply_rope(k_in.view(batch, 1, kv_heads, head_dim), cos, sin)[:, 0],
+           dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_cache_norms_each_q_and_k_head_first(dtype):
     batch, heads, kv_heads, head_dim = 2, 4, 2, 32
@@ -382,15 +503,15 @@ def test_eligibility():
     assert decode_fused.eligible(tiny, one, force=True)
     assert not decode_fused.eligible(tiny, torch.zeros(2, 3, dtype=torch.long), force=True)  # prefill
     from dataclasses import replace
-    assert not decode_fused.eligible(replace(tiny, attention_bias=True), one, force=True)
+    assert decode_fused.eligible(replace(tiny, attention_bias=True), one, force=True)  # biases in the epilogues
     # softmax over all E, top k, renormalised is top-k-then-softmax: fused; without the renormalisation the fold
     # divides by the sum over every expert (tests/test_decode_fused_mla.py)
     assert decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
     assert decode_fused.eligible(replace(tiny, router="softmax_topk", norm_topk_prob=False), one, force=True)
     assert decode_fused.eligible(replace(tiny, qk_norm="per_head"), one, force=True)  # folded into rope_cache
     assert not decode_fused.eligible(replace(tiny, qk_norm="full"), one, force=True)
-    assert decode_fused.ineligible(replace(tiny, attention_bias=True, router_bias=True)) == \
-        "q/k/v/o biases, a router bias"
+    assert decode_fused.ineligible(replace(tiny, qk_norm="full", clip_qkv=2.0)) == \
+        "a q/k norm over the whole projection, clip_qkv"
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -429,6 +550,34 @@ def test_gpu_fused_decode_matches_torch_forward(model, rows):
         reference = _torch_forward(config, engine.weights, tokens, StepLayout(start, 64), cache_torch, dispatcher)
     _close(fused, reference, torch.bfloat16)
     assert torch.equal(fused.argmax(-1), reference.argmax(-1)) or model == "v4-shape"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_fused_decode_of_a_gpt_oss_architecture_matches_torch_forward(rows):
+    """gpt-oss's features on the device in bf16: the biases in the GEMV epilogues, YaRN in rope_cache, the router
+    bias in its fold, norms rounded once (here the rounding differs from the twice-rounded kernels), the clamped
+    experts on the GEMV arm, sinks and a window shorter than the prefill."""
+    from engine.model import random_weights_on
+
+    config = replace(_gpt_oss_like(), hidden=256, intermediate=128, head_dim=64, max_seq_len=128)
+    device = torch.device("cuda")
+    engine = Engine(config, device, 0, weights=random_weights_on(config, 0, device, torch.bfloat16))
+    assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None
+    assert engine.decode_glue == "fused"
+    caches = [KVCache.allocate(config, rows, 64, device, engine.dtype) for _ in range(2)]
+    prompt = torch.randint(0, config.vocab_size, (rows, 20), generator=torch.Generator().manual_seed(9)).cuda()
+    dispatcher = Dispatcher(engine, flags.resolve(environ={}), timed=False)
+    with torch.inference_mode():
+        for cache in caches:
+            forward(config, engine.weights, prompt, 0, cache, dispatcher)
+        tokens, start = prompt[:, -1:].contiguous(), torch.full((rows,), 20, device="cuda")
+        dispatcher.moe_records.clear()
+        fused = decode_fused.forward_decode(config, engine.weights, tokens, start, 64, None, caches[0], dispatcher)
+        assert all(record["executed_arm"] == "gemv" for record in dispatcher.moe_records)
+        reference = _torch_forward(config, engine.weights, tokens, StepLayout(start, 64), caches[1], dispatcher)
+    _close(fused, reference, torch.bfloat16)
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
 
 
 @functools.lru_cache(maxsize=1)
@@ -612,10 +761,11 @@ def test_gemv_fused_route_is_topk_softmax_of_its_logits(dtype, rows, experts, bl
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, k_in, block", [(1, 50, None), (3, 37, (4, 16))])
-def test_gemv_fused_pick_norms_the_next_steps_embedding_rows_as_rms_norm_does(dtype, rows, k_in, block):
+@pytest.mark.parametrize("rounds_once", [False, True])
+def test_gemv_fused_pick_norms_the_next_steps_embedding_rows_as_rms_norm_does(dtype, rows, k_in, block, rounds_once):
     """Pick.next_norm: the program that takes the argmax also gathers each picked token's embedding row and
-    norms it, writing what kernels.rms_norm's gather writes for those tokens, to the bit; the launch is named
-    gemv_pick_norm."""
+    norms it, writing what kernels.rms_norm's gather writes for those tokens, to the bit (gpt-oss's norm rounded
+    once as well); the launch is named gemv_pick_norm."""
     from kernels import launches
     from kernels.gemv_fused import NextNorm, Pick, gemv_fused
 
@@ -626,14 +776,16 @@ def test_gemv_fused_pick_norms_the_next_steps_embedding_rows_as_rms_norm_does(dt
     weight = (1 + _draw(k_in, dtype=dtype, seed=133)).to(dtype)
     tokens = torch.full((rows,), -1, dtype=torch.int64)
     following = NextNorm(table, weight, 1e-5, torch.full((rows, k_in), float("nan"), dtype=dtype),
-                         torch.full((rows, k_in), float("nan"), dtype=dtype))
+                         torch.full((rows, k_in), float("nan"), dtype=dtype), rounds_once=rounds_once)
     before = launches.snapshot()
     result = gemv_fused(x, w, torch.float32, norm=replace(norm, exact=True), pick=Pick(tokens, None, following),
                         block=block)
     assert launches.since(before) == {"gemv_pick_norm": 1}
     assert torch.equal(tokens, torch.argmax(result.out, dim=-1))
-    x_expected, h_expected = fused_rms_norm(None, weight, 1e-5, table=table, index=tokens)
+    x_expected, h_expected = fused_rms_norm(None, weight, 1e-5, table=table, index=tokens, rounds_once=rounds_once)
     assert torch.equal(following.x, x_expected) and torch.equal(following.h, h_expected)
+    if rounds_once and dtype == torch.float16:  # the once-rounded bits, not the twice-rounded ones
+        assert not torch.equal(h_expected, fused_rms_norm(None, weight, 1e-5, table=table, index=tokens)[1])
     assert torch.equal(following.x, table[tokens])
 
 

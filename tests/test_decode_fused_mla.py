@@ -253,7 +253,7 @@ def test_eligibility_of_the_deepseek_features():
     assert decode_fused.ineligible(gated) == "a sigmoid-gated shared expert (Qwen2-MoE)"
     plain = dataclasses.replace(_config(), latent_attention=None, head_dim=32, n_kv_heads=2, shared_experts=None,
                                 dense_layers=(), dense_intermediate=0)
-    assert decode_fused.ineligible(plain) == "YaRN RoPE outside latent attention"
+    assert decode_fused.ineligible(plain) == ""  # YaRN outside latent attention: its factor in rope_cache
 
 
 def _engine(config: ModelConfig, packed: bool) -> Engine:

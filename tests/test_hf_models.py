@@ -11,7 +11,6 @@ built once per module.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import shutil
@@ -28,13 +27,6 @@ from engine.hf_loader import FP4_E2M1_VALUES, dequantize_mxfp4, load_checkpoint 
 from engine.model import KVCache, StepLayout, forward  # noqa: E402
 from engine.runtime import PREFILL, Dispatcher, Engine  # noqa: E402
 from inspector import cli  # noqa: E402
-
-# gpt-oss experts (biases, clamped SwiGLU) run only on the reference arm: the dispatcher takes them as
-# `experts=` (engine.model.FamilyExperts). Where Dispatcher.moe does not accept it, the gpt-oss engine tests
-# are skipped, not failed.
-GPT_OSS_EXPERTS = pytest.mark.skipif(
-    "experts" not in inspect.signature(Dispatcher.moe).parameters,
-    reason="engine.runtime.Dispatcher.moe has no `experts` argument yet (gpt-oss experts need its reference fallback)")
 
 # float32 against float32 on the same CPU: only summation order differs (~1e-6); 1e-4 is the bar the
 # issue sets, two orders above that noise and far below any mapping or math mistake (>1e-2).
@@ -134,10 +126,6 @@ def built(tmp_path_factory):
     return out
 
 
-def _families(*names: str) -> list:
-    return [pytest.param(name, marks=GPT_OSS_EXPERTS) if name == "gpt-oss" else name for name in names]
-
-
 def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
 
@@ -166,7 +154,7 @@ def references(built):
     return out
 
 
-@pytest.mark.parametrize("family", _families(*FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_tokens_match_transformers(family, built, references):
     engine = built[family][3]
     worst = 0.0
@@ -180,7 +168,7 @@ def test_logits_and_greedy_tokens_match_transformers(family, built, references):
     print(f"{family}: max relative error {worst:.2e} over {len(PROMPTS)} prompts x {NEW_TOKENS} steps")
 
 
-@pytest.mark.parametrize("family", _families(*FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_ragged_batch_logits_match_transformers(family, built, references):
     """The batched (ragged) forward: the prompts of different lengths in one prefill, padded and
     indexed, then decode steps with a per-row start, against the same transformers logits."""
@@ -208,7 +196,7 @@ def test_ragged_batch_logits_match_transformers(family, built, references):
     print(f"{family}: ragged batch max relative error {worst:.2e} over the prefill and 3 decode steps")
 
 
-@pytest.mark.parametrize("family", _families("gpt-oss", "qwen3-moe"))
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe"])
 def test_continuous_batching_gives_transformers_tokens(family, built, references):
     engine = built[family][3]
     rows = references[family]
@@ -227,7 +215,6 @@ def test_loaded_configs_carry_each_familys_features(built):
     assert "sinks" not in " ".join(built["olmoe"][3].weights)
 
 
-@GPT_OSS_EXPERTS
 def test_gpt_oss_moe_records_say_the_reference_arm_computes_its_experts(built):
     engine = built["gpt-oss"][3]
     result = engine.generate("hello experts", 2, flags.resolve(["moe_gate=grouped"], environ={}), timed=False)
