@@ -34,7 +34,7 @@ class StepEvent:
     run_id: int
     side: str
     record: dict  # the engine's step record: step, phase, n_tokens, moe [...], attention [...], token
-    token: int
+    token: int | None  # None: a prefill chunk of a prompt longer than prefill_chunk, which emits no token
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,12 @@ class EngineQueue:
                 return messages
             if isinstance(event, StepEvent):
                 last = messages[-1] if messages else None
+                emitted = [] if event.token is None else [event.token]  # a step's record always, its token if any
                 if isinstance(last, StepsArrived) and (last.run_id, last.side) == (event.run_id, event.side):
                     last.steps.append(event.record)
-                    last.tokens.append(event.token)
+                    last.tokens.extend(emitted)
                 else:
-                    messages.append(StepsArrived(event.run_id, event.side, [event.record], [event.token]))
+                    messages.append(StepsArrived(event.run_id, event.side, [event.record], emitted))
             elif isinstance(event, SideDoneEvent):
                 messages.append(SideFinished(event.run_id, event.side, event.generation, event.wall_s))
             elif isinstance(event, RunDoneEvent):

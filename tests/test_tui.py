@@ -133,6 +133,22 @@ async def test_run_fills_both_panes_and_the_log(engine):
 
 
 @synchronously
+async def test_a_prompt_longer_than_a_prefill_chunk_runs_and_shows_only_generated_tokens(engine):
+    """A prompt of several prefill chunks: the chunks before the last emit no token (the engine's on_step gives
+    None); the panes show the generated tokens only, and every chunk's step still reaches the log."""
+    app = RecordingApp(engine, flag_registry.resolve(["prefill_chunk=16"], environ={}), timed=False)
+    async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
+        main = await run_prompt(pilot, app, LONGER_THAN_TINY_WINDOW, max_tokens=4)  # 43 bytes: 3 chunks of 16
+        run = main.current_run
+        assert not of_type(app, events.RunFailed)
+        assert len(run.tokens[events.A]) == len(run.tokens[events.B]) == 4
+        assert all(isinstance(token, int) for token in run.tokens[events.A] + run.tokens[events.B])
+        assert main.query_one("#pane-a", OutputPane).tokens == run.tokens[events.A]
+        assert [step["phase"] for step in run.steps[events.A]][:3] == ["prefill"] * 3
+        assert len(run.steps[events.A]) == 3 + 3  # three chunks (the last emits the first token), three decodes
+
+
+@synchronously
 async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
     app = make_app(engine)
     async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
