@@ -101,6 +101,13 @@ def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, 
     return ByteTokenizer(), f" (prompts as byte tokens: {reason})"
 
 
+def _text_refusal(directory: Path, note: str) -> str:
+    """Why a checkpoint's own weights take no text prompt: `note` (_directory_tokenizer's) says what its tokenizer
+    lacks; text through byte tokens would not be the model's text."""
+    return (f"{directory}{note.removeprefix(' (prompts as byte tokens').rstrip(')')}: a text prompt needs the "
+            f"checkpoint's tokenizer.json (and the tokenizers package); token-id workloads (bench) run without it")
+
+
 @contextlib.contextmanager
 def _kernel_profile(enabled: bool):
     """torch.profiler over the steps (CUDA activity only: the device kernels) when `enabled`, else nothing."""
@@ -231,13 +238,16 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = "demo", device: str = "auto", seed: int = 0, weights: str = "auto",
-             base: str | Path | None = None) -> "Engine":
-        engine = cls._load(model, device, seed, weights, base)
+             base: str | Path | None = None, text: bool = False) -> "Engine":
+        """`text`: the caller will encode a text prompt, so a checkpoint whose tokenizer cannot is refused before
+        a weight is read (else the prompt is refused when it comes, `encode_prompt`)."""
+        engine = cls._load(model, device, seed, weights, base, text)
         engine.model_spec = model
         return engine
 
     @classmethod
-    def _load(cls, model: str, device: str, seed: int, weights: str, base: str | Path | None) -> "Engine":
+    def _load(cls, model: str, device: str, seed: int, weights: str, base: str | Path | None,
+              text: bool = False) -> "Engine":
         """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader; a relative path
         taken from `base` when given, e.g. a session file's directory). A preset name wins over a directory
         of the same name (write ./NAME for the directory).
@@ -248,7 +258,8 @@ class Engine:
         if weights not in ("auto", "random"):
             raise UserError(f"--weights {weights!r}: use auto (a shipped checkpoint where there is one) or random")
         if model not in PRESETS and resolve_model_path(model, base).is_dir():
-            return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model)
+            return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model,
+                                       text)
         if model not in PRESETS and base is not None and (os.sep in model or "/" in model):
             raise UserError(f"model {model}: {resolve_model_path(model, base)} is not a directory (a relative path "
                             f"is taken from the session file's directory); give a preset ({', '.join(PRESETS)}) "
@@ -284,7 +295,7 @@ class Engine:
 
     @classmethod
     def _load_directory(cls, directory: Path, device: torch.device, seed: int, weights: str,
-                        shown: str | None = None) -> "Engine":
+                        shown: str | None = None, text: bool = False) -> "Engine":
         """A Hugging Face-format checkpoint directory: its safetensors files (engine.hf_loader), or with
         weights="random" random weights of the family and shape its config.json gives, drawn on `device`.
         The model must fit the device's free memory, checked before a byte is read or drawn. `shown`: the path
@@ -297,6 +308,8 @@ class Engine:
         model_source.check_fits(config, device, dtype, str(directory))
         checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
         tokenizer, note = _directory_tokenizer(directory, config)
+        if text and note and weights != "random":  # before a weight is read: a load of minutes for a refusal
+            raise UserError(_text_refusal(directory, note))
         if weights == "random":
             from engine import trellis_checkpoint
 
@@ -315,9 +328,7 @@ class Engine:
             engine = cls(loaded.config, device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
                          weights_source=f"{loaded.family} checkpoint {shown or directory}{note}")
             if note:  # the model's own weights: text through byte tokens would not be its text
-                engine.text_refusal = (f"{directory}{note.removeprefix(' (prompts as byte tokens').rstrip(')')}: "
-                                       f"a text prompt needs the checkpoint's tokenizer.json (and the tokenizers "
-                                       f"package); token-id workloads (bench) run without it")
+                engine.text_refusal = _text_refusal(directory, note)
         engine.checkpoint = checkpoint
         return engine
 

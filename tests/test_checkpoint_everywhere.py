@@ -93,6 +93,19 @@ def test_a_checkpoint_without_its_tokenizer_benches_but_refuses_text(checkpoint,
     assert code == 0 and "prompts as byte tokens: no tokenizer.json" in json.loads(text)["footer"]["weights"]
 
 
+def test_a_text_prompt_is_refused_before_a_weight_is_read(checkpoint, tmp_path, capsys):
+    """generate and compare know they will encode text: without a tokenizer the refusal comes before the load (here
+    the weights are garbage, so a refusal after loading them would name the file instead)."""
+    directory = tmp_path / "untokenized"
+    shutil.copytree(checkpoint, directory)
+    (directory / "tokenizer.json").unlink()
+    for weights in directory.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    for command in (["generate", "--prompt", "hello"], ["compare", "--prompt", "hello"]):
+        code, _, err = _run([*command, "--model", directory, "--device", "cpu"], capsys)
+        assert code == 2 and "a text prompt needs the checkpoint's tokenizer.json" in err, err
+
+
 def test_a_model_larger_than_free_memory_is_refused_before_loading(config_only, monkeypatch):
     from engine import model_source
     from engine.errors import UserError

@@ -50,7 +50,7 @@ def run(args) -> int:
     flags_a = base.with_overrides(flag_registry.parse_assignments(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(flag_registry.parse_assignments(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
-    engine = Engine.load(args.model, args.device, args.seed, args.weights)
+    engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True)
     check_generation_size(engine, prompt, args.max_tokens)
     if fmt == "text":
         show_engagements()

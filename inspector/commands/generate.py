@@ -259,7 +259,7 @@ def run_on(args, group=None) -> int:
     resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     check_trace_path(args)
     engine = Engine.load(args.model, args.device if group is None else ep_device(args.device, group.rank),
-                         args.seed, args.weights)
+                         args.seed, args.weights, text=True)
     if group is not None:
         expert_parallel.shard(engine, group)
     check_generation_size(engine, prompt, args.max_tokens)  # before the progress bar starts
