@@ -282,7 +282,7 @@ def test_loaded_configs_carry_each_familys_features(built):
     from engine.decode_fused import ineligible  # what the fused decode glue does not compute: each says why
 
     assert ineligible(v3) == ineligible(v3_plain) == ineligible(v2_lite) == ineligible(v2_grouped) == ""
-    assert ineligible(qwen) == "q/k/v biases, a sigmoid-gated shared expert (Qwen2-MoE)"
+    assert ineligible(qwen) == "a sigmoid-gated shared expert (Qwen2-MoE)"
 
 
 def test_records_say_shared_experts_group_routing_and_latent_cache_bytes(built):

@@ -190,8 +190,9 @@ def test_a_damaged_directory_is_refused_naming_file_and_tensor(quantized, tmp_pa
             _rewrite(copy / layer_file(1), lambda t: t["layers.1.w13.trellis_scales"].view(-1)[3].fill_(float("nan")))
 
     copy = _damaged(quantized, tmp_path, change)
-    code, out, err = _run(["generate", "--model", copy, "--prompt", "hi", "--max-tokens", "1", "--device", "cpu"],
-                          capsys)
+    # bench reads token ids: the source has no tokenizer.json, which generate's text prompt would be refused for first
+    code, out, err = _run(["bench", "--model", copy, "--pp", "4", "--tg", "none", "--batch", "1", "--reps", "1",
+                           "--device", "cpu", "--no-progress"], capsys)
     message = [line for line in err.splitlines() if line.startswith("moe-inspector: error")]
     assert code == 2 and len(message) == 1 and problem in message[0], err
     assert "Traceback" not in err and out == ""
