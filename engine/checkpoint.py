@@ -93,7 +93,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         if not isinstance(spec, dict):
             raise _corrupt(path, f"tensor {shown} has a malformed header entry ({printable(repr(spec), 60)})")
         dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        if not isinstance(dtype, str):
+        if not isinstance(dtype, str) or not dtype:
             raise _corrupt(path, f"tensor {shown} has no dtype name")
         if not isinstance(shape, list) or len(shape) > _MAX_DIMENSIONS or not all(_is_count(extent) for extent in shape):
             raise _corrupt(path, f"tensor {shown} has a shape that is not a list of at most {_MAX_DIMENSIONS} "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import example, given, strategies as st  # noqa: E402
 
 from engine import calibration  # noqa: E402
 from engine.checkpoint import read_header  # noqa: E402
@@ -128,6 +128,7 @@ HEADER_ENTRIES = st.dictionaries(
 
 
 @given(header=HEADER_ENTRIES | VALUES, data=st.binary(max_size=64), claimed=st.none() | st.integers(0, 2**64 - 1))
+@example(header={"": {"dtype": "", "data_offsets": [0, 0], "shape": []}}, data=b"", claimed=None)  # an empty dtype
 def test_the_safetensors_header_reader_never_trusts_a_number(header, data, claimed, tmp_path_factory):
     raw = json.dumps(header).encode()
     length = len(raw) if claimed is None else claimed
