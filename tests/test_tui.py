@@ -279,6 +279,7 @@ async def test_edit_b_applies_and_refuses(engine):
         main = app.main_screen
         assert app.screen is main and main.b_overrides == {"flash_512": False, "fused_mask": "decline"}
         assert "fused_mask=decline" in str(main.query_one("#b-row").render())
+        assert "fused_mask=decline" in main.query_one("#pane-b", OutputPane).border_title  # at once, not next run
         assert app.actions[-1] == {"action": "config", "name": "B",
                                    "overrides": {"flash_512": False, "fused_mask": "decline"}}
 

@@ -45,8 +45,9 @@ class EditBScreen(ModalScreen[dict | None]):
             yield Input(assignments_text(self.overrides), placeholder="FLAG=VALUE, FLAG=VALUE", id="b-overrides")
             yield Static("", id="b-refusal")
             table = Text()
+            width = max(len(name) for name in SPECS) + 2  # the longest name, then two spaces before its values
             for name, spec in SPECS.items():
-                table.append(f"{name:<16}", style="bold")
+                table.append(f"{name:<{width}}", style="bold")
                 table.append(f"{spec.allowed}  (default {format_value(name, spec.default)})\n")
             yield Static(table, classes="dialog-flags")
         yield Footer(compact=True)

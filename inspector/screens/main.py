@@ -367,6 +367,7 @@ class MainScreen(Screen):
             return
         self.b_overrides = dict(overrides)
         self.query_one(ConfigBRow).set_overrides(self.b_overrides)
+        self.query_one("#pane-b", OutputPane).retitle(describe_overrides(self.b_overrides))
         self.app.record_action({"action": "config", "name": B, "overrides": dict(self.b_overrides)})
         self.post_message(events.ConfigBChanged(dict(self.b_overrides)))
 

@@ -84,6 +84,13 @@ class OutputPane(VerticalScroll):
         self.border_subtitle = ""
         self._refresh_text()
 
+    def retitle(self, title: str) -> None:
+        """The side's configuration changed between runs: the title names the new one at once, and tokens still
+        shown (the last run's, made by the one before) say so."""
+        self.border_title = f"{self.label}: {title}"
+        if self.tokens:
+            self.border_subtitle = "the last run's tokens, before this configuration"
+
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
         self._refresh_text()

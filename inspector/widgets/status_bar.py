@@ -1,5 +1,5 @@
-"""The top line: what runs now, which device (and whether it runs reference arms), the session
-being recorded, and the model."""
+"""The top line: which device (and whether it runs reference arms) and model, what runs now, the session
+being recorded, and the model's details."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ def device_text(engine: Engine) -> str:
     return f"{engine.device_label} ({engine.device})"
 
 
-def model_text(engine: Engine) -> str:
+def model_details(engine: Engine) -> str:
+    """The model's shape and weights, after its name (which the bar shows earlier)."""
     c = engine.config
-    return (f"{c.name} · {c.n_layers} layers · top-{c.top_k} of {c.n_experts} experts · "
+    return (f"{c.n_layers} layers · top-{c.top_k} of {c.n_experts} experts · "
             f"head_dim {c.head_dim} · context {c.max_seq_len} · {engine.weights_source}")
 
 
@@ -45,14 +46,17 @@ class StatusBar(Static):
         self._render_line()
 
     def _render_line(self) -> None:
-        # What runs comes first: on a narrow terminal the model's details are what gets cut.
+        # Device and model name first, then what runs: on a narrow terminal the long parts (the activity, the
+        # session's path, the model's details) are what gets cut, never which model on which device.
         line = Text()
         line.append(" moe-inspector ", style="bold reverse")
         line.append("  ")
-        line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
-        line.append("  │  ")
         line.append(device_text(self.engine), style="bold")
+        line.append("  │  ")
+        line.append(self.engine.config.name, style="bold")
+        line.append("  │  ")
+        line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
         if self.session:
             line.append(f"  │  session {self.session}")
-        line.append(f"  │  {model_text(self.engine)}")
+        line.append(f"  │  {model_details(self.engine)}")
         self.update(line)
