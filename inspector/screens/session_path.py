@@ -28,6 +28,8 @@ TITLES = {
     "prompt": "Load a prompt from a text file (UTF-8; its text exactly, newlines kept) into the prompt box.",
 }
 VERBS = {"save": "save", "open": "open", "export": "export", "prompt": "load"}
+PLACEHOLDERS = {"save": "path/to/session.toml", "open": "path/to/session.toml", "export": "path/to/rows.csv",
+                "prompt": "path/to/prompt.txt"}
 OVERWRITES = ("save", "export")  # modes that write a file: replacing another one asks for a second Enter
 
 
@@ -45,7 +47,7 @@ class SessionPathScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="session-dialog", classes="dialog"):
             yield Static(TITLES[self.mode], classes="dialog-help")
-            yield Input(self.initial, placeholder="path/to/session.toml", id="session-path")
+            yield Input(self.initial, placeholder=PLACEHOLDERS[self.mode], id="session-path")
             yield Static(f"Enter: {VERBS[self.mode]} · escape: cancel", id="session-refusal")
         yield Footer(compact=True)
 
