@@ -331,26 +331,9 @@ def test_norms_rounded_once_round_where_gpt_oss_rounds():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_cache_scales_cos_and_sin_by_yarns_attention_factor(dtype):
-    batch, heads, kv_heads, head_dim = 2, 4, 2, 32
-    qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=44)
-    positions = torch.tensor([3, 40])
-    half = head_dim // 2
-    inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
-    k_cache = torch.zeros(batch, 48, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    with scratch.poison_new_buffers():
-        q, _ = rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, scale=1.3466)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = (angles.cos() * 1.3466)[:, None, :], (angles.sin() * 1.3466)[:, None, :]
-    q_in, k_in, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    _close(q, apply_rope(q_in.view(batch, 1, heads, head_dim), cos, sin)[:, 0], dtype)
-    _close(k_cache[torch.arange(batch), positions], apply_rope(k_in.view(batch, 1, kv_heads, head_dim), cos, sin)[:, 0],
-           dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_cache_norms_each_q_and_k_head_first(dtype):
+@pytest.mark.parametrize("norms, scale", [(True, 1.0), (False, 1.3466), (True, 1.3466)])
+def test_rope_cache_norms_each_q_and_k_head_first_and_scales_by_yarn(dtype, norms, scale):
+    """Qwen3-MoE's per-head q/k norms before RoPE; gpt-oss's YaRN attention factor on cos and sin (scale)."""
     batch, heads, kv_heads, head_dim = 2, 4, 2, 32
     qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=21)
     positions = torch.tensor([3, 11])
@@ -359,15 +342,17 @@ def test_rope_cache_norms_each_q_and_k_head_first(dtype):
     q_weight, k_weight = (1 + 0.3 * _draw(head_dim, seed=22)).to(dtype), (1 + 0.3 * _draw(head_dim, seed=23)).to(dtype)
     k_cache = torch.zeros(batch, 16, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
+    qk_norm = (q_weight, k_weight, 1e-6) if norms else None
     with scratch.poison_new_buffers():
-        q, _ = rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, (q_weight, k_weight, 1e-6))
+        q, _ = rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, qk_norm, scale=scale)
     angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    cos, sin = (angles.cos() * scale)[:, None, :], (angles.sin() * scale)[:, None, :]
     q_in, k_in, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    q_normed = rms_norm(q_in.view(batch, 1, heads, head_dim), q_weight, 1e-6)
-    k_normed = rms_norm(k_in.view(batch, 1, kv_heads, head_dim), k_weight, 1e-6)
-    _close(q, apply_rope(q_normed, cos, sin)[:, 0], dtype)
-    _close(k_cache[torch.arange(batch), positions], apply_rope(k_normed, cos, sin)[:, 0], dtype)
+    q_in, k_in = q_in.view(batch, 1, heads, head_dim), k_in.view(batch, 1, kv_heads, head_dim)
+    if norms:
+        q_in, k_in = rms_norm(q_in, q_weight, 1e-6), rms_norm(k_in, k_weight, 1e-6)
+    _close(q, apply_rope(q_in, cos, sin)[:, 0], dtype)
+    _close(k_cache[torch.arange(batch), positions], apply_rope(k_in, cos, sin)[:, 0], dtype)
     with pytest.raises(ValueError, match="q/k norm weights must be"):
         rope_cache(qkv, inv_freq, positions, None, k_cache, v_cache, heads, (q_weight[:8], k_weight, 1e-6))
 
