@@ -62,11 +62,11 @@
 #   gfuse    the grouped candidates with the gate-up's two tiles in one dot (m64f, m128f, m256f) beside m64, m128
 #            and m256, then the grouped decode's and the rotations' GPU tests
 #   gptoss   gpt-oss on the fused decode step (biases in the GEMV epilogues, YaRN in rope_cache, the router bias, norms
-#            rounded once): the GPU tests of the glue and the families, then gpt-oss-20b's shape tg128 @ b1 with the
-#            fused glue (profiled) and with the torch forward's (bench/experiments/torch_glue.py), and the Qwen3-30B-A3B
-#            and v4-shape rows, whose kernels build as before (run 84: 1.74x, 1.25x)
-#   gptoss2  bench/family_numerics.py on the GPU (gpt-oss now through the fused step), the GPU tests of the runtime,
-#            DeepSeek's fused step and the engine, and gpt-oss-20b tg128 @ b8 both ways
+#            rounded once): the GPU tests of the glue and the families, gpt-oss-20b's shape tg128 @ b1 with the fused
+#            glue (profiled) and with the torch forward's (bench/experiments/torch_glue.py), and
+#            bench/family_numerics.py on the GPU (gpt-oss now through the fused step)
+#   gptoss2  the GPU tests of the runtime, DeepSeek's fused step and the engine, gpt-oss-20b tg128 @ b8 both ways, and
+#            the Qwen3-30B-A3B and v4-shape rows, whose kernels build as before (run 84: 1.74x, 1.25x)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -92,16 +92,16 @@ want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:
 want gptoss && TAIL=30 stage 100 gptoss_fused python3 -m inspector bench "${GPT_OSS[@]}" --batch 1 --reps 2 --profile
 want gptoss && TAIL=6 stage 90 gptoss_torch python3 bench/experiments/torch_glue.py bench "${GPT_OSS[@]}" --batch 1 \
     --reps 2
-want gptoss && TAIL=6 stage 70 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random --reps 2
-want gptoss && TAIL=6 stage 60 v4_tg128 python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
-    --reps 3 --gpu-weights --no-progress --format md
-want gptoss2 && TAIL=40 stage 200 family_numerics python3 bench/family_numerics.py --device cuda \
+want gptoss && TAIL=40 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \
     --out "$OUT/family_numerics.json"
 want gptoss2 && TAIL=8 stage 240 pytest_glue python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_runtime_gpu.py tests/test_decode_fused_mla.py tests/test_engine_gpu.py tests/test_hf_deepseek.py
 want gptoss2 && TAIL=6 stage 80 gptoss_fused_b8 python3 -m inspector bench "${GPT_OSS[@]}" --batch 8 --reps 2
 want gptoss2 && TAIL=6 stage 80 gptoss_torch_b8 python3 bench/experiments/torch_glue.py bench "${GPT_OSS[@]}" \
     --batch 8 --reps 2
+want gptoss2 && TAIL=6 stage 70 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random --reps 2
+want gptoss2 && TAIL=6 stage 60 v4_tg128 python3 -m inspector bench --model v4-shape --pp 128 --tg 128 --batch 1 \
+    --reps 3 --gpu-weights --no-progress --format md
 want check && TAIL=8 stage 200 pytest_refactored python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_decode_fused.py tests/test_trellis_gemv_unrolled.py tests/test_moe_kernels.py
 want check && TAIL=30 stage 70 qwen3_tg128 "${BENCH[@]}" --model bench/configs/qwen3-30b-a3b --weights random \
