@@ -36,7 +36,6 @@ import json
 import math
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402 - after the sys.path line above, like the engine imports
+
+from engine.provenance import commit_label  # noqa: E402 - MOEI_COMMIT where the tree has no git, as every footer
 
 FAMILY_NAMES = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
 # transformers' config class, model class and the family's own keys (`Shape.family_keys`)
@@ -451,14 +452,6 @@ def measure(family: str, shape: Shape, device: torch.device, seed: int, director
                         implementation, time.perf_counter() - began)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -482,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values' rename, announced for 5.40
-    print(f"# family numerics at {_commit()[:12]}: {shape}, device {device} "
+    print(f"# family numerics at {commit_label()}: {shape}, device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
           f"torch {torch.__version__}, transformers {transformers.__version__}; rule: engine bf16 error <= "
           f"{RATIO_LIMIT:g}x transformers bf16 error (worst step and mean), both against transformers fp32, "
@@ -506,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {'FAIL: ' + ', '.join(failed) if failed else 'PASS: every family'}")
     if args.out is not None:
         args.out.write_text(json.dumps({
-            "commit": _commit(), "shape": asdict(shape), "device": str(device),
+            "commit": commit_label(), "shape": asdict(shape), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "ratio_limit": RATIO_LIMIT,
             "results": [dict(asdict(result), seed=seed) for seed, result in results], "errors": failures,
