@@ -19,13 +19,14 @@ group-limited routers (V2's group_limited_greedy, V3's sigmoid with its correcti
 rms_norm, the router's GEMV and kernels.router.group_topk, unfolded. gpt-oss's layers add biases (each added
 in its product's epilogue, as torch adds it to the rounded product), YaRN's attention factor on RoPE's cos and
 sin (rope_cache), a router bias in the router's fold, norms rounded once (`Norm.rounds_once`) and its clamped,
-biased experts (engine.family_experts, handed to the hooks' `moe`).
+biased experts (engine.family_experts, handed to the hooks' `moe`). Qwen2-MoE's q/k/v biases take the same epilogue,
+and its sigmoid-gated shared expert scales the shared MLP's output after it (SharedExpertsDecode's `gate`).
 
 Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
 interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
-it lacks: a full-projection q/k norm and clipping (OLMoE), a sigmoid-gated shared expert (Qwen2-MoE); per-head
-q/k norms fold into rope_cache); the other families keep the torch forward. The launch table per step, and why each fold is where it is:
+it lacks: a full-projection q/k norm and clipping (OLMoE); per-head q/k norms fold into rope_cache); OLMoE keeps
+the torch forward. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
 
@@ -95,12 +96,11 @@ def ineligible(config: ModelConfig) -> str:
     computes it): each feature the fused step does not have. Per-head q/k norms (Qwen3-MoE) are folded into
     rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function, and without the
     renormalisation the router's fold divides by the sum over every expert; gpt-oss's biases, YaRN, router bias,
-    once-rounded norms and clamped experts are computed (the module's docstring)."""
-    shared = config.shared_experts
+    once-rounded norms and clamped experts, and Qwen2-MoE's sigmoid-gated shared expert, are computed (the module's
+    docstring)."""
     missing = [feature for feature, present in (
         ("a q/k norm over the whole projection", config.qk_norm == "full"),
         ("clip_qkv", config.clip_qkv is not None),
-        ("a sigmoid-gated shared expert (Qwen2-MoE)", shared is not None and shared.gated),
     ) if present]
     return ", ".join(missing)
 
@@ -319,7 +319,7 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                                    woken=True, over_all=over_all, scale=c.routed_scaling_factor)
             if c.shared_experts is not None:
                 shared = decode_fused_mla.SharedExpertsDecode(weights[p + "shared_gate_up"], weights[p + "shared_down"],
-                                                              gemv_rows)
+                                                              gemv_rows, weights.get(p + "shared_gate"))
                 expert_out = hooks.moe(layer, h, weights[p + "w13"], weights[p + "w2"], ids, routing, woken=woken,
                                        shared=shared)  # [B, D]
             else:  # gpt-oss's clamped, biased experts go to the hooks as `experts` (engine.family_experts)

@@ -93,15 +93,19 @@ def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gemv_rows
 
 
 class SharedExpertsDecode:
-    """A layer's (ungated) shared experts as the fused step computes them: the hooks' `moe` adds shared(h) to the
-    routed arm's output, as for engine.model.SharedMLP, or (shared_fold=on, the GEMV arm, one row) passes
-    `gate_up` [2Fs, D] and `down` [D, Fs] into the routed launches (kernels.moe_gemv's `shared`), never calling it."""
+    """A layer's shared experts as the fused step computes them: the hooks' `moe` adds shared(h) to the routed
+    arm's output, as for engine.model.SharedMLP, or (shared_fold=on, the GEMV arm, one row, ungated) passes
+    `gate_up` [2Fs, D] and `down` [D, Fs] into the routed launches (kernels.moe_gemv's `shared`), never calling it.
+    `gate` [1, D] (Qwen2-MoE): the MLP's output times sigmoid(h . gate), in torch as SharedMLP computes it; the
+    dispatcher keeps a gated one apart (its `gate` attribute)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemv_rows: bool) -> None:
-        self.gate_up, self.down, self.gemv_rows = gate_up, down, gemv_rows
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gemv_rows: bool,
+                 gate: torch.Tensor | None = None) -> None:
+        self.gate_up, self.down, self.gemv_rows, self.gate = gate_up, down, gemv_rows, gate
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
-        return swiglu(h, self.gate_up, self.down, self.gemv_rows and h.shape[0] == 1)
+        out = swiglu(h, self.gate_up, self.down, self.gemv_rows and h.shape[0] == 1)
+        return out if self.gate is None else torch.sigmoid(h @ self.gate.t()) * out
 
 
 def attention(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, project, batch: int, dense,

@@ -250,7 +250,7 @@ def test_eligibility_of_the_deepseek_features():
     assert decode_fused.ineligible(V2_RANKED) == ""
     assert decode_fused.ineligible(V3) == "" and decode_fused.ineligible(V2_GROUPED) == ""
     gated = _config(shared_experts=SharedExperts(1, 32, gated=True))
-    assert decode_fused.ineligible(gated) == "a sigmoid-gated shared expert (Qwen2-MoE)"
+    assert decode_fused.ineligible(gated) == ""  # the gate's sigmoid scale after the shared MLP, as SharedMLP
     plain = dataclasses.replace(_config(), latent_attention=None, head_dim=32, n_kv_heads=2, shared_experts=None,
                                 dense_layers=(), dense_intermediate=0)
     assert decode_fused.ineligible(plain) == ""  # YaRN outside latent attention: its factor in rope_cache
