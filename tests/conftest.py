@@ -65,6 +65,19 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @pytest.fixture
+def fused_decode_steps(monkeypatch) -> list:
+    """Every decode step through engine.decode_fused on the CPU too (as on a GPU: its kernels under the interpreter,
+    the arms the CPU's): eligibility forced, and each call of forward_decode counted in the returned list."""
+    from engine import decode_fused
+
+    eligible, forward_decode, steps = decode_fused.eligible, decode_fused.forward_decode, []
+    monkeypatch.setattr(decode_fused, "eligible", lambda config, tokens, force=False: eligible(config, tokens, True))
+    monkeypatch.setattr(decode_fused, "forward_decode", lambda *args, **kwargs: steps.append(1)
+                        or forward_decode(*args, **kwargs))
+    return steps
+
+
+@pytest.fixture
 def pinned_environment(monkeypatch, tmp_path):
     """`moe_gate=measured` reads a calibration file and every flag reads MOEI_*: a test module that runs the
     engine's entry points pins both (`pytestmark = pytest.mark.usefixtures("pinned_environment")`), so its runs

@@ -249,19 +249,11 @@ def test_every_kernel_arm_end_to_end_under_the_interpreter(built, references, mo
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-plain", "deepseek-v2-lite", "deepseek-v2-grouped",
                                     "qwen2-moe"])
-def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, monkeypatch):
+def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, fused_decode_steps):
     """Every decode step through engine.decode_fused (as on a GPU; here its kernels under the interpreter, the
     arms the CPU's): transformers' greedy tokens and logits to 1e-4, one prompt per family."""
-    from engine import decode_fused
-
-    eligible = decode_fused.eligible
-    monkeypatch.setattr(decode_fused, "eligible", lambda config, tokens, force=False: eligible(config, tokens, True))
-    steps = []
-    forward_decode = decode_fused.forward_decode
-    monkeypatch.setattr(decode_fused, "forward_decode", lambda *args, **kwargs: steps.append(1)
-                        or forward_decode(*args, **kwargs))
     _check_generation(built[family][3], references[family][:1], family)
-    assert len(steps) == NEW_TOKENS - 1  # every step after the prefill
+    assert len(fused_decode_steps) == NEW_TOKENS - 1  # every step after the prefill
 
 
 def test_loaded_configs_carry_each_familys_features(built):

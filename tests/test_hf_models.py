@@ -197,24 +197,16 @@ def test_ragged_batch_logits_match_transformers(family, built, references):
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe", "mixtral"])
-def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, monkeypatch):
+def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, fused_decode_steps):
     """Every decode step through engine.decode_fused (as on a GPU; here its kernels under the interpreter, the
     arms the CPU's): transformers' greedy tokens and logits to 1e-4, one prompt per family. gpt-oss: its biases,
     YaRN, router bias, once-rounded norms and clamped experts in the fused glue."""
-    from engine import decode_fused
-
-    eligible = decode_fused.eligible
-    monkeypatch.setattr(decode_fused, "eligible", lambda config, tokens, force=False: eligible(config, tokens, True))
-    steps = []
-    forward_decode = decode_fused.forward_decode
-    monkeypatch.setattr(decode_fused, "forward_decode", lambda *args, **kwargs: steps.append(1)
-                        or forward_decode(*args, **kwargs))
     prompt_ids, tokens, logits = references[family][0]
     result = built[family][3].generate(prompt_ids, NEW_TOKENS, flags.resolve(environ={}), timed=False)
     assert result.tokens == tokens, f"{family}: greedy tokens differ"
     worst = max(_relative_error(ours, theirs) for ours, theirs in zip(result.logits, logits, strict=True))
     assert worst <= RELATIVE_TOLERANCE, f"{family}: relative error {worst:.2e}"
-    assert len(steps) == NEW_TOKENS - 1  # every step after the prefill
+    assert len(fused_decode_steps) == NEW_TOKENS - 1  # every step after the prefill
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe"])
