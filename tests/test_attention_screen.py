@@ -71,6 +71,7 @@ async def test_f3_on_a_head_dim_no_fused_kernel_takes_says_so_in_one_line_and_ru
         assert shown.startswith("head_dim 96: the fused attention kernel takes head_dim 64, 128, 256, 512, so this "
                                 "model's layers run the unfused reference")
         assert not list(screen.query(Input))  # no sizes of a check that does not apply
+        assert screen.check_action("run_check", ()) is False  # the footer offers no f7 to run it
         assert "interpreter" not in str(screen.query_one("#check-shape").render())
         assert not [action for action in app.actions if action["action"] == "check-attention"]
     assert screen_module.check_kind(engine) is None

@@ -269,8 +269,8 @@ class AttentionCheckScreen(Screen):
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action == "run_check":
-            return None if self.unavailable or self.running else True
+        if action == "run_check":  # hidden where no check applies, dimmed while one runs
+            return False if self.unavailable else None if self.running else True
         return True
 
     def parameters(self) -> dict[str, Any]:
