@@ -189,8 +189,8 @@ class TileFillScreen(Screen):
         if self.observations:
             plt.scatter([n for n, _ in self.observations], [observed for _, observed in self.observations],
                         label="observed (last run)", marker="x", color="green")
-        plt.xlabel("n tokens in the step (log)")
-        plt.ylabel("pairs per woken expert (log)")
+        # one label line naming both axes: plotext draws the y label on the x label's line, over it when narrow
+        plt.xlabel("x: n tokens in the step · y: pairs per woken expert (both log)")
 
     def draw_sweep(self) -> None:
         plot = self.query_one("#sweep-plot", PlotextPlot)
@@ -209,8 +209,7 @@ class TileFillScreen(Screen):
             plt.vline(crossover, "orange")
             plt.text(f"crossover {crossover}", crossover, max(us for _, t in rows for us in t.values()) * 0.9,
                      color="orange")
-        plt.xlabel("n tokens (log)")
-        plt.ylabel("µs per MoE layer")
+        plt.xlabel("x: n tokens (log) · y: µs per MoE layer")
 
     def load(self, path: str) -> None:
         status = self.query_one("#sweep-status", Static)
