@@ -126,6 +126,5 @@ class AbScreen(Screen):
                 if row.get(side.lower()):
                     plt.hline(row[side.lower()]["median"], color)
         self.plotted = (title.split(", B/A")[0], counts)
-        plt.xlabel("round")
-        plt.ylabel(row.get("unit") or "time")
+        plt.xlabel(f"x: round · y: {row.get('unit') or 'time'}")  # one line: plotext's y label covers the x one
         self.query_one("#ab-plot", PlotextPlot).refresh()

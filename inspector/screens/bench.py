@@ -488,8 +488,7 @@ class BenchScreen(Screen):
             plt.text("no tg rows yet" if self.running or not self.rows else "no tg rows in this plan", 0.5, 0.5)
             plt.xlim(0, 1)
             plt.ylim(0, 1)
-        plt.xlabel("seconds into the run (bin end)")
-        plt.ylabel("tokens/s")
+        plt.xlabel("x: seconds into the run (bin end) · y: tokens/s")  # one line: plotext's y label covers the x one
         self.query_one("#bench-trajectory", PlotextPlot).refresh()
 
 
