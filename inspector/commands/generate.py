@@ -145,7 +145,7 @@ def counters_line(result: Generation) -> str:
 def print_summary(engine: Engine, result: Generation, max_tokens: int, label: str = "") -> None:
     """The text, how much was generated, the arm table and the counters of one generation."""
     side = f"{label}: " if label else ""
-    done = (f"cancelled after {len(result.tokens)} of {max_tokens} tokens" if result.cancelled
+    done = (f"{len(result.tokens)} of {max_tokens} tokens (cancelled)" if result.cancelled
             else f"{len(result.tokens)} tokens")
     print(f"{side}flags: {changed_flags(result.flags)}")
     print(f"{side}prompt {len(result.prompt_tokens)} tokens, generated {done}")
