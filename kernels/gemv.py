@@ -113,6 +113,14 @@ def _gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def check_bias(name: str, bias: torch.Tensor | None, w: torch.Tensor) -> None:
+    """A product's bias, where given, is [N] of w [N, K] with unit stride on w's device (ValueError naming `name`);
+    kernels.gemv and the fused GEMVs (kernels.gemv_norm.check_fold) take it into parts.bias_epilogue."""
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.stride(0) != 1 or bias.device != w.device):
+        raise ValueError(f"{name}: the bias must be [{w.shape[0]}] with unit stride on {w.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")
+
+
 def block_sizes(n_out: int, k_in: int, element_bytes: int, device: torch.device, rows: int = 1) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 8 output features per program where N gives at least ~4 programs per SM,
     fewer for narrow outputs (16 for a tensor-core tile at >= 16 rows); BLOCK_K fills BYTES_PER_STEP
@@ -145,9 +153,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {x.shape[0]}: use a GEMM for more")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv: x and w need unit stride along K")
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.stride(0) != 1 or bias.device != w.device):
-        raise ValueError(f"gemv: the bias must be [{w.shape[0]}] with unit stride on {w.device}, got "
-                         f"{tuple(bias.shape)} on {bias.device}")
+    check_bias("gemv", bias, w)
     rows, k_in = x.shape
     n_out = w.shape[0]
     out = scratch.empty((rows, n_out), out_dtype or x.dtype, x.device)

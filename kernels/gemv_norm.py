@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels import launches, pdl, scratch
-from kernels.gemv import TENSOR_CORE_ROWS, block_sizes
+from kernels.gemv import TENSOR_CORE_ROWS, block_sizes, check_bias
 from kernels.parts import fold_gemv
 
 MAX_ROWS = TENSOR_CORE_ROWS - 1  # the FMA path of kernels.gemv
@@ -181,9 +181,7 @@ def check_fold(name: str, x: torch.Tensor | None, w: torch.Tensor, norm: Norm | 
             raise ValueError(f"{name}: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         if norm.write_x and residual is None and not gather:
             raise ValueError(f"{name}: write_x needs a residual add or a gather (else x is the input)")
-    if bias is not None and (bias.shape != (n_out,) or bias.stride(0) != 1 or bias.device != w.device):
-        raise ValueError(f"{name}: the bias must be [{n_out}] with unit stride on {w.device}, got "
-                         f"{tuple(bias.shape)} on {bias.device}")
+    check_bias(name, bias, w)
     return Fold(name, x, w, norm, bias, source, rows, k_in, n_out)
 
 
