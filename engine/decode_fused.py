@@ -168,15 +168,14 @@ def dense(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
 
 def _qkv(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, layer_input: "_LayerInput") -> torch.Tensor:
     """[B, (Hq + 2 Hkv) hd]: q, k and v of the layer's input, their biases added where the family has them."""
-    names = ("wq", "wk", "wv")
-    biases = ("bq", "bk", "bv") if config.attention_bias or config.qkv_bias else None
+    bias_names = [p + name for name in ("bq", "bk", "bv")] if config.attention_bias or config.qkv_bias else []
     packed = packed_qkv(weights, p)
-    if packed is not None:
-        bias = None if biases is None else decode_fused_mla.packed_rows(weights, [p + name for name in biases])
-        if biases is None or bias is not None:
-            return layer_input.product(packed, bias)
-    return torch.cat([layer_input.product(weights[p + name], None if biases is None else weights[p + bias_name])
-                      for name, bias_name in zip(names, biases or (None,) * 3)], dim=1)
+    packed_bias = decode_fused_mla.packed_rows(weights, bias_names) if bias_names else None
+    if packed is not None and bool(bias_names) == (packed_bias is not None):  # one GEMV, its biases in its epilogue
+        return layer_input.product(packed, packed_bias)
+    biases = [weights[name] for name in bias_names] or [None] * 3
+    return torch.cat([layer_input.product(weights[p + name], bias)
+                      for name, bias in zip(("wq", "wk", "wv"), biases)], dim=1)
 
 
 def fused_rows(rows: int) -> bool:
