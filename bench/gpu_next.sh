@@ -69,6 +69,9 @@
 #            the Qwen3-30B-A3B and v4-shape rows, whose kernels build as before (run 84: 1.74x, 1.25x)
 #   qwen2    Qwen2-MoE on the fused glue (q/k/v biases, the gated shared expert): its GPU test against transformers'
 #            bf16 error, then Qwen1.5-MoE-A2.7B's shape tg128 @ b1 with the fused glue and with the torch forward's
+#   olmoe    OLMoE on the fused glue (its whole-projection q/k norms and clip_qkv between the q/k/v GEMV and
+#            rope_cache): the family-architecture GPU tests and the families' runtime tests, OLMoE-1B-7B's shape
+#            tg128 @ b1 with the fused glue (profiled) and with the torch forward's, bench/family_numerics.py on the GPU
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -86,7 +89,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -102,6 +105,14 @@ want qwen2 && TAIL=6 stage 150 pytest_qwen2 python3 -m pytest -m gpu -q -p no:ca
     tests/test_hf_deepseek.py -k "qwen2"
 want qwen2 && TAIL=6 stage 90 qwen2_fused python3 -m inspector bench "${QWEN2[@]}"
 want qwen2 && TAIL=6 stage 90 qwen2_torch python3 bench/experiments/torch_glue.py bench "${QWEN2[@]}"
+OLMOE=(--model bench/configs/olmoe-1b-7b --weights random --pp none --tg 128 --batch 1 --reps 2 --no-progress
+       --format md)
+want olmoe && TAIL=8 stage 200 pytest_olmoe python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_decode_fused.py tests/test_families_gpu.py -k "family_architecture or olmoe"
+want olmoe && TAIL=30 stage 90 olmoe_fused python3 -m inspector bench "${OLMOE[@]}" --profile
+want olmoe && TAIL=6 stage 90 olmoe_torch python3 bench/experiments/torch_glue.py bench "${OLMOE[@]}"
+want olmoe && TAIL=40 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \
+    --out "$OUT/family_numerics.json"
 want gptoss2 && TAIL=8 stage 240 pytest_glue python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_runtime_gpu.py tests/test_decode_fused_mla.py tests/test_engine_gpu.py tests/test_hf_deepseek.py
 want gptoss2 && TAIL=6 stage 80 gptoss_fused_b8 python3 -m inspector bench "${GPT_OSS[@]}" --batch 8 --reps 2

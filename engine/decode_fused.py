@@ -24,9 +24,10 @@ and its sigmoid-gated shared expert scales the shared MLP's output after it (Sha
 
 Does not decide which kernel computes attention and the experts (the dispatcher, through `hooks`),
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
-interpreter tests), one token per row, and an architecture the glue computes (`ineligible` lists what
-it lacks: a full-projection q/k norm and clipping (OLMoE); per-head q/k norms fold into rope_cache); OLMoE keeps
-the torch forward. The launch table per step, and why each fold is where it is:
+interpreter tests), one token per row, and a shape the glue computes (`ineligible` says what it lacks: a head_dim
+whose half is not a power of two). Per-head q/k norms (Qwen3-MoE) fold into rope_cache; OLMoE's norms over the
+whole q and k projections and its clip_qkv take kernels.rms_norm and a clamp between the q/k/v GEMV and
+rope_cache. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
 
@@ -93,16 +94,12 @@ def carried_launches(launched: dict[str, int], carried_in: bool, carried_out: bo
 
 def ineligible(config: ModelConfig) -> str:
     """Why a decode step of this architecture keeps engine.model's torch forward ("" when the fused glue
-    computes it): each feature the fused step does not have. Per-head q/k norms (Qwen3-MoE) are folded into
-    rope_cache; softmax-then-top-k renormalised is top-k-then-softmax, the same function, and without the
-    renormalisation the router's fold divides by the sum over every expert; gpt-oss's biases, YaRN, router bias,
-    once-rounded norms and clamped experts, and Qwen2-MoE's sigmoid-gated shared expert, are computed (the module's
-    docstring)."""
-    missing = [feature for feature, present in (
-        ("a q/k norm over the whole projection", config.qk_norm == "full"),
-        ("clip_qkv", config.clip_qkv is not None),
-    ) if present]
-    return ", ".join(missing)
+    computes it): each feature the fused step does not have. Every family's layers are computed (the module's
+    docstring); what remains is a shape: rope_cache rotates whole heads whose half is a power of two."""
+    half = config.head_dim // 2
+    if config.latent_attention is None and half & (half - 1):
+        return f"RoPE at head_dim {config.head_dim} (rope_cache takes head_dim / 2 a power of two)"
+    return ""
 
 
 def eligible(config: ModelConfig, tokens: torch.Tensor, force: bool = False) -> bool:
@@ -176,6 +173,24 @@ def _qkv(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, layer_in
     biases = [weights[name] for name in bias_names] or [None] * 3
     return torch.cat([layer_input.product(weights[p + name], bias)
                       for name, bias in zip(("wq", "wk", "wv"), biases)], dim=1)
+
+
+def _whole_norm_and_clip(config: ModelConfig, weights: dict[str, torch.Tensor], p: str,
+                         qkv: torch.Tensor) -> torch.Tensor:
+    """OLMoE's q and k RMSNorms over the whole projection (kernels.rms_norm on the q and k columns of `qkv`), then
+    clip_qkv on q, k and v, in engine.model's order: [B, (Hq + 2 Hkv) hd] -> the same. Other families: qkv itself.
+    Four launches a layer in place of the torch forward's hundred."""
+    from kernels.gemv_fused import Norm
+
+    c = config
+    if c.qk_norm == "full":
+        q_width, k_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q = _rms_norm(qkv[:, :q_width], Norm(weights[p + "q_norm"], c.norm_eps, rounds_once=c.norm_rounds_once))[1]
+        k = _rms_norm(qkv[:, q_width:q_width + k_width],
+                      Norm(weights[p + "k_norm"], c.norm_eps, rounds_once=c.norm_rounds_once))[1]
+        qkv = torch.cat([q, k, qkv[:, q_width + k_width:]], dim=1)
+        return qkv if c.clip_qkv is None else qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+    return qkv if c.clip_qkv is None else qkv.clamp(-c.clip_qkv, c.clip_qkv)
 
 
 def fused_rows(rows: int) -> bool:
@@ -281,8 +296,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                            inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            q, start32 = rope_cache(_qkv(c, weights, p, layer_input), inv_freq, start, slots, cache.k[layer],
-                                    cache.v[layer], c.n_heads, qk_norm, rope_scale)
+            q, start32 = rope_cache(_whole_norm_and_clip(c, weights, p, _qkv(c, weights, p, layer_input)), inv_freq,
+                                    start, slots, cache.k[layer], cache.v[layer], c.n_heads, qk_norm, rope_scale)
             # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
             k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
             attended = hooks.attention(layer, q.view(batch, 1, c.n_heads, c.head_dim), k_rows, v_rows,

@@ -239,12 +239,24 @@ def _gpt_oss_like():
                    layer_masks=(LayerMask("window", 4), LayerMask("causal")))
 
 
+def _olmoe_like():
+    """tiny with OLMoE's architecture: RMSNorms over the whole q and k projections, q, k and v clipped (at 0.8 many
+    of them are), softmax over every expert then top-k without renormalisation."""
+    return replace(PRESETS["tiny"], name="olmoe-like", qk_norm="full", clip_qkv=0.8, router="softmax_topk",
+                   norm_topk_prob=False)
+
+
+FAMILY_LIKE = {"gpt-oss": _gpt_oss_like, "olmoe": _olmoe_like}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_LIKE))
 @pytest.mark.parametrize("rows", [1, 3])
-def test_fused_decode_step_of_a_gpt_oss_architecture_matches_the_torch_forward(rows):
-    """Biases in the products' epilogues, YaRN's attention factor in rope_cache, the router bias in the router's
-    fold, the clamped experts handed to the hooks, sinks and a window shorter than the prefill: the fused glue
-    computes what the torch forward does, to fp32 rounding (in fp32 one rounding of a norm is the same as two)."""
-    config = _gpt_oss_like()
+def test_fused_decode_step_of_a_family_architecture_matches_the_torch_forward(rows, family):
+    """gpt-oss: biases in the products' epilogues, YaRN's attention factor in rope_cache, the router bias in the
+    router's fold, the clamped experts handed to the hooks, sinks and a window shorter than the prefill. OLMoE: the
+    whole-projection q/k norms and clip_qkv between the q/k/v GEMV and rope_cache. The fused glue computes what the
+    torch forward does, to fp32 rounding (in fp32 one rounding of a norm is the same as two)."""
+    config = FAMILY_LIKE[family]()
     assert decode_fused.ineligible(config) == ""
     weights = random_weights(config, 5, torch.device("cpu"), torch.float32)
     generator = torch.Generator().manual_seed(6)
@@ -272,6 +284,10 @@ def test_fused_decode_step_of_a_gpt_oss_architecture_matches_the_torch_forward(r
     for layer in range(config.n_layers):
         _close(caches[0].k[layer], caches[1].k[layer], torch.float32)
         _close(caches[0].v[layer], caches[1].v[layer], torch.float32)
+    if family == "olmoe":  # the clip bit: the new token's values sit on the clip, some of them
+        new_values = caches[0].v[0][torch.arange(rows), 12]
+        assert new_values.abs().max() == config.clip_qkv and (new_values.abs() < config.clip_qkv).any()
+        return
     # both steps handed the clamped experts to the hooks: their records say which arm computed them
     assert all("gpt-oss experts" in record["execution_note"] or record["executed_arm"] == "reference"
                for record in records[0]) and len(records[0]) == config.n_layers
@@ -494,9 +510,11 @@ def test_eligibility():
     assert decode_fused.eligible(replace(tiny, router="softmax_topk"), one, force=True)
     assert decode_fused.eligible(replace(tiny, router="softmax_topk", norm_topk_prob=False), one, force=True)
     assert decode_fused.eligible(replace(tiny, qk_norm="per_head"), one, force=True)  # folded into rope_cache
-    assert not decode_fused.eligible(replace(tiny, qk_norm="full"), one, force=True)
-    assert decode_fused.ineligible(replace(tiny, qk_norm="full", clip_qkv=2.0)) == \
-        "a q/k norm over the whole projection, clip_qkv"
+    assert decode_fused.eligible(replace(tiny, qk_norm="full", clip_qkv=2.0), one, force=True)  # OLMoE's, between
+    # rope_cache rotates heads whose half is a power of two: another head_dim keeps the torch forward, and says why
+    odd = replace(tiny, head_dim=24)
+    assert not decode_fused.eligible(odd, one, force=True)
+    assert decode_fused.ineligible(odd) == "RoPE at head_dim 24 (rope_cache takes head_dim / 2 a power of two)"
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -538,14 +556,16 @@ def test_gpu_fused_decode_matches_torch_forward(model, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILY_LIKE))
 @pytest.mark.parametrize("rows", [1, 2])
-def test_gpu_fused_decode_of_a_gpt_oss_architecture_matches_torch_forward(rows):
+def test_gpu_fused_decode_of_a_family_architecture_matches_torch_forward(rows, family):
     """gpt-oss's features on the device in bf16: the biases in the GEMV epilogues, YaRN in rope_cache, the router
     bias in its fold, norms rounded once (here the rounding differs from the twice-rounded kernels), the clamped
-    experts on the GEMV arm, sinks and a window shorter than the prefill."""
+    experts on the GEMV arm, sinks and a window shorter than the prefill; OLMoE's whole-projection q/k norms and
+    clip_qkv."""
     from engine.model import random_weights_on
 
-    config = replace(_gpt_oss_like(), hidden=256, intermediate=128, head_dim=64, max_seq_len=128)
+    config = replace(FAMILY_LIKE[family](), hidden=256, intermediate=128, head_dim=64, max_seq_len=128)
     device = torch.device("cuda")
     engine = Engine(config, device, 0, weights=random_weights_on(config, 0, device, torch.bfloat16))
     assert decode_fused.packed_qkv(engine.weights, "layers.0.") is not None

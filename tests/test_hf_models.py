@@ -196,11 +196,12 @@ def test_ragged_batch_logits_match_transformers(family, built, references):
     print(f"{family}: ragged batch max relative error {worst:.2e} over the prefill and 3 decode steps")
 
 
-@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe", "mixtral", "olmoe"])
 def test_the_fused_decode_step_gives_transformers_tokens(family, built, references, fused_decode_steps):
     """Every decode step through engine.decode_fused (as on a GPU; here its kernels under the interpreter, the
     arms the CPU's): transformers' greedy tokens and logits to 1e-4, one prompt per family. gpt-oss: its biases,
-    YaRN, router bias, once-rounded norms and clamped experts in the fused glue."""
+    YaRN, router bias, once-rounded norms and clamped experts in the fused glue; OLMoE: its whole-projection q/k
+    norms and clip_qkv."""
     prompt_ids, tokens, logits = references[family][0]
     result = built[family][3].generate(prompt_ids, NEW_TOKENS, flags.resolve(environ={}), timed=False)
     assert result.tokens == tokens, f"{family}: greedy tokens differ"
