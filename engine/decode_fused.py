@@ -26,7 +26,7 @@ Does not decide which kernel computes attention and the experts (the dispatcher,
 and knows nothing of flags or scheduling. Eligible (`eligible`): a CUDA device (or `force` for the
 interpreter tests), one token per row, and a shape the glue computes (`ineligible` says what it lacks: a head_dim
 whose half is not a power of two). Per-head q/k norms (Qwen3-MoE) fold into rope_cache; OLMoE's norms over the
-whole q and k projections and its clip_qkv take kernels.rms_norm and a clamp between the q/k/v GEMV and
+whole q and k projections and its clip_qkv take one kernels.qk_norm launch between the q/k/v GEMV and
 rope_cache. The launch table per step, and why each fold is where it is:
 docs/decode-step.md.
 """
@@ -177,20 +177,17 @@ def _qkv(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, layer_in
 
 def _whole_norm_and_clip(config: ModelConfig, weights: dict[str, torch.Tensor], p: str,
                          qkv: torch.Tensor) -> torch.Tensor:
-    """OLMoE's q and k RMSNorms over the whole projection (kernels.rms_norm on the q and k columns of `qkv`), then
-    clip_qkv on q, k and v, in engine.model's order: [B, (Hq + 2 Hkv) hd] -> the same. Other families: qkv itself.
-    Four launches a layer in place of the torch forward's hundred."""
-    from kernels.gemv_fused import Norm
+    """OLMoE's q and k RMSNorms over the whole projection, then clip_qkv on q, k and v, in engine.model's order, in
+    one launch in place (kernels.qk_norm): [B, (Hq + 2 Hkv) hd] -> the same. Other families: qkv untouched."""
+    from kernels.qk_norm import qk_norm_clip
 
     c = config
-    if c.qk_norm == "full":
-        q_width, k_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q = _rms_norm(qkv[:, :q_width], Norm(weights[p + "q_norm"], c.norm_eps, rounds_once=c.norm_rounds_once))[1]
-        k = _rms_norm(qkv[:, q_width:q_width + k_width],
-                      Norm(weights[p + "k_norm"], c.norm_eps, rounds_once=c.norm_rounds_once))[1]
-        qkv = torch.cat([q, k, qkv[:, q_width + k_width:]], dim=1)
-        return qkv if c.clip_qkv is None else qkv.clamp_(-c.clip_qkv, c.clip_qkv)
-    return qkv if c.clip_qkv is None else qkv.clamp(-c.clip_qkv, c.clip_qkv)
+    if c.qk_norm != "full" and c.clip_qkv is None:
+        return qkv
+    full = c.qk_norm == "full"
+    return qk_norm_clip(qkv, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
+                        weights[p + "q_norm"] if full else None, weights[p + "k_norm"] if full else None, c.norm_eps,
+                        c.clip_qkv, rounds_once=c.norm_rounds_once)
 
 
 def fused_rows(rows: int) -> bool:

@@ -92,6 +92,52 @@ def test_rms_norm_residual_and_gather_match_torch(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("widths", [(48, 24, 24), (100, 36, 20), (40, 40, 0)])  # odd parts; no v columns
+@pytest.mark.parametrize("norm, clip", [(True, 0.9), (True, None), (False, 0.7)])
+@pytest.mark.parametrize("rounds_once", [False, True])
+def test_qk_norm_clip_matches_the_torch_forwards_norms_and_clamps(dtype, widths, norm, clip, rounds_once):
+    """kernels.qk_norm: OLMoE's whole-projection q and k norms then clip_qkv, in place, as engine.model's
+    rms_norm and clamp compute them (the clip bounds reached: some values sit on them, some inside)."""
+    from kernels.qk_norm import qk_norm_clip
+
+    q_width, k_width, v_width = widths
+    qkv = 2 * _draw(3, q_width + k_width + v_width, dtype=dtype, seed=41)
+    q_weight, k_weight = ((1 + 0.3 * _draw(width, seed=42 + width)).to(dtype) for width in (q_width, k_width))
+    q, k, v = qkv.split([q_width, k_width, v_width], dim=1)
+    if norm:
+        q, k = rms_norm(q, q_weight, 1e-5, rounds_once), rms_norm(k, k_weight, 1e-5, rounds_once)
+    expected = torch.cat([q, k, v], dim=1)
+    if clip is not None:
+        expected = expected.clamp(-clip, clip)
+        assert (expected.abs() == torch.tensor(clip, dtype=dtype)).any() and (expected.abs() < clip).any()
+    out = qk_norm_clip(qkv, q_width, k_width, q_weight if norm else None, k_weight if norm else None, 1e-5, clip,
+                       rounds_once=rounds_once)
+    assert out is qkv  # in place
+    _close(out, expected, dtype)
+    if clip is not None:
+        assert out.abs().max() <= torch.tensor(clip, dtype=dtype)
+    if not norm:  # a clamp is exact
+        assert torch.equal(out, expected)
+
+
+def test_qk_norm_clip_rejects_bad_inputs():
+    from kernels.qk_norm import qk_norm_clip
+
+    qkv = torch.ones(2, 12)
+    with pytest.raises(ValueError, match="both"):
+        qk_norm_clip(qkv, 4, 4, torch.ones(4), None, 1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        qk_norm_clip(qkv, 8, 8, None, None, 1e-5, 1.0)
+    with pytest.raises(ValueError, match="norm weights"):
+        qk_norm_clip(qkv, 4, 4, torch.ones(5), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        qk_norm_clip(qkv, 4, 4, None, None, 1e-5, 0.0)
+    with pytest.raises(ValueError, match="unit stride"):
+        qk_norm_clip(qkv.t(), 1, 1, None, None, 1e-5, 1.0)
+    assert torch.equal(qk_norm_clip(qkv, 4, 4, None, None, 1e-5), torch.ones(2, 12))  # nothing asked: untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_cache_rotates_q_and_k_and_writes_the_cache(dtype):
     batch, heads, kv_heads, head_dim, capacity = 3, 4, 2, 16, 40
     qkv = _draw(batch, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
