@@ -224,6 +224,10 @@ def _cell(value: Any) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None, right: Iterable[str] = ()) -> str:
+    """A Markdown table of `rows` (columns: the given ones, else the first row's keys; no rows and no columns:
+    the words "(no rows)")."""
+    if not rows and not columns:
+        return "(no rows)"
     columns = columns or list(rows[0])
     right = set(right)
     lines = ["| " + " | ".join(columns) + " |",
@@ -424,9 +428,12 @@ def render_replay(recorded_header: dict, recorded: list[dict], rerun_header: dic
     out = [f"# replay of `{recorded_header.get('session')}`: {verdict}", ""]
     if cancelled:
         out += [f"**Cancelled** (Ctrl-C) after {len(rerun)} of {len(recorded)} steps: only those are compared.", ""]
-    out += ["Tokens, counters and decisions must match; timings are shown, not compared.", "",
-           markdown_table(replay_rows(recorded, rerun),
-                          right=("step", "wall s recorded", "wall s now")), ""]
+    if recorded or rerun:
+        out += ["Tokens, counters and decisions must match; timings are shown, not compared.", "",
+                markdown_table(replay_rows(recorded, rerun),
+                               right=("step", "wall s recorded", "wall s now")), ""]
+    else:
+        out += ["The session has no steps: nothing was recorded and nothing ran again.", ""]
     if differences:
         out += ["## differences", ""] + [f"- {difference}" for difference in differences] + [""]
     held, failed = check_counts(rerun)

@@ -332,6 +332,18 @@ def test_replay_of_a_fresh_run_exits_0(recorded, capsys, tmp_path):
     assert "matches the recording" in out and "DIFFERS" not in out and "wall s recorded" in out
 
 
+def test_a_session_without_steps_runs_reports_and_replays(capsys, tmp_path):
+    session_path = tmp_path / "empty.toml"
+    session_path.write_text('[session]\nversion = 1\nname = "empty"\n[engine]\nmodel = "tiny"\n')
+    code, out, err = run_cli(capsys, "run", session_path, "--device", "cpu")
+    assert code == 0 and "0 steps" in out, err
+    for extra in ([], ["--json"]):
+        code, out, err = run_cli(capsys, "replay", session_path, *extra)
+        assert code == 0 and "Traceback" not in err, err
+    code, out, err = run_cli(capsys, "replay", session_path)
+    assert "matches the recording" in out and "no steps" in out
+
+
 def test_replay_detects_a_tampered_token(recorded, capsys, tmp_path):
     session_path = fresh_copy(recorded, tmp_path)
     results = results_path_for(session_path)

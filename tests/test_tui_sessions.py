@@ -134,6 +134,16 @@ async def test_round_trip_record_in_the_tui_save_run_and_replay_headless(engine,
         assert "mine.toml · 3 steps" in text_of(main_screen.query_one("#status"))
         steps_seen = of_type(app, events.SessionChanged)
         assert steps_seen and steps_seen[-1].steps == 3
+        # the dispatch log's export never writes over the open session or its recording, asked twice or not
+        recording = results_path_for(mine).read_bytes()
+        dialog = await type_path(pilot, app, "ctrl+t", str(results_path_for(mine)))
+        await pilot.press("enter")  # the second Enter that replaces another existing file
+        await pilot.pause()
+        assert app.screen is dialog and "the open session's results file, which this command must not overwrite" \
+            in dialog.refusal, dialog.refusal
+        await pilot.press("escape")
+        await pilot.pause()
+        assert results_path_for(mine).read_bytes() == recording
 
     # What the TUI saw is the recording: a headless replay of it matches, tokens, counters and decisions.
     header, lines = read_results(results_path_for(mine), str(mine))

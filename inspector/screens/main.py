@@ -449,6 +449,7 @@ class MainScreen(Screen):
         """Write the shown rows to `text` (.csv, .json or .jsonl); UserError, shown in place, for another name."""
         from inspector import records
         from inspector.commands.output import format_for_path
+        from inspector.output_paths import check_output_path
         from inspector.session import atomic_write_text
 
         path = text.strip()
@@ -467,9 +468,10 @@ class MainScreen(Screen):
             content = records.to_json(rows, about)
         else:
             content = records.EXPORTS[fmt](rows)
-        target = Path(path).expanduser()
-        if target.is_dir():
-            raise UserError(f"{path} is a directory: name a file inside it")
+        session = getattr(self.app, "session", None)
+        protect = {} if session is None else {"the open session's file": session.path,
+                                              "the open session's results file": session.results_path}
+        target = check_output_path(path, "export", protect=protect)
         try:
             atomic_write_text(target, content)
         except OSError as error:

@@ -68,7 +68,8 @@ class SessionPathScreen(ModalScreen[str | None]):
             if path.is_file() and (self.current is None or path.resolve() != Path(self.current).resolve()):
                 self._confirmed = text
                 line = self.query_one("#session-refusal", Static)
-                line.update(f"{path} exists: Enter again to replace it (and its results), escape to keep it")
+                what = " (and its results)" if self.mode == "save" else ""
+                line.update(f"{path} exists: Enter again to replace it{what}, escape to keep it")
                 line.add_class("-refused")
                 return
         try:
