@@ -297,6 +297,15 @@ async def test_tile_fill_help_and_palette(engine):
         assert any(n == 1 for n, _ in screen.observations)  # decode steps
         assert screen.min_tokens == 64 and screen.boundary == 16  # top-2 of 8 at TILE_M=16; measured -> threshold:16
         assert app.actions[-1]["action"] == "curve"
+        # a refused sweep path shows its whole reason (wrapped), and the log-log plot redraws at every size
+        screen.query_one("#sweep-path").value = "no-such-sweep.json"
+        await pilot.press("enter")
+        await pilot.pause()
+        for size in ((80, 24), (120, 40), SIZE):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+            assert "give the path of a sweep JSON" in str(screen.query_one("#sweep-status").render()).replace("\n", " ")
+            assert "pairs per woken expert" in str(screen.query_one("#fill-plot").render())
         await pilot.press("escape")
         await pilot.press("f1")
         await pilot.pause()

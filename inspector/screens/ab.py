@@ -37,9 +37,9 @@ def load_report(path: str) -> dict:
 
 class AbScreen(Screen):
     DEFAULT_CSS = """
-    #ab-path-row { height: 1; }
+    #ab-path-row { height: auto; max-height: 6; }
     #ab-path { width: 2fr; }
-    #ab-status { width: 1fr; padding-left: 1; }
+    #ab-status { width: 1fr; padding-left: 1; height: auto; }
     #ab-sides { height: auto; max-height: 4; }
     #ab-rows { height: 1fr; max-height: 12; }
     #ab-plot { height: 2fr; min-height: 10; }

@@ -70,9 +70,9 @@ def heatmap(summary: routing_stats.Summary, columns: int) -> Text:
 
 class RoutingScreen(Screen):
     DEFAULT_CSS = """
-    #routing-path-row { height: 1; }
+    #routing-path-row { height: auto; max-height: 6; }
     #routing-path { width: 2fr; }
-    #routing-status { width: 1fr; padding-left: 1; }
+    #routing-status { width: 1fr; padding-left: 1; height: auto; }
     #routing-scope { height: 1; }
     #routing-map { height: auto; max-height: 2fr; overflow-y: auto; }
     #routing-layers { height: 1fr; }

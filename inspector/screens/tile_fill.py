@@ -31,10 +31,17 @@ def curve_tokens(limit: int) -> list[int]:
     return sorted({max(1, round(2 ** (step / 4))) for step in range(0, int(4 * math.log2(limit)) + 1)})
 
 
+def log2(value: float) -> float:
+    """Where a positive value sits on a log axis drawn linear in log2. The plots transform their data themselves:
+    plotext applies its own log scale to the figure's data in place on every rebuild, so a resized plot took the
+    log of a log (a math domain error at the first resize)."""
+    return math.log2(value)
+
+
 def powers_of_two(plt, axis: str, limit: float) -> None:
-    """Ticks at 1, 2, 4, ... on a log axis (plotext's own log ticks land between them)."""
-    ticks = [2 ** power for power in range(0, math.ceil(math.log2(max(limit, 2))) + 1)]
-    (plt.xticks if axis == "x" else plt.yticks)(ticks, [str(tick) for tick in ticks])
+    """Ticks at log2 positions 0, 1, 2, ... labelled 1, 2, 4, ... on an axis drawn in log2 (`log2`)."""
+    powers = list(range(0, math.ceil(math.log2(max(limit, 2))) + 1))
+    (plt.xticks if axis == "x" else plt.yticks)(powers, [str(2 ** power) for power in powers])
 
 
 def policy_boundary(engine: Engine, flags: ResolvedFlags) -> tuple[int | None, str]:
@@ -176,18 +183,18 @@ class TileFillScreen(Screen):
         tokens = curve_tokens(self.limit)
         pairs = [dispatch.pairs_per_woken_expert(n, self.k, self.experts) for n in tokens]
         plt.title(f"pairs per woken expert vs n (top-{self.k} of {self.experts}, uniform routing; log-log)")
-        plt.xscale("log")
-        plt.yscale("log")
         powers_of_two(plt, "x", self.limit)
         powers_of_two(plt, "y", max(pairs))
-        plt.plot(tokens, pairs, label="predicted", marker="braille")
-        plt.hline(self.tile_m, "red")
-        plt.text(f"TILE_M={self.tile_m}: tiles full above", 1.1, self.tile_m * 1.25, color="red", alignment="left")
+        plt.plot([log2(n) for n in tokens], [log2(pair) for pair in pairs], label="predicted", marker="braille")
+        plt.hline(log2(self.tile_m), "red")
+        plt.text(f"TILE_M={self.tile_m}: tiles full above", log2(1.1), log2(self.tile_m * 1.25), color="red",
+                 alignment="left")
         if self.boundary is not None and self.boundary <= self.limit:
-            plt.vline(self.boundary, "orange")
-            plt.text(f"grouped from n={self.boundary}", self.boundary, max(pairs) / 2, color="orange")
-        if self.observations:
-            plt.scatter([n for n, _ in self.observations], [observed for _, observed in self.observations],
+            plt.vline(log2(self.boundary), "orange")
+            plt.text(f"grouped from n={self.boundary}", log2(self.boundary), log2(max(pairs) / 2), color="orange")
+        points = [(n, observed) for n, observed in self.observations if n > 0 and observed > 0]
+        if points:
+            plt.scatter([log2(n) for n, _ in points], [log2(observed) for _, observed in points],
                         label="observed (last run)", marker="x", color="green")
         # one label line naming both axes: plotext draws the y label on the x label's line, over it when narrow
         plt.xlabel("x: n tokens in the step · y: pairs per woken expert (both log)")
@@ -200,14 +207,13 @@ class TileFillScreen(Screen):
         rows, crossover = self.sweep["rows"], self.sweep["crossover"]
         arms = sorted({arm for _, timings in rows for arm in timings})
         plt.title("µs per arm vs n (sweep; log-x)")
-        plt.xscale("log")
         powers_of_two(plt, "x", max(n for n, _ in rows))
         for arm in arms:
-            points = [(n, timings[arm]) for n, timings in rows if arm in timings]
-            plt.plot([n for n, _ in points], [us for _, us in points], label=arm, marker="braille")
+            points = [(n, timings[arm]) for n, timings in rows if arm in timings and n > 0]
+            plt.plot([log2(n) for n, _ in points], [us for _, us in points], label=arm, marker="braille")
         if crossover is not None:
-            plt.vline(crossover, "orange")
-            plt.text(f"crossover {crossover}", crossover, max(us for _, t in rows for us in t.values()) * 0.9,
+            plt.vline(log2(crossover), "orange")
+            plt.text(f"crossover {crossover}", log2(crossover), max(us for _, t in rows for us in t.values()) * 0.9,
                      color="orange")
         plt.xlabel("x: n tokens (log) · y: µs per MoE layer")
 
