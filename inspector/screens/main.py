@@ -83,10 +83,25 @@ def describe_changed(flags: ResolvedFlags) -> str:
 
 
 WIDE = 140  # columns from which the flags panel and the counters table sit beside the rest
+# The footer's keys by width: every screen key the README lists from WIDE columns; under FOOTER_NARROW the
+# follow key (f5) gives its place so that f7, f8 and Quit stay on an 80-column line (help and palette list all).
+FOOTER_WIDE_KEYS = ("f4", "f9", "f10", "ctrl+s", "ctrl+o")
+FOOTER_NARROW = 100
+FOOTER_NARROW_HIDDEN = ("f5",)
+
+
+def _show_keys(node, shown: dict[str, bool]) -> None:
+    """Set `show` of `node`'s bindings of the given keys, in a copy of its map (the class's stays as declared)."""
+    from dataclasses import replace
+
+    node._bindings = node._bindings.copy()
+    for key, show in shown.items():
+        node._bindings.key_to_bindings[key] = [replace(binding, show=show)
+                                               for binding in node._bindings.key_to_bindings.get(key, [])]
 
 
 class MainScreen(Screen):
-    # Short words: at 80 columns the footer still shows every screen key (the palette lists them all too).
+    # Short words: at 80 columns the footer shows the screen keys that fit (show_footer_keys; help and palette list all).
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),
         Binding("f1", "app.help", "Help"),  # here too, so the footer shows it before the screen's keys
@@ -105,6 +120,8 @@ class MainScreen(Screen):
         Binding("ctrl+g", "go_to_step", "Go to step", show=False),
         Binding("ctrl+t", "export_log", "Export log", show=False),
         Binding("ctrl+l", "focus_prompt", "Prompt", show=False),
+        Binding("ctrl+s", "app.save_session", "Save as", show=False),  # the app's, here for the footer
+        Binding("ctrl+o", "app.open_session", "Open", show=False),
     ]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
@@ -150,6 +167,19 @@ class MainScreen(Screen):
         self.query_one(CountersTable).set_compact(narrow)
         if not narrow:
             self.remove_class("-flags-open")
+        self.show_footer_keys(self.size.width)
+
+    def show_footer_keys(self, width: int) -> None:
+        """Show or hide the width-dependent footer keys (FOOTER_WIDE_KEYS, FOOTER_NARROW_HIDDEN; the prompt's
+        new-line key, which its placeholder names, under FOOTER_NARROW)."""
+        shown = {key: width >= WIDE for key in FOOTER_WIDE_KEYS} | {key: width >= FOOTER_NARROW
+                                                                    for key in FOOTER_NARROW_HIDDEN}
+        if getattr(self, "_footer_width_shown", None) == shown:
+            return
+        self._footer_width_shown = shown
+        _show_keys(self, shown)
+        _show_keys(self.query_one("#prompt"), {"ctrl+j": width >= FOOTER_NARROW})
+        self.refresh_bindings()
 
     @property
     def narrow(self) -> bool:
