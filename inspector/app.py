@@ -95,7 +95,7 @@ class InspectorApp(App):
             step = self.session.record(action, outcome)
         except (UserError, OSError) as error:
             self.notify(f"{action.get('action')}: not recorded in the session: {error}", title="session",
-                        severity="error")
+                        severity="error", markup=False)
             return
         if step is not None:
             self._session_changed()

@@ -168,6 +168,13 @@ async def test_open_refuses_a_malformed_session_in_place_and_keeps_the_current_o
         assert app.screen is dialog and app.session is current
         shown = text_of(dialog.query_one("#session-refusal"))
         assert "step 2 (prompt)" in shown and "unknown key 'promt'" in shown  # the parser's own message
+        nameless = tmp_path / "nameless.toml"
+        nameless.write_text('[session]\nversion = 1\n[engine]\nmodel = "tiny"\n')
+        dialog.query_one(Input).value = str(nameless)
+        await pilot.press("enter")
+        await pilot.pause()
+        shown = str(dialog.query_one("#session-refusal").render())
+        assert "[session]: missing key 'name'" in shown, shown  # the table's name is text, not markup
         dialog.query_one(Input).value = str(REPOSITORY / "sessions" / "gate-policies.toml")  # a demo session
         await pilot.press("enter")
         await pilot.pause()

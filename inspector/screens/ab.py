@@ -57,7 +57,7 @@ class AbScreen(Screen):
         with Horizontal(id="ab-path-row"):
             yield Input(self.path or "", placeholder="A/B report JSON (ab --json-out FILE): path, then Enter",
                         compact=True, id="ab-path")
-            yield Static("", id="ab-status")
+            yield Static("", id="ab-status", markup=False)
         yield Static("", id="ab-sides")
         yield DataTable(id="ab-rows", cursor_type="row", zebra_stripes=True)
         yield PlotextPlot(id="ab-plot")

@@ -223,9 +223,9 @@ class BenchScreen(Screen):
                 yield Switch(False, id="bench-profile")
         with Horizontal(id="bench-progress-row"):
             yield ProgressBar(total=1, id="bench-progress", show_eta=False)  # 0 % until a run: no idle animation
-            yield Static("ctrl+r (or Enter in a box) runs the bench", id="bench-status")
+            yield Static("ctrl+r (or Enter in a box) runs the bench", id="bench-status", markup=False)
         with VerticalScroll(id="bench-body"):
-            yield Static("", id="bench-refusal")
+            yield Static("", id="bench-refusal", markup=False)
             yield DataTable(id="bench-rows", cursor_type="row", zebra_stripes=True)
             yield Static("latency, ms: mean ± stddev, p50 / p90 / p99 over every request (ITL: every gap) of the "
                          "timed repetitions", id="bench-latency-title")

@@ -43,7 +43,7 @@ class EditBScreen(ModalScreen[dict | None]):
             yield Static("Configuration B = A's flags with these overrides (empty: B is A). "
                          "Enter applies, escape keeps B as it was, f6 restores the default.", classes="dialog-help")
             yield Input(assignments_text(self.overrides), placeholder="FLAG=VALUE, FLAG=VALUE", id="b-overrides")
-            yield Static("", id="b-refusal")
+            yield Static("", id="b-refusal", markup=False)
             table = Text()
             width = max(len(name) for name in SPECS) + 2  # the longest name, then two spaces before its values
             for name, spec in SPECS.items():

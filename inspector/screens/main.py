@@ -101,7 +101,7 @@ def _show_keys(node, shown: dict[str, bool]) -> None:
 
 
 class MainScreen(Screen):
-    # Short words: at 80 columns the footer shows the screen keys that fit (show_footer_keys; help and palette list all).
+    # Short words: at 80 columns the footer shows the keys that fit (show_footer_keys; help and palette list all).
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),
         Binding("f1", "app.help", "Help"),  # here too, so the footer shows it before the screen's keys
@@ -209,7 +209,7 @@ class MainScreen(Screen):
             self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens)
         except UserError as error:
             status.set_activity(f"not run: {error}", running=False)
-            self.notify(str(error), title="not run", severity="error")
+            self.notify(str(error), title="not run", severity="error", markup=False)
             return False
         if self.history is not None:
             self.history.add(prompt)
@@ -351,7 +351,7 @@ class MainScreen(Screen):
             return
         run.running = False
         self.query_one(StatusBar).set_activity(f"failed: {message.message}", running=False)
-        self.notify(message.message, title="run failed", severity="error")
+        self.notify(message.message, title="run failed", severity="error", markup=False)
         self.refresh_bindings()
 
     def _show_divergence(self, run: Run, index: int | None, final: bool) -> None:
@@ -390,7 +390,7 @@ class MainScreen(Screen):
             self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
 
     def on_flag_refused(self, message: events.FlagRefused) -> None:
-        self.notify(message.message, title=f"{message.name}: refused", severity="warning")
+        self.notify(message.message, title=f"{message.name}: refused", severity="warning", markup=False)
 
     def set_b_overrides(self, overrides: dict[str, Any] | None) -> None:
         if overrides is None or overrides == self.b_overrides:

@@ -99,7 +99,7 @@ class RoutingScreen(Screen):
         with Horizontal(id="routing-path-row"):
             yield Input("", placeholder="routing file (.safetensors): Enter opens it; ctrl+r writes the run's there",
                         compact=True, id="routing-path")
-            yield Static("", id="routing-status")
+            yield Static("", id="routing-status", markup=False)
         yield Static("", id="routing-scope")
         yield Static("", id="routing-map")
         yield DataTable(id="routing-layers", cursor_type="row", zebra_stripes=True)

@@ -48,7 +48,8 @@ class SessionPathScreen(ModalScreen[str | None]):
         with Vertical(id="session-dialog", classes="dialog"):
             yield Static(TITLES[self.mode], classes="dialog-help")
             yield Input(self.initial, placeholder=PLACEHOLDERS[self.mode], id="session-path")
-            yield Static(f"Enter: {VERBS[self.mode]} · escape: cancel", id="session-refusal")
+            yield Static(f"Enter: {VERBS[self.mode]} · escape: cancel", id="session-refusal",
+                         markup=False)  # a message quotes TOML tables: [session] is text
         yield Footer(compact=True)
 
     def on_mount(self) -> None:

@@ -154,7 +154,7 @@ class TileFillScreen(Screen):
         with Horizontal(id="sweep-row"):
             yield Input(self.sweep_path or "", placeholder="sweep JSON (optional): path, then Enter", compact=True,
                         id="sweep-path")
-            yield Static("", id="sweep-status")
+            yield Static("", id="sweep-status", markup=False)
         yield PlotextPlot(id="fill-plot")
         yield PlotextPlot(id="sweep-plot")
         yield Footer(compact=True)
