@@ -839,8 +839,16 @@ ARM_COLUMNS = (("gemv", "gemv"), ("grouped_v0", "grp0"), ("grouped_v1", "grp1"),
                ("torch_grouped_mm", "tgmm"), ("reference", "ref"), ("fused", "fused"), ("unfused", "unfused"))
 
 
+def spread_cell(stats: dict, digits: int = 2) -> str:
+    """'mean ± stddev' of a mean_std or latency_summary; 'mean ± n/a' over one value, which has no spread (the
+    stored std of 0.0 is not a measured one)."""
+    count = stats.get("count", len(stats.get("values", ())) or None)
+    spread = "n/a" if count == 1 else f"{stats['std']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f} ± {spread}"
+
+
 def _rate_cell(stats: dict | None) -> str:
-    return "n/a" if stats is None else f"{stats['mean']:.2f} ± {stats['std']:.2f}"
+    return "n/a" if stats is None else spread_cell(stats)
 
 
 def _row_cells(data: dict) -> list[str]:
@@ -982,7 +990,7 @@ def format_markdown(report: Report) -> str:
 
 
 def latency_cell(stats: dict | None) -> str:
-    return "—" if stats is None else f"{stats['mean']:.2f} ± {stats['std']:.2f}"
+    return "—" if stats is None else spread_cell(stats)
 
 
 def latency_markdown(rows: list[dict]) -> list[str]:

@@ -390,3 +390,13 @@ def test_profile_note_says_when_kernel_times_overlap(monkeypatch):
     assert plain == "steps 8-127 (120 steps) of one extra repetition under torch.profiler (not in the timings)"
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
     assert "overlap and add up to more than the step" in profile_note("steps 8-127 (120 steps)", torch.device("cpu"))
+
+
+def test_one_repetition_has_no_spread_to_show():
+    """A stddev over one value is not a measured 0: the cells say n/a; over several, the sample stddev."""
+    from engine.bench import latency_cell, latency_summary, mean_std, spread_cell
+
+    assert spread_cell(mean_std([3269.771])) == "3269.77 ± n/a"
+    assert spread_cell(mean_std([10.0, 12.0]), 1) == "11.0 ± 1.4"
+    assert latency_cell(latency_summary([4.28])) == "4.28 ± n/a"
+    assert latency_cell(latency_summary([2.0, 2.0])) == "2.00 ± 0.00"  # a measured 0: equal latencies

@@ -122,7 +122,7 @@ def row_cells(row: dict) -> list[str]:
         wall = device = "admitting"
         clocks = ms_token = host = "—"
     else:
-        wall = f"{row['tps_wall']['mean']:.1f} ± {row['tps_wall']['std']:.1f}"
+        wall = bench.spread_cell(row["tps_wall"], 1)
         device = "n/a" if row["tps_device"] is None else f"{row['tps_device']['mean']:.1f}"
         clocks = ("n/a" if row["clock_disagreement"] is None else
                   f"{100 * row['clock_disagreement']:.1f} %" + (" ⚠" if row["clock_flag"] else ""))
@@ -146,7 +146,7 @@ def latency_cells(row: dict) -> list[str]:
     for name, _ in LATENCY_NAMES:
         stats = (row.get("latency") or {}).get(name)
         cells += (["—"] * 4 if stats is None else
-                  [f"{stats['mean']:.1f} ± {stats['std']:.1f}"] + [f"{stats[q]:.1f}" for q in ("p50", "p90", "p99")])
+                  [bench.spread_cell(stats, 1)] + [f"{stats[q]:.1f}" for q in ("p50", "p90", "p99")])
     return cells
 
 
