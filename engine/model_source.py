@@ -95,7 +95,25 @@ def model_config(model: str, base: str | Path | None = None) -> ModelConfig:
         from engine.hf_loader import read_config
 
         return read_config(path)[0]
+    refuse_missing_directory(model, base)
     return from_name(model)  # the unknown-model error, naming the presets
+
+
+def refuse_missing_directory(model: str, base: str | Path | None = None) -> None:
+    """UserError for a model that is neither a preset nor a directory but reads as a path (a separator in it, or
+    a file of that name): the same line from every command (a bare unknown word gets from_name's, naming the
+    presets)."""
+    from engine.config import PRESETS
+
+    if model in PRESETS:
+        return
+    if base is not None and (os.sep in model or "/" in model):
+        raise UserError(f"model {model}: {resolve_model_path(model, base)} is not a directory (a relative path "
+                        f"is taken from the session file's directory); give a preset ({', '.join(PRESETS)}) "
+                        f"or a checkpoint directory")
+    if os.sep in model or "/" in model or os.path.exists(model):
+        raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
+                        f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
 
 
 def resolve_model_path(model: str, base: str | Path | None = None) -> Path:

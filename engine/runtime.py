@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable
 import torch
 
 from engine import layer_timing, routing_record
-from engine.model_source import model_config, resolve_model_path  # noqa: F401 - re-exported
+from engine.model_source import model_config, refuse_missing_directory, resolve_model_path  # noqa: F401
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine import decode_fused
@@ -260,13 +259,7 @@ class Engine:
         if model not in PRESETS and resolve_model_path(model, base).is_dir():
             return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model,
                                        text)
-        if model not in PRESETS and base is not None and (os.sep in model or "/" in model):
-            raise UserError(f"model {model}: {resolve_model_path(model, base)} is not a directory (a relative path "
-                            f"is taken from the session file's directory); give a preset ({', '.join(PRESETS)}) "
-                            f"or a checkpoint directory")
-        if model not in PRESETS and (os.sep in model or "/" in model or os.path.exists(model)):
-            raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
-                            f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+        refuse_missing_directory(model, base)
         config, torch_device = from_name(model), resolve_device(device)
         directory = shipped_directory(model) if weights == "auto" else None
         if directory is None:

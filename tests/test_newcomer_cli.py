@@ -154,3 +154,13 @@ def test_a_config_error_keeps_a_directory_named_like_a_field(tmp_path, capsys):
     assert main(["generate", "--model", str(directory), "--weights", "random", "--prompt", "x",
                  "--max-tokens", "1"]) == 2
     assert "qwen3-moe:hidden: num_hidden_layers must be >= 1" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [["check-quant", "--model"], ["sweep", "--tokens", "1", "--model"],
+                                  ["generate", "--prompt", "hi", "--model"]])
+def test_a_model_path_that_is_not_a_directory_gets_the_same_line_everywhere(tmp_path, capsys, argv):
+    """check-quant and sweep read the config first and answered 'unknown model', naming only the presets."""
+    missing = str(tmp_path / "moved-away")
+    assert main(argv + [missing]) == 2
+    line = one_error_line(capsys)
+    assert f"--model {missing}: not a directory; give a preset (tiny, demo, v4-shape) or a Hugging Face" in line
