@@ -38,11 +38,13 @@ def format_markdown(report: dict, fail_on_regression: float | None = None) -> st
     done = sorted({run["round"] for run in report["runs"]})
     lines = [f"A/B: {workload['describe']}; {len(done)} of {report['rounds_asked']} rounds "
              f"(A B, B A, ...), {report['warmup']} warm-up run(s) per side, {report['processes']}", ""]
+    # each side's runs pass the common --set and then its own flags as --set: the common ones are those both pass
+    common = [assignment for assignment in sides["A"]["set"] if assignment in sides["B"]["set"]]
     for name in ("A", "B"):
         side = sides[name]
         flags = ", ".join(f"{key}={_shown(key, value)}" for key, value in side["overrides"].items()) or "no overrides"
-        common = " ".join(side["set"]) if side["set"] else "none"
-        lines.append(f"- **{name}**: {side['tree']}; {flags} (--set on both sides: {common})")
+        lines.append(f"- **{name}**: {side['tree']}; {flags}")
+    lines.append(f"- both sides: --set {' '.join(common)}" if common else "- both sides: no --set")
     header = ["row", "unit", "A median (MAD)", "B median (MAD)", "B/A", f"{100 * rule['confidence']:g} % interval",
               "verdict"]
     lines += ["", f"| {' | '.join(header)} |", "|:---|:---|---:|---:|---:|---:|:---|"]

@@ -371,3 +371,14 @@ def test_the_report_spells_a_switch_as_set_does():
                       the_sides=sides({"shared_fold": False}, {"shared_fold": True}))
     text = ab_report.format_markdown(report)
     assert "- **A**: this tree; shared_fold=off" in text and "- **B**: this tree; shared_fold=on" in text, text
+    assert "- both sides: no --set" in text
+
+
+def test_the_report_names_the_common_set_once_and_each_sides_own_flags():
+    """Each side's own flags were labelled '--set on both sides' with the common ones."""
+    the_sides = sides({"prefill_chunk": 512}, {"prefill_chunk": 16})
+    for side in the_sides.values():
+        side.assignments = ["moe_gate=reference", "flash_512=off"] + side.assignments
+    text = ab_report.format_markdown(run_stub(lambda side, call: bench_json(100.0), rounds=2, the_sides=the_sides))
+    assert "- **A**: this tree; prefill_chunk=512\n" in text and "- **B**: this tree; prefill_chunk=16\n" in text, text
+    assert "- both sides: --set moe_gate=reference flash_512=off\n" in text
