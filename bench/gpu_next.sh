@@ -108,7 +108,7 @@ want qwen2 && TAIL=6 stage 90 qwen2_torch python3 bench/experiments/torch_glue.p
 OLMOE=(--model bench/configs/olmoe-1b-7b --weights random --pp none --tg 128 --batch 1 --reps 2 --no-progress
        --format md)
 want olmoe && TAIL=8 stage 200 pytest_olmoe python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-    tests/test_decode_fused.py tests/test_families_gpu.py -k "family_architecture or olmoe"
+    tests/test_decode_fused.py tests/test_families_gpu.py -k "family_architecture or olmoe or qk_norm"
 want olmoe && TAIL=30 stage 90 olmoe_fused python3 -m inspector bench "${OLMOE[@]}" --profile
 want olmoe && TAIL=6 stage 90 olmoe_torch python3 bench/experiments/torch_glue.py bench "${OLMOE[@]}"
 want olmoe && TAIL=40 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \

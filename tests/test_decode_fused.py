@@ -120,6 +120,21 @@ def test_qk_norm_clip_matches_the_torch_forwards_norms_and_clamps(dtype, widths,
         assert torch.equal(out, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_qk_norm_clip_matches_torch_at_olmoe_width(rows):
+    """bf16 on the device at OLMoE-1B-7B's widths (q, k and v of 2048 each), the clip bounds reached."""
+    from kernels.qk_norm import qk_norm_clip
+
+    qkv = 2 * _draw(rows, 3 * 2048, dtype=torch.bfloat16, device="cuda", seed=43)
+    q_weight, k_weight = ((1 + 0.3 * _draw(2048, device="cuda", seed=seed)).to(torch.bfloat16) for seed in (44, 45))
+    q, k, v = qkv.split([2048, 2048, 2048], dim=1)
+    expected = torch.cat([rms_norm(q, q_weight, 1e-5), rms_norm(k, k_weight, 1e-5), v], dim=1).clamp(-0.9, 0.9)
+    out = qk_norm_clip(qkv, 2048, 2048, q_weight, k_weight, 1e-5, 0.9)
+    _close(out, expected, torch.bfloat16)
+    assert torch.equal(out[:, 4096:], expected[:, 4096:])  # v: a clamp is exact
+
+
 def test_qk_norm_clip_rejects_bad_inputs():
     from kernels.qk_norm import qk_norm_clip
 
