@@ -22,7 +22,7 @@ from inspector.app import InspectorApp
 from inspector.screens.attention_check import NOT_AVAILABLE, AttentionCheckScreen, render_result
 from inspector.screens.edit_b import EditBScreen
 from inspector.screens.help import HelpScreen
-from inspector.screens.main import MainScreen
+from inspector.screens.main import MainScreen, token_step
 from inspector.screens.tile_fill import TileFillScreen, load_sweep
 from inspector.widgets.dispatch_log import DispatchLog
 from inspector.widgets.flag_row import FlagRow
@@ -146,6 +146,10 @@ async def test_a_prompt_longer_than_a_prefill_chunk_runs_and_shows_only_generate
         assert main.query_one("#pane-a", OutputPane).tokens == run.tokens[events.A]
         assert [step["phase"] for step in run.steps[events.A]][:3] == ["prefill"] * 3
         assert len(run.steps[events.A]) == 3 + 3  # three chunks (the last emits the first token), three decodes
+        # generated token i came from the log's step i + 2, and the error line names both numbers
+        assert [token_step(run.steps[events.A], index) for index in range(5)] == [2, 3, 4, 5, None]
+        label = str(main.query_one("#error-label").render())
+        assert "logit rel err" in label and ("(log step" in label or "bit-identical" in label), label
 
 
 @synchronously
@@ -174,7 +178,8 @@ async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
         assert max(run.comparison["logit_rel_err"]) > 1e-3
         index = main.query_one("#pane-a", OutputPane).divergence
         assert index is not None and main.query_one("#pane-b", OutputPane).divergence == index
-        assert f"diverges at token {index}" in str(main.query_one("#divergence-line").render())
+        shown = str(main.query_one("#divergence-line").render())
+        assert f"diverges at generated token {index} (dispatch log step {index})" in shown, shown  # one chunk
         flag_actions = [action for action in app.actions if action["action"] == "flag"]
         assert flag_actions[-1]["flag"] == "fused_mask" and flag_actions[-1]["value"] == "drop"
     # The session hook's payloads are what the session recorder reads.

@@ -35,8 +35,8 @@ def divergence_line(engine: Engine, result_a, result_b, summary: dict | None) ->
     index, errors = summary["first_divergence"], summary["logit_rel_err"]
     worst = max(range(len(errors)), key=errors.__getitem__) if errors else None
     error = ("" if worst is None else
-             "; logit rel err 0 at every step (bit-identical logits)" if errors[worst] == 0 else
-             f"; logit rel err max {errors[worst]:.2e} at step {worst}")
+             "; logit rel err 0 at every generated token (bit-identical logits)" if errors[worst] == 0 else
+             f"; logit rel err max {errors[worst]:.2e} at generated token {worst}")
     if index is None:
         return f"first divergence: none, A and B generate the same {len(result_a.tokens)} tokens{error}"
     return (f"first divergence: generated token {index}: A {token_words(engine, result_a.tokens, index)} vs "
@@ -88,7 +88,7 @@ def run(args) -> int:
               f"A: {args.a or 'no overrides'} · B: {args.b or 'no overrides'}")
         print(divergence_line(engine, result_a, result_b, summary))
         if summary is not None and summary["logit_rel_err"]:
-            print("logit rel err per step: " + " ".join(f"{value:.2e}" for value in summary["logit_rel_err"]))
+            print("logit rel err per generated token: " + " ".join(f"{value:.2e}" for value in summary["logit_rel_err"]))
         for label, result in (("A", result_a), ("B", result_b)):
             print()
             if result is None:

@@ -68,6 +68,13 @@ class Run:
                        if record.get("pairs_per_woken_observed") is not None})
 
 
+def token_step(steps: list[dict], index: int) -> int | None:
+    """The dispatch log's step that emitted generated token `index` of a side (a prefill chunk before the prompt's
+    last emits none, so with a prompt longer than prefill_chunk the two numberings part); None if not there."""
+    emitting = [step["step"] for step in steps if step.get("token") is not None]
+    return emitting[index] if index < len(emitting) else None
+
+
 def parse_max_tokens(text: str) -> int:
     text = text.strip()
     if not text.isdigit() or int(text) < 1:
@@ -324,7 +331,8 @@ class MainScreen(Screen):
         run.running, run.cancelled, run.comparison = False, message.cancelled, message.comparison
         bar = self.query_one(DivergenceBar)
         if message.comparison is not None:
-            bar.show_errors(message.comparison["logit_rel_err"])
+            bar.show_errors(message.comparison["logit_rel_err"],
+                            [token_step(run.steps[A], index) for index in range(len(message.comparison["logit_rel_err"]))])
         if message.cancelled:
             index = common_prefix_divergence(run.tokens[A], run.tokens[B])
             if B in run.generations and run.tokens[B]:
@@ -365,7 +373,9 @@ class MainScreen(Screen):
         shown = tokenizer_token_text(self.engine.tokenizer)
         token_a = shown(run.tokens[A][index])[0] if index < len(run.tokens[A]) else "(ended)"
         token_b = shown(run.tokens[B][index])[0] if index < len(run.tokens[B]) else "(ended)"
-        bar.show_line(f"diverges at token {index} (step {index}): A '{token_a}' vs B '{token_b}'", diverged=True)
+        step = token_step(run.steps[A], index)
+        where = "" if step is None else f" (dispatch log step {step})"
+        bar.show_line(f"diverges at generated token {index}{where}: A '{token_a}' vs B '{token_b}'", diverged=True)
 
     # -- flags and configuration B --------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ class DivergenceBar(Vertical):
     def compose(self) -> ComposeResult:
         yield Static("no run yet", id="divergence-line")
         with Horizontal(id="error-row"):
-            yield Static("logit rel err/step (A vs B):", id="error-label")
+            yield Static("logit rel err/token (A vs B):", id="error-label")
             yield Sparkline([], id="error-sparkline")
 
     def show_line(self, text: str, diverged: bool = False) -> None:
@@ -34,14 +34,18 @@ class DivergenceBar(Vertical):
         line.update(text)
         line.set_class(diverged, "-diverged")
 
-    def show_errors(self, errors: list[float]) -> None:
+    def show_errors(self, errors: list[float], log_steps: list[int | None] | None = None) -> None:
+        """`errors[i]`: generated token i's logit relative error; `log_steps[i]`: the dispatch log's step that
+        emitted it (named beside the worst)."""
         self.errors = list(errors)
         self.query_one("#error-sparkline", Sparkline).data = self.errors
         if errors and max(errors) == 0.0:
-            label = f"logit rel err/step (A vs B): 0 at all {len(errors)} steps (bit-identical logits)"
+            label = f"logit rel err (A vs B): 0 at all {len(errors)} tokens (bit-identical logits)"
         elif errors:
             worst = max(range(len(errors)), key=errors.__getitem__)
-            label = f"logit rel err/step (A vs B): max {errors[worst]:.2e} at step {worst}"
+            step = log_steps[worst] if log_steps and worst < len(log_steps) else None
+            label = (f"logit rel err (A vs B): max {errors[worst]:.2e} at token {worst}"
+                     + ("" if step is None else f" (log step {step})"))
         else:
-            label = "logit rel err/step (A vs B):"
+            label = "logit rel err/token (A vs B):"
         self.query_one("#error-label", Static).update(label)
