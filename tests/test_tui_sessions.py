@@ -30,6 +30,7 @@ from inspector.screens.tile_fill import TileFillScreen
 from inspector.session import BenchStep, CurveStep, PromptStep, load_session
 from inspector.session_runner import read_results, results_path_for
 from inspector.tui import TuiSession
+from inspector.widgets.dispatch_log import DispatchLog
 
 SIZE = (200, 50)
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -229,6 +230,27 @@ async def test_replay_screen_steps_forward_and_back_with_both_sides_and_a_verdic
         await pilot.pause()
         assert screen.index == 1 and "step 1: match" in text_of(screen.query_one("#replay-verdict"))
         assert "1✓" in text_of(screen.query_one("#replay-overview"))
+
+
+@synchronously
+async def test_opening_a_session_clears_the_last_runs_panes_and_a_flag_change_retitles_a(engine, tmp_path, capsys):
+    """After ctrl+o the A pane was cleared but B kept the last run's tokens and 'A and B agree on all 48 tokens';
+    a flag changed in the panel left A's title naming the flags of its shown tokens."""
+    path = recorded_quickstart(tmp_path, capsys)
+    app = make_app(engine, tmp_path / "current.toml")
+    async with app.run_test(size=SIZE) as pilot:
+        main_screen = app.main_screen
+        await run_prompt(pilot, app, "hello", 4)
+        assert main_screen.query_one("#pane-b").tokens and main_screen.query_one(DispatchLog).shown
+        main_screen.set_flag("tile_m", 32)
+        await pilot.pause()
+        pane_a = main_screen.query_one("#pane-a")
+        assert "tile_m=32" in pane_a.border_title and "before this configuration" in pane_a.border_subtitle
+        await type_path(pilot, app, "ctrl+o", str(path))
+        assert app.session.path == path and app.screen is main_screen
+        assert not main_screen.query_one("#pane-a").tokens and not main_screen.query_one("#pane-b").tokens
+        assert not main_screen.query_one(DispatchLog).shown and main_screen.current_run is None
+        assert "no run yet" in text_of(main_screen.query_one("#divergence-line"))
 
 
 @synchronously

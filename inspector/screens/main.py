@@ -382,6 +382,7 @@ class MainScreen(Screen):
     def on_flag_changed(self, message: events.FlagChanged) -> None:
         self.app.record_action({"action": "flag", "config": A, "flag": message.name, "value": message.value,
                                 "flags": dict(message.flags.values)})
+        self.query_one("#pane-a", OutputPane).retitle(describe_changed(message.flags))  # as B's edit retitles B
 
     def on_session_changed(self, message: events.SessionChanged) -> None:
         from inspector.tui_session import shown_path
@@ -390,13 +391,22 @@ class MainScreen(Screen):
                                               f"step{'s' if message.steps != 1 else ''}")
 
     def load_session_state(self, flags: ResolvedFlags, b_overrides: dict[str, Any] | None) -> None:
-        """An opened session: A where it left off, and B as its last side-by-side step had it."""
+        """An opened session: A where it left off, and B as its last side-by-side step had it; the last run's
+        tokens, log rows, counters and divergence are cleared (they belong to the session before)."""
         self.query_one(FlagsPanel).load(flags)
-        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags))
         if b_overrides is not None and b_overrides != self.b_overrides:
             self.b_overrides = dict(b_overrides)
             self.query_one(ConfigBRow).set_overrides(self.b_overrides)
-            self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.current_run = None
+        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags))
+        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.query_one(DispatchLog).clear()
+        self.query_one(CountersTable).reset()
+        divergence = self.query_one(DivergenceBar)
+        divergence.show_line("no run yet in this session")
+        divergence.show_errors([])
+        self.query_one(StatusBar).set_activity("session opened: no run yet", running=False)
+        self.refresh_bindings()
 
     def on_flag_refused(self, message: events.FlagRefused) -> None:
         self.notify(message.message, title=f"{message.name}: refused", severity="warning", markup=False)
