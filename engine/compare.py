@@ -358,12 +358,12 @@ def check_attention(
 
 def _sentence(verdict, errors, control, discrimination, ablation, nearest_ablation, sink_sweep, config) -> str:
     def times(name: str) -> str:
-        return f"{errors[name] / control:.3g}x"
+        return f"{errors[name] / control:.3g}×"
 
     if not discrimination["fires"]:
         return (
             f"The mask does not discriminate here: switching it off moves the reference by only "
-            f"{discrimination['ratio']:.3g}x the 1-ULP control (needs > {DISCRIMINATION_RATIO:g}x), so no "
+            f"{discrimination['ratio']:.3g}× the 1-ULP control (needs > {DISCRIMINATION_RATIO:g}×), so no "
             f"verdict can tell honouring the mask from dropping it; use a longer --seq-len, a smaller "
             f"--window or some --pad."
         )

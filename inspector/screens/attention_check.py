@@ -160,14 +160,16 @@ def render_result(result: dict) -> Group:
                 table.add_row(component, _float(value.get("effect")), _float(value.get("fused")))
         parts += [Text(""), table]
         if "nearest" in ablation:
-            parts.append(Text(f"the fused output is nearest the reference with {ablation['nearest']}"))
+            parts.append(Text(f"of these ablated references the fused output is nearest the one with "
+                              f"{ablation['nearest']} (the verdict above compares the whole references)"))
     elif ablation is not None:
         parts.append(Text(f"ablation: {_generic(ablation)}"))
 
     worst = result.get("worst")
     if isinstance(worst, dict):
         line = Text("\nworst position: ", style="bold")
-        line.append(", ".join(f"{key} {_float(value)}" for key, value in worst.items() if key != "why_masked_differs"))
+        line.append(", ".join(WORST_WORDS.get(key, key) + " " + _worst_value(key, value)
+                              for key, value in worst.items() if key != "why_masked_differs"))
         if worst.get("why_masked_differs"):
             line.append(f"\n  {worst['why_masked_differs']}")
         parts.append(line)
@@ -186,6 +188,19 @@ def render_result(result: dict) -> Group:
     if isinstance(result.get("config"), dict):
         parts.append(Text(f"\nran: {_generic(result['config'])}", style="dim"))
     return Group(*parts)
+
+
+WORST_WORDS = {"row_error": "row error", "compared_with": "against the", "visible_in_masked": "key visible under the mask:",
+               "visible_in_causal": "visible causally:", "weight_in_causal": "its causal attention weight"}
+
+
+def _worst_value(key: str, value) -> str:
+    """A worst-position field in words: yes/no for a flag, 'reference' after a reference's name."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key == "compared_with":
+        return f"{value} reference"
+    return _float(value)
 
 
 def render_decode_result(result: dict) -> Text:
