@@ -153,6 +153,26 @@ async def test_a_prompt_longer_than_a_prefill_chunk_runs_and_shows_only_generate
 
 
 @synchronously
+async def test_a_refused_prompt_keeps_its_whole_reason_in_the_status_bar_at_80_columns(engine):
+    """The reason went to a fading popup and to a one-line bar that cut it at 'not run: the prompt (510'."""
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        main = app.main_screen
+        main.query_one("#prompt").value = "x" * 600
+        main.query_one("#prompt").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        bar = main.query_one("#status")
+        assert main.current_run is None and bar.has_class("-alert") and "longer than the" in bar.activity
+        assert bar.size.height == 3  # the first line, then the reason's 1 + 79 characters on two more
+        main.query_one("#prompt").value = "hello"
+        main.query_one("#max-tokens").value = "2"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: main.current_run is not None and not main.current_run.running)
+        assert not bar.has_class("-alert") and bar.size.height == 1
+
+
+@synchronously
 async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
     app = make_app(engine)
     async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:

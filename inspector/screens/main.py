@@ -214,7 +214,7 @@ class MainScreen(Screen):
             max_tokens = parse_max_tokens(max_tokens_text)
             self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens)
         except UserError as error:
-            status.set_activity(f"not run: {error}", running=False)
+            status.set_activity(f"not run: {error}", running=False, alert=True)
             self.notify(str(error), title="not run", severity="error", markup=False)
             return False
         if self.history is not None:
@@ -357,7 +357,7 @@ class MainScreen(Screen):
         if run is None:
             return
         run.running = False
-        self.query_one(StatusBar).set_activity(f"failed: {message.message}", running=False)
+        self.query_one(StatusBar).set_activity(f"failed: {message.message}", running=False, alert=True)
         self.notify(message.message, title="run failed", severity="error", markup=False)
         self.refresh_bindings()
 

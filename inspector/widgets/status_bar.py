@@ -3,6 +3,7 @@ being recorded, and the model's details."""
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
@@ -30,15 +31,18 @@ class StatusBar(Static):
         super().__init__(id=id)
         self.engine = engine
         self.activity = "idle"
-        self.running = False
+        self.running = self.alert = False
         self.session = ""  # where actions are recorded; empty when nothing records
 
     def on_mount(self) -> None:
         self._render_line()
 
-    def set_activity(self, activity: str, running: bool) -> None:
-        self.activity, self.running = activity, running
+    def set_activity(self, activity: str, running: bool, alert: bool = False) -> None:
+        """`alert`: the activity is a refusal or a failure whose reason must stay readable: the bar then holds it
+        on lines of its own below the first (up to three), until the next activity."""
+        self.activity, self.running, self.alert = activity, running, alert
         self.set_class(running, "-running")
+        self.set_class(alert, "-alert")
         self._render_line()
 
     def set_session(self, text: str) -> None:
@@ -55,8 +59,13 @@ class StatusBar(Static):
         line.append("  │  ")
         line.append(self.engine.config.name, style="bold")
         line.append("  │  ")
-        line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
+        if not self.alert:
+            line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
+        else:
+            line.append("○ see below", style="bold")
         if self.session:
             line.append(f"  │  session {self.session}")
         line.append(f"  │  {model_details(self.engine)}")
-        self.update(line)
+        line.no_wrap, line.overflow = True, "ellipsis"
+        # an alert: the first line as ever, then the whole reason, wrapped
+        self.update(Group(line, Text(self.activity, style="bold")) if self.alert else line)
