@@ -81,10 +81,10 @@ def render_runs(line: dict, other: dict | None, base_flags: dict, shown: TokenTe
         parts.append(Text(f"decided: {decided_summary(run)}"))
         parts.append(Text(f"ran (counters): {executed_summary(run)}"))
         timings = run.get("timings", {})
-        timing = Text(f"wall {timings.get('wall_s', 0):.2f} s", style="dim")
+        timing = Text(f"this side's generation {timings.get('wall_s', 0):.2f} s", style="dim")
         for family in ("moe", "attention"):
             if timings.get(f"{family}_us") is not None:
-                timing.append(f" · {family} {timings[f'{family}_us']:.0f} µs", style="dim")
+                timing.append(f" · its {family} layers {timings[f'{family}_us'] / 1e6:.2f} s", style="dim")
         timing.append("  (timings: shown, not compared)", style="dim italic")
         parts += [timing, Text("")]
     numbers = line.get("numbers") or {}
@@ -132,7 +132,8 @@ def render_line(line: dict | None, other: dict | None, base_flags: dict, empty: 
                 shown: TokenText = token_text) -> Group:
     if line is None:
         return Group(Text(empty, style="dim"))
-    parts: list = [Text(f"step {line['step']} · {line['action']} · {line.get('wall_s', 0):.2f} s", style="dim")]
+    parts: list = [Text(f"step {line['step']} · {line['action']} · the whole step {line.get('wall_s', 0):.2f} s",
+                        style="dim")]
     if line.get("runs"):
         parts += render_runs(line, other, base_flags, shown)
     else:
