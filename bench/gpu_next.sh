@@ -111,8 +111,8 @@ want olmoe && TAIL=8 stage 200 pytest_olmoe python3 -m pytest -m gpu -q -p no:ca
     tests/test_decode_fused.py tests/test_families_gpu.py -k "family_architecture or olmoe or qk_norm"
 want olmoe && TAIL=30 stage 90 olmoe_fused python3 -m inspector bench "${OLMOE[@]}" --profile
 want olmoe && TAIL=6 stage 90 olmoe_torch python3 bench/experiments/torch_glue.py bench "${OLMOE[@]}"
-want olmoe && TAIL=40 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \
-    --out "$OUT/family_numerics.json"
+want olmoe && TAIL=12 stage 120 family_numerics python3 bench/family_numerics.py --device cuda \
+    --families ${NUMERICS_FAMILIES:-qwen3-moe,mixtral,olmoe,gpt-oss} --out "$OUT/family_numerics.json"
 want gptoss2 && TAIL=8 stage 240 pytest_glue python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
     tests/test_runtime_gpu.py tests/test_decode_fused_mla.py tests/test_engine_gpu.py tests/test_hf_deepseek.py
 want gptoss2 && TAIL=6 stage 80 gptoss_fused_b8 python3 -m inspector bench "${GPT_OSS[@]}" --batch 8 --reps 2
