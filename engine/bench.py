@@ -210,6 +210,7 @@ class Repetition:
     graph_steps: int = 0  # window steps served by a graph replay
     graph_launches: int = 0  # the launches that ran them (fewer with steps_per_graph > 1)
     trajectory: list[float] = field(default_factory=list)
+    trajectory_span_s: float = 0.0  # from the first arrival to the last step's end: the trajectory's x extent
     window_steps: list[int] = field(default_factory=list)  # step numbers inside the window
     phases: dict[str, int] = field(default_factory=dict)  # the repetition's steps by phase (prefill, mixed, decode)
     latencies: dict[str, list[float]] = field(default_factory=dict)  # request_latencies of its sequences
@@ -289,6 +290,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
     events = events_of(steps)
     origin = min(sequence.arrived_at for sequence in sequences)
     bins = trajectory(events, origin, bin_s)
+    finite = [event.ended for event in events if math.isfinite(event.ended)]
+    span = max(finite) - origin if finite and math.isfinite(origin) else 0.0  # where the last bin ends
     phases = dict(collections.Counter(step["phase"] for step in steps))
 
     if spec.kind == "pp":
@@ -300,7 +303,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         request_ids = [sequence.request_id for sequence in sequences]
         steady = steady_window(events, request_ids, depth_floor)
         if steady is None:
-            return Repetition(0.0, None, 0, ttft, None, trajectory=bins, phases=phases, latencies=latencies)
+            return Repetition(0.0, None, 0, ttft, None, trajectory=bins, trajectory_span_s=span, phases=phases,
+                              latencies=latencies)
         window = steps[steady.first:steady.last + 1]
         tokens, wall = steady.tokens, steady.seconds
     if tokens <= 0:
@@ -321,7 +325,8 @@ def measure(spec: RowSpec, sequences: list, steps: list[dict], depth_floor: int,
         host_us_p90=_quantile(host_values, 0.9), device_us=None if device_s is None else device_s * 1e6 / len(window),
         graph_steps=sum(step["graph"] == "replay" for step in window),
         graph_launches=sum(step["graph"] == "replay" and not step.get("span_index") for step in window),
-        trajectory=bins, window_steps=[step["step"] for step in window], phases=phases, latencies=latencies)
+        trajectory=bins, trajectory_span_s=span, window_steps=[step["step"] for step in window], phases=phases,
+        latencies=latencies)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,7 +372,7 @@ class Row:
                    "generated_tokens": self.spec.max_tokens, "reps": len(reps), "depth_floor": self.depth_floor,
                    "counters": self.counters, "ttft_ms": mean_std([rep.ttft_s * 1e3 for rep in reps]),
                    "trajectory": {"bin_s": TRAJECTORY_BIN_S, "tokens_per_s": reps[-1].trajectory,
-                                  "phases": reps[-1].phases},
+                                  "span_s": reps[-1].trajectory_span_s, "phases": reps[-1].phases},
                    "tokens_crc32": self.tokens_crc32,
                    "latency": {name: latency_summary([value for rep in reps for value in rep.latencies.get(name, ())])
                                for name in LATENCIES}}

@@ -265,6 +265,8 @@ def test_bench_rows_carry_rates_clocks_and_counters(bench_json):
     assert tg["window_steps"] == 6 and tg["tps_wall"]["mean"] > 0
     assert tg["counters"]["arms"]["reference"] == 2 * (1 + 7) * layers  # 1 prefill + 7 decode steps, 2 reps
     assert tg["trajectory"]["tokens_per_s"] and tg["trajectory"]["bin_s"] == 2.0
+    span = tg["trajectory"]["span_s"]  # the run's own length: the TUI plots the last bin there, not at its nominal end
+    assert 0 < span <= 2.0 * len(tg["trajectory"]["tokens_per_s"])
     footer = bench_json["footer"]
     assert {"commit", "device", "versions", "flags", "graphs", "clocks"} <= set(footer)
     assert "n/a" in footer["clocks"] and footer["versions"]["torch"]

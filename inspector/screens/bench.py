@@ -470,12 +470,14 @@ class BenchScreen(Screen):
         tg_rows = [row for row in self.rows if row["kind"] == "tg"]
         bin_s = bench.TRAJECTORY_BIN_S
         single = tg_rows and all(len(row["trajectory"]["tokens_per_s"]) <= 1 for row in tg_rows)
-        plt.title(f"generated tokens/s, {bin_s:g}-s bins (tg rows, last rep)" + ("; one bin each" if single else ""))
+        plt.title(f"generated tokens/s from arrival, prefill included, {bin_s:g}-s bins (tg rows, last rep)"
+                  + ("; one bin each" if single else ""))
         for index, row in enumerate(tg_rows):
             rates = row["trajectory"]["tokens_per_s"]
             if not rates:
                 continue
-            times = [bin_s * (bin_index + 1) for bin_index in range(len(rates))]
+            span = row["trajectory"].get("span_s") or bin_s * len(rates)  # the last bin ends with the run
+            times = [min(bin_s * (bin_index + 1), span) for bin_index in range(len(rates))]
             color = SERIES_COLORS[index % len(SERIES_COLORS)]
             label = f"{row.get('config', 'A')} {row['test']}"  # the legend tells the series apart
             if len(rates) == 1:  # one bin: a visible point, not a braille dot
@@ -483,12 +485,14 @@ class BenchScreen(Screen):
             else:
                 plt.plot(times, rates, label=label, marker="braille", color=color)
         if tg_rows:
-            plt.xlim(0, bin_s * (max(len(row["trajectory"]["tokens_per_s"]) for row in tg_rows) + 1))
+            longest = max(row["trajectory"].get("span_s") or bin_s * len(row["trajectory"]["tokens_per_s"])
+                          for row in tg_rows)
+            plt.xlim(0, longest * 1.1 if longest > 0 else bin_s)
         else:
             plt.text("no tg rows yet" if self.running or not self.rows else "no tg rows in this plan", 0.5, 0.5)
             plt.xlim(0, 1)
             plt.ylim(0, 1)
-        plt.xlabel("x: seconds into the run (bin end) · y: tokens/s")  # one line: plotext's y label covers the x one
+        plt.xlabel("x: seconds from arrival (bin end) · y: tokens/s")  # one line: plotext's y label covers the x one
         self.query_one("#bench-trajectory", PlotextPlot).refresh()
 
 
