@@ -137,6 +137,11 @@ async def test_round_trip_record_in_the_tui_save_run_and_replay_headless(engine,
         assert steps_seen and steps_seen[-1].steps == 3
         # the dispatch log's export never writes over the open session or its recording, asked twice or not
         recording = results_path_for(mine).read_bytes()
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert app.screen.query_one(Input).value == str(tmp_path / "dispatch-log.csv")  # beside the session
+        await pilot.press("escape")
+        await pilot.pause()
         dialog = await type_path(pilot, app, "ctrl+t", str(results_path_for(mine)))
         await pilot.press("enter")  # the second Enter that replaces another existing file
         await pilot.pause()

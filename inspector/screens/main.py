@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from textual import work
@@ -531,7 +532,9 @@ class MainScreen(Screen):
     def action_export_log(self) -> None:
         from inspector.screens.session_path import SessionPathScreen
 
-        self.app.push_screen(SessionPathScreen("export", "dispatch-log.csv", self.export_log))
+        session = getattr(self.app, "session", None)  # beside the session's files, not in the working directory
+        initial = "dispatch-log.csv" if session is None else str(Path(session.path).parent / "dispatch-log.csv")
+        self.app.push_screen(SessionPathScreen("export", initial, self.export_log))
 
     def load_prompt_file(self, text: str) -> str:
         from inspector.prompt_file import read_prompt_file
