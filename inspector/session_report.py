@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from typing import Any, Iterable
 
+from engine.printable import printable
 from inspector.describe import fill_text
 
 FORMATS = ("md", "json", "jsonl", "csv")
@@ -99,7 +100,7 @@ def _format_flag(value: Any) -> str:
 
 
 def _text(value: str, width: int = 24) -> str:
-    shown = repr(value)
+    shown = f"'{printable(value, limit=None)}'"  # \xNN for bytes outside UTF-8, as generate and the TUI show them
     return shown if len(shown) <= width else shown[:width - 1] + "…"
 
 

@@ -13,6 +13,7 @@ import argparse
 
 from engine import flags as flag_registry
 from engine import limits
+from engine.printable import printable
 from engine.progress import Progress
 from engine.runtime import Engine, Generation
 from inspector import records
@@ -149,7 +150,7 @@ def print_summary(engine: Engine, result: Generation, max_tokens: int, label: st
             else f"{len(result.tokens)} tokens")
     print(f"{side}flags: {changed_flags(result.flags)}")
     print(f"{side}prompt {len(result.prompt_tokens)} tokens, generated {done}")
-    print(f"{side}text: {result.text!r}")
+    print(f"{side}text: '{printable(result.text, limit=None)}'")  # \xNN for bytes outside UTF-8, as the TUI shows them
     table = records.arm_table(records.rows_of(label or "", result.steps, engine.device.type))
     print(f"\n{side}arms over {engine.config.n_layers} layers x {len(result.steps)} steps:")
     print(records.format_arm_table(table))
