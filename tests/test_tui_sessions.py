@@ -143,7 +143,8 @@ async def test_round_trip_record_in_the_tui_save_run_and_replay_headless(engine,
         await pilot.press("escape")
         await pilot.pause()
         dialog = await type_path(pilot, app, "ctrl+t", str(results_path_for(mine)))
-        await pilot.press("enter")  # the second Enter that replaces another existing file
+        assert "the open session's results file, which this command must not overwrite" in dialog.refusal  # at once,
+        await pilot.press("enter")  # and again at the Enter that would replace another existing file
         await pilot.pause()
         assert app.screen is dialog and "the open session's results file, which this command must not overwrite" \
             in dialog.refusal, dialog.refusal

@@ -37,7 +37,7 @@ def load_report(path: str) -> dict:
 
 class AbScreen(Screen):
     DEFAULT_CSS = """
-    #ab-path-row { height: auto; max-height: 6; }
+    #ab-path-row { height: auto; max-height: 10; }
     #ab-path { width: 2fr; }
     #ab-status { width: 1fr; padding-left: 1; height: auto; }
     #ab-sides { height: auto; max-height: 4; }

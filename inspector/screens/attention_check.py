@@ -190,7 +190,7 @@ def render_result(result: dict) -> Group:
     return Group(*parts)
 
 
-WORST_WORDS = {"row_error": "row error", "compared_with": "against the", "visible_in_masked": "key visible under the mask:",
+WORST_WORDS = {"row_error": "row error (fused vs masked)", "compared_with": "the key's visibility compared with the", "visible_in_masked": "key visible under the mask:",
                "visible_in_causal": "visible causally:", "weight_in_causal": "its causal attention weight"}
 
 

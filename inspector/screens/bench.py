@@ -470,8 +470,7 @@ class BenchScreen(Screen):
         tg_rows = [row for row in self.rows if row["kind"] == "tg"]
         bin_s = bench.TRAJECTORY_BIN_S
         single = tg_rows and all(len(row["trajectory"]["tokens_per_s"]) <= 1 for row in tg_rows)
-        plt.title(f"generated tokens/s from arrival, prefill included, {bin_s:g}-s bins (tg rows, last rep)"
-                  + ("; one bin each" if single else ""))
+        plt.title(f"tg t/s from arrival, prefill in, {bin_s:g}-s bins" + ("; one bin each" if single else ""))
         for index, row in enumerate(tg_rows):
             rates = row["trajectory"]["tokens_per_s"]
             if not rates:
@@ -507,5 +506,6 @@ def footer_text(report: dict) -> str:
                  f"{100 * entry['target_host_share']:.0f} %)")
         lines.append(f"{entry['test']} @ b1: {entry['tps']:.1f} t/s; the weight-bandwidth bound, "
                      f"{entry['bound_tps']:.1f} t/s, is {entry['ratio_to_bound']:.2f}× that "
-                     f"(target ≤ {entry['target_ratio']}×); {share}")
+                     + (f"(target ≤ {entry['target_ratio']}×)" if entry.get("target_ratio") is not None
+                        else "(no target for this model)") + f"; {share}")
     return "\n".join(lines)

@@ -384,6 +384,7 @@ class MainScreen(Screen):
         self.app.record_action({"action": "flag", "config": A, "flag": message.name, "value": message.value,
                                 "flags": dict(message.flags.values)})
         self.query_one("#pane-a", OutputPane).retitle(describe_changed(message.flags))  # as B's edit retitles B
+        self.query_one("#pane-b", OutputPane).retitle(describe_overrides(self.b_overrides))  # B is A's flags + its own
 
     def on_session_changed(self, message: events.SessionChanged) -> None:
         from inspector.tui_session import shown_path
@@ -499,7 +500,6 @@ class MainScreen(Screen):
         """Write the shown rows to `text` (.csv, .json or .jsonl); UserError, shown in place, for another name."""
         from inspector import records
         from inspector.commands.output import format_for_path
-        from inspector.output_paths import check_output_path
         from inspector.session import atomic_write_text
 
         path = text.strip()
@@ -518,10 +518,7 @@ class MainScreen(Screen):
             content = records.to_json(rows, about)
         else:
             content = records.EXPORTS[fmt](rows)
-        session = getattr(self.app, "session", None)
-        protect = {} if session is None else {"the open session's file": session.path,
-                                              "the open session's results file": session.results_path}
-        target = check_output_path(path, "export", protect=protect)
+        target = self.check_export_path(path)
         try:
             atomic_write_text(target, content)
         except OSError as error:
@@ -529,12 +526,21 @@ class MainScreen(Screen):
         self.notify(f"{len(rows)} rows written to {path} ({fmt})", title="export")
         return path
 
+    def check_export_path(self, path: str) -> Path:
+        """The export's path, checked (inspector.output_paths): never the open session's file or its results."""
+        from inspector.output_paths import check_output_path
+
+        session = getattr(self.app, "session", None)
+        protect = {} if session is None else {"the open session's file": session.path,
+                                              "the open session's results file": session.results_path}
+        return check_output_path(path, "export", protect=protect)
+
     def action_export_log(self) -> None:
         from inspector.screens.session_path import SessionPathScreen
 
         session = getattr(self.app, "session", None)  # beside the session's files, not in the working directory
         initial = "dispatch-log.csv" if session is None else str(Path(session.path).parent / "dispatch-log.csv")
-        self.app.push_screen(SessionPathScreen("export", initial, self.export_log))
+        self.app.push_screen(SessionPathScreen("export", initial, self.export_log, check=self.check_export_path))
 
     def load_prompt_file(self, text: str) -> str:
         from inspector.prompt_file import read_prompt_file

@@ -90,8 +90,9 @@ def render_runs(line: dict, other: dict | None, base_flags: dict, shown: TokenTe
     numbers = line.get("numbers") or {}
     if len(line.get("runs", [])) == 2 and numbers:
         divergence = numbers.get("first_divergence")
-        parts.append(Text(f"A vs B: first divergence {'none' if divergence is None else divergence}, max logit "
-                          f"rel err {_float(numbers.get('max_logit_rel_err'))}"))
+        where = "none" if divergence is None else f"at generated token {divergence}"
+        parts.append(Text(f"A vs B: first divergence {where}, max logit rel err "
+                          f"{_float(numbers.get('max_logit_rel_err'))}"))
     return parts
 
 

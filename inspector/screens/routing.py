@@ -70,7 +70,7 @@ def heatmap(summary: routing_stats.Summary, columns: int) -> Text:
 
 class RoutingScreen(Screen):
     DEFAULT_CSS = """
-    #routing-path-row { height: auto; max-height: 6; }
+    #routing-path-row { height: auto; max-height: 10; }
     #routing-path { width: 2fr; }
     #routing-status { width: 1fr; padding-left: 1; height: auto; }
     #routing-scope { height: 1; }

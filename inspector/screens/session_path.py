@@ -38,9 +38,12 @@ class SessionPathScreen(ModalScreen[str | None]):
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
-    def __init__(self, mode: str, initial: str, attempt: Callable[[str], object], current: str | None = None) -> None:
+    def __init__(self, mode: str, initial: str, attempt: Callable[[str], object], current: str | None = None,
+                 check: Callable[[str], object] | None = None) -> None:
+        """`check(text)`: raises UserError for a path refused whatever the answer (the open session's files for an
+        export), before the second-Enter question about replacing an existing file."""
         super().__init__()
-        self.mode, self.initial, self.attempt, self.current = mode, initial, attempt, current
+        self.mode, self.initial, self.attempt, self.current, self.check = mode, initial, attempt, current, check
         self._confirmed: str | None = None  # a path whose overwrite the user confirmed with a second Enter
         self.refusal: str | None = None
 
@@ -64,6 +67,12 @@ class SessionPathScreen(ModalScreen[str | None]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         text = event.value.strip()
+        if self.check is not None and text:
+            try:
+                self.check(text)
+            except UserError as error:
+                self.refuse(str(error))
+                return
         if self.mode in OVERWRITES and text and text != self._confirmed:
             path = Path(text).expanduser()
             if path.is_file() and (self.current is None or path.resolve() != Path(self.current).resolve()):
