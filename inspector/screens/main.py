@@ -227,13 +227,7 @@ class MainScreen(Screen):
         run = Run(self._next_run_id, prompt, max_tokens, {A: flags_a, B: flags_b})
         self._next_run_id += 1
         self.current_run = run
-        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags_a))
-        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
-        self.query_one(DispatchLog).clear()
-        self.query_one(CountersTable).reset()
-        divergence = self.query_one(DivergenceBar)
-        divergence.show_line("A running; B waits")
-        divergence.show_errors([])
+        self.clear_results(flags_a, "A running; B waits")
         lock = getattr(self.app, "engine_lock", None)
         waiting = " (waiting for the engine: a replayed step or a bench holds it)" if lock and lock.locked() else ""
         status.set_activity(f"running A: 0/{max_tokens}{waiting}", running=True)
@@ -400,15 +394,20 @@ class MainScreen(Screen):
             self.b_overrides = dict(b_overrides)
             self.query_one(ConfigBRow).set_overrides(self.b_overrides)
         self.current_run = None
-        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags))
+        self.clear_results(flags, "no run yet in this session")
+        self.query_one(StatusBar).set_activity("session opened: no run yet", running=False)
+        self.refresh_bindings()
+
+    def clear_results(self, flags_a: ResolvedFlags, divergence_line: str) -> None:
+        """Empty both panes (titled for A's flags and B's overrides), the log, the counters and the divergence
+        bar: a run starts, or a session opens."""
+        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags_a))
         self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
         self.query_one(DispatchLog).clear()
         self.query_one(CountersTable).reset()
         divergence = self.query_one(DivergenceBar)
-        divergence.show_line("no run yet in this session")
+        divergence.show_line(divergence_line)
         divergence.show_errors([])
-        self.query_one(StatusBar).set_activity("session opened: no run yet", running=False)
-        self.refresh_bindings()
 
     def on_flag_refused(self, message: events.FlagRefused) -> None:
         self.notify(message.message, title=f"{message.name}: refused", severity="warning", markup=False)
