@@ -16,4 +16,5 @@ class ByteTokenizer:
         return list(require_text(text).encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
-        return bytes(token_id for token_id in token_ids if 0 <= token_id < 256).decode("utf-8", errors="backslashreplace")
+        data = bytes(token_id for token_id in token_ids if 0 <= token_id < 256)
+        return data.decode("utf-8", errors="backslashreplace")

@@ -88,7 +88,8 @@ def run(args) -> int:
               f"A: {args.a or 'no overrides'} · B: {args.b or 'no overrides'}")
         print(divergence_line(engine, result_a, result_b, summary))
         if summary is not None and summary["logit_rel_err"]:
-            print("logit rel err per generated token: " + " ".join(f"{value:.2e}" for value in summary["logit_rel_err"]))
+            print("logit rel err per generated token: "
+                  + " ".join(f"{value:.2e}" for value in summary["logit_rel_err"]))
         for label, result in (("A", result_a), ("B", result_b)):
             print()
             if result is None:

@@ -190,8 +190,9 @@ def render_result(result: dict) -> Group:
     return Group(*parts)
 
 
-WORST_WORDS = {"row_error": "row error (fused vs masked)", "compared_with": "the key's visibility compared with the", "visible_in_masked": "key visible under the mask:",
-               "visible_in_causal": "visible causally:", "weight_in_causal": "its causal attention weight"}
+WORST_WORDS = {"row_error": "row error (fused vs masked)", "compared_with": "the key's visibility compared with the",
+               "visible_in_masked": "key visible under the mask:", "visible_in_causal": "visible causally:",
+               "weight_in_causal": "its causal attention weight"}
 
 
 def _worst_value(key: str, value) -> str:

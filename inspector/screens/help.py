@@ -72,7 +72,8 @@ PANELS = (
                         "kernel launches, where kernels ran)"),
     ("session", "every finished run, curve (once per distinct k, E, TILE_M), attention check and bench is a step "
                 "of the session named in the status bar (--session FILE, else an autosave under "
-                "$MOEI_SESSION_DIR, or ~/.cache/moe-inspector/sessions/ where it is not set), saved atomically with its results after each; flag changes "
+                "$MOEI_SESSION_DIR, or ~/.cache/moe-inspector/sessions/ where it is not set), saved atomically "
+                "with its results after each; flag changes "
                 "become the next step's config. Cancelled runs are not recorded. `moe-inspector run FILE` runs "
                 "it headless, `moe-inspector replay FILE` diffs a re-run against the recording"),
     ("replay", "left: the recorded results, right: the re-run; tokens from the first difference in reverse "

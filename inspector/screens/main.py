@@ -69,10 +69,15 @@ class Run:
                        if record.get("pairs_per_woken_observed") is not None})
 
 
+def emitting_steps(steps: list[dict]) -> list[int]:
+    """The dispatch log's steps that emitted a side's generated tokens, in order: entry i emitted token i (a prefill
+    chunk before the prompt's last emits none, so with a prompt longer than prefill_chunk the two numberings part)."""
+    return [step["step"] for step in steps if step.get("token") is not None]
+
+
 def token_step(steps: list[dict], index: int) -> int | None:
-    """The dispatch log's step that emitted generated token `index` of a side (a prefill chunk before the prompt's
-    last emits none, so with a prompt longer than prefill_chunk the two numberings part); None if not there."""
-    emitting = [step["step"] for step in steps if step.get("token") is not None]
+    """The dispatch log's step that emitted generated token `index` of a side; None if not there."""
+    emitting = emitting_steps(steps)
     return emitting[index] if index < len(emitting) else None
 
 
@@ -326,8 +331,7 @@ class MainScreen(Screen):
         run.running, run.cancelled, run.comparison = False, message.cancelled, message.comparison
         bar = self.query_one(DivergenceBar)
         if message.comparison is not None:
-            bar.show_errors(message.comparison["logit_rel_err"],
-                            [token_step(run.steps[A], index) for index in range(len(message.comparison["logit_rel_err"]))])
+            bar.show_errors(message.comparison["logit_rel_err"], emitting_steps(run.steps[A]))
         if message.cancelled:
             index = common_prefix_divergence(run.tokens[A], run.tokens[B])
             if B in run.generations and run.tokens[B]:

@@ -34,7 +34,7 @@ class DivergenceBar(Vertical):
         line.update(text)
         line.set_class(diverged, "-diverged")
 
-    def show_errors(self, errors: list[float], log_steps: list[int | None] | None = None) -> None:
+    def show_errors(self, errors: list[float], log_steps: list[int] | None = None) -> None:
         """`errors[i]`: generated token i's logit relative error; `log_steps[i]`: the dispatch log's step that
         emitted it (named beside the worst)."""
         self.errors = list(errors)
