@@ -72,6 +72,9 @@
 #   olmoe    OLMoE on the fused glue (its whole-projection q/k norms and clip_qkv between the q/k/v GEMV and
 #            rope_cache): the family-architecture GPU tests and the families' runtime tests, OLMoE-1B-7B's shape
 #            tg128 @ b1 with the fused glue (profiled) and with the torch forward's, bench/family_numerics.py on the GPU
+#   prefetch the flag l2_prefetch (known weights asked into L2 on a side stream while a one-row layer's latency-bound
+#            kernels run): its GPU tests, then Qwen3-30B-A3B tg128 @ b1 at off, attention+routing, attention, routing,
+#            off and attention+routing again, a process each (PREFETCH_VALUES picks others; the first two profiled)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -89,7 +92,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -215,6 +218,17 @@ for preload in on down+fused gemv+fused off on; do  # the logs only (the device 
     want preload && TAIL=0 stage 70 "qwen3_preload${index}_${preload/+/_}" "${BENCH[@]}" \
         --model bench/configs/qwen3-30b-a3b --weights random --reps 2 --set pdl_preload=$preload \
         && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_preload${index}_${preload/+/_}.log" | cut -c1-160)"
+done
+want prefetch && TAIL=8 stage 150 pytest_prefetch python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_l2_prefetch.py
+index=0
+for value in ${PREFETCH_VALUES:-off attention+routing attention routing off attention+routing}; do  # logs only
+    index=$((index + 1))
+    want prefetch && TAIL=0 stage 80 "qwen3_prefetch${index}_${value/+/_}" "${BENCH[@]}" \
+        --model bench/configs/qwen3-30b-a3b --weights random --reps 2 --set l2_prefetch=$value \
+        $([ $index -le 2 ] && echo --profile) \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)" \
+        && say "   | $(grep -h 'GPU busy' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)"
 done
 say "done in ${SECONDS}s"
 exit 0

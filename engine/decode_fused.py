@@ -5,7 +5,9 @@ for one new token per sequence, in a few launches per layer instead of about 90 
 the logits [B, V] float32 and writes each layer's keys and values into the cache. At B <= GEMV_ROWS
 the dense products are GEMVs (kernels.gemv) and the RMSNorm in front of the router and of the LM
 head, the top-k routing and the argmax fold into their GEMVs (kernels.gemv_fused), and with the hooks'
-`fold_qkv_norm` (the flag qkv_norm_fold) each attention norm into its q/k/v or latent GEMV; above it they are
+`fold_qkv_norm` (the flag qkv_norm_fold) each attention norm into its q/k/v or latent GEMV, and with its
+`l2_prefetch_windows` (the flag l2_prefetch) known weights are asked into L2 on a side stream meanwhile
+(engine.l2_prefetch); above it they are
 torch matmuls between kernels.rms_norm, rope_cache and router launches. With the hooks' `outputs`
 (`StepOutputs`, set by engine.batch_runner around a graphed step) the folds write the step's next
 tokens and woken counts straight into the step's host buffer. Rounding happens where the torch
@@ -40,6 +42,8 @@ import torch
 from engine import decode_fused_mla
 from engine.config import GROUPED_ROUTERS, ModelConfig
 from engine.family_experts import family_experts
+from engine.l2_prefetch import OFF as _NO_PREFETCH
+from engine.l2_prefetch import L2Prefetch
 from engine.rope import rope_inverse_frequency, yarn_inverse_frequency
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -282,6 +286,10 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
     # step that norms on its own computes, to the bit
     fold_qkv = gemv_rows and bool(getattr(hooks, "fold_qkv_norm", False))
     fold_first = gemv_rows and bool(getattr(hooks, "fold_first_norm", fold_qkv))
+    # The flag l2_prefetch: known weights asked into L2 on a side stream during latency-bound kernels (one row)
+    opened = getattr(hooks, "l2_prefetch_windows", frozenset())
+    prefetch = (L2Prefetch(opened, tokens.device) if opened and gemv_rows and c.latent_attention is None
+                else _NO_PREFETCH)
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
         if layer == 0 and carried is not None:  # this step's first norm, written by the step before's LM head
@@ -293,7 +301,9 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                            inv_freq, start, key_length, slots, cache, hooks, q_start)  # [B, D]
         else:
             qk_norm = (weights[p + "q_norm"], weights[p + "k_norm"], c.norm_eps) if c.qk_norm == "per_head" else None
-            q, start32 = rope_cache(_whole_norm_and_clip(c, weights, p, _qkv(c, weights, p, layer_input)), inv_freq,
+            qkv = _qkv(c, weights, p, layer_input)
+            prefetch.during("attention", (weights[p + "wo"], weights.get(p + "router")))
+            q, start32 = rope_cache(_whole_norm_and_clip(c, weights, p, qkv), inv_freq,
                                     start, slots, cache.k[layer], cache.v[layer], c.n_heads, qk_norm, rope_scale)
             # q [B, Hq, hd] rotated; k (rotated) and v in the cache; start32 the positions as int32
             k_rows, v_rows = cache.rows(layer, batch, key_length, slots)  # [B, Tk, Hkv, hd]
@@ -302,6 +312,8 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                        key_length)  # [B, 1, Hq, hd]
             o = dense(attended.reshape(batch, c.n_heads * c.head_dim), weights[p + "wo"],
                       bias=weights[p + "bo"] if c.attention_bias else None)  # [B, D]
+            if layer + 1 < c.n_layers:
+                prefetch.during("routing", (packed_qkv(weights, f"layers.{layer + 1}."),))
         x = layer_input.x  # the residual stream after the attention norm's add
         norm = Norm(weights[p + "moe_norm"], c.norm_eps, residual=o, rounds_once=once)
         if layer in dense_layers:  # a dense SwiGLU MLP: no router, no experts, no MoE record
@@ -352,9 +364,12 @@ def forward_decode(config: ModelConfig, weights: dict[str, torch.Tensor], tokens
                                      rounds_once=once)
             pick = Pick(outputs.observed[:batch], outputs.inputs, following)
         logits = gemv_fused(x, head, torch.float32, norm=replace(norm, exact=True), pick=pick).out  # [B, V]
+        prefetch.join()
         if pick is not None:
             outputs.picked = True
             outputs.carried_out = pick.next_norm is not None
         return logits
     x, h = _rms_norm(x, norm)
-    return dense(h, head, torch.float32)  # [B, V]
+    logits = dense(h, head, torch.float32)  # [B, V]
+    prefetch.join()
+    return logits

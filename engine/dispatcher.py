@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from engine import calibration, dispatch, mla, routing, routing_file, routing_record
+from engine import calibration, dispatch, l2_prefetch, mla, routing, routing_file, routing_record
 from engine.arms import ARMS, Counters
 from engine.attention_dispatch import MLA_REFERENCE, UNFUSED, decide_attention, decide_layer_attention
 from engine.devices import device_label
@@ -96,6 +96,7 @@ class Dispatcher:
         # qkv_norm_fold); the first layer's only where carry_norm is off (else the step before's LM head norms it)
         self.fold_qkv_norm = bool(flags["qkv_norm_fold"])
         self.fold_first_norm = self.fold_qkv_norm and not flags["carry_norm"]
+        self.l2_prefetch_windows = l2_prefetch.windows(flags["l2_prefetch"])  # engine.decode_fused reads it too
         self.timer = _Timer(engine.device)
         self.engaged: set[tuple] = set()
         self.engagements: list[str] = []

@@ -35,6 +35,7 @@ TILE_M_CHOICES = (16, 32, 64)
 GATE_NAMES = ("floor", "tile-fill", "measured", "gemv", "grouped", "reference", "dequant")
 FUSED_MASK_MODES = ("honor", "decline", "drop")
 LAYER_TIMINGS = ("profile", "events", "off")
+L2_PREFETCH = ("off", "attention", "routing", "attention+routing")  # engine.l2_prefetch's windows
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,11 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "with PDL, these kernels load their first weight tile before the wait (timing only)"),
     FlagSpec("stream_weights", True, "on or off", _parse_switch, "bool", (True, False),
              "streamed weights load with L2 evict_first, so the step's small data stays in L2 (timing only)"),
+    FlagSpec("l2_prefetch", "off", "off, attention, routing or attention+routing", _parse_choice(L2_PREFETCH),
+             "select", L2_PREFETCH,
+             "at a one-row decode step, weights asked into L2 on a side stream while latency-bound kernels run: "
+             "attention = the o projection's and the router's during attention, routing = the next layer's q/k/v "
+             "during the router's fold (timing only; not latent-attention layers)"),
     FlagSpec("record_routing", False, "on or off", _parse_switch, "bool", (True, False),
              "keep every step's top-k expert ids and weights per MoE layer (copied to the host once per step, "
              "with the step's outputs); --record-routing FILE writes them (engine.routing_record)"),

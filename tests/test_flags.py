@@ -13,7 +13,7 @@ def test_defaults_match_the_design():
                                "qkv_norm_fold": True,
                                "prefill_chunk": 512, "nonfinite_weights": "refuse", "steps_per_graph": 8,
                                "mixed_steps": True, "layer_timing": "profile", "run_ahead": True, "carry_norm": True,
-                               "pdl": True, "pdl_preload": "on", "stream_weights": True,
+                               "pdl": True, "pdl_preload": "on", "stream_weights": True, "l2_prefetch": "off",
                                "record_routing": False, "routing_cap_mb": 256}
     assert set(resolved.sources.values()) == {flags.DEFAULT}
 

@@ -32,42 +32,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from kernels.gemv import gemv  # noqa: E402
+from kernels.l2_prefetch import prefetch_l2  # noqa: E402
 
 REPS = 40
 CYCLES_PER_US = 1980  # the H200's boost clock; the spin's length in us is measured below
 
 
-@triton.jit
-def _bulk_prefetch(address, nbytes):
-    """One bulk prefetch of [address, address + nbytes) into L2 by the program's first thread;
-    `address` 16-byte aligned and `nbytes` a multiple of 16."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address.to(tl.pointer_type(tl.int8)), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_kernel(base_ptr, nbytes, per_program, CHUNK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * per_program
-    end = tl.minimum(start + per_program, nbytes)
-    for offset in range(start, end, CHUNK):
-        _bulk_prefetch(base_ptr + offset, tl.minimum(end - offset, CHUNK))
-
-
 def prefetch(weight: torch.Tensor, programs: int = 32, chunk: int = 65536) -> None:
-    """Bulk L2 prefetches over all of `weight`'s bytes (contiguous, 16-byte aligned, a multiple of 16 bytes
-    long) from `programs` programs, `chunk` bytes per instruction, on the current stream."""
-    nbytes = weight.numel() * weight.element_size()
-    if not weight.is_contiguous() or weight.data_ptr() % 16 or nbytes % 16 or chunk % 16:
-        raise ValueError("prefetch: a contiguous, 16-byte aligned weight of a multiple of 16 bytes")
-    per_program = -(-(-(-nbytes // programs)) // chunk) * chunk  # whole chunks per program
-    _prefetch_kernel[(-(-nbytes // per_program),)](weight.reshape(-1).view(torch.uint8), nbytes, per_program,
-                                                   CHUNK=chunk, num_warps=1)
+    """Bulk L2 prefetches over all of `weight`'s bytes from `programs` programs, `chunk` bytes per instruction,
+    on the current stream (kernels.l2_prefetch, what the flag l2_prefetch launches)."""
+    prefetch_l2(weight, programs=programs, chunk=chunk)
 
 
 def _timed(before, work, reps=REPS) -> float:
