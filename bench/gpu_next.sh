@@ -75,6 +75,8 @@
 #   prefetch the flag l2_prefetch (known weights asked into L2 on a side stream while a one-row layer's latency-bound
 #            kernels run): its GPU tests, then Qwen3-30B-A3B tg128 @ b1 at off, attention+routing, attention, routing,
 #            off and attention+routing again, a process each (PREFETCH_VALUES picks others; the first two profiled)
+#   pace     the same rows with the prefetch paced (bench/experiments/prefetch_pace.py: a pause after each 64 KB
+#            chunk of each of 16 programs; PACES lists value:pause_ns pairs)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -92,7 +94,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -229,6 +231,14 @@ for value in ${PREFETCH_VALUES:-off attention+routing attention routing off atte
         $([ $index -le 2 ] && echo --profile) \
         && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)" \
         && say "   | $(grep -h 'GPU busy' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)"
+done
+index=0
+for paced in ${PACES:-routing:500 routing:1000 attention+routing:500 attention+routing:1000 off:0}; do  # logs only
+    index=$((index + 1)) value=${paced%%:*} pause=${paced##*:}
+    want pace && TAIL=0 stage 80 "qwen3_pace${index}_${value/+/_}_${pause}" python3 bench/experiments/prefetch_pace.py \
+        --pause-ns $pause "${BENCH[@]:3}" --model bench/configs/qwen3-30b-a3b --weights random --reps 2 \
+        --set l2_prefetch=$value \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_pace${index}_${value/+/_}_${pause}.log" | cut -c1-160)"
 done
 say "done in ${SECONDS}s"
 exit 0

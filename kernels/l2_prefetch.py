@@ -19,6 +19,7 @@ from kernels import launches
 
 CHUNK_BYTES = 65536  # one bulk prefetch instruction's span (bench/experiments/probe_l2.py: no gain above 64 KB)
 PROGRAMS = 16  # one-warp programs a prefetch spreads over (probe_l2.py: 8-32 alike for 17-42 MB)
+PAUSE_NS = 0  # each program's pause after each chunk: paces the prefetch below the copy bandwidth (0: no pause)
 
 
 @triton.jit
@@ -31,11 +32,20 @@ def _bulk_prefetch(address, nbytes):
 
 
 @triton.jit
-def _prefetch_kernel(base_ptr, nbytes, per_program, CHUNK: tl.constexpr):
+def _pause(nanoseconds: tl.constexpr, after):
+    """About `nanoseconds` of this thread's sleep (PTX nanosleep), ordered after `after`."""
+    tl.inline_asm_elementwise(f"nanosleep.u32 {nanoseconds}; mov.u32 $0, $1;", "=r,r", [after], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_kernel(base_ptr, nbytes, per_program, CHUNK: tl.constexpr, PAUSE_NS: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * per_program
     end = tl.minimum(start + per_program, nbytes)
     for offset in range(start, end, CHUNK):
         _bulk_prefetch(base_ptr + offset, tl.minimum(end - offset, CHUNK))
+        if PAUSE_NS > 0:
+            _pause(PAUSE_NS, offset.to(tl.int32))
 
 
 def supported(device: torch.device) -> bool:
@@ -56,17 +66,22 @@ def refusal(t: torch.Tensor) -> str:
     return ""
 
 
-def prefetch_l2(t: torch.Tensor, programs: int = PROGRAMS, chunk: int = CHUNK_BYTES) -> None:
+def prefetch_l2(t: torch.Tensor, programs: int | None = None, chunk: int | None = None,
+                pause_ns: int | None = None) -> None:
     """Ask L2 for all of t's bytes, on the current stream: `programs` one-warp programs of whole `chunk`-byte
-    prefetches. ValueError where `refusal(t)` names a reason or the device is not `supported`."""
+    prefetches, each program pausing `pause_ns` after each chunk (None: the module's PROGRAMS, CHUNK_BYTES,
+    PAUSE_NS). ValueError where `refusal(t)` names a reason or the device is not `supported`."""
+    programs = PROGRAMS if programs is None else programs
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    pause_ns = PAUSE_NS if pause_ns is None else pause_ns
     reason = refusal(t) or ("" if supported(t.device) else f"{t.device} has no bulk L2 prefetch (sm_90 and later)")
     if reason:
         raise ValueError(f"prefetch_l2: {reason}")
-    if chunk <= 0 or chunk % 16 or programs < 1:
-        raise ValueError(f"prefetch_l2: chunk must be a positive multiple of 16 and programs >= 1, got {chunk}, "
-                         f"{programs}")
+    if chunk <= 0 or chunk % 16 or programs < 1 or not 0 <= pause_ns < 1 << 20:
+        raise ValueError(f"prefetch_l2: chunk must be a positive multiple of 16, programs >= 1 and pause_ns in "
+                         f"[0, 2^20), got {chunk}, {programs}, {pause_ns}")
     nbytes = t.numel() * t.element_size()
     per_program = triton.cdiv(triton.cdiv(nbytes, programs), chunk) * chunk  # whole chunks per program
     _prefetch_kernel[(triton.cdiv(nbytes, per_program),)](t.reshape(-1).view(torch.uint8), nbytes, per_program,
-                                                          CHUNK=chunk, num_warps=1)
+                                                          CHUNK=chunk, PAUSE_NS=pause_ns, num_warps=1)
     launches.record("l2_prefetch", kernel=_prefetch_kernel)

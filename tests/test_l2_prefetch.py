@@ -120,8 +120,8 @@ def test_off_or_three_rows_make_no_prefetcher(monkeypatch):
 def test_gpu_prefetch_leaves_its_tensor_alone_and_refuses_a_misaligned_one():
     weight = torch.randn(5120, 2048, device="cuda", dtype=torch.bfloat16)
     before = weight.clone()
-    for programs, chunk in ((16, 65536), (3, 4096), (200, 16)):
-        prefetch_l2(weight, programs=programs, chunk=chunk)
+    for programs, chunk, pause_ns in ((16, 65536, 0), (3, 4096, 200), (200, 16, 0)):
+        prefetch_l2(weight, programs=programs, chunk=chunk, pause_ns=pause_ns)
     torch.cuda.synchronize()
     assert torch.equal(weight, before)
     with pytest.raises(ValueError, match="aligned"):
