@@ -77,6 +77,8 @@
 #            off and attention+routing again, a process each (PREFETCH_VALUES picks others; the first two profiled)
 #   pace     the same rows with the prefetch paced (bench/experiments/prefetch_pace.py: a pause after each 64 KB
 #            chunk of each of 16 programs; PACES lists value:pause_ns pairs)
+#   families OLMoE-1B-7B's, Qwen1.5-MoE-A2.7B's and gpt-oss-20b's shapes tg128 @ b1 with the fused glue and with the
+#            torch forward's (runs 101-103 measured them on an H100), then bench/family_numerics.py on the GPU
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -94,7 +96,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace,families 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -232,6 +234,15 @@ for value in ${PREFETCH_VALUES:-off attention+routing attention routing off atte
         && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)" \
         && say "   | $(grep -h 'GPU busy' "$OUT/qwen3_prefetch${index}_${value/+/_}.log" | cut -c1-160)"
 done
+for family in olmoe qwen2 gptoss; do  # the families' fused glue against the torch forward's, tg128 @ b1, one call
+    case $family in olmoe) args=("${OLMOE[@]}");; qwen2) args=("${QWEN2[@]}");; gptoss) args=("${GPT_OSS[@]}" --batch 1 --reps 2);; esac
+    want families && TAIL=0 stage 90 "${family}_fused" python3 -m inspector bench "${args[@]}" \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${family}_fused.log" | cut -c1-160)"
+    want families && TAIL=0 stage 90 "${family}_torch" python3 bench/experiments/torch_glue.py bench "${args[@]}" \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${family}_torch.log" | cut -c1-160)"
+done
+want families && TAIL=12 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \
+    --out "$OUT/family_numerics.json"
 index=0
 for paced in ${PACES:-routing:500 routing:1000 attention+routing:500 attention+routing:1000 off:0}; do  # logs only
     index=$((index + 1)) value=${paced%%:*} pause=${paced##*:}
