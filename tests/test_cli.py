@@ -67,6 +67,8 @@ def test_compare_drop_vs_honor_on_demo_diverges(capsys):
     (["curve", "--tile-m", "0"], "--tile-m 0: the grouped GEMM's m-tiles are 16, 32, 64"),
     (["generate", "--model", "tiny", "--prompt", "x" * 600], "longer than the tiny context of 512"),
     (["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "9999"],
+     "plus --max-tokens 9999 exceeds the tiny context of 512"),  # the TUI names its box instead (test_tui)
     (["compare", "--model", "tiny", "--prompt", "x", "--a", "fused_mask=sometimes"], "fused_mask in --a"),
     (["curve", "--k", "9", "--experts", "8"], "need 1 <= k <= experts"),
     (["curve", "--tokens", "1,zero"], "comma-separated integers"),

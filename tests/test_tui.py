@@ -173,6 +173,23 @@ async def test_a_refused_prompt_keeps_its_whole_reason_in_the_status_bar_at_80_c
 
 
 @synchronously
+async def test_a_prompt_past_the_context_names_the_max_tokens_box_not_the_cli_option(engine):
+    """The TUI's refusal said '--max-tokens', an option its user never types; it names the box's label."""
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        main = app.main_screen
+        main.query_one("#prompt").value = "hello"
+        main.query_one("#max-tokens").value = "9999"
+        main.query_one("#prompt").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        activity = main.query_one("#status").activity
+        label = str(main.query_one("#max-tokens-label").render())
+        assert main.current_run is None and "--max-tokens" not in activity
+        assert f"plus {label} 9999 exceeds the tiny context of 512: ask for at most 507 tokens" in activity
+
+
+@synchronously
 async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
     app = make_app(engine)
     async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:

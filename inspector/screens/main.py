@@ -38,7 +38,7 @@ from inspector.widgets.dispatch_log import DispatchLog
 from inspector.widgets.divergence_bar import DivergenceBar, common_prefix_divergence
 from inspector.widgets.flags_panel import FlagsPanel
 from inspector.widgets.output_pane import OutputPane, tokenizer_token_text
-from inspector.widgets.prompt_bar import PromptBar
+from inspector.widgets.prompt_bar import MAX_TOKENS_LABEL, PromptBar
 from inspector.widgets.status_bar import StatusBar
 
 B_SOURCE = "B override"
@@ -84,7 +84,7 @@ def token_step(steps: list[dict], index: int) -> int | None:
 def parse_max_tokens(text: str) -> int:
     text = text.strip()
     if not text.isdigit() or int(text) < 1:
-        raise UserError(f"max tokens {text!r}: give a whole number >= 1 (e.g. 48)")
+        raise UserError(f"{MAX_TOKENS_LABEL} {text!r}: give a whole number >= 1 (e.g. 48)")
     return int(text)
 
 
@@ -218,7 +218,7 @@ class MainScreen(Screen):
         status = self.query_one(StatusBar)
         try:
             max_tokens = parse_max_tokens(max_tokens_text)
-            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens)
+            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens, max_tokens_name=MAX_TOKENS_LABEL)
         except UserError as error:
             status.set_activity(f"not run: {error}", running=False, alert=True)
             self.notify(str(error), title="not run", severity="error", markup=False)
