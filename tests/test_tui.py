@@ -653,6 +653,42 @@ async def test_narrow_screens_fold_the_flags_and_the_counters(engine):
 
 
 @synchronously
+async def test_escape_closes_the_narrow_flags_overlay_before_it_cancels_a_run(engine):
+    """On a narrow screen escape did nothing to the flags panel lying over the log; it closes it, and only
+    once it is closed does escape cancel the running generation."""
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        def footer_says(key: str) -> str | None:
+            active = app.screen.active_bindings.get(key)
+            return active.binding.description if active is not None and active.binding.show else None
+
+        await pilot.pause()
+        main = app.main_screen
+        flags = main.query_one(FlagsPanel)
+        assert footer_says("escape") is None
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        assert flags.display and footer_says("escape") == "Close"
+        assert footer_says("f6") is None  # in its place, so Quit still fits 80 columns (the snapshot shows it)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not flags.display and app.focused.id == "prompt" and footer_says("escape") is None
+        assert footer_says("f6") == "Flags"
+        assert main.start_run("hello", "400")
+        await wait_until(pilot, lambda: len(main.current_run.tokens[events.A]) >= 2)
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        assert flags.display and footer_says("escape") == "Close"
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not flags.display and not main.current_run.cancel.is_set()  # the overlay only
+        assert footer_says("escape") == "Cancel"
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not main.current_run.running)
+        assert main.current_run.cancelled
+
+
+@synchronously
 async def test_every_screen_has_its_own_footer_keys(engine):
     app = make_app(engine)
     async with app.run_test(size=SIZE) as pilot:
