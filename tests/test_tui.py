@@ -315,6 +315,11 @@ async def test_edit_b_applies_and_refuses(engine):
         await pilot.pause()
         assert isinstance(app.screen, EditBScreen)  # refused in place
         assert "honor, decline or drop" in str(app.screen.query_one("#b-refusal").render())
+        box.value = "flash_512=off,"  # refused as compare --b refuses it, not taken as flash_512=off
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, EditBScreen)
+        assert "item 2 of 2 is empty" in str(app.screen.query_one("#b-refusal").render())
         box.value = "flash_512=off, fused_mask=decline"
         await pilot.press("enter")
         await pilot.pause()
