@@ -360,15 +360,19 @@ class Engine:
             raise UserError(self.text_refusal)
         return self.tokenizer.encode(prompt)
 
-    def check_length(self, prompt_tokens: list[int], max_tokens: int) -> None:
+    def check_length(self, prompt_tokens: list[int], max_tokens: int, *,
+                     max_tokens_name: str = "--max-tokens") -> None:
+        """Raises UserError unless `max_tokens` >= 1 and the prompt plus `max_tokens` fit the model's context.
+        `max_tokens_name` is what the caller's user sets the count with, named in the refusal: the command
+        line's option by default; the TUI passes its field's label."""
         context = self.config.max_seq_len
         if max_tokens < 1:
-            raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+            raise UserError(f"{max_tokens_name} must be >= 1, got {max_tokens}")
         if len(prompt_tokens) > context:
             raise UserError(f"the prompt is {len(prompt_tokens)} tokens, longer than the {self.config.name} "
                             f"context of {context}: shorten it")
         if len(prompt_tokens) + max_tokens > context:
-            raise UserError(f"the prompt ({len(prompt_tokens)} tokens) plus --max-tokens {max_tokens} exceeds the "
+            raise UserError(f"the prompt ({len(prompt_tokens)} tokens) plus {max_tokens_name} {max_tokens} exceeds the "
                             f"{self.config.name} context of {context}: ask for at most "
                             f"{context - len(prompt_tokens)} tokens")
 

@@ -30,6 +30,7 @@ from typing import TextIO
 import torch
 
 from engine import trellis_checkpoint as tc
+from engine.comma_list import split_items
 from engine.errors import UserError
 from engine.progress import Progress
 from engine.trellis_quantizer import quantization_report, quantize_stack
@@ -49,7 +50,7 @@ def parse_experts(text: str) -> TrellisCode:
     if kind != "trellis":
         raise UserError(f"--experts {text!r}: the expert format must be {allowed}")
     values: dict[str, str] = {}
-    for item in filter(None, options.split(",")):
+    for item in split_items(options, "--experts"):
         key, equals, value = item.partition("=")
         if not equals or key not in ("K", "V", "code") or key in values:
             raise UserError(f"--experts {text!r}: {item!r} is not K=, V= or code= (or is given twice); use {allowed}")

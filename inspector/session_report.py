@@ -17,6 +17,8 @@ from engine.printable import printable
 from inspector.describe import fill_text
 
 FORMATS = ("md", "json", "jsonl", "csv")
+# A replay's verdict when there was nothing to compare (the CLI's heading, the TUI's replay screen): never a match.
+NO_STEPS = "the session has no steps to compare"
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,8 +426,12 @@ def replay_json(recorded_header: dict, recorded: list[dict], rerun_header: dict,
 
 def render_replay(recorded_header: dict, recorded: list[dict], rerun_header: dict, rerun: list[dict],
                   differences: list[str], cancelled: bool = False) -> str:
-    verdict = ("matches the recording" if not differences else
-               f"{len(differences)} difference{'s' if len(differences) != 1 else ''} from the recording")
+    """The replay for people: a heading with the verdict, a row per step and configuration, the differences,
+    both build lines. A session with no steps says so in its heading and claims no match: nothing was compared."""
+    if differences:
+        verdict = f"{len(differences)} difference{'s' if len(differences) != 1 else ''} from the recording"
+    else:
+        verdict = "matches the recording" if recorded or rerun else NO_STEPS
     out = [f"# replay of `{recorded_header.get('session')}`: {verdict}", ""]
     if cancelled:
         out += [f"**Cancelled** (Ctrl-C) after {len(rerun)} of {len(recorded)} steps: only those are compared.", ""]
@@ -433,8 +439,6 @@ def render_replay(recorded_header: dict, recorded: list[dict], rerun_header: dic
         out += ["Tokens, counters and decisions must match; timings are shown, not compared.", "",
                 markdown_table(replay_rows(recorded, rerun),
                                right=("step", "wall s recorded", "wall s now")), ""]
-    else:
-        out += ["The session has no steps: nothing was recorded and nothing ran again.", ""]
     if differences:
         out += ["## differences", ""] + [f"- {difference}" for difference in differences] + [""]
     held, failed = check_counts(rerun)

@@ -67,6 +67,8 @@ def test_compare_drop_vs_honor_on_demo_diverges(capsys):
     (["curve", "--tile-m", "0"], "--tile-m 0: the grouped GEMM's m-tiles are 16, 32, 64"),
     (["generate", "--model", "tiny", "--prompt", "x" * 600], "longer than the tiny context of 512"),
     (["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "9999"],
+     "plus --max-tokens 9999 exceeds the tiny context of 512"),  # the TUI names its box instead (test_tui)
     (["compare", "--model", "tiny", "--prompt", "x", "--a", "fused_mask=sometimes"], "fused_mask in --a"),
     (["curve", "--k", "9", "--experts", "8"], "need 1 <= k <= experts"),
     (["curve", "--tokens", "1,zero"], "comma-separated integers"),
@@ -76,6 +78,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, fragment):
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert fragment in error and error.count("\n") == 1 and "Traceback" not in error
+
+
+@pytest.mark.parametrize("argv, item", [
+    (["compare", "--model", "tiny", "--prompt", "x", "--a", "pdl=off,"], "--a 'pdl=off,': item 2 of 2"),
+    (["compare", "--model", "tiny", "--prompt", "x", "--b", "pdl=off,,tile_m=32"],
+     "--b 'pdl=off,,tile_m=32': item 2 of 3"),
+    (["compare", "--model", "tiny", "--prompt", "x", "--a", " , "], "item 1 of 2"),  # blank items, not a blank list
+    (["ab", "--a", ",pdl=off", "--b", "pdl=on"], "--a ',pdl=off': item 1 of 2"),
+    (["quantize", "tiny", "--experts", "trellis:K=2,code=hyb,", "--out", "{tmp}/out"], "item 3 of 3"),
+    (["sweep", "--model", "tiny", "--experts", "trellis:K=2,,code=hyb"], "item 2 of 3"),
+])
+def test_every_comma_list_of_name_value_refuses_an_empty_item(capsys, tmp_path, argv, item):
+    """A trailing comma or an empty item was dropped by --a/--b and --experts; every such list refuses it alike."""
+    assert main([part.replace("{tmp}", str(tmp_path)) for part in argv]) == 2
+    error = capsys.readouterr().err
+    assert f"{item} is empty" in error and "remove the extra comma" in error and error.count("\n") == 1
 
 
 def test_real_process_exit_code_and_no_traceback():

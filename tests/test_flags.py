@@ -68,6 +68,17 @@ def test_parsing_normalises_values():
     assert parsed == {"moe_gate": "threshold:16", "flash_512": False, "tile_m": 32}
 
 
+def test_a_comma_list_splits_strictly_and_blank_is_no_items():
+    from engine.comma_list import parse_flag_list, split_items
+
+    assert split_items("  ", "--a") == [] and parse_flag_list("", "--a") == {}
+    assert split_items(" flash_512=off , tile_m=32 ", "--a") == ["flash_512=off", "tile_m=32"]
+    for text, place in (("pdl=off,", "after the last comma"), (",pdl=off", "before the first comma"),
+                        ("a=1,,b=2", "between commas 1 and 2"), ("a=1, ,b=2", "between commas 1 and 2")):
+        with pytest.raises(UserError, match=f"nothing {place}"):
+            parse_flag_list(text, "--a")
+
+
 def test_tile_m_choices_match_the_kernel():
     grouped = pytest.importorskip("kernels.moe_grouped")
     assert flags.TILE_M_CHOICES == grouped.TILE_M_CHOICES

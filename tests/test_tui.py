@@ -173,6 +173,23 @@ async def test_a_refused_prompt_keeps_its_whole_reason_in_the_status_bar_at_80_c
 
 
 @synchronously
+async def test_a_prompt_past_the_context_names_the_max_tokens_box_not_the_cli_option(engine):
+    """The TUI's refusal said '--max-tokens', an option its user never types; it names the box's label."""
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        main = app.main_screen
+        main.query_one("#prompt").value = "hello"
+        main.query_one("#max-tokens").value = "9999"
+        main.query_one("#prompt").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        activity = main.query_one("#status").activity
+        label = str(main.query_one("#max-tokens-label").render())
+        assert main.current_run is None and "--max-tokens" not in activity
+        assert f"plus {label} 9999 exceeds the tiny context of 512: ask for at most 507 tokens" in activity
+
+
+@synchronously
 async def test_fused_mask_drop_is_resolved_in_the_next_run(engine, tmp_path):
     app = make_app(engine)
     async with app.run_test(size=SIZE, message_hook=app.messages.append) as pilot:
@@ -298,6 +315,11 @@ async def test_edit_b_applies_and_refuses(engine):
         await pilot.pause()
         assert isinstance(app.screen, EditBScreen)  # refused in place
         assert "honor, decline or drop" in str(app.screen.query_one("#b-refusal").render())
+        box.value = "flash_512=off,"  # refused as compare --b refuses it, not taken as flash_512=off
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, EditBScreen)
+        assert "item 2 of 2 is empty" in str(app.screen.query_one("#b-refusal").render())
         box.value = "flash_512=off, fused_mask=decline"
         await pilot.press("enter")
         await pilot.pause()
@@ -633,6 +655,42 @@ async def test_narrow_screens_fold_the_flags_and_the_counters(engine):
         await pilot.pause()
         main = pilot.app.main_screen
         assert not main.narrow and main.query_one(FlagsPanel).display and not main.query_one("#counters").compact
+
+
+@synchronously
+async def test_escape_closes_the_narrow_flags_overlay_before_it_cancels_a_run(engine):
+    """On a narrow screen escape did nothing to the flags panel lying over the log; it closes it, and only
+    once it is closed does escape cancel the running generation."""
+    app = make_app(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        def footer_says(key: str) -> str | None:
+            active = app.screen.active_bindings.get(key)
+            return active.binding.description if active is not None and active.binding.show else None
+
+        await pilot.pause()
+        main = app.main_screen
+        flags = main.query_one(FlagsPanel)
+        assert footer_says("escape") is None
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        assert flags.display and footer_says("escape") == "Close"
+        assert footer_says("f6") is None  # in its place, so Quit still fits 80 columns (the snapshot shows it)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not flags.display and app.focused.id == "prompt" and footer_says("escape") is None
+        assert footer_says("f6") == "Flags"
+        assert main.start_run("hello", "400")
+        await wait_until(pilot, lambda: len(main.current_run.tokens[events.A]) >= 2)
+        await pilot.press("f6")
+        await pilot.pause(0.2)
+        assert flags.display and footer_says("escape") == "Close"
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not flags.display and not main.current_run.cancel.is_set()  # the overlay only
+        assert footer_says("escape") == "Cancel"
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not main.current_run.running)
+        assert main.current_run.cancelled
 
 
 @synchronously

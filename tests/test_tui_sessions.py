@@ -382,7 +382,7 @@ async def test_palette_and_help_offer_the_session_screens(engine, tmp_path):
         await pilot.press("enter")
         await pilot.pause(0.2)
         assert isinstance(app.screen, ReplayScreen)
-        assert "no steps recorded yet" in text_of(app.screen.query_one("#replay-head"))
+        assert "the session has no steps to compare yet" in text_of(app.screen.query_one("#replay-head"))
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"save ses")

@@ -97,11 +97,12 @@ def _tree(args, name: str):
 def _sides(args):
     from engine import ab
     from engine import flags as registry
+    from engine.comma_list import parse_flag_list
 
     base = registry.resolve(args.set_flags)
     sides = {}
     for name, text in (("A", args.a), ("B", args.b)):
-        overrides = registry.parse_assignments(text, f"--{name.lower()}")
+        overrides = parse_flag_list(text, f"--{name.lower()}")
         flags = base.with_overrides(overrides, registry.COMMAND_LINE)
         assignments = list(args.set_flags) + [f"{key}={registry.format_value(key, value)}"
                                               for key, value in overrides.items()]

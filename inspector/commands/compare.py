@@ -10,6 +10,7 @@ exit 130 and "cancelled": true in JSON.
 from __future__ import annotations
 
 from engine import flags as flag_registry
+from engine.comma_list import parse_flag_list
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector import records
@@ -47,8 +48,8 @@ def run(args) -> int:
     fmt = output_format(args)
     prompt = prompt_of(args)
     base = flag_registry.resolve(args.set_flags)
-    flags_a = base.with_overrides(flag_registry.parse_assignments(args.a, "--a"), flag_registry.COMMAND_LINE)
-    flags_b = base.with_overrides(flag_registry.parse_assignments(args.b, "--b"), flag_registry.COMMAND_LINE)
+    flags_a = base.with_overrides(parse_flag_list(args.a, "--a"), flag_registry.COMMAND_LINE)
+    flags_b = base.with_overrides(parse_flag_list(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True)
     check_generation_size(engine, prompt, args.max_tokens)

@@ -1,7 +1,7 @@
 """Edit configuration B: the flag overrides B applies on top of A (`FLAG=VALUE, ...`).
 
-Validated with `engine.flags.parse_assignments`, the same parser as `--set`; a bad entry is
-refused in place with the parser's message, and B keeps its previous overrides.
+Validated with `engine.comma_list.parse_flag_list`, the parser of `compare --b`; a bad entry (an empty
+one too) is refused in place with the parser's message, and B keeps its previous overrides.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Static
 
 from engine.errors import UserError
-from engine.flags import SPECS, format_value, parse_assignments
+from engine.comma_list import parse_flag_list
+from engine.flags import SPECS, format_value
 from inspector.widgets.config_b_row import DEFAULT_B_OVERRIDES
 
 WHERE = "configuration B"
@@ -58,7 +59,7 @@ class EditBScreen(ModalScreen[dict | None]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         try:
-            overrides = parse_assignments(event.value, WHERE)
+            overrides = parse_flag_list(event.value, WHERE)
         except UserError as error:
             refusal = self.query_one("#b-refusal", Static)
             refusal.update(f"refused: {error}")

@@ -16,7 +16,8 @@ KEYS = (
                "prompt keeps all its lines"),
     ("↑ / ↓", "in the prompt box, on its first / last line: earlier / later prompts (ctrl+↑ / ctrl+↓ anywhere)"),
     ("ctrl+n", "load a prompt from a text file into the prompt box (`moe-inspector --prompt-file F` at start)"),
-    ("escape", "main screen: cancel the running generation (the engine stops at its next step)"),
+    ("escape", "main screen: close the flags panel where it lies over a narrow screen; otherwise cancel the "
+               "running generation (the engine stops at its next step)"),
     ("f1  ?", "this help (? only outside text boxes)"),
     ("f2", "tile-fill screen: predicted pairs per woken expert against n, TILE_M, the policy's boundary, "
            "this run's observed points; a sweep file's µs per arm"),
@@ -25,7 +26,7 @@ KEYS = (
     ("f4", "edit configuration B (A's flags with overrides)"),
     ("f5", "dispatch log: follow the newest rows again"),
     ("f6", "the flags panel (then tab / shift+tab between flags; enter opens a select or applies a box); on a "
-           "narrow screen it is folded away and f6 opens and closes it"),
+           "narrow screen it is folded away, f6 opens and closes it and escape closes it"),
     ("ctrl+l", "focus the prompt box (on the tile-fill screen: the sweep file box)"),
     ("enter  (log)", "on a dispatch-log row: its whole decision (inputs, reason, arms, µs and how they were "
                      "timed); ←/→ there walk the rows"),

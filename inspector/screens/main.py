@@ -38,7 +38,7 @@ from inspector.widgets.dispatch_log import DispatchLog
 from inspector.widgets.divergence_bar import DivergenceBar, common_prefix_divergence
 from inspector.widgets.flags_panel import FlagsPanel
 from inspector.widgets.output_pane import OutputPane, tokenizer_token_text
-from inspector.widgets.prompt_bar import PromptBar
+from inspector.widgets.prompt_bar import MAX_TOKENS_LABEL, PromptBar
 from inspector.widgets.status_bar import StatusBar
 
 B_SOURCE = "B override"
@@ -84,7 +84,7 @@ def token_step(steps: list[dict], index: int) -> int | None:
 def parse_max_tokens(text: str) -> int:
     text = text.strip()
     if not text.isdigit() or int(text) < 1:
-        raise UserError(f"max tokens {text!r}: give a whole number >= 1 (e.g. 48)")
+        raise UserError(f"{MAX_TOKENS_LABEL} {text!r}: give a whole number >= 1 (e.g. 48)")
     return int(text)
 
 
@@ -115,6 +115,9 @@ def _show_keys(node, shown: dict[str, bool]) -> None:
 class MainScreen(Screen):
     # Short words: at 80 columns the footer shows the keys that fit (show_footer_keys; help and palette list all).
     BINDINGS = [
+        # One key, two meanings: the first enabled binding wins (check_action), so escape closes the flags panel
+        # lying over a narrow screen and only otherwise cancels the running generation.
+        Binding("escape", "close_flags", "Close"),
         Binding("escape", "cancel", "Cancel"),
         Binding("f1", "app.help", "Help"),  # here too, so the footer shows it before the screen's keys
         Binding("f2", "tile_fill", "Fill"),
@@ -177,8 +180,8 @@ class MainScreen(Screen):
     def on_resize(self, event) -> None:
         narrow = self.size.width < WIDE
         self.query_one(CountersTable).set_compact(narrow)
-        if not narrow:
-            self.remove_class("-flags-open")
+        if not narrow and self.has_class("-flags-open"):
+            self.overlay_flags(False)
         self.show_footer_keys(self.size.width)
 
     def show_footer_keys(self, width: int) -> None:
@@ -218,7 +221,7 @@ class MainScreen(Screen):
         status = self.query_one(StatusBar)
         try:
             max_tokens = parse_max_tokens(max_tokens_text)
-            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens)
+            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens, max_tokens_name=MAX_TOKENS_LABEL)
         except UserError as error:
             status.set_activity(f"not run: {error}", running=False, alert=True)
             self.notify(str(error), title="not run", severity="error", markup=False)
@@ -430,6 +433,8 @@ class MainScreen(Screen):
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "cancel":
             return True if self.running else False  # in the footer only while something runs
+        if action == "close_flags":
+            return self.flags_overlaid
         return True
 
     def action_cancel(self) -> None:
@@ -456,14 +461,30 @@ class MainScreen(Screen):
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt").focus()
 
+    @property
+    def flags_overlaid(self) -> bool:
+        """Whether the flags panel is open over the work area (a narrow screen folds it away otherwise)."""
+        return self.narrow and self.has_class("-flags-open")
+
+    def overlay_flags(self, shown: bool) -> None:
+        """Open or close the flags panel over a narrow screen. While it is open the footer says escape closes it
+        in f6's place (f6 closes it too), so Quit keeps its place on an 80-column line."""
+        self.set_class(shown, "-flags-open")
+        _show_keys(self, {"f6": not shown})
+        self.refresh_bindings()
+
+    def action_close_flags(self) -> None:
+        """Fold the flags panel away again on a narrow screen and go back to the prompt."""
+        self.overlay_flags(False)
+        self.action_focus_prompt()
+
     def action_focus_flags(self) -> None:
         """Focus the flags panel; on a narrow screen it is folded away, and f6 opens (and closes) it."""
         if self.narrow:
-            opened = not self.has_class("-flags-open")
-            self.set_class(opened, "-flags-open")
-            if not opened:
-                self.action_focus_prompt()
+            if self.flags_overlaid:
+                self.action_close_flags()
                 return
+            self.overlay_flags(True)
         panel = self.query_one(FlagsPanel)
         first = next(iter(panel.flags.values))
         control = panel.row(first).query_one(f"#control-{first}")

@@ -32,7 +32,7 @@ from inspector import events
 from inspector.describe import fill_text
 from inspector.events import EngineQueue
 from inspector.session import Session, Step, step_to_plain
-from inspector.session_report import decided_summary, executed_summary
+from inspector.session_report import NO_STEPS, decided_summary, executed_summary
 from inspector.session_runner import diff_step, make_context, preflight_step, run_step
 from inspector.widgets.output_pane import TokenText, render_tokens, token_text, tokenizer_token_text
 
@@ -254,7 +254,7 @@ class ReplayScreen(Screen):
         """Draw the step in view, and start its re-run if it has none yet."""
         head = self.query_one("#replay-head", Static)
         if not self.total:
-            head.update(f"replay of {self.where}: no steps recorded yet; run a prompt (or open a session, ctrl+o) "
+            head.update(f"replay of {self.where}: {NO_STEPS} yet; run a prompt (or open a session, ctrl+o) "
                         f"and come back")
             return
         self._start(self.index)

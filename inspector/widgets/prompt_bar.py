@@ -18,6 +18,7 @@ from textual.widgets import Input, Label, TextArea
 from inspector.prompt_history import PromptHistory
 
 DEFAULT_MAX_TOKENS = 48
+MAX_TOKENS_LABEL = "max tokens"  # the box's label, which the TUI's refusals name (the CLI's name --max-tokens)
 NEWLINE_KEYS = ("ctrl+j", "shift+enter")
 
 
@@ -114,7 +115,7 @@ class PromptBar(Horizontal):
         area.border_title = "prompt"
         yield area
         with Horizontal(id="max-tokens-box"):
-            yield Label("max tokens", id="max-tokens-label")
+            yield Label(MAX_TOKENS_LABEL, id="max-tokens-label")
             yield Input(str(self.max_tokens), id="max-tokens", restrict=r"[0-9]*", max_length=5, compact=True)
 
     def on_mount(self) -> None:
