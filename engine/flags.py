@@ -239,10 +239,11 @@ def parse_value(name: str, value: Any, where: str) -> Any:
         raise UserError(f"flag {name} in {where}: {shown} is not allowed; allowed: {spec.allowed}") from None
 
 
-def parse_assignments(assignments: list[str] | str, where: str = "--set") -> dict[str, Any]:
-    """`["FLAG=VALUE", ...]` or `"FLAG=VALUE,FLAG=VALUE"` to validated values."""
+def parse_assignments(assignments: list[str], where: str = "--set") -> dict[str, Any]:
+    """`["FLAG=VALUE", ...]` to validated values (a comma list goes through engine.comma_list.parse_flag_list,
+    which refuses its empty items)."""
     if isinstance(assignments, str):
-        assignments = [part for part in assignments.split(",") if part.strip()]
+        raise TypeError("parse_assignments takes a list of FLAG=VALUE; split a comma list with engine.comma_list")
     values: dict[str, Any] = {}
     for assignment in assignments:
         name, separator, value = assignment.partition("=")

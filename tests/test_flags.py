@@ -64,7 +64,7 @@ def test_bad_command_line_values_name_the_flag_and_allowed_values(assignment, fr
 
 
 def test_parsing_normalises_values():
-    parsed = flags.parse_assignments("moe_gate=threshold:016,flash_512=off,tile_m=32")
+    parsed = flags.parse_assignments(["moe_gate=threshold:016", "flash_512=off", "tile_m=32"])
     assert parsed == {"moe_gate": "threshold:16", "flash_512": False, "tile_m": 32}
 
 
