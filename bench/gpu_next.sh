@@ -77,6 +77,8 @@
 #            off and attention+routing again, a process each (PREFETCH_VALUES picks others; the first two profiled)
 #   pace     the same rows with the prefetch paced (bench/experiments/prefetch_pace.py: a pause after each 64 KB
 #            chunk of each of 16 programs; PACES lists value:pause_ns pairs)
+#   prefetchab  l2_prefetch off against routing, twice interleaved, tg128 @ b1 on PREFETCH_MODELS (default
+#            Qwen3-30B-A3B's shape, demo and v4-shape): whether routing can be the default
 #   families OLMoE-1B-7B's, Qwen1.5-MoE-A2.7B's and gpt-oss-20b's shapes tg128 @ b1 with the fused glue and with the
 #            torch forward's (runs 101-103 measured them on an H100), then bench/family_numerics.py on the GPU
 #   bash bench/gpu_next.sh check            # about 3 minutes
@@ -96,7 +98,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace,families 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace,families,prefetchab 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -243,6 +245,16 @@ for family in olmoe qwen2 gptoss; do  # the families' fused glue against the tor
 done
 want families && TAIL=12 stage 150 family_numerics python3 bench/family_numerics.py --device cuda \
     --out "$OUT/family_numerics.json"
+for model in ${PREFETCH_MODELS:-qwen3-30b-a3b demo v4-shape}; do  # logs only
+    source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model")
+    [ $model = v4-shape ] && source="$model --gpu-weights"
+    for value in off routing off routing; do
+        index=$((index + 1))
+        want prefetchab && TAIL=0 stage 80 "${model%%-*}_ab${index}_$value" "${BENCH[@]}" --model $source --reps 2 \
+            --set l2_prefetch=$value \
+            && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_ab${index}_$value.log" | cut -c1-120)"
+    done
+done
 index=0
 for paced in ${PACES:-routing:500 routing:1000 attention+routing:500 attention+routing:1000 off:0}; do  # logs only
     index=$((index + 1)) value=${paced%%:*} pause=${paced##*:}
