@@ -40,7 +40,6 @@ class L2Prefetch:
         self.opened = opened if supported(device) else frozenset()
         self.device = device
         self.forked = False
-        self.asked: list[tuple[str, int]] = []  # (window, bytes) of each prefetch launched, in order
 
     def during(self, window: str, tensors) -> None:
         from kernels.l2_prefetch import prefetch_l2, refusal
@@ -57,7 +56,6 @@ class L2Prefetch:
         with torch.cuda.stream(side):
             for t in chosen:
                 prefetch_l2(t)
-                self.asked.append((window, t.numel() * t.element_size()))
         self.forked = True
 
     def join(self) -> None:
