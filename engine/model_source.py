@@ -53,15 +53,17 @@ def gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def check_fits(config: ModelConfig, device: torch.device, dtype: torch.dtype, where: str) -> int:
-    """The model's bytes; a UserError naming both sizes when they exceed FIT_SHARE of what `device` has free."""
+def check_fits(config: ModelConfig, device: torch.device, dtype: torch.dtype, where: str,
+               fix: str = "use a smaller model or fewer layers (num_hidden_layers in config.json), or free memory"
+               ) -> int:
+    """The model's bytes; a UserError naming both sizes, and `fix`, when they exceed FIT_SHARE of what `device` has
+    free."""
     needed = model_bytes(config, dtype)
     free = free_bytes(device)
     if free is not None and needed > FIT_SHARE * free:
         place = "the GPU" if device.type == "cuda" else "this machine"
         raise UserError(f"{where}: the model's weights take {gib(needed)} in {str(dtype).replace('torch.', '')}, "
-                        f"more than {FIT_SHARE:.0%} of the {gib(free)} free on {place}: use a smaller model or "
-                        f"fewer layers (num_hidden_layers in config.json), or free memory")
+                        f"more than {FIT_SHARE:.0%} of the {gib(free)} free on {place}: {fix}")
     return needed
 
 

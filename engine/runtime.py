@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from engine import layer_timing, routing_record
-from engine.model_source import model_config, refuse_missing_directory, resolve_model_path  # noqa: F401
+from engine.model_source import check_fits, model_config, refuse_missing_directory, resolve_model_path  # noqa: F401
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine import decode_fused
@@ -261,6 +261,10 @@ class Engine:
                                        text)
         refuse_missing_directory(model, base)
         config, torch_device = from_name(model), resolve_device(device)
+        # a preset's weights are drawn (or read) whole: refused before a byte, as a directory's are
+        check_fits(config, torch_device, cls.dtype_for(torch_device), f"--model {model}",
+                   f"use a smaller preset ({', '.join(name for name in PRESETS if name != model)}) or a device with "
+                   f"more memory, or free memory")
         directory = shipped_directory(model) if weights == "auto" else None
         if directory is None:
             return cls(config, torch_device, seed)

@@ -115,6 +115,19 @@ def test_a_model_larger_than_free_memory_is_refused_before_loading(config_only, 
         Engine.load(str(config_only), "cpu", weights="random")
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["compare", "--prompt", "hi"]])
+def test_a_preset_larger_than_free_memory_is_refused_before_a_weight_is_drawn(command, monkeypatch, capsys):
+    """A preset's weights go through the same check as a directory's: one line naming both sizes and the presets
+    that would fit, exit 2, nothing drawn (v4-shape on a CPU grew until the OS killed it)."""
+    from engine import model_source, runtime
+
+    monkeypatch.setattr(model_source, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(runtime, "random_weights", lambda *args, **kwargs: pytest.fail("weights drawn"))
+    code, _, err = _run([*command, "--model", "tiny", "--device", "cpu", "--max-tokens", "2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--model tiny: the model's weights take" in err and "use a smaller preset (demo, v4-shape)" in err
+
+
 def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(checkpoint, tmp_path, capsys):
     session_directory = tmp_path / "work"
     session_directory.mkdir()
