@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.checkpoint import FLOAT_DTYPES, Checkpoint
-from engine.config import LayerMask, ModelConfig, YarnScaling
+from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.errors import UserError
 from engine.progress import Progress
 from kernels.trellis_reference import (HYB_INDEX_BITS, TILE, TrellisCode, TrellisMatrix, hadamard_signs)
@@ -97,6 +97,13 @@ class TrellisLayout:
                 "matrices": {name: layout.to_json() for name, layout in self.matrices.items()}}
 
 
+# ModelConfig's fields that hold a nested config dataclass (or None): dataclasses.asdict writes them as objects,
+# and config_from_json must build them back, or the engine meets a dict where it reads `.qk_head_dim`
+_NESTED_CONFIGS = {"rope_scaling": YarnScaling, "latent_attention": LatentAttention, "shared_experts": SharedExperts}
+# tuple fields: JSON gives lists back, and a frozen config compares and hashes with tuples
+_TUPLE_FIELDS = ("dense_layers",)
+
+
 def config_to_json(config: ModelConfig) -> dict:
     """A ModelConfig as plain JSON values (`config_from_json` reads it back equal)."""
     values = dataclasses.asdict(config)
@@ -105,6 +112,8 @@ def config_to_json(config: ModelConfig) -> dict:
 
 
 def config_from_json(values: dict, path: Path) -> ModelConfig:
+    """`config_to_json`'s values -> the ModelConfig, its nested configs (layer masks, YaRN, latent attention,
+    shared experts) rebuilt as their dataclasses; UserError naming `path` for anything else."""
     if not isinstance(values, dict):
         raise UserError(f"{path}: {FORMAT_KEY}.model must be an object of the engine's model config")
     known = {field.name for field in dataclasses.fields(ModelConfig)}
@@ -115,8 +124,12 @@ def config_from_json(values: dict, path: Path) -> ModelConfig:
     try:
         fields = dict(values)
         fields["layer_masks"] = tuple(LayerMask(**mask) for mask in values.get("layer_masks", ()))
-        if fields.get("rope_scaling") is not None:
-            fields["rope_scaling"] = YarnScaling(**fields["rope_scaling"])
+        for name, kind in _NESTED_CONFIGS.items():
+            if fields.get(name) is not None:
+                fields[name] = kind(**fields[name])
+        for name in _TUPLE_FIELDS:
+            if name in fields:
+                fields[name] = tuple(fields[name])
         return ModelConfig(**fields)
     except (TypeError, ValueError) as error:
         raise UserError(f"{path}: {FORMAT_KEY}.model is not a valid model config ({error}); quantize the model "
