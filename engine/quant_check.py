@@ -83,29 +83,45 @@ def _original_weights(directory: Path, layer: int, original: str | None, device:
     return w13.float(), w2.float()
 
 
-def check_quant(model: str, layer: int = 0, tokens: tuple[int, ...] | None = None, arm: str | None = None,
+def _moe_layer(config, layer: int | None) -> int:
+    """`layer`, or the first MoE layer when None; UserError for a layer the model lacks or a dense one (no experts)."""
+    if layer is None:
+        return config.moe_layers[0]
+    if not 0 <= layer < config.n_layers:
+        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    if layer not in config.moe_layers:
+        raise UserError(f"--layer {layer}: a dense layer of {config.name}, without experts; give a MoE layer "
+                        f"({_layer_list(config.moe_layers)})")
+    return layer
+
+
+def _layer_list(layers: tuple[int, ...]) -> str:
+    contiguous = list(layers) == list(range(layers[0], layers[-1] + 1))
+    return f"{layers[0]}..{layers[-1]}" if contiguous and len(layers) > 2 else ", ".join(map(str, layers))
+
+
+def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | None = None, arm: str | None = None,
                 device: str = "auto", seed: int = 0, original: str | None = None) -> dict:
-    """The check on `model` (a trellis checkpoint directory); UserError for bad options. `result["ok"]` when the
-    arm sits on the dequantized reference at every token count."""
+    """The check on `model` (a trellis checkpoint directory) at MoE layer `layer` (None: the first one; a dense
+    layer is refused); UserError for bad options. `result["ok"]` when the arm sits on the dequantized reference
+    at every token count."""
     from engine.model_source import model_config
     from engine.runtime import Engine
 
     device = resolve_device(device)
     config = model_config(model)  # config.json alone: a bad --layer is refused before a weight loads
-    if not 0 <= layer < config.n_layers:
-        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    layer = _moe_layer(config, layer)
     engine = Engine.load(model, device=device)
     return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original)
 
 
-def check_quant_engine(engine, directory: Path, layer: int = 0, tokens: tuple[int, ...] | None = None,
+def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens: tuple[int, ...] | None = None,
                        arm: str | None = None, seed: int = 0, original: str | None = None) -> dict:
     """`check_quant` on a loaded engine (a session's) whose model is the trellis directory `directory`."""
     device = engine.device.type
     model = str(directory)
     config = engine.config
-    if not 0 <= layer < config.n_layers:
-        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    layer = _moe_layer(config, layer)
     w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
     if not isinstance(w13, TrellisMatrix):
         raise UserError(f"--model {model}: its experts are not trellis-coded; quantize it first with "

@@ -59,8 +59,10 @@ def table_name(layer: int) -> str:
 
 
 def expert_matrices(config: ModelConfig) -> list[str]:
-    """Engine names of the matrices a trellis checkpoint codes: every layer's w13 and w2."""
-    return [f"layers.{layer}.{matrix}" for layer in range(config.n_layers) for matrix in MATRICES]
+    """Engine names of the matrices a trellis checkpoint codes: every MoE layer's routed w13 and w2. Dense layers
+    (DeepSeek's first_k_dense_replace, Qwen2-MoE's mlp_only_layers) and shared experts are not coded: they stay in
+    dense.safetensors in bf16."""
+    return [f"layers.{layer}.{matrix}" for layer in config.moe_layers for matrix in MATRICES]
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +184,8 @@ def read_config(values: dict, path: Path) -> tuple[ModelConfig, str, TrellisLayo
     for name in expert_matrices(config):
         item = matrices_entry.get(name)
         if not isinstance(item, dict):
-            raise UserError(f"{path}: {where}.matrices has no entry for {name}: every layer's w13 and w2 are coded")
+            raise UserError(f"{path}: {where}.matrices has no entry for {name}: every MoE layer's w13 and w2 are "
+                            f"coded")
         shape = item.get("shape")
         layout = MatrixLayout(tuple(shape) if isinstance(shape, list) else (), *(
             _integer(item, key, path, f"{where}.matrices.{name}")
@@ -266,11 +269,11 @@ def load_weights(directory: Path, config: ModelConfig, layout: TrellisLayout, de
                     f"{code.describe()} codes of {name} [{experts}, {rows}, {columns}]")
             _expect(checkpoint, scales_name(name), (experts, rows), "F32", f"row scales of {name}")
         if code.needs_table:
-            for layer in range(config.n_layers):
+            for layer in config.moe_layers:
                 _expect(checkpoint, table_name(layer), (1 << HYB_INDEX_BITS, 2), "F32", "the hyb code table")
         expected = set(shapes) - coded | {codes_name(n) for n in coded} | {scales_name(n) for n in coded}
         if code.needs_table:
-            expected |= {table_name(layer) for layer in range(config.n_layers)}
+            expected |= {table_name(layer) for layer in config.moe_layers}
         unused = sorted(checkpoint.names() - expected)
         if unused:
             raise UserError(f"{checkpoint.entries[unused[0]].file}: tensor {unused[0]} is not part of a {code.describe()} "

@@ -7,7 +7,8 @@ directory each layer's experts go to their own file, written whole (temporary na
 its error report beside it; the same command run again finds the partial directory, checks that it was
 started with the same source and code (`job.json`), and skips the layers it finished.
 
-Dense tensors (attention, norms, router, embeddings, head) are copied as they are, in bf16. Seeds: each
+Only the routed experts of the MoE layers are coded. Dense tensors (attention, norms, router, embeddings, head,
+shared experts, the MLPs of dense layers) are copied as they are, in bf16. Seeds: each
 matrix's sign seeds are crc32 of (seed, matrix name, side), recorded in config.json. With a calibration
 text, the model runs it first (reference arms) and each expert's inputs' Hessians weigh its error (LDLQ).
 Knows nothing of argument parsing or screens (inspector.commands.quantize).
@@ -147,7 +148,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     if not config.plain_experts:
         raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "
                         f"trellis arms do not compute; quantize a model with plain SwiGLU experts")
-    if isinstance(engine.weights["layers.0.w13"], TrellisMatrix):
+    if isinstance(engine.weights[f"layers.{config.moe_layers[0]}.w13"], TrellisMatrix):
         raise UserError(f"--model {model}: its experts are trellis-coded already; quantize the original model")
     for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
         if size % TILE:
@@ -180,7 +181,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     began = time.perf_counter()
     reports, resumed, layouts = [], [], {}
     try:
-        for layer in range(config.n_layers):
+        for layer in config.moe_layers:  # a dense layer has no experts: dense.safetensors keeps its MLP
             done = _finished_layer(partial, layer)
             if done is not None:
                 resumed.append(layer)
@@ -247,7 +248,7 @@ def calibration_hessians(engine, tokens: list[int], window: int = 512) -> dict[s
     from engine.model import KVCache, forward
 
     config = engine.config
-    needed = config.n_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
+    needed = config.n_moe_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
     from engine.model_source import free_bytes, gib
 
     free = free_bytes(engine.device)

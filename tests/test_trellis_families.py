@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from engine.model_source import model_config  # noqa: E402
-from engine.trellis_checkpoint import config_from_json, config_to_json  # noqa: E402
-from engine.trellis_job import parse_experts, write_shape_only  # noqa: E402
+from engine.trellis_checkpoint import DENSE_FILE, config_from_json, config_to_json  # noqa: E402
+from engine.trellis_job import parse_experts, quantize_model, write_shape_only  # noqa: E402
 from inspector import cli  # noqa: E402
 
 COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, vocab_size=320,
@@ -78,10 +79,55 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {family: _build(family, tmp_path_factory.mktemp(family) / "source") for family in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def quantized(sources) -> dict[str, tuple[Path, Path]]:
+    """family -> (source directory, its 2-bit hyb trellis directory)."""
+    out = {}
+    for family, source in sources.items():
+        target = source.parent / "hyb2"
+        quantize_model(str(source), parse_experts("trellis:K=2,code=hyb"), target, device="cpu")
+        out[family] = (source, target)
+    return out
+
+
 def _run(argv, capsys):
     code = cli.main([str(part) for part in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_only_routed_experts_of_moe_layers_are_coded(family, quantized):
+    source, target = quantized[family]
+    config = model_config(str(source))
+    dense = load_file(str(target / DENSE_FILE))
+    coded = sorted(path.name for path in target.glob("experts-*.safetensors"))
+    assert coded == [f"experts-{layer:05d}.safetensors" for layer in config.moe_layers]
+    for layer in config.dense_layers:  # the dense MLP as it was, in bf16
+        assert dense[f"layers.{layer}.mlp_gate_up"].dtype == torch.bfloat16
+    for layer in config.moe_layers:  # shared experts stay bf16 beside the coded routed ones
+        assert dense[f"layers.{layer}.shared_gate_up"].dtype == torch.bfloat16
+        assert f"layers.{layer}.w13" not in dense
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_command_runs_on_the_quantized_directory(family, quantized, capsys):
+    _, target = quantized[family]
+    base = ["--model", target, "--device", "cpu"]
+    code, out, err = _run(["generate", *base, "--prompt", "hi", "--max-tokens", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    code, out, err = _run(["compare", *base, "--prompt", "hi", "--max-tokens", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    code, out, err = _run(["check-quant", *base, "--tokens", "1,7"], capsys)
+    assert code == 0 and "sits on the dequantized reference" in out, err
+    code, out, err = _run(["bench", *base, "--pp", "none", "--tg", "4", "--batch", "1", "--reps", "1"], capsys)
+    assert code == 0 and "| tg4 |" in out, err
+
+
+def test_check_quant_refuses_a_dense_layer_in_one_line(quantized, capsys):
+    _, target = quantized["deepseek-v3-dense-first"]
+    code, out, err = _run(["check-quant", "--model", target, "--device", "cpu", "--layer", "0"], capsys)
+    assert code == 2 and "dense layer" in err and "Traceback" not in err and out == ""
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

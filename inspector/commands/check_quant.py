@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
         "dequantized reference (it must sit on it) and with the source model's original weights (the "
         "quantization error), beside a 1-ULP control of the working dtype.")
     parser.add_argument("--model", required=True, help="a trellis checkpoint directory (moe-inspector quantize)")
-    parser.add_argument("--layer", type=int, default=0, help="the MoE layer (default 0)")
+    parser.add_argument("--layer", type=int, default=None,
+                        help="the MoE layer (default: the first; a dense layer has no experts to check)")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,33 cpu / "
                                                        "1,64,2048 cuda)")
     parser.add_argument("--arm", default=None, help="the trellis arm under test (default: the first registered "
