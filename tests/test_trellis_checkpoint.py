@@ -494,3 +494,26 @@ def test_a_resume_refuses_a_source_that_changed_since(source, tmp_path, monkeypa
     with pytest.raises(UserError, match="model.safetensors's bytes differ"):
         quantize_model(str(copy), parse_experts("trellis:K=2,code=hyb"), out, device="cpu")
     assert not out.exists() and (partial_directory(out) / layer_file(0)).is_file()
+
+
+def test_ctrl_c_says_where_the_partial_directory_is_and_how_to_resume(source, tmp_path, monkeypatch, capsys):
+    from engine import trellis_job
+
+    quantize_layer = trellis_job._quantize_layer
+
+    def interrupted(engine, layer, *args, **kwargs):
+        if layer > 0:
+            raise KeyboardInterrupt
+        return quantize_layer(engine, layer, *args, **kwargs)
+
+    monkeypatch.setattr(trellis_job, "_quantize_layer", interrupted)
+    out = tmp_path / "out"
+    argv = ["quantize", source, "--experts", "trellis:K=2,code=hyb", "--out", out, "--seed", 3, "--device", "cpu"]
+    code, _, err = _run(argv, capsys)
+    line = [line for line in err.splitlines() if "interrupted" in line]
+    assert code == 130 and len(line) == 1, err
+    assert str(partial_directory(out)) in line[0]
+    assert f"`moe-inspector quantize {source} --experts trellis:K=2,code=hyb --out {out} --seed 3 --device cpu`" in line[0]
+    monkeypatch.setattr(trellis_job, "_quantize_layer", quantize_layer)
+    code, out_text, err = _run(argv, capsys)  # the command it names finishes the run
+    assert code == 0 and "kept layers 0 of an earlier run" in out_text, err
