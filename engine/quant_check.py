@@ -62,9 +62,13 @@ def trellis_arms(device: str) -> dict[str, object]:
     return arms
 
 
-def _original_weights(directory: Path, layer: int, original: str | None, device: str):
-    """The source model's w13 and w2 of `layer` (config.json's source, or `original`), float32."""
-    from engine.runtime import Engine
+def verified_source(directory: Path, original: str | None) -> tuple[str, str, int, str | None]:
+    """The model to measure against (config.json's source, or `original`) as (model, weights, seed, note). It must
+    match the fingerprint quantize recorded (engine.source_fingerprint), else a UserError names what differs:
+    against another model, or a source changed since, the "quantization error" would measure two models apart.
+    A directory written before fingerprints were recorded cannot be verified: `note` says so (else None)."""
+    from engine.config import PRESETS
+    from engine.source_fingerprint import differences, fingerprint
     from engine.trellis_checkpoint import source_of
 
     source = source_of(directory)
@@ -72,8 +76,29 @@ def _original_weights(directory: Path, layer: int, original: str | None, device:
     weights = source.get("weights") if source.get("weights") in ("auto", "random") else "auto"
     if not model:
         raise UserError(f"{directory}: config.json names no source model: give --original MODEL")
+    seed = source.get("seed", 0)
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+    recorded, note = source.get("fingerprint"), None
+    if not isinstance(recorded, dict):
+        note = (f"{directory} records no fingerprint of its source (quantized before they were recorded): cannot "
+                f"verify that {model} is the model it was quantized from")
+    elif Path(model).expanduser().is_dir() or model in PRESETS:  # else Engine.load refuses it in its own words
+        differ = differences(recorded, fingerprint(model, weights, seed))
+        if differ:
+            which = f"--original {model}" if original else f"{directory}'s source {model}"
+            raise UserError(f"{which} is not the model {directory} was quantized from ({'; '.join(differ[:3])}): "
+                            f"the error would measure two models apart, not the quantization; give the original "
+                            f"with --original MODEL, or quantize again")
+    return model, weights, seed, note
+
+
+def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, str | None], device: str):
+    """The w13 and w2 of `layer` of the source model `verified_source` gave, float32."""
+    from engine.runtime import Engine
+
+    model, weights, seed, _ = source
     try:
-        engine = Engine.load(model, device=device, seed=int(source.get("seed", 0)), weights=weights)
+        engine = Engine.load(model, device=device, seed=seed, weights=weights)
     except UserError as error:
         raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give --original "
                         f"MODEL") from None
@@ -83,29 +108,51 @@ def _original_weights(directory: Path, layer: int, original: str | None, device:
     return w13.float(), w2.float()
 
 
-def check_quant(model: str, layer: int = 0, tokens: tuple[int, ...] | None = None, arm: str | None = None,
+def _moe_layer(config, layer: int | None) -> int:
+    """`layer`, or the first MoE layer when None; UserError for a layer the model lacks or a dense one (no experts)."""
+    if layer is None:
+        return config.moe_layers[0]
+    if not 0 <= layer < config.n_layers:
+        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    if layer not in config.moe_layers:
+        raise UserError(f"--layer {layer}: a dense layer of {config.name}, without experts; give a MoE layer "
+                        f"({_layer_list(config.moe_layers)})")
+    return layer
+
+
+def _layer_list(layers: tuple[int, ...]) -> str:
+    contiguous = list(layers) == list(range(layers[0], layers[-1] + 1))
+    return f"{layers[0]}..{layers[-1]}" if contiguous and len(layers) > 2 else ", ".join(map(str, layers))
+
+
+def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | None = None, arm: str | None = None,
                 device: str = "auto", seed: int = 0, original: str | None = None) -> dict:
-    """The check on `model` (a trellis checkpoint directory); UserError for bad options. `result["ok"]` when the
-    arm sits on the dequantized reference at every token count."""
+    """The check on `model` (a trellis checkpoint directory) at MoE layer `layer` (None: the first one; a dense
+    layer is refused); UserError for bad options. `result["ok"]` when the arm sits on the dequantized reference
+    at every token count."""
     from engine.model_source import model_config
     from engine.runtime import Engine
+    from engine.trellis_checkpoint import is_trellis_directory
 
     device = resolve_device(device)
     config = model_config(model)  # config.json alone: a bad --layer is refused before a weight loads
-    if not 0 <= layer < config.n_layers:
-        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    layer = _moe_layer(config, layer)
+    # before the checkpoint loads; a directory that is not a trellis one is refused once loaded, in its own words
+    source = verified_source(Path(model), original) if is_trellis_directory(Path(model)) else None
     engine = Engine.load(model, device=device)
-    return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original)
+    return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original,
+                              source=source)
 
 
-def check_quant_engine(engine, directory: Path, layer: int = 0, tokens: tuple[int, ...] | None = None,
-                       arm: str | None = None, seed: int = 0, original: str | None = None) -> dict:
-    """`check_quant` on a loaded engine (a session's) whose model is the trellis directory `directory`."""
+def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens: tuple[int, ...] | None = None,
+                       arm: str | None = None, seed: int = 0, original: str | None = None,
+                       source: tuple | None = None) -> dict:
+    """`check_quant` on a loaded engine (a session's) whose model is the trellis directory `directory`; `source`:
+    `verified_source`'s answer when the caller has it already."""
     device = engine.device.type
     model = str(directory)
     config = engine.config
-    if not 0 <= layer < config.n_layers:
-        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+    layer = _moe_layer(config, layer)
     w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
     if not isinstance(w13, TrellisMatrix):
         raise UserError(f"--model {model}: its experts are not trellis-coded; quantize it first with "
@@ -117,7 +164,9 @@ def check_quant_engine(engine, directory: Path, layer: int = 0, tokens: tuple[in
     tokens = tuple(tokens or DEFAULT_TOKENS[device])
     working = engine.dtype
     multiple = SITS_ON_MULTIPLE[working]
-    original13, original2 = _original_weights(Path(directory), layer, original, device)
+    source = source or verified_source(Path(directory), original)
+    original13, original2 = _original_weights(Path(directory), layer, source, device)
+    source_note = source[3]
     dequantized13, dequantized2 = dequantize(w13), dequantize(w2)  # [E, 2F, D], [E, D, F] float32
     generator = torch.Generator(device=device).manual_seed(seed)
     rows, before = [], launches.snapshot()
@@ -151,7 +200,7 @@ def check_quant_engine(engine, directory: Path, layer: int = 0, tokens: tuple[in
                        "dtype": next(name for name, value in DTYPES.items() if value == working), "seed": seed,
                        "format": w13.code.describe(), "experts": config.n_experts, "top_k": config.top_k,
                        "hidden": config.hidden, "intermediate": config.intermediate},
-            "rows": rows, "sits_on_multiple": multiple, "ok": ok, "discriminates": fires,
+            "rows": rows, "sits_on_multiple": multiple, "ok": ok, "discriminates": fires, "source_note": source_note,
             "sentence": _sentence(rows, arm, ok, fires, multiple), "launches": launches.since(before)}
 
 

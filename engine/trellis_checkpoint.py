@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.checkpoint import FLOAT_DTYPES, Checkpoint
-from engine.config import LayerMask, ModelConfig, YarnScaling
+from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.errors import UserError
 from engine.progress import Progress
 from kernels.trellis_reference import (HYB_INDEX_BITS, TILE, TrellisCode, TrellisMatrix, hadamard_signs)
@@ -59,8 +59,10 @@ def table_name(layer: int) -> str:
 
 
 def expert_matrices(config: ModelConfig) -> list[str]:
-    """Engine names of the matrices a trellis checkpoint codes: every layer's w13 and w2."""
-    return [f"layers.{layer}.{matrix}" for layer in range(config.n_layers) for matrix in MATRICES]
+    """Engine names of the matrices a trellis checkpoint codes: every MoE layer's routed w13 and w2. Dense layers
+    (DeepSeek's first_k_dense_replace, Qwen2-MoE's mlp_only_layers) and shared experts are not coded: they stay in
+    dense.safetensors in bf16."""
+    return [f"layers.{layer}.{matrix}" for layer in config.moe_layers for matrix in MATRICES]
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +99,13 @@ class TrellisLayout:
                 "matrices": {name: layout.to_json() for name, layout in self.matrices.items()}}
 
 
+# ModelConfig's fields that hold a nested config dataclass (or None): dataclasses.asdict writes them as objects,
+# and config_from_json must build them back, or the engine meets a dict where it reads `.qk_head_dim`
+_NESTED_CONFIGS = {"rope_scaling": YarnScaling, "latent_attention": LatentAttention, "shared_experts": SharedExperts}
+# tuple fields: JSON gives lists back, and a frozen config compares and hashes with tuples
+_TUPLE_FIELDS = ("dense_layers",)
+
+
 def config_to_json(config: ModelConfig) -> dict:
     """A ModelConfig as plain JSON values (`config_from_json` reads it back equal)."""
     values = dataclasses.asdict(config)
@@ -105,6 +114,8 @@ def config_to_json(config: ModelConfig) -> dict:
 
 
 def config_from_json(values: dict, path: Path) -> ModelConfig:
+    """`config_to_json`'s values -> the ModelConfig, its nested configs (layer masks, YaRN, latent attention,
+    shared experts) rebuilt as their dataclasses; UserError naming `path` for anything else."""
     if not isinstance(values, dict):
         raise UserError(f"{path}: {FORMAT_KEY}.model must be an object of the engine's model config")
     known = {field.name for field in dataclasses.fields(ModelConfig)}
@@ -115,8 +126,12 @@ def config_from_json(values: dict, path: Path) -> ModelConfig:
     try:
         fields = dict(values)
         fields["layer_masks"] = tuple(LayerMask(**mask) for mask in values.get("layer_masks", ()))
-        if fields.get("rope_scaling") is not None:
-            fields["rope_scaling"] = YarnScaling(**fields["rope_scaling"])
+        for name, kind in _NESTED_CONFIGS.items():
+            if fields.get(name) is not None:
+                fields[name] = kind(**fields[name])
+        for name in _TUPLE_FIELDS:
+            if name in fields:
+                fields[name] = tuple(fields[name])
         return ModelConfig(**fields)
     except (TypeError, ValueError) as error:
         raise UserError(f"{path}: {FORMAT_KEY}.model is not a valid model config ({error}); quantize the model "
@@ -169,7 +184,8 @@ def read_config(values: dict, path: Path) -> tuple[ModelConfig, str, TrellisLayo
     for name in expert_matrices(config):
         item = matrices_entry.get(name)
         if not isinstance(item, dict):
-            raise UserError(f"{path}: {where}.matrices has no entry for {name}: every layer's w13 and w2 are coded")
+            raise UserError(f"{path}: {where}.matrices has no entry for {name}: every MoE layer's w13 and w2 are "
+                            f"coded")
         shape = item.get("shape")
         layout = MatrixLayout(tuple(shape) if isinstance(shape, list) else (), *(
             _integer(item, key, path, f"{where}.matrices.{name}")
@@ -253,11 +269,11 @@ def load_weights(directory: Path, config: ModelConfig, layout: TrellisLayout, de
                     f"{code.describe()} codes of {name} [{experts}, {rows}, {columns}]")
             _expect(checkpoint, scales_name(name), (experts, rows), "F32", f"row scales of {name}")
         if code.needs_table:
-            for layer in range(config.n_layers):
+            for layer in config.moe_layers:
                 _expect(checkpoint, table_name(layer), (1 << HYB_INDEX_BITS, 2), "F32", "the hyb code table")
         expected = set(shapes) - coded | {codes_name(n) for n in coded} | {scales_name(n) for n in coded}
         if code.needs_table:
-            expected |= {table_name(layer) for layer in range(config.n_layers)}
+            expected |= {table_name(layer) for layer in config.moe_layers}
         unused = sorted(checkpoint.names() - expected)
         if unused:
             raise UserError(f"{checkpoint.entries[unused[0]].file}: tensor {unused[0]} is not part of a {code.describe()} "

@@ -7,7 +7,8 @@ directory each layer's experts go to their own file, written whole (temporary na
 its error report beside it; the same command run again finds the partial directory, checks that it was
 started with the same source and code (`job.json`), and skips the layers it finished.
 
-Dense tensors (attention, norms, router, embeddings, head) are copied as they are, in bf16. Seeds: each
+Only the routed experts of the MoE layers are coded. Dense tensors (attention, norms, router, embeddings, head,
+shared experts, the MLPs of dense layers) are copied as they are, in bf16. Seeds: each
 matrix's sign seeds are crc32 of (seed, matrix name, side), recorded in config.json. With a calibration
 text, the model runs it first (reference arms) and each expert's inputs' Hessians weigh its error (LDLQ).
 Knows nothing of argument parsing or screens (inspector.commands.quantize).
@@ -33,6 +34,7 @@ from engine import trellis_checkpoint as tc
 from engine.comma_list import split_items
 from engine.errors import UserError
 from engine.progress import Progress
+from engine.source_fingerprint import differences, fingerprint
 from engine.trellis_quantizer import quantization_report, quantize_stack
 from kernels.trellis_reference import (BITS_PER_WEIGHT, CODES, SEQUENCE, TILE, TrellisCode, TrellisMatrix,
                                        default_hyb_table, dequantize, hadamard_block)
@@ -110,9 +112,11 @@ def _check_output(out: Path) -> None:
 
 
 def _source(engine, model: str, weights: str) -> dict:
-    """What config.json records of the source: enough to load it again (check-quant compares with it)."""
+    """What config.json records of the source: enough to load it again, and its fingerprint
+    (engine.source_fingerprint), which check-quant and a resumed run compare with the model they are given."""
     where = str(Path(model).resolve()) if engine.checkpoint is not None else model
-    return {"model": where, "weights": weights, "seed": engine.seed, "description": engine.weights_source}
+    return {"model": where, "weights": weights, "seed": engine.seed, "description": engine.weights_source,
+            "fingerprint": fingerprint(model, weights, engine.seed)}
 
 
 def _check_not_trellis(model: str) -> None:
@@ -147,7 +151,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     if not config.plain_experts:
         raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "
                         f"trellis arms do not compute; quantize a model with plain SwiGLU experts")
-    if isinstance(engine.weights["layers.0.w13"], TrellisMatrix):
+    if isinstance(engine.weights[f"layers.{config.moe_layers[0]}.w13"], TrellisMatrix):
         raise UserError(f"--model {model}: its experts are trellis-coded already; quantize the original model")
     for size, what in ((config.hidden, "hidden size"), (config.intermediate, "expert intermediate size")):
         if size % TILE:
@@ -168,8 +172,9 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
         except (OSError, ValueError):
             started = None
         if started != job:
-            raise UserError(f"{partial}: a quantize run with other settings ({started}) left this partial directory; "
-                            f"rerun that command to finish it, or remove the directory")
+            raise UserError(f"{partial}: a quantize run with other settings left this partial directory "
+                            f"({'; '.join(_job_differences(started, job))}); finish it with "
+                            f"`{_resume_command(started, out)}`, or remove it (rm -r {partial}) to start over")
     else:
         partial.mkdir(exist_ok=True)
         tc.write_json(partial / JOB_FILE, job)
@@ -180,7 +185,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     began = time.perf_counter()
     reports, resumed, layouts = [], [], {}
     try:
-        for layer in range(config.n_layers):
+        for layer in config.moe_layers:  # a dense layer has no experts: dense.safetensors keeps its MLP
             done = _finished_layer(partial, layer)
             if done is not None:
                 resumed.append(layer)
@@ -210,6 +215,47 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     (partial / JOB_FILE).unlink()
     os.replace(partial, out)  # the output appears whole, or not at all
     return result
+
+
+def _job_differences(started, job: dict) -> list[str]:
+    """What differs between the job.json a partial directory was started with and this run's, in words."""
+    if not isinstance(started, dict):
+        return [f"its {JOB_FILE} is unreadable"]
+    words = []
+    for key, what in (("format_version", "format version"), ("code", "code"), ("bits_per_weight", "K"),
+                      ("weights_per_step", "V"), ("seed", "--seed")):
+        if started.get(key) != job[key]:
+            words.append(f"{what} {started.get(key)} then, {job[key]} now")
+    then = started.get("source") if isinstance(started.get("source"), dict) else {}
+    now = job["source"]
+    for key, what in (("model", "model"), ("weights", "--weights"), ("seed", "weight seed")):
+        if then.get(key) != now.get(key):
+            words.append(f"{what} {then.get(key)} then, {now.get(key)} now")
+    if then.get("calibration") != now.get("calibration"):
+        words.append("the --calibration text or its token count differs")
+    recorded = then.get("fingerprint")
+    if not isinstance(recorded, dict):
+        words.append("the source's fingerprint was not recorded then")
+    else:
+        words += [f"the source changed: {item}" for item in differences(recorded, now["fingerprint"])]
+    return words or [f"{JOB_FILE} differs"]
+
+
+def _resume_command(started, out: Path) -> str:
+    """The quantize command that finishes the run a job.json records (as far as it records one)."""
+    if not isinstance(started, dict) or not isinstance(started.get("source"), dict):
+        return f"moe-inspector quantize MODEL --experts FORMAT --out {out}"
+    source = started["source"]
+    words = [f"moe-inspector quantize {source.get('model')} --experts "
+             f"trellis:K={started.get('bits_per_weight')},code={started.get('code')} --out {out}"]
+    if started.get("seed"):
+        words.append(f"--seed {started['seed']}")
+    if source.get("weights") == "random":
+        words.append("--weights random")
+    calibration = source.get("calibration")
+    if isinstance(calibration, dict):
+        words.append(f"--calibration {calibration.get('file')} --calibration-tokens {calibration.get('tokens')}")
+    return " ".join(words)
 
 
 class _Collector:
@@ -247,7 +293,7 @@ def calibration_hessians(engine, tokens: list[int], window: int = 512) -> dict[s
     from engine.model import KVCache, forward
 
     config = engine.config
-    needed = config.n_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
+    needed = config.n_moe_layers * config.n_experts * (config.hidden ** 2 + config.intermediate ** 2) * 4
     from engine.model_source import free_bytes, gib
 
     free = free_bytes(engine.device)

@@ -402,3 +402,118 @@ def test_generate_names_a_quantized_preset_by_its_code(tmp_path, capsys):
                               "--max-tokens", "1", "--no-progress", "--json"], capsys)
     assert code == 0, err
     assert json.loads(stdout)["model"] == "tiny+trellis-1mad-K3"
+
+
+def _copy(directory: Path, to: Path) -> Path:
+    to.mkdir()
+    for path in directory.iterdir():
+        (to / path.name).write_bytes(path.read_bytes())
+    return to
+
+
+def _change_an_expert(directory: Path) -> None:
+    """The same shapes and dtypes, one expert weight moved: only the bytes tell the files apart."""
+    def edit(tensors):
+        tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"][0, 0] += 1
+
+    _rewrite(directory / "model.safetensors", edit)
+
+
+def _point_source_at(quantized: Path, to: Path, tmp_path: Path, drop_fingerprint: bool = False) -> Path:
+    copy = _copy(quantized, tmp_path / "pointed")
+    values = json.loads((copy / "config.json").read_text())
+    values["moe_inspector"]["source"]["model"] = str(to)
+    if drop_fingerprint:
+        del values["moe_inspector"]["source"]["fingerprint"]
+    (copy / "config.json").write_text(json.dumps(values))
+    return copy
+
+
+def test_check_quant_refuses_a_source_whose_experts_changed_since(source, quantized, tmp_path, capsys):
+    changed = _copy(source, tmp_path / "changed")
+    _change_an_expert(changed)
+    pointed = _point_source_at(quantized, changed, tmp_path)
+    code, out, err = _run(["check-quant", "--model", pointed, "--device", "cpu"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "is not the model" in err and "model.safetensors's bytes differ" in err and "Traceback" not in err
+
+
+def test_check_quant_refuses_an_original_that_is_another_model(quantized, tmp_path, capsys):
+    """The same shapes and tensor names, other weights: silently it would report their difference."""
+    other = write_tiny_mixtral(tmp_path / "other")
+    _change_an_expert(other)
+    code, out, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--original", other], capsys)
+    assert code == 2 and out == "" and f"--original {other} is not the model" in err, err
+    code, out, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--original", "tiny"], capsys)
+    assert code == 2 and "this is a preset" in err, err
+
+
+def test_a_directory_without_a_fingerprint_is_checked_with_a_note(source, quantized, tmp_path, capsys):
+    """Directories quantized before fingerprints were recorded still check, saying they cannot be verified."""
+    pointed = _point_source_at(quantized, source, tmp_path, drop_fingerprint=True)
+    code, out, err = _run(["check-quant", "--model", pointed, "--device", "cpu", "--tokens", "1"], capsys)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "cannot verify" in line]
+    assert len(notes) == 1 and "records no fingerprint" in notes[0]
+
+
+def _interrupted_after_layer_0(source: Path, experts: str, out: Path, monkeypatch) -> None:
+    """A quantize run stopped by Ctrl-C once layer 0 is written: a partial directory to resume."""
+    from engine import trellis_job
+
+    quantize_layer = trellis_job._quantize_layer
+
+    def interrupted(engine, layer, *args, **kwargs):
+        if layer > 0:
+            raise KeyboardInterrupt
+        return quantize_layer(engine, layer, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trellis_job, "_quantize_layer", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            quantize_model(str(source), parse_experts(experts), out, device="cpu")
+    assert (partial_directory(out) / layer_file(0)).is_file()
+
+
+def test_a_resume_with_other_settings_says_which_in_words(source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _interrupted_after_layer_0(source, "trellis:K=3,code=hyb", out, monkeypatch)
+    with pytest.raises(UserError) as refused:
+        quantize_model(str(source), parse_experts("trellis:K=2,code=hyb"), out, device="cpu", seed=5)
+    message = str(refused.value)
+    assert "K 3 then, 2 now" in message and "--seed 0 then, 5 now" in message and "{'" not in message
+    assert f"`moe-inspector quantize {source} --experts trellis:K=3,code=hyb --out {out}`" in message
+    assert f"rm -r {partial_directory(out)}" in message
+
+
+def test_a_resume_refuses_a_source_that_changed_since(source, tmp_path, monkeypatch):
+    copy = _copy(source, tmp_path / "source")
+    out = tmp_path / "out"
+    _interrupted_after_layer_0(copy, "trellis:K=2,code=hyb", out, monkeypatch)
+    _change_an_expert(copy)
+    with pytest.raises(UserError, match="model.safetensors's bytes differ"):
+        quantize_model(str(copy), parse_experts("trellis:K=2,code=hyb"), out, device="cpu")
+    assert not out.exists() and (partial_directory(out) / layer_file(0)).is_file()
+
+
+def test_ctrl_c_says_where_the_partial_directory_is_and_how_to_resume(source, tmp_path, monkeypatch, capsys):
+    from engine import trellis_job
+
+    quantize_layer = trellis_job._quantize_layer
+
+    def interrupted(engine, layer, *args, **kwargs):
+        if layer > 0:
+            raise KeyboardInterrupt
+        return quantize_layer(engine, layer, *args, **kwargs)
+
+    monkeypatch.setattr(trellis_job, "_quantize_layer", interrupted)
+    out = tmp_path / "out"
+    argv = ["quantize", source, "--experts", "trellis:K=2,code=hyb", "--out", out, "--seed", 3, "--device", "cpu"]
+    code, _, err = _run(argv, capsys)
+    line = [line for line in err.splitlines() if "interrupted" in line]
+    assert code == 130 and len(line) == 1, err
+    assert str(partial_directory(out)) in line[0]
+    assert f"`moe-inspector quantize {source} --experts trellis:K=2,code=hyb --out {out} --seed 3 --device cpu`" in line[0]
+    monkeypatch.setattr(trellis_job, "_quantize_layer", quantize_layer)
+    code, out_text, err = _run(argv, capsys)  # the command it names finishes the run
+    assert code == 0 and "kept layers 0 of an earlier run" in out_text, err

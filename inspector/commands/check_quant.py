@@ -8,7 +8,9 @@ bad options, or when the quantization error is too small at these sizes to tell 
 from __future__ import annotations
 
 import argparse
+import sys
 
+from engine.printable import one_line
 from inspector.commands.check_output import _json_safe
 from inspector.commands.common import positive_int_list
 from inspector.commands.output import add_format_arguments, output_format, print_json
@@ -21,7 +23,8 @@ def add_parser(subparsers) -> None:
         "dequantized reference (it must sit on it) and with the source model's original weights (the "
         "quantization error), beside a 1-ULP control of the working dtype.")
     parser.add_argument("--model", required=True, help="a trellis checkpoint directory (moe-inspector quantize)")
-    parser.add_argument("--layer", type=int, default=0, help="the MoE layer (default 0)")
+    parser.add_argument("--layer", type=int, default=None,
+                        help="the MoE layer (default: the first; a dense layer has no experts to check)")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,33 cpu / "
                                                        "1,64,2048 cuda)")
     parser.add_argument("--arm", default=None, help="the trellis arm under test (default: the first registered "
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     result = check_quant(args.model, layer=args.layer, tokens=tokens, arm=args.arm,
                          device=getattr(args, "device", "auto"), seed=getattr(args, "seed", 0),
                          original=args.original)
+    if result.get("source_note"):  # a directory quantized before source fingerprints: said, then measured anyway
+        print(f"moe-inspector: note: {one_line(result['source_note'])}", file=sys.stderr)
     if fmt == "json":
         print_json(_json_safe(result))
     else:

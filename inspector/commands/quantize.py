@@ -4,10 +4,13 @@ code, written as a checkpoint directory every command loads with `--model DIR` (
 from __future__ import annotations
 
 import math
+import shlex
+import sys
+from pathlib import Path
 
 from engine.errors import UserError
-from engine.trellis_job import parse_experts, quantize_model, write_shape_only
-from inspector.commands.output import add_format_arguments, output_format, print_json
+from engine.trellis_job import parse_experts, partial_directory, quantize_model, write_shape_only
+from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json
 
 
 def add_parser(subparsers) -> None:
@@ -47,13 +50,35 @@ def run(args) -> int:
         return 0
     if args.calibration_tokens < 1:
         raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
-    result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights,
-                            calibration=args.calibration, calibration_tokens=args.calibration_tokens)
+    try:
+        result = quantize_model(args.model, code, args.out, seed=args.seed, device=args.device, weights=args.weights,
+                                calibration=args.calibration, calibration_tokens=args.calibration_tokens)
+    except KeyboardInterrupt:
+        print(f"\nmoe-inspector: interrupted; {interrupted_note(args)}", file=sys.stderr)
+        return INTERRUPTED
     if fmt == "json":
         print_json(result.to_json())
         return 0
     print_text(result)
     return 0
+
+
+def interrupted_note(args) -> str:
+    """Where a stopped run left its work and the command that resumes it (the finished layers are kept)."""
+    partial = partial_directory(Path(args.out))
+    if not partial.is_dir():
+        return f"nothing was written ({partial} was not started)"
+    command = ["moe-inspector", "quantize", args.model, "--experts", args.experts, "--out", args.out]
+    if args.seed:
+        command += ["--seed", str(args.seed)]
+    if args.device != "auto":
+        command += ["--device", args.device]
+    if args.weights != "auto":
+        command += ["--weights", args.weights]
+    if args.calibration is not None:
+        command += ["--calibration", args.calibration, "--calibration-tokens", str(args.calibration_tokens)]
+    return (f"the finished layers are in {partial}; resume with `{shlex.join(command)}`, or remove it "
+            f"(rm -r {shlex.quote(str(partial))})")
 
 
 def print_text(result) -> None:
