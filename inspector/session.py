@@ -215,10 +215,10 @@ class CheckAttentionStep:
 @dataclass(frozen=True, kw_only=True)
 class CheckQuantStep:
     """A trellis arm against the dequantized and the original experts of one layer (the session's model must
-    be a trellis checkpoint); `expect` the verdict, e.g. dequantized."""
+    be a trellis checkpoint); `expect` the verdict, e.g. dequantized. `layer` left out: the first MoE layer."""
 
     action = "check-quant"
-    layer: int = _field(NON_NEGATIVE, 0)
+    layer: int | None = _field(NON_NEGATIVE)
     tokens: list[int] | None = _field(TOKENS)
     arm: str | None = _field(TEXT)
     expect: str | None = _field(QUANT_VERDICT)

@@ -14,6 +14,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -128,6 +130,19 @@ def test_check_quant_refuses_a_dense_layer_in_one_line(quantized, capsys):
     _, target = quantized["deepseek-v3-dense-first"]
     code, out, err = _run(["check-quant", "--model", target, "--device", "cpu", "--layer", "0"], capsys)
     assert code == 2 and "dense layer" in err and "Traceback" not in err and out == ""
+
+
+def test_a_session_check_quant_step_without_a_layer_checks_the_first_moe_layer(quantized, tmp_path, capsys):
+    """A step that names no layer took layer 0, the dense one of a DeepSeek with first_k_dense_replace = 1."""
+    _, target = quantized["deepseek-v3-dense-first"]
+    session = tmp_path / "quant.toml"
+    session.write_text(f'[session]\nversion = 1\nname = "q"\n\n[engine]\nmodel = "{target}"\ndevice = "cpu"\n\n'
+                       '[[step]]\naction = "check-quant"\ntokens = [3]\nexpect = "dequantized"\n')
+    code, out, err = _run(["run", session], capsys)
+    assert code == 0, err
+    step = next(json.loads(line) for line in (tmp_path / "quant.results.jsonl").read_text().splitlines()
+                if json.loads(line).get("kind") == "step")
+    assert step["check"]["held"] and step["numbers"]["config"]["layer"] == 1
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
