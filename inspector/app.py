@@ -88,17 +88,18 @@ class InspectorApp(App):
     def record_action(self, action: dict, outcome: dict | None = None) -> None:
         """Every user action (prompt run, flag, config B, curve, check-attention, bench), as plain
         values; `outcome` is what the TUI computed for it (generations, the check's dict, the bench
-        report), kept as the step's recorded results. Saved atomically before this returns."""
+        report), kept as the step's recorded results. Saved atomically before this returns; a save that fails
+        is shown as an error notification and in the status bar (until the next save succeeds), never dropped."""
         if self.session is None:
             return
         try:
             step = self.session.record(action, outcome)
-        except (UserError, OSError) as error:
+        except (UserError, OSError) as error:  # never silent: a long notification and the status bar say so
             self.notify(f"{action.get('action')}: not recorded in the session: {error}", title="session",
-                        severity="error", markup=False)
+                        severity="error", markup=False, timeout=30)
+            self._session_changed(f"NOT SAVED: the last {action.get('action')} was not recorded")
             return
-        if step is not None:
-            self._session_changed()
+        self._session_changed()  # clears a NOT SAVED note once a save succeeds
 
     def _session_changed(self, note: str = "") -> None:
         if self.session is not None:

@@ -13,7 +13,7 @@ import sys
 from engine.errors import UserError
 from engine.printable import one_line, printable
 from inspector.commands import COMMAND_MODULES
-from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
+from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED, seed_argument
 
 
 class _Unset(list):
@@ -104,7 +104,7 @@ def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                         help="set a flag (repeatable); see `moe-inspector flags`")
     parser.add_argument("--session", default=None, metavar="FILE", help="open (or start) this session file")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed for random presets (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=DEFAULT_SEED, help="weight seed for random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: the shipped or the directory's weights; random: random weights of the model's "
                              "shape (a directory's from its config.json, drawn on the device)")

@@ -69,6 +69,7 @@ from engine import flags as flag_registry
 # The atomic writer lives in the engine (the calibration file uses it too); re-exported here.
 from engine.atomic_file import TEMP_SUFFIX, atomic_write_bytes, atomic_write_text  # noqa: F401
 from engine.errors import UserError
+from engine.limits import MAX_SEED
 from engine.printable import printable, unprintable_characters
 
 FORMAT_VERSION = 1
@@ -79,7 +80,6 @@ MAX_STEPS = 10_000
 # No count, size or seed in a session is larger: beyond it a number is refused by the parser
 # (the steps' own, tighter limits come from the model and the machine in the runner's preflight).
 MAX_INTEGER = 2**53
-MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "no_rope", "none")  # no_rope: the latent check's (mla = true)
 # The decode check's (decode = true): engine.compare_decode.VERDICTS, which a test keeps equal (no torch here).

@@ -25,6 +25,7 @@ import argparse
 import sys
 
 from inspector.commands.check_output import print_result
+from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format
 
 
@@ -48,7 +49,7 @@ def add_parser(subparsers) -> None:
                         help="honor: the kernel gets the mask; drop: plain causal, the incident (default honor)")
     # --device and --seed also exist before the command; SUPPRESS keeps either spelling working.
     parser.add_argument("--device", default=argparse.SUPPRESS, help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=argparse.SUPPRESS, help="input seed (default 0)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                         help="working dtype (default bf16 on cuda, fp32 on cpu)")
     add_format_arguments(parser, ("text", "json"), "text")

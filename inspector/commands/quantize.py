@@ -7,6 +7,7 @@ import math
 
 from engine.errors import UserError
 from engine.trellis_job import parse_experts, quantize_model, write_shape_only
+from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format, print_json
 
 
@@ -19,7 +20,7 @@ def add_parser(subparsers) -> None:
                              "3inst, 2 for hyb)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="the directory to write; must not exist (a killed run resumes from .DIR.partial)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Hadamard signs (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0, help="seed of the Hadamard signs (default 0)")
     parser.add_argument("--device", default="auto", help="where the search runs: auto (the GPU if there is one), "
                                                          "cpu or cuda")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",

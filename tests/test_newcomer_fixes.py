@@ -1,0 +1,46 @@
+"""Headless defects a newcomer found by trying what the README and --help say, each with the refusal or the
+behaviour that replaced it (CPU, seconds)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.limits import MAX_SEED
+from inspector.cli import build_parser, main
+from inspector.commands.common import seed_argument
+
+
+def one_error_line(capsys) -> str:
+    """The `moe-inspector: error: ...` line (a malformed command line also gets its usage above it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("moe-inspector: error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+# -- 1. --seed outside what a session records ------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999999", str(MAX_SEED + 1)])
+@pytest.mark.parametrize("argv", [["--model", "tiny"], ["generate", "--model", "tiny", "--prompt", "x"],
+                                  ["check-attention"], ["bench", "--model", "tiny"], ["sweep"], ["check-quant"],
+                                  ["quantize", "tiny", "--experts", "trellis:K=2", "--out", "x"],
+                                  ["ab", "--a", "tile_m=16", "--b", "tile_m=32"]])
+def test_a_seed_a_session_cannot_record_is_refused_at_parsing(argv, seed, capsys):
+    """`--seed -1` was taken, and the TUI's recording then failed on every action: sessions take 0..2**63-1."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv + ["--seed", seed])
+    assert stopped.value.code == 2
+    assert f"argument --seed: {seed} is out of range: give an integer from 0 to {MAX_SEED}" in one_error_line(capsys)
+
+
+def test_every_seed_option_has_the_one_seed_type():
+    """The range is checked in one place: every parser's --seed uses `seed_argument`, whatever the command."""
+    parser = build_parser()
+    parsers = [parser] + list(next(action for action in parser._actions
+                                   if isinstance(action, argparse._SubParsersAction)).choices.values())
+    seeds = [action for each in parsers for action in each._actions if "--seed" in action.option_strings]
+    assert len(seeds) >= 8 and all(action.type is seed_argument for action in seeds)
+    assert seed_argument("0") == 0 and seed_argument(str(MAX_SEED)) == MAX_SEED
