@@ -44,3 +44,20 @@ def test_every_seed_option_has_the_one_seed_type():
     seeds = [action for each in parsers for action in each._actions if "--seed" in action.option_strings]
     assert len(seeds) >= 8 and all(action.type is seed_argument for action in seeds)
     assert seed_argument("0") == 0 and seed_argument(str(MAX_SEED)) == MAX_SEED
+
+
+# -- 2. check-attention --model, before or after the command -------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["check-attention", "--model", "tiny"], ["--model", "tiny", "check-attention"]])
+def test_the_sinks_check_takes_model_on_either_side_of_the_command(argv, capsys, monkeypatch):
+    """`check-attention --model tiny` was refused as a decode/latent option while `--model tiny check-attention`
+    ran, and `--decode --model tiny` pointed back at the check without --decode: --help says the sinks check
+    takes the model's dims, and the side --model is given on must not change what runs."""
+    from engine import compare
+
+    taken = {}
+    monkeypatch.setattr(compare, "check_attention", lambda **kwargs: (taken.update(kwargs), pytest.skip.Exception))
+    monkeypatch.setattr("inspector.commands.check_attention.print_result", lambda result, fmt, formatter: 0)
+    assert main(argv + ["--device", "cpu"]) == 0
+    assert {key: taken[key] for key in ("head_dim", "heads", "kv_heads", "window", "block")} == {
+        "head_dim": 512, "heads": 2, "kv_heads": 1, "window": 16, "block": 8}
