@@ -61,3 +61,22 @@ def test_the_sinks_check_takes_model_on_either_side_of_the_command(argv, capsys,
     assert main(argv + ["--device", "cpu"]) == 0
     assert {key: taken[key] for key in ("head_dim", "heads", "kv_heads", "window", "block")} == {
         "head_dim": 512, "heads": 2, "kv_heads": 1, "window": 16, "block": 8}
+
+
+# -- 3. a directory with config.json alone --------------------------------------------------------------------
+
+QWEN3_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+                "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+                "num_experts_per_tok": 2, "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+
+
+def test_a_config_only_directory_is_told_about_its_weights_before_its_tokenizer(tmp_path, capsys):
+    """generate asked for tokenizer.json first, and only once it was there for the weights; with --weights random
+    (the fix the second message gives) no tokenizer is needed, so the first message sent the user the long way."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_CONFIG))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2
+    line = one_error_line(capsys)
+    assert "config.json but no *.safetensors: give --weights random" in line and "tokenizer" not in line
