@@ -193,7 +193,9 @@ class CheckAttentionStep:
 
     action = "check-attention"
     seq_len: int = _field(POSITIVE, required=True)
-    mode: str = _field(MODE, required=True)
+    # Every check launches its kernel by it (the latent check too: drop puts every query at the last position, so
+    # it must say `unmasked`); honor by default, as `check-attention --mode` is.
+    mode: str = _field(MODE, "honor")
     head_dim: int | None = _field(POSITIVE)
     heads: int | None = _field(POSITIVE)
     kv_heads: int | None = _field(POSITIVE)
@@ -461,12 +463,14 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     here = f"{where}: step {index} ({action})"
     allowed = step_keys(cls)
     _unknown_keys(here, {key: value for key, value in entry.items() if key != "action"}, allowed)
+    missing = [f"{spec.name!r} ({spec.metadata['kind'].describe})" for spec in dataclasses.fields(cls)
+               if spec.metadata["required"] and spec.name not in entry]
+    if missing:  # all of them at once, not one a run
+        raise UserError(f"{here}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     values = {}
     for spec in dataclasses.fields(cls):
-        kind, required = spec.metadata["kind"], spec.metadata["required"]
+        kind = spec.metadata["kind"]
         if spec.name not in entry:
-            if required:
-                raise UserError(f"{here}: missing key {spec.name!r} ({kind.describe})")
             continue
         value = entry[spec.name]
         _too_large(here, spec.name, value)

@@ -80,3 +80,22 @@ def test_a_config_only_directory_is_told_about_its_weights_before_its_tokenizer(
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2
     line = one_error_line(capsys)
     assert "config.json but no *.safetensors: give --weights random" in line and "tokenizer" not in line
+
+
+# -- 4. a session's check-attention step ----------------------------------------------------------------------
+
+SESSION_HEAD = '[session]\nversion = 1\nname = "s"\n[engine]\nmodel = "tiny"\n'
+
+
+def test_a_latent_check_step_needs_no_mode_and_missing_keys_are_named_at_once():
+    """`mla = true` was refused without `mode` (the CLI's --mode defaults to honor), and a step missing three keys
+    was refused for one of them a run."""
+    from engine.errors import UserError
+    from inspector.session import loads_session
+
+    step = loads_session(SESSION_HEAD + '[[step]]\naction = "check-attention"\nmla = true\nseq_len = 8\n').steps[0]
+    assert step.mla and step.mode == "honor"
+    with pytest.raises(UserError) as refused:
+        loads_session(SESSION_HEAD + '[[step]]\naction = "compare"\n')
+    message = str(refused.value)
+    assert "step 1 (compare): missing keys 'prompt' (" in message and "'a' (" in message and "'b' (" in message
