@@ -99,3 +99,20 @@ def test_a_latent_check_step_needs_no_mode_and_missing_keys_are_named_at_once():
         loads_session(SESSION_HEAD + '[[step]]\naction = "compare"\n')
     message = str(refused.value)
     assert "step 1 (compare): missing keys 'prompt' (" in message and "'a' (" in message and "'b' (" in message
+
+
+# -- 5. a text file given as a routing file -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["just some text here\n", "12345678" + "x" * 100])
+def test_a_routing_files_bogus_header_length_is_never_printed(tmp_path, capsys, text):
+    """`routing notes.txt` printed its first 8 characters as a number (`claims a 8319678385066701424-byte
+    header`); docs/hostile-input.md: a header length from a file is never printed, as the checkpoint reader says."""
+    import struct
+
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    assert main(["routing", str(path)]) == 2
+    line = one_error_line(capsys)
+    bogus = struct.unpack("<Q", text.encode()[:8])[0]
+    assert str(bogus) not in line
+    assert f"its first 8 bytes do not give the length of a header inside its {len(text)} bytes" in line
