@@ -116,3 +116,25 @@ def test_a_routing_files_bogus_header_length_is_never_printed(tmp_path, capsys, 
     bogus = struct.unpack("<Q", text.encode()[:8])[0]
     assert str(bogus) not in line
     assert f"its first 8 bytes do not give the length of a header inside its {len(text)} bytes" in line
+
+
+# -- 6. an output file named for another format ----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, option, ending", [
+    (["generate", "--model", "tiny", "--prompt", "hi", "--trace", "{dir}/trace.csv"], "--trace", "json"),
+    (["generate", "--model", "tiny", "--prompt", "hi", "--record-routing", "{dir}/rr.txt"], "--record-routing",
+     "safetensors"),
+    (["routing", "{dir}/r.safetensors", "--csv", "{dir}/r.json"], "--csv", "csv"),
+])
+def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, option,
+                                                                       ending):
+    """`--trace out/trace.csv` wrote JSON and `--record-routing rr.txt` safetensors; the conventions say nothing is
+    written in a format its name does not say."""
+    from engine import runtime
+
+    monkeypatch.setattr(runtime.Engine, "load", classmethod(lambda *a, **k: pytest.fail("nothing may load")))
+    (tmp_path / "r.safetensors").write_bytes(b"")
+    assert main([part.format(dir=tmp_path) for part in argv] + ["--device", "cpu"] * (argv[0] != "routing")) == 2
+    line = one_error_line(capsys)
+    assert f"{option} " in line and f"{option} writes {ending}; name the file *.{ending}" in line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["r.safetensors"]
