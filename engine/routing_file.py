@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import struct
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def load(path: str | Path) -> RoutingRecording:
         handle = open(path, "rb")
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; record one with `moe-inspector generate ... --record-routing "
-                        f"{path}`") from None
+                        f"{shlex.quote(str(path))}`") from None
     except IsADirectoryError:
         raise UserError(f"{path} is a directory, not a routing file") from None
     except OSError as error:

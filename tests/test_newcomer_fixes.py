@@ -138,3 +138,42 @@ def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path,
     line = one_error_line(capsys)
     assert f"{option} " in line and f"{option} writes {ending}; name the file *.{ending}" in line
     assert sorted(path.name for path in tmp_path.iterdir()) == ["r.safetensors"]
+
+
+# -- 7. commands suggested in messages, with paths a shell would split --------------------------------------
+
+def test_a_suggested_command_quotes_its_path(tmp_path, capsys):
+    """`replay` said ``re-record with `moe-inspector run /tmp/x/odd dir ü $x/s.toml` ``: pasted, the shell splits
+    it at the space and expands $x."""
+    import json
+    import shlex
+
+    directory = tmp_path / "odd dir ü $x"
+    directory.mkdir()
+    session = directory / "s.toml"
+    session.write_text(SESSION_HEAD + 'device = "cpu"\n[[step]]\naction = "curve"\n')
+    assert main(["run", str(session)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    results = directory / "s.results.jsonl"
+    lines = results.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["device"] = "cuda:NVIDIA H200"  # recorded elsewhere: replay refuses and suggests re-recording here
+    results.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    assert main(["replay", str(session)]) == 2
+    line = one_error_line(capsys)
+    assert f"`moe-inspector run {shlex.quote(str(session))}" in line
+
+
+def test_the_tuis_open_suggestion_quotes_its_path(tmp_path):
+    import shlex
+
+    from engine.errors import UserError
+    from engine.runtime import Engine
+    from inspector.tui_session import TuiSession
+
+    path = tmp_path / "a b" / "s.toml"
+    path.parent.mkdir()
+    path.write_text(SESSION_HEAD.replace('"tiny"', '"demo"'))
+    with pytest.raises(UserError) as refused:
+        TuiSession.open(path, Engine.load("tiny", "cpu", 0))
+    assert f"`moe-inspector --session {shlex.quote(str(path))}`" in str(refused.value)

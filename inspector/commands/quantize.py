@@ -4,6 +4,7 @@ code, written as a checkpoint directory every command loads with `--model DIR` (
 from __future__ import annotations
 
 import math
+import shlex
 
 from engine.errors import UserError
 from engine.trellis_job import parse_experts, quantize_model, write_shape_only
@@ -44,7 +45,7 @@ def run(args) -> int:
     if args.shape_only:
         out = write_shape_only(args.model, code, args.out, seed=args.seed)
         print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
-              f"with --model {out} --weights random")
+              f"with --model {shlex.quote(str(out))} --weights random")
         return 0
     if args.calibration_tokens < 1:
         raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
@@ -70,4 +71,4 @@ def print_text(result) -> None:
         relative = item["relative_mse"]
         print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {relative:>9.4f} {math.sqrt(relative):>9.3f} "
               f"{item['max_abs_error']:>12.3e}")
-    print(f"load it with --model {result.out}")
+    print(f"load it with --model {shlex.quote(str(result.out))}")
