@@ -61,3 +61,26 @@ async def test_a_failed_autosave_stays_in_the_status_bar_until_a_save_succeeds(e
         app.record_action({"action": "curve"})
         await pilot.pause()
         assert "NOT SAVED" not in bar.session and "1 step" in bar.session
+
+
+@synchronously
+async def test_ctrl_s_refuses_a_name_without_toml_before_asking_to_replace_it(engine, tmp_path):
+    """ctrl+s onto an existing notes.txt first asked `exists: Enter again to replace it`, then refused the name."""
+    from textual.widgets import Input, Static
+
+    from inspector.screens.session_path import SessionPathScreen
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep")
+    app = make_app(engine, tmp_path / "s.toml")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        dialog = app.screen
+        assert isinstance(dialog, SessionPathScreen)
+        dialog.query_one(Input).value = str(notes)
+        await pilot.press("enter")
+        await pilot.pause()
+        shown = str(dialog.query_one("#session-refusal", Static).content)
+        assert "a session file ends in .toml" in shown and "exists" not in shown
+        assert notes.read_text() == "keep"
