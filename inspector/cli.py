@@ -36,7 +36,8 @@ def _given(parser: argparse.ArgumentParser, arg_strings: list[str]) -> set[str]:
 class _Subcommands(argparse._SubParsersAction):
     """Subcommands whose defaults do not undo an option given before the command: `moe-inspector --model X bench`
     benches X (argparse's own would set bench's default over it). An option given on both sides is refused, unless
-    it appends (--set: both kept, the command's after)."""
+    it appends (--set: both kept, the command's after). An option the command does not know is refused with the
+    command's usage line (argparse's own would print the top parser's)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name, arg_strings = values[0], values[1:]
@@ -64,8 +65,8 @@ class _Subcommands(argparse._SubParsersAction):
                 continue  # the command's default does not override what was given before it
             setattr(namespace, dest, value)
         namespace.given_globals = frozenset(outer)
-        if rest:
-            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(rest)
+        if rest:  # the command's own usage line, not the top parser's (everything after the command is the command's)
+            subparser.error(f"unrecognized arguments: {' '.join(printable(part) for part in rest)}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -177,3 +177,14 @@ def test_the_tuis_open_suggestion_quotes_its_path(tmp_path):
     with pytest.raises(UserError) as refused:
         TuiSession.open(path, Engine.load("tiny", "cpu", 0))
     assert f"`moe-inspector --session {shlex.quote(str(path))}`" in str(refused.value)
+
+
+# -- 9. an unknown option after a command ---------------------------------------------------------------------
+
+def test_an_unknown_option_after_a_command_shows_that_commands_usage(capsys):
+    """`generate ... --bogus` printed `usage: moe-inspector [-h] ...`, the top parser's usage."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "--model", "tiny", "--prompt", "x", "--bogus"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: moe-inspector generate ") and "moe-inspector: error: unrecognized arguments: --bogus" in err
