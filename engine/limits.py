@@ -25,6 +25,8 @@ MAX_BENCH_ROWS = 256  # rows of one bench (every length at every batch size)
 MAX_CURVE_EXPERTS = 1 << 20  # routed experts in the curve's arithmetic (real models: up to a few hundred)
 MAX_CURVE_TOKENS = 1 << 40  # token counts in the curve's arithmetic
 MAX_TILE_M = 1 << 12
+# A seed is a torch generator's, recorded in sessions and results headers: a non-negative int64.
+MAX_SEED = 2**63 - 1
 
 
 def gib(size: int | float) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import struct
 from pathlib import Path
 
@@ -107,11 +108,9 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict, int]:
         raise _refuse(path, f"{size} bytes: truncated, or not a routing file (a safetensors file starts with an "
                             f"8-byte header length); record one with --record-routing")
     (length,) = struct.unpack("<Q", handle.read(8))
-    if length > MAX_HEADER_BYTES:
-        raise _refuse(path, f"claims a {length}-byte header (at most {MAX_HEADER_BYTES}): not a routing file")
-    if 8 + length > size:
-        raise _refuse(path, f"truncated: the header claims {length} bytes, the file has {size - 8} after its "
-                            f"length")
+    if length > MAX_HEADER_BYTES or 8 + length > size:  # never printed: for a text file, its first 8 characters
+        raise _refuse(path, f"its first 8 bytes do not give the length of a header inside its {size} bytes: "
+                            f"truncated, or not a routing file; record one with --record-routing")
     raw = handle.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -183,7 +182,7 @@ def load(path: str | Path) -> RoutingRecording:
         handle = open(path, "rb")
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; record one with `moe-inspector generate ... --record-routing "
-                        f"{path}`") from None
+                        f"{shlex.quote(str(path))}`") from None
     except IsADirectoryError:
         raise UserError(f"{path} is a directory, not a routing file") from None
     except OSError as error:

@@ -295,7 +295,8 @@ class Engine:
                         shown: str | None = None, text: bool = False) -> "Engine":
         """A Hugging Face-format checkpoint directory: its safetensors files (engine.hf_loader), or with
         weights="random" random weights of the family and shape its config.json gives, drawn on `device`.
-        The model must fit the device's free memory, checked before a byte is read or drawn. `shown`: the path
+        The model must fit the device's free memory, checked before a byte is read or drawn; missing weights are
+        refused before a missing tokenizer (`text`: a text prompt needs tokenizer.json). `shown`: the path
         as the user gave it (a session's relative path), which the weights' source names."""
         from engine import model_source
         from engine.hf_loader import load_checkpoint, read_config  # tokenizers is imported only for directories
@@ -304,6 +305,11 @@ class Engine:
         dtype = cls.dtype_for(device)
         model_source.check_fits(config, device, dtype, str(directory))
         checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
+        if weights != "random":  # first: with --weights random no tokenizer is needed, so the fix is that
+            has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists()
+            if not has_weights:
+                raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
+                                f"random weights of this {family} shape, or download the weights")
         tokenizer, note = _directory_tokenizer(directory, config)
         if text and note and weights != "random":  # before a weight is read: a load of minutes for a refusal
             raise UserError(_text_refusal(directory, note))
@@ -317,10 +323,6 @@ class Engine:
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
                                         f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")
         else:
-            has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists()
-            if not has_weights:
-                raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
-                                f"random weights of this {family} shape, or download the weights")
             loaded = load_checkpoint(directory, device, dtype, tokenizer=tokenizer)
             engine = cls(loaded.config, device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
                          weights_source=f"{loaded.family} checkpoint {shown or directory}{note}")

@@ -88,27 +88,28 @@ class InspectorApp(App):
     def record_action(self, action: dict, outcome: dict | None = None) -> None:
         """Every user action (prompt run, flag, config B, curve, check-attention, bench), as plain
         values; `outcome` is what the TUI computed for it (generations, the check's dict, the bench
-        report), kept as the step's recorded results. Saved atomically before this returns."""
+        report), kept as the step's recorded results. Saved atomically before this returns; a save that fails
+        is shown as an error notification and in the status bar (until the next save succeeds), never dropped."""
         if self.session is None:
             return
         try:
             step = self.session.record(action, outcome)
-        except (UserError, OSError) as error:
+        except (UserError, OSError) as error:  # never silent: a long notification and the status bar say so
             self.notify(f"{action.get('action')}: not recorded in the session: {error}", title="session",
-                        severity="error", markup=False)
+                        severity="error", markup=False, timeout=30)
+            self._session_changed(f"NOT SAVED: the last {action.get('action')} was not recorded")
             return
-        if step is not None:
-            self._session_changed()
+        self._session_changed()  # clears a NOT SAVED note once a save succeeds
 
     def _session_changed(self, note: str = "") -> None:
         if self.session is not None:
             self.main_screen.post_message(events.SessionChanged(str(self.session.path),
                                                                 len(self.session.session.steps), note))
 
-    def save_session_as(self, text: str) -> Path:
-        """ctrl+s: refuses (UserError, shown in place) a path that is not a writable .toml file."""
-        if self.session is None:
-            raise UserError("no session is open in this inspector")
+    @staticmethod
+    def check_session_path(text: str) -> Path:
+        """What ctrl+s refuses whatever the answer to "replace it?" (UserError): no path, a directory, a name
+        not ending in .toml, a missing directory. The dialog asks it before that question."""
         path = Path(text.strip()).expanduser()
         if not text.strip():
             raise UserError("give a file path, e.g. sessions/mine.toml")
@@ -118,6 +119,13 @@ class InspectorApp(App):
             raise UserError(f"{path}: a session file ends in .toml (its results go beside it as .results.jsonl)")
         if not path.parent.is_dir():
             raise UserError(f"{path.parent} is not a directory: create it first, or pick another place")
+        return path
+
+    def save_session_as(self, text: str) -> Path:
+        """ctrl+s: refuses (UserError, shown in place) a path that is not a writable .toml file."""
+        if self.session is None:
+            raise UserError("no session is open in this inspector")
+        path = self.check_session_path(text)
         try:
             saved = self.session.save_as(path)
         except OSError as error:
@@ -152,7 +160,7 @@ class InspectorApp(App):
 
         if self.session is not None and not isinstance(self.screen, SessionPathScreen):
             self.push_screen(SessionPathScreen("save", str(self.session.path), self.save_session_as,
-                                               current=str(self.session.path)))
+                                               current=str(self.session.path), check=self.check_session_path))
 
     def action_open_session(self) -> None:
         from inspector.screens.session_path import SessionPathScreen

@@ -13,7 +13,7 @@ import sys
 from engine.errors import UserError
 from engine.printable import one_line, printable
 from inspector.commands import COMMAND_MODULES
-from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
+from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED, seed_argument
 
 
 class _Unset(list):
@@ -36,7 +36,8 @@ def _given(parser: argparse.ArgumentParser, arg_strings: list[str]) -> set[str]:
 class _Subcommands(argparse._SubParsersAction):
     """Subcommands whose defaults do not undo an option given before the command: `moe-inspector --model X bench`
     benches X (argparse's own would set bench's default over it). An option given on both sides is refused, unless
-    it appends (--set: both kept, the command's after)."""
+    it appends (--set: both kept, the command's after). An option the command does not know is refused with the
+    command's usage line (argparse's own would print the top parser's)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name, arg_strings = values[0], values[1:]
@@ -64,8 +65,8 @@ class _Subcommands(argparse._SubParsersAction):
                 continue  # the command's default does not override what was given before it
             setattr(namespace, dest, value)
         namespace.given_globals = frozenset(outer)
-        if rest:
-            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(rest)
+        if rest:  # the command's own usage line, not the top parser's (everything after the command is the command's)
+            subparser.error(f"unrecognized arguments: {' '.join(printable(part) for part in rest)}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,7 +105,7 @@ def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                         help="set a flag (repeatable); see `moe-inspector flags`")
     parser.add_argument("--session", default=None, metavar="FILE", help="open (or start) this session file")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed for random presets (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=DEFAULT_SEED, help="weight seed for random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: the shipped or the directory's weights; random: random weights of the model's "
                              "shape (a directory's from its config.json, drawn on the device)")

@@ -10,7 +10,10 @@ when it is a directory or another non-regular file (a device, a FIFO: a rename w
 node itself); when an existing file is read-only (its owner meant to keep it); when its directory
 does not exist, is not a directory, or does not take a new file (checked by creating and removing
 an unnamed, else a hidden, file there, which also catches read-only filesystems and full quotas).
-Two outputs of one command must differ too (`distinct_outputs`).
+Two outputs of one command must differ too (`distinct_outputs`). An option that writes one format
+(`ENDINGS`: --trace JSON, --record-routing safetensors, ...) takes only a name ending in it: nothing is
+written in a format its name does not say (docs/cli-and-tui-conventions.md); options whose format follows
+the name or --format (--report) are checked by `inspector.commands.output.format_for_path`.
 
 Used by every command that writes: run (results, report), bench (--json-out), sweep
 (calibration), the TUI (--session, its results file, ctrl+s). Knows nothing of what is written.
@@ -27,6 +30,11 @@ from typing import Mapping
 from engine.atomic_file import TEMP_SUFFIX, atomic_write_bytes
 from engine.errors import UserError
 from engine.printable import printable
+
+
+# The one ending each single-format output option's file must have (the option as commands name it).
+ENDINGS = {"--trace": ".json", "--record-routing": ".safetensors", "--json-out": ".json", "--csv": ".csv",
+           "--results": ".jsonl"}
 
 
 def _same_file(path: Path, other: Path) -> bool:
@@ -100,6 +108,11 @@ def check_output_path(path: str | os.PathLike | None, option: str,
     except OSError as error:
         raise UserError(f"{option} {shown}: cannot create a file in {printable(str(directory))} "
                         f"({error.strerror}); pick a writable directory") from None
+    ending = ENDINGS.get(option)
+    if ending is not None and path.suffix.lower() != ending:
+        said = f"ends in {printable(path.suffix, 20)!s}" if path.suffix else "has no extension"
+        raise UserError(f"{option} {shown}: the name {said}, and {option} writes {ending[1:]}; name the file "
+                        f"*{ending}")
     return path
 
 

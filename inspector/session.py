@@ -69,6 +69,7 @@ from engine import flags as flag_registry
 # The atomic writer lives in the engine (the calibration file uses it too); re-exported here.
 from engine.atomic_file import TEMP_SUFFIX, atomic_write_bytes, atomic_write_text  # noqa: F401
 from engine.errors import UserError
+from engine.limits import MAX_SEED
 from engine.printable import printable, unprintable_characters
 
 FORMAT_VERSION = 1
@@ -79,7 +80,6 @@ MAX_STEPS = 10_000
 # No count, size or seed in a session is larger: beyond it a number is refused by the parser
 # (the steps' own, tighter limits come from the model and the machine in the runner's preflight).
 MAX_INTEGER = 2**53
-MAX_SEED = 2**63 - 1
 BASE = "base"  # the reserved config name for [flags] alone
 VERDICTS = ("masked", "causal", "unmasked", "no_rope", "none")  # no_rope: the latent check's (mla = true)
 # The decode check's (decode = true): engine.compare_decode.VERDICTS, which a test keeps equal (no torch here).
@@ -193,7 +193,9 @@ class CheckAttentionStep:
 
     action = "check-attention"
     seq_len: int = _field(POSITIVE, required=True)
-    mode: str = _field(MODE, required=True)
+    # Every check launches its kernel by it (the latent check too: drop puts every query at the last position, so
+    # it must say `unmasked`); honor by default, as `check-attention --mode` is.
+    mode: str = _field(MODE, "honor")
     head_dim: int | None = _field(POSITIVE)
     heads: int | None = _field(POSITIVE)
     kv_heads: int | None = _field(POSITIVE)
@@ -461,12 +463,14 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     here = f"{where}: step {index} ({action})"
     allowed = step_keys(cls)
     _unknown_keys(here, {key: value for key, value in entry.items() if key != "action"}, allowed)
+    missing = [f"{spec.name!r} ({spec.metadata['kind'].describe})" for spec in dataclasses.fields(cls)
+               if spec.metadata["required"] and spec.name not in entry]
+    if missing:  # all of them at once, not one a run
+        raise UserError(f"{here}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     values = {}
     for spec in dataclasses.fields(cls):
-        kind, required = spec.metadata["kind"], spec.metadata["required"]
+        kind = spec.metadata["kind"]
         if spec.name not in entry:
-            if required:
-                raise UserError(f"{here}: missing key {spec.name!r} ({kind.describe})")
             continue
         value = entry[spec.name]
         _too_large(here, spec.name, value)

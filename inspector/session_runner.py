@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -244,7 +245,7 @@ def run_session(session: Session, where: str, device: str | None = None,
 
         torch_device = ep_launch.rank_device(str(torch_device), group.rank)
     elif session.engine.ep > 1:
-        raise UserError(f"{where}: [engine] ep = {session.engine.ep}: only `moe-inspector run {where}` spawns the "
+        raise UserError(f"{where}: [engine] ep = {session.engine.ep}: only `moe-inspector run {shlex.quote(where)}` spawns the "
                         f"ranks (replay and the TUI run one device)")
     engine = Engine.load(session.engine.model, str(torch_device), session.engine.seed, session.engine.weights,
                          base=session_directory(where))
@@ -298,7 +299,7 @@ def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no recorded results for {session_path}; record them first with "
-                        f"`moe-inspector run {session_path}`") from None
+                        f"`moe-inspector run {shlex.quote(str(session_path))}`") from None
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"{path}: cannot read the results file ({error}); run the session again") from None
     lines = []
@@ -328,7 +329,7 @@ def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list
 def check_replayable(session: Session, header: dict, recorded: list[dict], results_path: str,
                      current_flags: flag_registry.ResolvedFlags) -> None:
     """The recording must be of this session, on these flags: otherwise a diff would mislead (exit 2)."""
-    rerun = f"run `moe-inspector run {header.get('session_file', 'SESSION.toml')}` to re-record"
+    rerun = f"run `moe-inspector run {shlex.quote(str(header.get('session_file', 'SESSION.toml')))}` to re-record"
     for key, now in (("model", session.engine.model), ("seed", session.engine.seed)):
         if header.get(key) != now:
             raise UserError(f"{results_path}: recorded with {key} {header.get(key)!r}, the session now says "
@@ -487,7 +488,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
                 raise
             raise UserError(f"{results_path}: recorded on {header.get('device')} ({device}), and no CUDA GPU is "
                             f"visible here; replay on a machine with that GPU, or re-record here with "
-                            f"`moe-inspector run {where} --device cpu`") from None
+                            f"`moe-inspector run {shlex.quote(where)} --device cpu`") from None
     else:
         device = device or session.engine.device
         _, torch_device = preflight(session, where, device)
@@ -496,7 +497,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
     if device_label(torch_device) != header.get("device"):
         raise UserError(f"{results_path}: recorded on {header.get('device')}, this replay would run on "
                         f"{device_label(torch_device)}; tokens are only comparable on the same device: replay "
-                        f"there (--device), or re-record here with `moe-inspector run {where}`")
+                        f"there (--device), or re-record here with `moe-inspector run {shlex.quote(where)}`")
     if header.get("weights") is not None:  # before a step runs: the weights the re-run would load
         from engine.runtime import Engine
 
@@ -506,11 +507,11 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
         if difference is not None:
             raise UserError(f"{results_path}: recorded with {difference}; tokens are only comparable with the same "
                             f"weights, so nothing was re-run: restore that checkpoint, or re-record with "
-                            f"`moe-inspector run {where}`")
+                            f"`moe-inspector run {shlex.quote(where)}`")
     rerun = run_session(session, where, device, progress, cancel=cancel)
     if header.get("weights") is not None and not same_weights(header, rerun.header):
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "
                         f"'{rerun.header['weights']}'; tokens are only comparable with the same weights: "
-                        f"re-record with `moe-inspector run {where}`")
+                        f"re-record with `moe-inspector run {shlex.quote(where)}`")
     differences = [difference for old, new in zip(recorded, rerun.steps) for difference in diff_step(old, new)]
     return ReplayOutcome(header, recorded, rerun, differences)

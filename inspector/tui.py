@@ -13,6 +13,7 @@ the screen is taken over (exit 2), never as a traceback inside the app. Knows no
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def _session_engine(args, spec) -> tuple[str, int, str, list[str]]:
     model, seed = spec.model, spec.seed
     if spec.ep > 1:
         raise UserError(f"--session {args.session}: [engine] ep = {spec.ep}; the TUI runs one device: run it headless "
-                        f"with `moe-inspector run {args.session}`, which spawns the ranks")
+                        f"with `moe-inspector run {shlex.quote(str(args.session))}`, which spawns the ranks")
     given = getattr(args, "given_globals", None)  # inspector.cli: what the command line gave (`--model demo` too)
     if args.model != spec.model and (args.model != DEFAULT_MODEL if given is None else "model" in given):
         raise UserError(f"--session {args.session} records model {spec.model}, and --model says {args.model}: drop "

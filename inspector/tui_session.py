@@ -10,6 +10,7 @@ re-run against what the user saw. Knows nothing of widgets.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -90,7 +91,7 @@ class TuiSession:
         spec = recorder.session.engine
         if not runs_model(engine, spec.model, Path(path)) or spec.seed != engine.seed:
             raise UserError(f"{path}: a session for model {spec.model} seed {spec.seed}, and this inspector runs "
-                            f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {path}`")
+                            f"{engine.config.name} seed {engine.seed}; open it with `moe-inspector --session {shlex.quote(str(path))}`")
         lines, note = cls._recorded_lines(Path(path), recorder.session, engine)
         session = cls(recorder, engine, lines, note)
         if note and results_path_for(path).exists():

@@ -192,7 +192,6 @@ def test_cli_decode_takes_a_models_dims(capsys, tmp_path):
 
 @pytest.mark.parametrize("arguments, fragment", [
     (["--batch", "3"], "--batch is an option of the decode check: add --decode"),
-    (["--model", "tiny"], "--model is an option of the decode and latent checks"),
     (["--decode", "--mla"], "--decode and --mla are two checks"),
     (["--decode", "--block", "8"], "--block is an option of the sinks check"),
     (["--decode", "--kv-lora-rank", "32"], "--kv-lora-rank is an option of the latent (--mla) check"),

@@ -52,12 +52,13 @@ def test_routing_refuses_a_csv_over_the_recording_it_reads(tmp_path, capsys):
 
 
 def test_generate_and_bench_refuse_one_file_for_the_trace_and_the_routing(tmp_path, capsys):
-    target = tmp_path / "same.out"
+    target, link = tmp_path / "same.json", tmp_path / "same.safetensors"  # each named for its format, one file
+    link.symlink_to(target)
     code, _, err = cli(capsys, "generate", "--model", "tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens",
-                       "2", "--no-progress", "--trace", target, "--record-routing", target)
+                       "2", "--no-progress", "--trace", target, "--record-routing", link)
     one_line_refusal(code, err, "name the same file")
     code, _, err = cli(capsys, "bench", "--model", "tiny", "--device", "cpu", "--pp", "none", "--tg", "2",
-                       "--batch", "1", "--reps", "1", "--no-progress", "--trace", target, "--record-routing", target)
+                       "--batch", "1", "--reps", "1", "--no-progress", "--trace", target, "--record-routing", link)
     one_line_refusal(code, err, "name the same file")
     assert not target.exists()
 

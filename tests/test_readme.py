@@ -93,3 +93,19 @@ def test_the_documents_cite_nothing_outside_the_repository():
     for path in DOCUMENTS:
         found = outside.findall(path.read_text(encoding="utf-8"))
         assert not found, f"{path.relative_to(ROOT)}: {found}"
+
+
+def test_the_demo_samples_are_what_generate_prints(capsys):
+    """README's samples of the shipped demo showed `\\n` where generate prints `\\x0a`: each `$ moe-inspector
+    generate --prompt ...` sample (the demo, no --model) is run and its `text:` line compared as printed."""
+    import shlex
+
+    from inspector.cli import main
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    samples = re.findall(r"^\$ moe-inspector (generate --prompt .*)\n(text: .*)$", text, re.M)
+    assert len(samples) == 2
+    for command, shown in samples:
+        assert main(shlex.split(command) + ["--device", "cpu", "--no-progress"]) == 0
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("text: ")]
+        assert printed == [shown], command

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
+from inspector.commands.common import seed_argument
 from inspector.commands.output import EXTENSIONS, add_format_arguments, output_format
 
 _DEFAULT_ROUNDS = 8
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
                       help="bench rows (default), a sweep (GPU), or a session file")
     work.add_argument("--model", default="demo", help="bench/sweep model (default demo)")
     work.add_argument("--device", default=None, help="bench: auto (default), cpu or cuda; session: its override")
-    work.add_argument("--seed", type=int, default=0, help="bench/sweep weight and prompt seed (default 0)")
+    work.add_argument("--seed", type=seed_argument, default=0, help="bench/sweep weight and prompt seed (default 0)")
     work.add_argument("--pp", default="none", help="bench: prompt lengths of pp rows (default none)")
     work.add_argument("--tg", default="32", help="bench: generated tokens of tg rows (default 32)")
     work.add_argument("--batch", default="1", help="bench: sequences per row (default 1)")

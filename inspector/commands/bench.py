@@ -15,7 +15,7 @@ from engine.config import PRESETS
 from engine.errors import UserError
 from engine.progress import Progress
 from engine.runtime import Engine, model_config, resolve_device
-from inspector.commands.common import positive_int_list
+from inspector.commands.common import positive_int_list, seed_argument
 from inspector.commands.output import (EXTENSIONS, INTERRUPTED, add_format_arguments, dumps, output_format,
                                        stop_on_interrupt)
 
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
                              "family and shape drawn on the device from config.json alone (presets always bench "
                              "random weights)")
     parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0, help="weight and prompt seed (default 0)")
     parser.add_argument("--pp", default="128,512,2048",
                         help="prompt lengths of the pp rows (default 128,512,2048; none for no pp rows)")
     parser.add_argument("--tg", default="128", help="generated tokens of the tg rows (default 128; none)")

@@ -8,9 +8,10 @@ sizes (the measurement could not tell honouring the mask from dropping it).
 `--mla`: the same check for multi-head latent attention (engine.compare_mla): the absorbed kernel over
 the latent cache against the decompressed references (causal, unmasked, without the RoPE key); exit 0
 when it sits on the causal one. `--model` (after the command, or the global one when it is not the default)
-takes the heads and latent dims from a preset or a checkpoint directory's config.json. The sinks check takes a
-global `--model`'s head_dim, heads, kv heads and first masked layer's window and block (the F3 screen's sizes);
-a model whose layers another check fits (--decode, --mla) or none is refused in one line naming it.
+takes the heads and latent dims from a preset or a checkpoint directory's config.json. The sinks check takes
+`--model`'s head_dim, heads, kv heads and first masked layer's window and block (the F3 screen's sizes); a model
+whose layers another check fits (--decode, --mla) or none is refused in one line naming it. `--model` means the
+same given before the command or after it.
 
 `--decode`: the decode check (engine.compare_decode): the split-KV decode kernel the decode step runs, over a
 cache of --seq-len slots holding --batch sequences at different positions with stale garbage past each, against
@@ -25,6 +26,7 @@ import argparse
 import sys
 
 from inspector.commands.check_output import print_result
+from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format
 
 
@@ -48,7 +50,7 @@ def add_parser(subparsers) -> None:
                         help="honor: the kernel gets the mask; drop: plain causal, the incident (default honor)")
     # --device and --seed also exist before the command; SUPPRESS keeps either spelling working.
     parser.add_argument("--device", default=argparse.SUPPRESS, help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=argparse.SUPPRESS, help="input seed (default 0)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                         help="working dtype (default bf16 on cuda, fp32 on cpu)")
     add_format_arguments(parser, ("text", "json"), "text")
@@ -65,15 +67,17 @@ def add_parser(subparsers) -> None:
     decode.add_argument("--batch", type=int, default=None, help="sequences in one launch (default 4 cpu / 8 cuda)")
     decode.add_argument("--sinks", action=argparse.BooleanOptionalAction, default=None,
                         help="learned per-head sinks (default: off, or the model's)")
-    decode.add_argument("--model", dest="decode_model", default=None, metavar="MODEL",
-                        help="take heads, kv heads, head_dim, the window and sinks from a preset or a checkpoint "
-                             "directory's config.json (with --mla: its heads and latent dims)")
+    # Every check's: given here or before the command, the same model (inspector.commands.check_decode.chosen_model).
+    parser.add_argument("--model", dest="decode_model", default=None, metavar="MODEL",
+                        help="take the dims from a preset or a checkpoint directory's config.json: the sinks check its "
+                             "heads, kv heads, head_dim and first masked layer's window and block; --decode its "
+                             "heads, kv heads, head_dim, window and sinks; --mla its heads and latent dims")
     parser.set_defaults(run=run)
 
 
 MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")
 SINKS_ONLY = ("head_dim", "kv_heads", "window", "block", "pad")
-DECODE_ONLY = ("batch", "sinks", "decode_model")
+DECODE_ONLY = ("batch", "sinks")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,9 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = output_format(args)
     device = resolve_device(getattr(args, "device", "auto"))
-    # --model is the decode check's and the latent check's (its heads and latent dims); the rest only the decode's
-    if args.decode or any(getattr(args, name) is not None for name in DECODE_ONLY
-                          if not (args.mla and name == "decode_model")):
+    # --model is every check's (before or after the command alike); --batch and --sinks only the decode check's
+    if args.decode or any(getattr(args, name) is not None for name in DECODE_ONLY):
         from inspector.commands.check_decode import run_decode
 
         return run_decode(args, device, fmt)

@@ -23,11 +23,8 @@ OTHER_CHECKS = {"block": "the sinks check", "pad": "the sinks check", "kv_lora_r
 
 def _refuse_other_options(args: argparse.Namespace) -> None:
     if not args.decode:
-        given = next(name for name in ("batch", "sinks", "decode_model") if getattr(args, name) is not None)
-        option = "--model" if given == "decode_model" else "--" + given
-        if given == "decode_model":
-            raise UserError("--model is an option of the decode and latent checks: add --decode or --mla, or drop it")
-        raise UserError(f"{option} is an option of the decode check: add --decode, or drop it")
+        given = next(name for name in ("batch", "sinks") if getattr(args, name) is not None)
+        raise UserError(f"--{given} is an option of the decode check: add --decode, or drop it")
     if args.mla:
         raise UserError("--decode and --mla are two checks (the decode kernel, the latent kernel): give one")
     given = [name for name in OTHER_CHECKS if getattr(args, name) is not None]
@@ -37,7 +34,7 @@ def _refuse_other_options(args: argparse.Namespace) -> None:
 
 
 def chosen_model(args: argparse.Namespace) -> str | None:
-    """The model the decode and latent checks take their dims from: the subcommand's `--model`, else the global
+    """The model every check (sinks, decode, latent) takes its dims from: the subcommand's `--model`, else the global
     `--model` where it was given (`--model demo` too); None for neither. Both given and naming different models:
     UserError (which one was meant cannot be told)."""
     own = args.decode_model

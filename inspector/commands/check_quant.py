@@ -12,7 +12,7 @@ import sys
 
 from engine.printable import one_line
 from inspector.commands.check_output import _json_safe
-from inspector.commands.common import positive_int_list
+from inspector.commands.common import positive_int_list, seed_argument
 from inspector.commands.output import add_format_arguments, output_format, print_json
 
 
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--original", default=None, metavar="MODEL",
                         help="the unquantized model (default: the source config.json records)")
     parser.add_argument("--device", default=argparse.SUPPRESS, help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="input seed (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=argparse.SUPPRESS, help="input seed (default 0)")
     add_format_arguments(parser, ("text", "json"), "text")
     parser.set_defaults(run=run)
 

@@ -7,16 +7,31 @@ import logging
 import sys
 
 from engine.errors import UserError
+from engine.limits import MAX_SEED
 from engine.printable import printable
 
 DEFAULT_MODEL, DEFAULT_SEED = "demo", 0  # the TUI's and the engine commands' --model and --seed
 
 
+def seed_argument(text: str) -> int:
+    """The type of every command's --seed (and the TUI's): an integer from 0 to 2**63-1, the range a session
+    records (`inspector.session`), refused at parsing (argparse: one line, exit 2) rather than after a run
+    whose recording would then be refused."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{printable(repr(text), 40)}: expected an integer from 0 to {MAX_SEED}") \
+            from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{printable(text, 40)} is out of range: give an integer from 0 to "
+                                         f"{MAX_SEED}")
+    return value
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name (tiny, demo, v4-shape; default demo) or a Hugging Face checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weight seed of random presets (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=DEFAULT_SEED, help="weight seed of random presets (default 0)")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
                         help="auto: a preset's shipped checkpoint where there is one (the trained demo), else "
                              "random from --seed; random: always random")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.errors import UserError
 from engine.trellis_job import parse_experts, partial_directory, quantize_model, write_shape_only
+from inspector.commands.common import seed_argument
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json
 
 
@@ -22,7 +23,7 @@ def add_parser(subparsers) -> None:
                              "3inst, 2 for hyb)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="the directory to write; must not exist (a killed run resumes from .DIR.partial)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Hadamard signs (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0, help="seed of the Hadamard signs (default 0)")
     parser.add_argument("--device", default="auto", help="where the search runs: auto (the GPU if there is one), "
                                                          "cpu or cuda")
     parser.add_argument("--weights", choices=("auto", "random"), default="auto",
@@ -46,7 +47,7 @@ def run(args) -> int:
     if args.shape_only:
         out = write_shape_only(args.model, code, args.out, seed=args.seed)
         print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
-              f"with --model {out} --weights random")
+              f"with --model {shlex.quote(str(out))} --weights random")
         return 0
     if args.calibration_tokens < 1:
         raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
@@ -94,4 +95,4 @@ def print_text(result) -> None:
         relative = item["relative_mse"]
         print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {relative:>9.4f} {math.sqrt(relative):>9.3f} "
               f"{item['max_abs_error']:>12.3e}")
-    print(f"load it with --model {result.out}")
+    print(f"load it with --model {shlex.quote(str(result.out))}")

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format
 
 _DEFAULT_TOKENS = "1,2,4,8,9,16,32,64,128,256,512,683,1024,2048,4096,8192"
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> None:
                         help="with --routing: only these MoE layers of the file (default every one)")
     parser.add_argument("--tile-m", dest="tile_m", type=int, default=None,
                         help="grouped-GEMM m-tile rows: 16, 32 or 64 (default: the kernel's DEFAULT_TILE_M)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, activations and routing (default 0)")
+    parser.add_argument("--seed", type=seed_argument, default=0, help="seed of weights, activations and routing (default 0)")
     add_format_arguments(parser, ("text", "json"), "text")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file to write (default MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")

@@ -6,6 +6,7 @@ with its interval, the verdict or the refusal) and the highlighted row's rounds 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from textual.app import ComposeResult
@@ -27,7 +28,7 @@ def load_report(path: str) -> dict:
     try:
         report = json.loads(where.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{path}: no such file; write one with `moe-inspector ab ... --json-out {path}`") from None
+        raise UserError(f"{path}: no such file; write one with `moe-inspector ab ... --json-out {shlex.quote(str(path))}`") from None
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise UserError(f"{path}: not a JSON A/B report ({type(error).__name__})") from None
     if not isinstance(report, dict) or report.get("kind") != "ab" or not isinstance(report.get("rows"), list):

@@ -391,7 +391,8 @@ class MainScreen(Screen):
         from inspector.tui_session import shown_path
 
         self.query_one(StatusBar).set_session(f"{shown_path(message.path)} · {message.steps} "
-                                              f"step{'s' if message.steps != 1 else ''}")
+                                              f"step{'s' if message.steps != 1 else ''}"
+                                              + (f" · {message.note}" if message.note else ""))
 
     def load_session_state(self, flags: ResolvedFlags, b_overrides: dict[str, Any] | None) -> None:
         """An opened session: A where it left off, and B as its last side-by-side step had it; the last run's
