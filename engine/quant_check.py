@@ -19,6 +19,7 @@ Knows nothing of the CLI; returns a plain dict.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -156,7 +157,7 @@ def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens
     w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
     if not isinstance(w13, TrellisMatrix):
         raise UserError(f"--model {model}: its experts are not trellis-coded; quantize it first with "
-                        f"`moe-inspector quantize {model} --experts trellis:K=2,code=hyb --out DIR`")
+                        f"`moe-inspector quantize {shlex.quote(str(model))} --experts trellis:K=2,code=hyb --out DIR`")
     arms = trellis_arms(device)
     arm = arm or next(iter(arms))
     if arm not in arms:
