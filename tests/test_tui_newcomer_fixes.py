@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
-from pathlib import Path
-
 import pytest
+from test_tui_sessions import make_app, synchronously
 
-from engine import flags as flag_registry
 from engine.errors import UserError
 from engine.runtime import Engine
-from inspector.app import InspectorApp
-from inspector.tui_session import TuiSession
 from inspector.widgets.status_bar import StatusBar
 
 SIZE = (200, 50)
@@ -22,19 +16,6 @@ pytestmark = pytest.mark.usefixtures("pinned_environment")  # conftest: no calib
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine.load("tiny", "cpu", 0)
-
-
-def synchronously(test):
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return run
-
-
-def make_app(engine: Engine, session_path: Path) -> InspectorApp:
-    flags = flag_registry.resolve([], environ={})
-    session = TuiSession.start(session_path, engine, {"model": "tiny", "device": "cpu", "seed": 0}, flags)
-    return InspectorApp(engine, flags, timed=False, session=session)
 
 
 @synchronously
