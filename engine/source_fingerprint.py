@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from engine.model_source import weight_files
+
 _PIECE = 1 << 24
 
 
@@ -34,8 +36,8 @@ def fingerprint(model: str, weights: str, seed: int) -> dict:
     found = {"config_sha256": _file_sha256(directory / "config.json")}
     if weights == "random":
         return found | {"weights": "random", "seed": seed}
-    found["files"] = [{"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path)}
-                      for path in sorted(directory.glob("*.safetensors"))]
+    # engine.model_source.weight_files' entries (as results headers list them), each with its bytes' hash
+    found["files"] = [entry | {"sha256": _file_sha256(directory / entry["file"])} for entry in weight_files(directory)]
     return found
 
 
@@ -50,8 +52,8 @@ def differences(recorded: dict, current: dict) -> list[str]:
             words.append(f"{what} {recorded.get(key)} then, {current.get(key)} now")
     if recorded.get("config_sha256") != current.get("config_sha256"):
         words.append("config.json differs")
-    then = {item.get("name"): item for item in recorded.get("files") or () if isinstance(item, dict)}
-    now = {item["name"]: item for item in current.get("files") or ()}
+    then = {item.get("file"): item for item in recorded.get("files") or () if isinstance(item, dict)}
+    now = {item["file"]: item for item in current.get("files") or ()}
     for name in sorted(set(then) | set(now)):
         if name not in now:
             words.append(f"{name} is missing")
