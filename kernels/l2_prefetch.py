@@ -48,9 +48,17 @@ def _prefetch_kernel(base_ptr, nbytes, per_program, CHUNK: tl.constexpr, PAUSE_N
             _pause(PAUSE_NS, offset.to(tl.int32))
 
 
+_SUPPORTED: dict[torch.device, bool] = {}
+
+
 def supported(device: torch.device) -> bool:
-    """Whether `prefetch_l2` can run on `device`: a CUDA GPU of compute capability >= 9."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether `prefetch_l2` can run on `device`: a CUDA GPU of compute capability >= 9 (asked once per device:
+    every one-row step with the flag on asks)."""
+    if device.type != "cuda":
+        return False
+    if device not in _SUPPORTED:
+        _SUPPORTED[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _SUPPORTED[device]
 
 
 def refusal(t: torch.Tensor) -> str:
