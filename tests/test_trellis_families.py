@@ -126,6 +126,49 @@ def test_every_command_runs_on_the_quantized_directory(family, quantized, capsys
     assert code == 0 and "| tg4 |" in out, err
 
 
+def test_compare_sets_the_coded_experts_against_their_source(quantized, capsys):
+    """`compare --b-model source`: A the trellis directory, B the model it was quantized from (its bf16 experts)."""
+    source, target = quantized["qwen2-moe"]
+    argv = ["--device", "cpu", "--prompt", "routed experts", "--max-tokens", "3", "--no-progress"]
+    code, out, err = _run(["compare", "--model", target, "--b-model", "source", *argv, "--json"], capsys)
+    assert code == 0, err
+    both = json.loads(out)
+    assert both["models"]["b"]["model"] == str(source) and both["models"]["b"]["checkpoint"]["path"] == str(source)
+    assert "trellis" in both["models"]["a"]["name"] and "trellis" not in both["models"]["b"]["name"]
+    code, alone, err = _run(["generate", "--model", source, *argv, "--json"], capsys)
+    assert code == 0 and both["b"]["tokens"] == json.loads(alone)["tokens"], err  # B is the source, as generate runs it
+    formats = {side: {record["weight_format"] for step in both[side]["steps"] for record in step["moe"]}
+               for side in ("a", "b")}
+    assert formats == {"a": {"trellis hyb K=2 V=2 L=16"}, "b": {"fp32"}}
+    assert 1e-3 < both["logit_rel_err"][0] < 1  # the quantization error of the first token's logits, not zero
+    code, out, err = _run(["compare", "--model", target, "--b-model", "source", *argv], capsys)
+    assert code == 0 and out.splitlines()[1].startswith(f"B: {both['models']['b']['name']} ("), err
+
+
+def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, capsys):
+    source, target = quantized["qwen2-moe"]
+    argv = ["--device", "cpu", "--prompt", "routed experts", "--max-tokens", "2", "--no-progress"]
+    code, out, err = _run(["compare", "--model", source, "--b-model", "source", *argv], capsys)
+    assert code == 2 and "is not a trellis checkpoint" in err and out == ""
+    code, out, err = _run(["compare", "--model", target, "--b-model", "tiny", *argv], capsys)
+    assert code == 2 and "vocabulary has 256 tokens and A's 320" in err and out == ""
+    other = tmp_path / "other-tokenizer"  # the same model, a tokenizer trained on other text: same vocabulary size
+    other.mkdir()
+    for path in source.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["routed experts routed experts"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(other / "tokenizer.json"))
+    code, out, err = _run(["compare", "--model", target, "--b-model", other, *argv], capsys)
+    assert code == 2 and "reads the prompt as other tokens" in err and out == ""
+    assert err.splitlines()[-1].startswith("moe-inspector: error: --b-model") and "Traceback" not in err
+
+
 def test_check_quant_refuses_a_dense_layer_in_one_line(quantized, capsys):
     _, target = quantized["deepseek-v3-dense-first"]
     code, out, err = _run(["check-quant", "--model", target, "--device", "cpu", "--layer", "0"], capsys)

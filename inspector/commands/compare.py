@@ -1,5 +1,9 @@
 """`moe-inspector compare`: the same prompt under configurations A and B, side by side.
 
+A and B are two flag sets on one model, or with `--b-model` two models that share a tokenizer (B's flags on B's
+model): `--b-model source` is the model a trellis checkpoint was quantized from, so `compare --model DIR
+--b-model source` sets the 2-bit experts against the bf16 ones they code.
+
 By default a summary that leads with where A and B part (the first divergent token, both
 tokens, the logit relative error), then both texts and each side's arm table; `--records` adds
 the per-layer rows, `--format jsonl|csv` gives them alone with a config column (A, B), `--json`
@@ -9,8 +13,13 @@ exit 130 and "cancelled": true in JSON.
 
 from __future__ import annotations
 
+import sys
+
 from engine import flags as flag_registry
 from engine.comma_list import parse_flag_list
+from engine.errors import UserError
+from engine.model_source import model_config
+from engine.printable import one_line
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector import records
@@ -27,10 +36,14 @@ def add_parser(subparsers) -> None:
     add_generation_arguments(parser)
     parser.add_argument("--a", default="", metavar="FLAG=VALUE,...", help="configuration A overrides")
     parser.add_argument("--b", default="", metavar="FLAG=VALUE,...", help="configuration B overrides")
+    parser.add_argument("--b-model", default=None, metavar="MODEL",
+                        help="B runs this model (a preset or checkpoint directory with A's tokenizer; --weights and "
+                             "--seed apply to both); 'source': the model the trellis checkpoint --model was "
+                             "quantized from, with its recorded weights and seed (./source for a directory so named)")
     parser.set_defaults(run=run)
 
 
-def divergence_line(engine: Engine, result_a, result_b, summary: dict | None) -> str:
+def divergence_line(engine: Engine, engine_b: Engine, result_a, result_b, summary: dict | None) -> str:
     if summary is None:
         return "first divergence: not known (cancelled before B finished)"
     index, errors = summary["first_divergence"], summary["logit_rel_err"]
@@ -41,7 +54,45 @@ def divergence_line(engine: Engine, result_a, result_b, summary: dict | None) ->
     if index is None:
         return f"first divergence: none, A and B generate the same {len(result_a.tokens)} tokens{error}"
     return (f"first divergence: generated token {index}: A {token_words(engine, result_a.tokens, index)} vs "
-            f"B {token_words(engine, result_b.tokens, index)}{error}")
+            f"B {token_words(engine_b, result_b.tokens, index)}{error}")
+
+
+def load_b(args, engine_a: Engine, prompt: str) -> Engine:
+    """B's engine: A's own without --b-model; else the model it names, which must read the prompt as the same
+    tokens into the same vocabulary (else the logits' error would compare two token spaces)."""
+    if args.b_model is None:
+        return engine_a
+    model, weights, seed = args.b_model, args.weights, args.seed
+    if model == "source":
+        from pathlib import Path
+
+        from engine.quant_check import verified_source
+        from engine.trellis_checkpoint import is_trellis_directory
+
+        if engine_a.checkpoint is None or not is_trellis_directory(Path(engine_a.checkpoint["path"])):
+            raise UserError(f"--b-model source: --model {args.model} is not a trellis checkpoint, so it records no "
+                            f"source; name B's model (a preset or a checkpoint directory)")
+        model, weights, seed, note = verified_source(Path(engine_a.checkpoint["path"]), None)
+        if note:
+            print(f"moe-inspector: note: {one_line(note)}", file=sys.stderr)
+    vocabulary = model_config(model).vocab_size  # before a weight of B is read
+    if vocabulary != engine_a.config.vocab_size:
+        raise UserError(f"--b-model {args.b_model}: its vocabulary has {vocabulary} tokens and A's "
+                        f"{engine_a.config.vocab_size}: compare needs two models with one tokenizer")
+    engine_b = Engine.load(model, args.device, seed, weights, text=True)
+    if engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
+        raise UserError(f"--b-model {args.b_model}: it reads the prompt as other tokens than --model {args.model} "
+                        f"does: compare needs two models with one tokenizer")
+    return engine_b
+
+
+def model_line(engine: Engine) -> str:
+    return f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}"
+
+
+def model_json(engine: Engine) -> dict:
+    return {"model": engine.model_spec, "name": engine.config.name, "weights": engine.weights_source,
+            "checkpoint": engine.checkpoint}
 
 
 def run(args) -> int:
@@ -53,10 +104,13 @@ def run(args) -> int:
     check_trace_path(args)
     engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True)
     check_generation_size(engine, prompt, args.max_tokens)
+    engine_b = load_b(args, engine, prompt)
+    if engine_b is not engine:
+        check_generation_size(engine_b, prompt, args.max_tokens)
     if fmt == "text":
         show_engagements()
     progress = progress_for(args, 2 * args.max_tokens, f"compare {engine.config.name}")
-    clock_a, clock_b = traced_clock(args, engine), traced_clock(args, engine)
+    clock_a, clock_b = traced_clock(args, engine), traced_clock(args, engine_b)
     result_b = None
     try:
         with stop_on_interrupt("stopping at the next token") as stop:
@@ -65,7 +119,7 @@ def run(args) -> int:
             if not result_a.cancelled:
                 if clock_b is not None:
                     clock_b.__init__()  # B's first step starts when A's run ends
-                result_b = engine.generate(prompt, args.max_tokens, flags_b, cancel=stop,
+                result_b = engine_b.generate(prompt, args.max_tokens, flags_b, cancel=stop,
                                            on_step=step_callback(clock_b, progress))
     finally:
         if progress is not None:
@@ -76,27 +130,31 @@ def run(args) -> int:
     summary = compare(result_a, result_b) if result_b is not None and not cancelled else None
     if fmt == "json":
         print_json({"a": generation_json(engine, result_a),
-                    "b": None if result_b is None else generation_json(engine, result_b),
+                    "b": None if result_b is None else generation_json(engine_b, result_b),
+                    "models": {"a": model_json(engine), "b": model_json(engine_b)},
                     "first_divergence": None if summary is None else summary["first_divergence"],
                     "logit_rel_err": None if summary is None else summary["logit_rel_err"], "cancelled": cancelled})
     elif fmt in records.EXPORTS:
         rows = records.rows_of("A", result_a.steps, engine.device.type)
         if result_b is not None:
-            rows += records.rows_of("B", result_b.steps, engine.device.type)
+            rows += records.rows_of("B", result_b.steps, engine_b.device.type)
         print(records.EXPORTS[fmt](rows), end="")
     else:
-        print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}; "
-              f"A: {args.a or 'no overrides'} · B: {args.b or 'no overrides'}")
-        print(divergence_line(engine, result_a, result_b, summary))
+        if engine_b is engine:
+            print(f"{model_line(engine)}; A: {args.a or 'no overrides'} · B: {args.b or 'no overrides'}")
+        else:
+            print(f"A: {model_line(engine)}, {args.a or 'no overrides'}\n"
+                  f"B: {model_line(engine_b)}, {args.b or 'no overrides'}")
+        print(divergence_line(engine, engine_b, result_a, result_b, summary))
         if summary is not None and summary["logit_rel_err"]:
             print("logit rel err per generated token: "
                   + " ".join(f"{value:.2e}" for value in summary["logit_rel_err"]))
-        for label, result in (("A", result_a), ("B", result_b)):
+        for label, side, result in (("A", engine, result_a), ("B", engine_b, result_b)):
             print()
             if result is None:
                 print(f"{label}: not run (cancelled during A)")
                 continue
-            print_summary(engine, result, args.max_tokens, label)
+            print_summary(side, result, args.max_tokens, label)
             if args.records:
                 print()
                 print_records(result, label)
