@@ -139,6 +139,32 @@ def load_weights(directory: str | Path, config: ModelConfig, family: str, device
         checkpoint.close()
 
 
+def load_some(directory: str | Path, names: list[str], device: torch.device, dtype: torch.dtype
+              ) -> dict[str, torch.Tensor]:
+    """The engine tensors `names` (e.g. `layers.3.w13`) of the checkpoint in `directory`, as `load_weights` gives
+    them, reading only the checkpoint tensors they come from. Why: check-quant needs one layer's experts of a
+    source model that may not fit beside its quantized copy (a 30B model is 61 GB in bf16)."""
+    directory = Path(directory)
+    config, family = read_config(directory)
+    checkpoint = Checkpoint.open(directory)
+    try:
+        checkpoint.allow_nonfinite = nonfinite_allowed()
+        sources, shapes = weight_sources(config, family, checkpoint), tensor_shapes(config)
+        unknown = [name for name in names if name not in sources]
+        if unknown:
+            raise UserError(f"{directory}: the {family} model has no tensor {unknown[0]}")
+        for name in names:  # every one's presence and shape before a byte is read
+            for stored, shape, dtypes in _expected(sources[name], shapes[name]):
+                checkpoint.expect(stored, shape, *(() if dtypes is None else (dtypes,)), why=f"engine tensor {name}")
+        weights = {}
+        for name in names:
+            weights[name] = torch.empty(shapes[name], dtype=tensor_dtype(config, name, dtype), device=device)
+            _fill(weights[name], name, sources[name], checkpoint)
+        return weights
+    finally:
+        checkpoint.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # config.json -> ModelConfig
 # ------------------------------------------------------------------------------------------------

@@ -95,15 +95,25 @@ def verified_source(directory: Path, original: str | None) -> tuple[str, str, in
 
 def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, str | None], device: str):
     """The w13 and w2 of `layer` of the source model `verified_source` gave, float32."""
+    from engine.config import PRESETS
     from engine.runtime import Engine
+    from engine.trellis_checkpoint import is_trellis_directory
 
     model, weights, seed, _ = source
+    names = [f"layers.{layer}.w13", f"layers.{layer}.w2"]
+    files = model not in PRESETS and weights == "auto" and Path(model).expanduser().is_dir()
     try:
-        engine = Engine.load(model, device=device, seed=seed, weights=weights)
+        if files and not is_trellis_directory(Path(model).expanduser()):  # the layer's two tensors, not the model
+            from engine.hf_loader import load_some
+
+            torch_device = torch.device(device)
+            w13, w2 = load_some(Path(model).expanduser(), names, torch_device, Engine.dtype_for(torch_device)).values()
+        else:  # drawn weights are drawn whole (the seed's stream); a trellis "original" is refused below
+            engine = Engine.load(model, device=device, seed=seed, weights=weights)
+            w13, w2 = (engine.weights[name] for name in names)
     except UserError as error:
         raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give --original "
                         f"MODEL") from None
-    w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
     if isinstance(w13, TrellisMatrix):
         raise UserError(f"--original {model}: its experts are trellis-coded too; give the unquantized model")
     return w13.float(), w2.float()

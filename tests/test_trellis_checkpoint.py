@@ -264,6 +264,31 @@ def test_check_quant_catches_an_arm_that_computes_the_original_weights(quantized
     assert "original" in out.splitlines()[4] and "does not sit on the dequantized reference" in out
 
 
+def test_check_quant_reads_only_the_checked_layers_experts_of_its_source(quantized, source, monkeypatch, capsys):
+    """The source model is not loaded whole: a 30B source would not fit beside its quantized copy."""
+    from engine.checkpoint import Checkpoint
+    from engine.hf_loader import load_some
+
+    whole = Engine.load(str(source), device="cpu").weights
+    some = load_some(source, ["layers.2.w13", "layers.2.w2"], torch.device("cpu"), torch.float32)
+    assert torch.equal(some["layers.2.w13"], whole["layers.2.w13"]) and torch.equal(some["layers.2.w2"], whole["layers.2.w2"])
+    read, reading = [], Checkpoint.read
+
+    def recorded(self, name, *args):
+        read.append(name)
+        return reading(self, name, *args)
+
+    monkeypatch.setattr(Checkpoint, "read", recorded)
+    code, out, err = _run(["check-quant", "--model", quantized, "--device", "cpu", "--layer", 2, "--tokens", 3],
+                          capsys)
+    assert code == 0, err
+    source_reads = [name for name in read if name.startswith("model.")]  # the trellis directory's are layers.*
+    assert sorted(set(source_reads)) == sorted(f"model.layers.2.block_sparse_moe.experts.{e}.{w}.weight"
+                                               for e in range(EXPERTS) for w in ("w1", "w2", "w3"))
+    with pytest.raises(UserError, match="has no tensor layers.9.w13"):
+        load_some(source, ["layers.9.w13"], torch.device("cpu"), torch.float32)
+
+
 def test_check_quant_refuses_a_layer_the_model_lacks_before_loading_it(quantized, capsys, monkeypatch):
     from engine.runtime import Engine as Loaded
 
