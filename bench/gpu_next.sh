@@ -81,6 +81,11 @@
 #            Qwen3-30B-A3B's shape, demo and v4-shape): whether routing can be the default
 #   families OLMoE-1B-7B's, Qwen1.5-MoE-A2.7B's and gpt-oss-20b's shapes tg128 @ b1 with the fused glue and with the
 #            torch forward's (runs 101-103 measured them on an H100), then bench/family_numerics.py on the GPU
+#   b2model  the GPU tests of compare --b-model source and check-quant's one-layer read of its source (a Qwen2-MoE
+#            checkpoint quantized on the GPU), the L2 prefetch's (its support asked once per device), then the README's
+#            trellis workflow on the demo: quantize on the GPU, compare --b-model source, check-quant
+#   head     tg128 @ b1 of Qwen3-30B-A3B's shape, DeepSeek-V2-Lite's, v4-shape and demo at the commit measured, a
+#            process each (the targets' rows)
 #   bash bench/gpu_next.sh check            # about 3 minutes
 #   bash bench/gpu_next.sh shared           # about 9 minutes
 #   bash bench/gpu_next.sh trellis,demo     # about 5 minutes
@@ -98,7 +103,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/stages.sh
-stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace,families,prefetchab 560 "$@"
+stages_begin gpu_next.sh check,shared,trellis,demo,walk,confirm,sweep,small,spacing,fresh,preload,mla,qkvfold,foldab,foldrows,foldall,opreload,routeblk,tprobe,ncu,tcheck,tconfirm,gcand,rstack,gfuse,gptoss,gptoss2,qwen2,olmoe,prefetch,pace,families,prefetchab,b2model,head 560 "$@"
 BENCH=(python3 -m inspector bench --pp none --tg 128 --batch 1 --no-progress --format md)
 GPT_OSS=(--model bench/configs/gpt-oss-20b --weights random --pp none --tg 128 --no-progress --format md)
 want gptoss && TAIL=8 stage 230 pytest_gptoss python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
@@ -262,6 +267,21 @@ for paced in ${PACES:-routing:500 routing:1000 attention+routing:500 attention+r
         --pause-ns $pause "${BENCH[@]:3}" --model bench/configs/qwen3-30b-a3b --weights random --reps 2 \
         --set l2_prefetch=$value \
         && say "   | $(grep -h 'tg128 @ b1:' "$OUT/qwen3_pace${index}_${value/+/_}_${pause}.log" | cut -c1-160)"
+done
+want b2model && TAIL=6 stage 200 pytest_b2model python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    tests/test_trellis_gpu.py tests/test_l2_prefetch.py
+want b2model && TAIL=4 stage 150 demo_quantize python3 -m inspector quantize demo --experts trellis:K=2,code=hyb \
+    --out "$OUT/demo-2bit" --device cuda
+want b2model && TAIL=40 stage 60 demo_compare python3 -m inspector compare --model "$OUT/demo-2bit" --b-model source \
+    --device cuda --prompt "The if statement" --max-tokens 32 --no-progress
+want b2model && TAIL=12 stage 60 demo_check_quant python3 -m inspector check-quant --model "$OUT/demo-2bit" \
+    --device cuda
+rm -rf "$OUT/demo-2bit"  # the device returns few files
+for model in ${HEAD_MODELS:-qwen3-30b-a3b deepseek-v2-lite v4-shape demo}; do  # logs only
+    source=$([ -d bench/configs/$model ] && echo "bench/configs/$model --weights random" || echo "$model")
+    [ $model = v4-shape ] && source="$model --gpu-weights"
+    want head && TAIL=0 stage 90 "${model%%-*}_head" "${BENCH[@]}" --model $source --reps 2 \
+        && say "   | $(grep -h 'tg128 @ b1:' "$OUT/${model%%-*}_head.log" | cut -c1-200)"
 done
 say "done in ${SECONDS}s"
 exit 0

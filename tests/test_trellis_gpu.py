@@ -65,3 +65,31 @@ def test_a_preset_quantizes_loads_and_generates_on_the_gpu(tmp_path):
 
     checked = check_quant(str(out), layer=1, tokens=(1, 64), arm="rotated-torch", device="cuda")
     assert checked["ok"], json.dumps(checked, default=str)[:2000]
+
+
+def test_a_checkpoints_coded_experts_are_set_against_its_source_on_the_gpu(tmp_path, capsys):
+    """A Qwen2-MoE checkpoint quantized on the GPU: compare --b-model source runs A on the trellis arms and B on
+    the bf16 experts of the source, and check-quant reads the source's one layer (hf_loader.load_some) on cuda."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from test_trellis_families import _build
+
+    from engine.quant_check import check_quant
+    from inspector import cli
+
+    source = _build("qwen2-moe", tmp_path / "source")
+    out = tmp_path / "hyb2"
+    quantize_model(str(source), parse_experts("trellis:K=2,code=hyb"), out, device="cuda")
+    code = cli.main(["compare", "--model", str(out), "--b-model", "source", "--device", "cuda", "--prompt",
+                     "routed experts", "--max-tokens", "4", "--json", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    both = json.loads(captured.out)
+    arms = {side: {(record["weight_format"], record["executed_arm"]) for step in both[side]["steps"]
+                   for record in step["moe"]} for side in ("a", "b")}
+    assert {fmt for fmt, _ in arms["a"]} == {"trellis hyb K=2 V=2 L=16"}, arms
+    assert all(arm.startswith("trellis_") for _, arm in arms["a"]), arms
+    assert {fmt for fmt, _ in arms["b"]} == {"bf16"} and not any(arm.startswith("trellis") for _, arm in arms["b"])
+    assert 1e-3 < both["logit_rel_err"][0] < 1
+    checked = check_quant(str(out), tokens=(1, 64), device="cuda")
+    assert checked["ok"], json.dumps(checked, default=str)[:2000]
