@@ -152,6 +152,11 @@ def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, c
     assert code == 2 and "is not a trellis checkpoint" in err and out == ""
     code, out, err = _run(["compare", "--model", target, "--b-model", "tiny", *argv], capsys)
     assert code == 2 and "vocabulary has 256 tokens and A's 320" in err and out == ""
+    code, out, err = _run(["compare", "--model", target, "--b-model", tmp_path / "absent", *argv], capsys)
+    assert code == 2 and err.splitlines()[-1] == (f"moe-inspector: error: --b-model {tmp_path / 'absent'}: not a "
+                                                  f"directory; give a preset (tiny, demo, v4-shape) or a Hugging "
+                                                  f"Face-format checkpoint directory (config.json, *.safetensors, "
+                                                  f"tokenizer.json)")
     other = tmp_path / "other-tokenizer"  # the same model, a tokenizer trained on other text: same vocabulary size
     other.mkdir()
     for path in source.iterdir():

@@ -75,11 +75,15 @@ def load_b(args, engine_a: Engine, prompt: str) -> Engine:
         model, weights, seed, note = verified_source(Path(engine_a.checkpoint["path"]), None)
         if note:
             print(f"moe-inspector: note: {one_line(note)}", file=sys.stderr)
-    vocabulary = model_config(model).vocab_size  # before a weight of B is read
-    if vocabulary != engine_a.config.vocab_size:
-        raise UserError(f"--b-model {args.b_model}: its vocabulary has {vocabulary} tokens and A's "
-                        f"{engine_a.config.vocab_size}: compare needs two models with one tokenizer")
-    engine_b = Engine.load(model, args.device, seed, weights, text=True)
+    try:
+        vocabulary = model_config(model).vocab_size  # before a weight of B is read
+        if vocabulary != engine_a.config.vocab_size:
+            raise UserError(f"its vocabulary has {vocabulary} tokens and A's {engine_a.config.vocab_size}: compare "
+                            f"needs two models with one tokenizer")
+        engine_b = Engine.load(model, args.device, seed, weights, text=True)
+    except UserError as error:  # the loader's words name --model; here it is B's
+        said = str(error).removeprefix(f"--model {model}: ")
+        raise UserError(f"--b-model {args.b_model}: {said}") from None
     if engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
         raise UserError(f"--b-model {args.b_model}: it reads the prompt as other tokens than --model {args.model} "
                         f"does: compare needs two models with one tokenizer")
