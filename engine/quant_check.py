@@ -63,11 +63,13 @@ def trellis_arms(device: str) -> dict[str, object]:
     return arms
 
 
-def verified_source(directory: Path, original: str | None) -> tuple[str, str, int, str | None]:
+def verified_source(directory: Path, original: str | None, option: str = "--original"
+                    ) -> tuple[str, str, int, str | None]:
     """The model to measure against (config.json's source, or `original`) as (model, weights, seed, note). It must
     match the fingerprint quantize recorded (engine.source_fingerprint), else a UserError names what differs:
     against another model, or a source changed since, the "quantization error" would measure two models apart.
-    A directory written before fingerprints were recorded cannot be verified: `note` says so (else None)."""
+    A directory written before fingerprints were recorded cannot be verified: `note` says so (else None).
+    `option`: the caller's option that names another model (check-quant's --original, compare's --b-model)."""
     from engine.config import PRESETS
     from engine.source_fingerprint import differences, fingerprint
     from engine.trellis_checkpoint import source_of
@@ -76,7 +78,7 @@ def verified_source(directory: Path, original: str | None) -> tuple[str, str, in
     model = original or source.get("model")
     weights = source.get("weights") if source.get("weights") in ("auto", "random") else "auto"
     if not model:
-        raise UserError(f"{directory}: config.json names no source model: give --original MODEL")
+        raise UserError(f"{directory}: config.json names no source model: give {option} MODEL")
     seed = source.get("seed", 0)
     seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
     recorded, note = source.get("fingerprint"), None
@@ -86,15 +88,16 @@ def verified_source(directory: Path, original: str | None) -> tuple[str, str, in
     elif Path(model).expanduser().is_dir() or model in PRESETS:  # else Engine.load refuses it in its own words
         differ = differences(recorded, fingerprint(model, weights, seed))
         if differ:
-            which = f"--original {model}" if original else f"{directory}'s source {model}"
+            which = f"{option} {model}" if original else f"{directory}'s source {model}"
             raise UserError(f"{which} is not the model {directory} was quantized from ({'; '.join(differ[:3])}): "
                             f"the error would measure two models apart, not the quantization; give the original "
-                            f"with --original MODEL, or quantize again")
+                            f"with {option} MODEL, or quantize again")
     return model, weights, seed, note
 
 
-def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, str | None], device: str):
-    """The w13 and w2 of `layer` of the source model `verified_source` gave, float32."""
+def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, str | None], device: str,
+                      given: bool = False):
+    """The w13 and w2 of `layer` of the source model `verified_source` gave, float32 (`given`: by --original)."""
     from engine.config import PRESETS
     from engine.runtime import Engine
     from engine.trellis_checkpoint import is_trellis_directory
@@ -115,7 +118,9 @@ def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, 
         raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give --original "
                         f"MODEL") from None
     if isinstance(w13, TrellisMatrix):
-        raise UserError(f"--original {model}: its experts are trellis-coded too; give the unquantized model")
+        which = f"--original {model}" if given else f"{directory}'s recorded source {model}"
+        raise UserError(f"{which}: its experts are trellis-coded too; give the unquantized model with --original "
+                        f"MODEL")
     return w13.float(), w2.float()
 
 
@@ -176,7 +181,7 @@ def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens
     working = engine.dtype
     multiple = SITS_ON_MULTIPLE[working]
     source = source or verified_source(Path(directory), original)
-    original13, original2 = _original_weights(Path(directory), layer, source, device)
+    original13, original2 = _original_weights(Path(directory), layer, source, device, given=original is not None)
     source_note = source[3]
     dequantized13, dequantized2 = dequantize(w13), dequantize(w2)  # [E, 2F, D], [E, D, F] float32
     generator = torch.Generator(device=device).manual_seed(seed)

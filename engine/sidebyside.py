@@ -26,8 +26,10 @@ def logit_relative_error(logits_a: torch.Tensor, logits_b: torch.Tensor) -> floa
     return float(difference / denominator) if denominator > 0 else float(difference)
 
 
-def compare(a: Generation, b: Generation) -> dict:
+def compare(a: Generation, b: Generation, limit: int | None = None) -> dict:
+    """`limit`: compare the first `limit` generated tokens only (B cancelled after that many: what it has is
+    still compared, not discarded)."""
     return {
-        "first_divergence": first_divergence(a.tokens, b.tokens),
-        "logit_rel_err": [logit_relative_error(la, lb) for la, lb in zip(a.logits, b.logits)],
+        "first_divergence": first_divergence(a.tokens[:limit], b.tokens[:limit]),
+        "logit_rel_err": [logit_relative_error(la, lb) for la, lb in zip(a.logits[:limit], b.logits[:limit])],
     }

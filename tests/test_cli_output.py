@@ -342,3 +342,17 @@ def test_ctrl_c_during_a_session_reports_the_finished_steps(tmp_path):
     report = json.loads(out)
     assert report["cancelled"] is True and 1 <= len(report["steps"]) < 4
     assert "results file not written (cancelled)" in err and not (tmp_path / "long.results.jsonl").exists()
+
+
+def test_ctrl_c_during_b_compares_the_tokens_b_has():
+    """A B cancelled part-way was reported as 'first divergence: not known', its tokens discarded."""
+    process = cli_process("compare", "--model", "demo", "--device", "cpu", "--prompt", "hello", "--max-tokens",
+                          "600", "--json")
+    out, err = interrupt_after(process, "compare demo: 720/1200")  # B's 120th token (progress by tenths)
+    assert process.returncode == 130, err
+    result = json.loads(out)
+    generated = len(result["b"]["tokens"])
+    assert result["cancelled"] is True and len(result["a"]["tokens"]) == 600 and 120 <= generated < 600
+    assert len(result["logit_rel_err"]) == generated
+    assert result["first_divergence"] is None  # one model, one configuration: the same tokens as far as B went
+    assert result["logit_rel_err"] == [0.0] * generated

@@ -542,3 +542,18 @@ def test_ctrl_c_says_where_the_partial_directory_is_and_how_to_resume(source, tm
     monkeypatch.setattr(trellis_job, "_quantize_layer", quantize_layer)
     code, out_text, err = _run(argv, capsys)  # the command it names finishes the run
     assert code == 0 and "kept layers 0 of an earlier run" in out_text, err
+
+
+def test_check_quant_names_a_recorded_source_that_is_coded_too_as_recorded(quantized, tmp_path, capsys):
+    """It said '--original DIR: its experts are trellis-coded too' of a source the user never gave."""
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for path in quantized.iterdir():
+        (edited / path.name).write_bytes(path.read_bytes())
+    values = json.loads((edited / "config.json").read_text())
+    values["moe_inspector"]["source"] = {"model": str(quantized), "weights": "auto", "seed": 0}
+    (edited / "config.json").write_text(json.dumps(values))
+    code, out, err = _run(["check-quant", "--model", edited, "--device", "cpu", "--tokens", 1], capsys)
+    line = err.splitlines()[-1]
+    assert code == 2 and f"recorded source {quantized}: its experts are trellis-coded too" in line, err
+    assert not line.startswith("moe-inspector: error: --original")

@@ -145,6 +145,16 @@ def test_compare_sets_the_coded_experts_against_their_source(quantized, capsys):
     assert code == 0 and out.splitlines()[1].startswith(f"B: {both['models']['b']['name']} ("), err
 
 
+def test_compare_runs_a_b_model_that_is_a_on_a_engine(quantized, capsys):
+    """--b-model naming A's own model (same weights and seed) loads it once: B is A's engine."""
+    _, target = quantized["qwen2-moe"]
+    code, out, err = _run(["compare", "--model", target, "--b-model", target, "--device", "cpu", "--prompt", "hi",
+                           "--max-tokens", "2", "--no-progress", "--json"], capsys)
+    assert code == 0 and err.count("loading hyb2: 1/") == 1, err
+    both = json.loads(out)
+    assert both["models"]["b"]["given"] == str(target) and both["logit_rel_err"] == [0.0, 0.0]
+
+
 def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, capsys):
     source, target = quantized["qwen2-moe"]
     argv = ["--device", "cpu", "--prompt", "routed experts", "--max-tokens", "2", "--no-progress"]
@@ -152,6 +162,24 @@ def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, c
     assert code == 2 and "is not a trellis checkpoint" in err and out == ""
     code, out, err = _run(["compare", "--model", target, "--b-model", "tiny", *argv], capsys)
     assert code == 2 and "vocabulary has 256 tokens and A's 320" in err and out == ""
+    assert "loading" not in err  # refused from the configs, before A loads
+    for b_model, said in (("", "--b-model is empty"), (" ", "--b-model is empty"),
+                          ("source", "--b-model source with --weights random")):
+        code, out, err = _run(["compare", "--model", target, "--b-model", b_model, *argv, "--weights", "random"],
+                              capsys)
+        assert code == 2 and said in err.splitlines()[-1] and "loading" not in err, (b_model, err)
+    for recorded, said in ((str(target), "its experts are trellis-coded too"),
+                           ("tiny", "not the model --model")):
+        edited = tmp_path / f"recorded-{len(said)}"  # the trellis directory with another recorded source
+        edited.mkdir()
+        for path in target.iterdir():
+            (edited / path.name).write_bytes(path.read_bytes())
+        values = json.loads((edited / "config.json").read_text())
+        values["moe_inspector"]["source"] = {"model": recorded, "weights": "auto", "seed": 0}  # no fingerprint
+        (edited / "config.json").write_text(json.dumps(values))
+        code, out, err = _run(["compare", "--model", edited, "--b-model", "source", *argv], capsys)
+        assert code == 2 and said in err.splitlines()[-1] and f"source ({recorded})" in err and out == "", err
+        assert "cannot verify" in err and "loading" not in err
     code, out, err = _run(["compare", "--model", target, "--b-model", tmp_path / "absent", *argv], capsys)
     assert code == 2 and err.splitlines()[-1] == (f"moe-inspector: error: --b-model {tmp_path / 'absent'}: not a "
                                                   f"directory; give a preset (tiny, demo, v4-shape) or a Hugging "

@@ -7,28 +7,41 @@ model): `--b-model source` is the model a trellis checkpoint was quantized from,
 By default a summary that leads with where A and B part (the first divergent token, both
 tokens, the logit relative error), then both texts and each side's arm table; `--records` adds
 the per-layer rows, `--format jsonl|csv` gives them alone with a config column (A, B), `--json`
-everything. Ctrl-C stops at the next token: what was generated is printed (B may not have run),
-exit 130 and "cancelled": true in JSON.
+everything. Ctrl-C stops at the next token: what was generated is printed (B may not have run; a B cancelled
+part-way is compared over the tokens it has), exit 130 and "cancelled": true in JSON.
 """
 
 from __future__ import annotations
 
-import sys
-
 from engine import flags as flag_registry
 from engine.comma_list import parse_flag_list
-from engine.errors import UserError
-from engine.model_source import model_config
-from engine.printable import one_line
+from engine.printable import printable
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector import records
+from inspector.commands import b_model
 from inspector.commands.common import show_engagements
-from inspector.commands.generate import (add_generation_arguments, check_generation_size, check_trace_path,
-                                         counters_line, generation_json, print_records,
-                                         print_summary, progress_for, prompt_of, step_callback, token_words,
-                                         traced_clock, write_trace)
-from inspector.commands.output import INTERRUPTED, output_format, print_json, stop_on_interrupt
+from inspector.commands.generate import (
+    add_generation_arguments,
+    check_generation_size,
+    check_trace_path,
+    counters_line,
+    generation_json,
+    print_records,
+    print_summary,
+    progress_for,
+    prompt_of,
+    step_callback,
+    token_words,
+    traced_clock,
+    write_trace,
+)
+from inspector.commands.output import (
+    INTERRUPTED,
+    output_format,
+    print_json,
+    stop_on_interrupt,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -45,8 +58,11 @@ def add_parser(subparsers) -> None:
 
 def divergence_line(engine: Engine, engine_b: Engine, result_a, result_b, summary: dict | None) -> str:
     if summary is None:
-        return "first divergence: not known (cancelled before B finished)"
+        return "first divergence: not known (cancelled before B ran)"
     index, errors = summary["first_divergence"], summary["logit_rel_err"]
+    if result_b.cancelled and index is None:
+        return (f"first divergence: none in the {len(result_b.tokens)} tokens B generated before it was cancelled"
+                + ("" if not errors else f"; logit rel err max {max(errors):.2e}"))
     worst = max(range(len(errors)), key=errors.__getitem__) if errors else None
     error = ("" if worst is None else
              "; logit rel err 0 at every generated token (bit-identical logits)" if errors[worst] == 0 else
@@ -57,46 +73,14 @@ def divergence_line(engine: Engine, engine_b: Engine, result_a, result_b, summar
             f"B {token_words(engine_b, result_b.tokens, index)}{error}")
 
 
-def load_b(args, engine_a: Engine, prompt: str) -> Engine:
-    """B's engine: A's own without --b-model; else the model it names, which must read the prompt as the same
-    tokens into the same vocabulary (else the logits' error would compare two token spaces)."""
-    if args.b_model is None:
-        return engine_a
-    model, weights, seed = args.b_model, args.weights, args.seed
-    if model == "source":
-        from pathlib import Path
-
-        from engine.quant_check import verified_source
-        from engine.trellis_checkpoint import is_trellis_directory
-
-        if engine_a.checkpoint is None or not is_trellis_directory(Path(engine_a.checkpoint["path"])):
-            raise UserError(f"--b-model source: --model {args.model} is not a trellis checkpoint, so it records no "
-                            f"source; name B's model (a preset or a checkpoint directory)")
-        model, weights, seed, note = verified_source(Path(engine_a.checkpoint["path"]), None)
-        if note:
-            print(f"moe-inspector: note: {one_line(note)}", file=sys.stderr)
-    try:
-        vocabulary = model_config(model).vocab_size  # before a weight of B is read
-        if vocabulary != engine_a.config.vocab_size:
-            raise UserError(f"its vocabulary has {vocabulary} tokens and A's {engine_a.config.vocab_size}: compare "
-                            f"needs two models with one tokenizer")
-        engine_b = Engine.load(model, args.device, seed, weights, text=True)
-    except UserError as error:  # the loader's words name --model; here it is B's
-        said = str(error).removeprefix(f"--model {model}: ")
-        raise UserError(f"--b-model {args.b_model}: {said}") from None
-    if engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
-        raise UserError(f"--b-model {args.b_model}: it reads the prompt as other tokens than --model {args.model} "
-                        f"does: compare needs two models with one tokenizer")
-    return engine_b
-
-
 def model_line(engine: Engine) -> str:
-    return f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}"
+    return printable(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}", limit=None)
 
 
-def model_json(engine: Engine) -> dict:
-    return {"model": engine.model_spec, "name": engine.config.name, "weights": engine.weights_source,
-            "checkpoint": engine.checkpoint}
+def model_json(engine: Engine, given: str | None) -> dict:
+    """`given`: --b-model as written (B's side; `source` names the model the checkpoint records), else None."""
+    return {"model": engine.model_spec, "given": given, "name": engine.config.name,
+            "weights": engine.weights_source, "checkpoint": engine.checkpoint}
 
 
 def run(args) -> int:
@@ -106,14 +90,16 @@ def run(args) -> int:
     flags_a = base.with_overrides(parse_flag_list(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(parse_flag_list(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
+    b_plan = b_model.plan(args)  # before A loads: a typo in B costs no load
     engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True)
     check_generation_size(engine, prompt, args.max_tokens)
-    engine_b = load_b(args, engine, prompt)
+    engine_b = b_model.load(b_plan, args, engine, prompt)
     if engine_b is not engine:
         check_generation_size(engine_b, prompt, args.max_tokens)
     if fmt == "text":
         show_engagements()
-    progress = progress_for(args, 2 * args.max_tokens, f"compare {engine.config.name}")
+    names = engine.config.name + ("" if b_plan is None else f" vs {engine_b.config.name}")
+    progress = progress_for(args, 2 * args.max_tokens, printable(f"compare {names}", limit=None))
     clock_a, clock_b = traced_clock(args, engine), traced_clock(args, engine_b)
     result_b = None
     try:
@@ -131,11 +117,13 @@ def run(args) -> int:
     write_trace(args, [(f"A: {args.a or 'no overrides'}", result_a, clock_a)]
                 + ([(f"B: {args.b or 'no overrides'}", result_b, clock_b)] if result_b is not None else []))
     cancelled = result_a.cancelled or result_b is None or result_b.cancelled
-    summary = compare(result_a, result_b) if result_b is not None and not cancelled else None
+    # B cancelled part-way: its tokens so far are compared with A's first as many
+    summary = (None if result_b is None else
+               compare(result_a, result_b, len(result_b.tokens) if result_b.cancelled else None))
     if fmt == "json":
         print_json({"a": generation_json(engine, result_a),
                     "b": None if result_b is None else generation_json(engine_b, result_b),
-                    "models": {"a": model_json(engine), "b": model_json(engine_b)},
+                    "models": {"a": model_json(engine, None), "b": model_json(engine_b, args.b_model)},
                     "first_divergence": None if summary is None else summary["first_divergence"],
                     "logit_rel_err": None if summary is None else summary["logit_rel_err"], "cancelled": cancelled})
     elif fmt in records.EXPORTS:
@@ -144,7 +132,7 @@ def run(args) -> int:
             rows += records.rows_of("B", result_b.steps, engine_b.device.type)
         print(records.EXPORTS[fmt](rows), end="")
     else:
-        if engine_b is engine:
+        if b_plan is None:
             print(f"{model_line(engine)}; A: {args.a or 'no overrides'} · B: {args.b or 'no overrides'}")
         else:
             print(f"A: {model_line(engine)}, {args.a or 'no overrides'}\n"

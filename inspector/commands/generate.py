@@ -71,7 +71,9 @@ def ep_device(device: str, rank: int) -> str:
 def token_words(engine: Engine, tokens: list[int], index: int | None) -> str:
     if index is None:
         return ""
-    return repr(engine.tokenizer.decode([tokens[index]])) if index < len(tokens) else "(ended)"
+    if index >= len(tokens):
+        return "(ended)"
+    return f"'{printable(engine.tokenizer.decode([tokens[index]]), limit=None)}'"  # as the text line shows bytes
 
 
 def print_records(result: Generation, label: str = "") -> None:
