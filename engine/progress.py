@@ -56,3 +56,19 @@ class Progress:
         if self._tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class _Silent:
+    """A stream that keeps nothing: a Progress given it draws nothing (--no-progress)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+SILENT = _Silent()

@@ -37,6 +37,7 @@ from engine.records import StepRecord
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.shipped import load_shipped, shipped_directory
+from engine.progress import SILENT
 from engine.tokenizer import ByteTokenizer
 from kernels import launches
 
@@ -237,16 +238,17 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = "demo", device: str = "auto", seed: int = 0, weights: str = "auto",
-             base: str | Path | None = None, text: bool = False) -> "Engine":
+             base: str | Path | None = None, text: bool = False, progress: bool = True) -> "Engine":
         """`text`: the caller will encode a text prompt, so a checkpoint whose tokenizer cannot is refused before
-        a weight is read (else the prompt is refused when it comes, `encode_prompt`)."""
-        engine = cls._load(model, device, seed, weights, base, text)
+        a weight is read (else the prompt is refused when it comes, `encode_prompt`). `progress`: a checkpoint's
+        loading lines on stderr (off for --no-progress)."""
+        engine = cls._load(model, device, seed, weights, base, text, progress)
         engine.model_spec = model
         return engine
 
     @classmethod
     def _load(cls, model: str, device: str, seed: int, weights: str, base: str | Path | None,
-              text: bool = False) -> "Engine":
+              text: bool = False, progress: bool = True) -> "Engine":
         """A preset by name, or a Hugging Face-format checkpoint directory (engine.hf_loader; a relative path
         taken from `base` when given, e.g. a session file's directory). A preset name wins over a directory
         of the same name (write ./NAME for the directory).
@@ -258,7 +260,7 @@ class Engine:
             raise UserError(f"--weights {weights!r}: use auto (a shipped checkpoint where there is one) or random")
         if model not in PRESETS and resolve_model_path(model, base).is_dir():
             return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model,
-                                       text)
+                                       text, progress)
         refuse_missing_directory(model, base)
         config, torch_device = from_name(model), resolve_device(device)
         # a preset's weights are drawn (or read) whole: refused before a byte, as a directory's are
@@ -292,7 +294,7 @@ class Engine:
 
     @classmethod
     def _load_directory(cls, directory: Path, device: torch.device, seed: int, weights: str,
-                        shown: str | None = None, text: bool = False) -> "Engine":
+                        shown: str | None = None, text: bool = False, progress: bool = True) -> "Engine":
         """A Hugging Face-format checkpoint directory: its safetensors files (engine.hf_loader), or with
         weights="random" random weights of the family and shape its config.json gives, drawn on `device`.
         The model must fit the device's free memory, checked before a byte is read or drawn; missing weights are
@@ -323,7 +325,7 @@ class Engine:
                          weights_source=f"{family} shape of {shown or directory}, random weights, seed {seed}, "
                                         f"drawn on the {'CPU' if device.type == 'cpu' else 'GPU'}{note}")
         else:
-            loaded = load_checkpoint(directory, device, dtype, tokenizer=tokenizer)
+            loaded = load_checkpoint(directory, device, dtype, tokenizer=tokenizer, stream=None if progress else SILENT)
             engine = cls(loaded.config, device, seed, weights=loaded.weights, tokenizer=loaded.tokenizer,
                          weights_source=f"{loaded.family} checkpoint {shown or directory}{note}")
             if note:  # the model's own weights: text through byte tokens would not be its text

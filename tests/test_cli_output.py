@@ -356,3 +356,16 @@ def test_ctrl_c_during_b_compares_the_tokens_b_has():
     assert len(result["logit_rel_err"]) == generated
     assert result["first_divergence"] is None  # one model, one configuration: the same tokens as far as B went
     assert result["logit_rel_err"] == [0.0] * generated
+
+
+def test_no_progress_also_quiets_a_checkpoints_loading_lines(tmp_path, capsys):
+    """--no-progress said 'no progress bar on stderr', and a checkpoint's loading lines still came."""
+    from test_trellis_checkpoint import write_tiny_mixtral
+
+    directory = write_tiny_mixtral(tmp_path / "mixtral", layers=1)
+    argv = ["bench", "--model", str(directory), "--device", "cpu", "--pp", "none", "--tg", "2", "--batch", "1",
+            "--reps", "1"]
+    assert main(argv) == 0
+    assert "loading mixtral" in capsys.readouterr().err
+    assert main(argv + ["--no-progress"]) == 0
+    assert "loading" not in capsys.readouterr().err

@@ -106,7 +106,7 @@ def load(b: BModel | None, args, engine_a: Engine, prompt: str) -> Engine:
     if b is None or b.shares_a:
         return engine_a
     try:
-        engine_b = Engine.load(b.model, args.device, b.seed, b.weights, text=True)
+        engine_b = Engine.load(b.model, args.device, b.seed, b.weights, text=True, progress=not args.no_progress)
     except UserError as error:
         raise _as_b(b.label, b.model, error) from None
     if engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):

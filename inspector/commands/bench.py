@@ -69,7 +69,8 @@ def add_parser(subparsers) -> None:
                         help="also write a Chrome/Perfetto trace: every repetition's steps, layers and decisions; on "
                              "a GPU it runs the profiled repetition (as --profile) and attributes its kernels to "
                              "layers and arms")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar or checkpoint loading lines on stderr")
     from inspector.commands.routing import add_record_argument
 
     add_record_argument(parser, "each row's last timed repetition (FILE for one row, else FILE's name with each "
@@ -178,7 +179,8 @@ def run_on(args, group=None) -> int:
     rank0 = group is None or group.rank == 0
     weights, weights_note = None, ""
     if directory:
-        engine = Engine.load(args.model, str(device) if group is not None else args.device, args.seed, args.weights)
+        engine = Engine.load(args.model, str(device) if group is not None else args.device, args.seed, args.weights,
+                             progress=not args.no_progress)
         weights_note = engine.weights_source
     else:
         if args.gpu_weights:

@@ -91,7 +91,7 @@ def run(args) -> int:
     flags_b = base.with_overrides(parse_flag_list(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
     b_plan = b_model.plan(args)  # before A loads: a typo in B costs no load
-    engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True)
+    engine = Engine.load(args.model, args.device, args.seed, args.weights, text=True, progress=not args.no_progress)
     check_generation_size(engine, prompt, args.max_tokens)
     engine_b = b_model.load(b_plan, args, engine, prompt)
     if engine_b is not engine:

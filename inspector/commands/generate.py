@@ -36,7 +36,8 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set a flag, repeatable; `moe-inspector flags` lists them")
     parser.add_argument("--records", action="store_true",
                         help="text output: also one row per MoE and attention layer per step")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar or checkpoint loading lines on stderr")
     add_format_arguments(parser, FORMATS, "text", "jsonl and csv: the dispatch log, one row per layer per step")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="also write a Chrome/Perfetto trace of the steps, layers and decisions (engine.trace)")
@@ -262,7 +263,7 @@ def run_on(args, group=None) -> int:
     resolved = recording_flags(args, flag_registry.resolve(args.set_flags))
     check_trace_path(args)
     engine = Engine.load(args.model, args.device if group is None else ep_device(args.device, group.rank),
-                         args.seed, args.weights, text=True)
+                         args.seed, args.weights, text=True, progress=not args.no_progress)
     if group is not None:
         expert_parallel.shard(engine, group)
     check_generation_size(engine, prompt, args.max_tokens)  # before the progress bar starts
