@@ -80,7 +80,7 @@ def token_words(engine: Engine, tokens: list[int], index: int | None) -> str:
 def print_records(result: Generation, label: str = "") -> None:
     """One row per MoE and attention layer per step."""
     heading = f"[{label}] " if label else ""
-    print(f"{heading}{'step':>4} {'phase':<8} {'n':>5} {'layer':>5}  {'decided':<9} {'executed':<10} {'woken':>11} "
+    print(f"{heading}{'step':>4} {'phase':<8} {'n':>5} {'layer':>5}  {'decided':<15} {'executed':<15} {'woken':>11} "
           f"{'fill':>12} {'us':>9}  reason")
     for step in result.steps:
         for record in step["moe"]:
@@ -89,14 +89,14 @@ def print_records(result: Generation, label: str = "") -> None:
             us = "" if record["us"] is None else f"{record['us']:.1f}"
             fill = records.fill_text(record["pairs_per_woken"], record["tile_m"])
             print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
-                  f"{decided:<9} {record['executed_arm']:<10} {woken:>11} {fill:>12} {us:>9}  {record['reason']}"
+                  f"{decided:<15} {record['executed_arm']:<15} {woken:>11} {fill:>12} {us:>9}  {record['reason']}"
                   + (f" · {shared_reason_text(record)}" if record.get("shared_path") else ""))
             if "ranks" in record:
                 print(f"{heading}{'':>30}{rank_line(record)}")
         for record in step["attention"]:
             us = "" if record["us"] is None else f"{record['us']:.1f}"
             print(f"{heading}{step['step']:>4} {step['phase']:<8} {step['n_tokens']:>5} {record['layer']:>5}  "
-                  f"{record['decided_arm']:<9} {record['executed_arm']:<10} {'':>11} {'':>12} {us:>9}  "
+                  f"{record['decided_arm']:<15} {record['executed_arm']:<15} {'':>11} {'':>12} {us:>9}  "
                   f"attention: {record['reason']}")
 
 
