@@ -164,3 +164,16 @@ def test_a_model_path_that_is_not_a_directory_gets_the_same_line_everywhere(tmp_
     assert main(argv + [missing]) == 2
     line = one_error_line(capsys)
     assert f"--model {missing}: not a directory; give a preset (tiny, demo, v4-shape) or a Hugging Face" in line
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--device", "cpu"],
+                                  ["compare", "--prompt", "x", "--device", "cpu"],
+                                  ["bench", "--tg", "2", "--device", "cpu"], ["sweep", "--tokens", "1"],
+                                  ["check-quant", "--device", "cpu"], ["curve"]])
+def test_an_empty_model_is_refused_not_taken_for_the_current_directory(argv, tmp_path, monkeypatch, capsys):
+    """--model '' was the path '', the current directory: run inside a checkpoint directory, it loaded that."""
+    from test_trellis_checkpoint import write_tiny_mixtral
+
+    monkeypatch.chdir(write_tiny_mixtral(tmp_path / "checkpoint", layers=1))
+    assert main([*argv, "--model", ""]) == 2
+    assert "--model is empty" in one_error_line(capsys)
