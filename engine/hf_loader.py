@@ -153,14 +153,9 @@ def load_some(directory: str | Path, names: list[str], device: torch.device, dty
         unknown = [name for name in names if name not in sources]
         if unknown:
             raise UserError(f"{directory}: the {family} model has no tensor {unknown[0]}")
-        for name in names:  # every one's presence and shape before a byte is read
-            for stored, shape, dtypes in _expected(sources[name], shapes[name]):
-                checkpoint.expect(stored, shape, *(() if dtypes is None else (dtypes,)), why=f"engine tensor {name}")
-        weights = {}
-        for name in names:
-            weights[name] = torch.empty(shapes[name], dtype=tensor_dtype(config, name, dtype), device=device)
-            _fill(weights[name], name, sources[name], checkpoint)
-        return weights
+        _expect_sources(checkpoint, {name: sources[name] for name in names}, shapes)  # before a byte is read
+        return {name: _read(config, checkpoint, name, sources[name], shapes[name], device, dtype)[0]
+                for name in names}
     finally:
         checkpoint.close()
 
@@ -843,12 +838,9 @@ def _unread(name: str, n_layers: int, unread_layers: int) -> bool:
     return layer.isdigit() and n_layers <= int(layer) < n_layers + unread_layers
 
 
-def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
-                  device: torch.device, dtype: torch.dtype, stream: TextIO | None,
-                  unread_layers: int = 0) -> dict[str, torch.Tensor]:
-    sources = weight_sources(config, family, checkpoint)
-    shapes = tensor_shapes(config)
-    # Every tensor's presence, shape and dtype first, and no tensor left over: a bad checkpoint loads nothing.
+def _expect_sources(checkpoint: Checkpoint, sources: dict[str, object], shapes: dict[str, tuple[int, ...]]
+                    ) -> set[str]:
+    """Every checkpoint tensor `sources` read, present with its shape and dtype; their names."""
     used: set[str] = set()
     for engine_name, source in sources.items():
         for name, shape, dtypes in _expected(source, shapes[engine_name]):
@@ -857,15 +849,32 @@ def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
             else:
                 checkpoint.expect(name, shape, dtypes, why=f"engine tensor {engine_name}")
             used.add(name)
+    return used
+
+
+def _read(config: ModelConfig, checkpoint: Checkpoint, engine_name: str, source, shape: tuple[int, ...],
+          device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
+    """One engine tensor on `device` (its kept dtype, `tensor_dtype`) and the checkpoint names it read."""
+    destination = torch.empty(shape, dtype=tensor_dtype(config, engine_name, dtype), device=device)
+    return destination, _fill(destination, engine_name, source, checkpoint)
+
+
+def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
+                  device: torch.device, dtype: torch.dtype, stream: TextIO | None,
+                  unread_layers: int = 0) -> dict[str, torch.Tensor]:
+    sources = weight_sources(config, family, checkpoint)
+    shapes = tensor_shapes(config)
+    # Every tensor's presence, shape and dtype first, and no tensor left over: a bad checkpoint loads nothing.
+    used = _expect_sources(checkpoint, sources, shapes)
     _refuse_unused(config, family, checkpoint, used, unread_layers)
     weights: dict[str, torch.Tensor] = {}
     progress = Progress(len(sources), f"loading {checkpoint.directory.name}",
                         stream=sys.stderr if stream is None else stream)
     try:
         for engine_name, source in sources.items():
-            destination = torch.empty(shapes[engine_name], dtype=tensor_dtype(config, engine_name, dtype), device=device)
-            used.update(_fill(destination, engine_name, source, checkpoint))
-            weights[engine_name] = destination
+            weights[engine_name], read = _read(config, checkpoint, engine_name, source, shapes[engine_name], device,
+                                               dtype)
+            used.update(read)
             progress.advance(note=engine_name)
     finally:
         progress.close()

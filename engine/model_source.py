@@ -90,7 +90,6 @@ def model_config(model: str, base: str | Path | None = None) -> ModelConfig:
     config.json (a relative path taken from `base`, e.g. a session file's directory)."""
     from engine.config import PRESETS, from_name
 
-    refuse_empty(model, base)
     if model in PRESETS:
         return PRESETS[model]
     path = resolve_model_path(model, base)
@@ -100,15 +99,6 @@ def model_config(model: str, base: str | Path | None = None) -> ModelConfig:
         return read_config(path)[0]
     refuse_missing_directory(model, base)
     return from_name(model)  # the unknown-model error, naming the presets
-
-
-def refuse_empty(model: str, base: str | Path | None = None) -> None:
-    """UserError for a blank model name, which as a path would be the current directory (or the session's)."""
-    from engine.config import PRESETS
-
-    if not model.strip():
-        raise UserError(f"{'model' if base is not None else '--model'} is empty: give a preset "
-                        f"({', '.join(PRESETS)}) or a checkpoint directory (./ for the current one)")
 
 
 def refuse_missing_directory(model: str, base: str | Path | None = None) -> None:
@@ -129,6 +119,12 @@ def refuse_missing_directory(model: str, base: str | Path | None = None) -> None
 
 
 def resolve_model_path(model: str, base: str | Path | None = None) -> Path:
-    """A model given as a path: relative ones are taken from `base` when given (a session's directory)."""
+    """A model given as a path: relative ones are taken from `base` when given (a session's directory). A blank
+    name is refused: as a path it would be the current directory (or the session's)."""
+    if not model.strip():
+        from engine.config import PRESETS
+
+        raise UserError(f"{'model' if base is not None else '--model'} is empty: give a preset "
+                        f"({', '.join(PRESETS)}) or a checkpoint directory (./ for the current one)")
     path = Path(model).expanduser()
     return path if path.is_absolute() or base is None else Path(base) / path

@@ -104,13 +104,13 @@ def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, 
 
     model, weights, seed, _ = source
     names = [f"layers.{layer}.w13", f"layers.{layer}.w2"]
-    files = model not in PRESETS and weights == "auto" and Path(model).expanduser().is_dir()
+    path = Path(model).expanduser()
     try:
-        if files and not is_trellis_directory(Path(model).expanduser()):  # the layer's two tensors, not the model
-            from engine.hf_loader import load_some
+        if model not in PRESETS and weights == "auto" and path.is_dir() and not is_trellis_directory(path):
+            from engine.hf_loader import load_some  # the layer's two tensors, not the model
 
             torch_device = torch.device(device)
-            w13, w2 = load_some(Path(model).expanduser(), names, torch_device, Engine.dtype_for(torch_device)).values()
+            w13, w2 = load_some(path, names, torch_device, Engine.dtype_for(torch_device)).values()
         else:  # drawn weights are drawn whole (the seed's stream); a trellis "original" is refused below
             engine = Engine.load(model, device=device, seed=seed, weights=weights)
             w13, w2 = (engine.weights[name] for name in names)

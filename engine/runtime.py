@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 
 from engine import layer_timing, routing_record
-from engine.model_source import (check_fits, model_config, refuse_empty, refuse_missing_directory,  # noqa: F401
-                                 resolve_model_path)
+from engine.model_source import check_fits, model_config, refuse_missing_directory, resolve_model_path  # noqa: F401
 from engine.batch_runner import BatchRunner
 from engine.config import PRESETS, ModelConfig, from_name
 from engine import decode_fused
@@ -259,7 +258,6 @@ class Engine:
         weights (for a directory: of the family and shape its config.json gives, on the device)."""
         if weights not in ("auto", "random"):
             raise UserError(f"--weights {weights!r}: use auto (a shipped checkpoint where there is one) or random")
-        refuse_empty(model, base)
         if model not in PRESETS and resolve_model_path(model, base).is_dir():
             return cls._load_directory(resolve_model_path(model, base), resolve_device(device), seed, weights, model,
                                        text, progress)
@@ -283,7 +281,6 @@ class Engine:
         loading a weight (config.json's bytes, the weight files' sizes): a preset's source in words and no
         checkpoint; a directory's provenance (engine.model_source.describe_checkpoint) and None for the words
         (they name its tokenizer, which is not read here). Why: a replay refuses other weights before it runs."""
-        refuse_empty(model, base)
         checkpoint = None if model in PRESETS else resolve_model_path(model, base)
         if checkpoint is not None and checkpoint.is_dir():
             from engine import model_source

@@ -44,8 +44,8 @@ def _same_model(a: str, b: str) -> bool:
     return resolve_model_path(a).resolve() == resolve_model_path(b).resolve()
 
 
-def _recorded_source(args, config_a: ModelConfig) -> tuple[str, str, int]:
-    """(model, weights, seed) of the source the trellis checkpoint --model records, verified."""
+def _recorded_source(args, config_a: ModelConfig) -> tuple[str, str, int, ModelConfig]:
+    """(model, weights, seed, config) of the source the trellis checkpoint --model records, verified."""
     from engine.quant_check import verified_source
     from engine.trellis_checkpoint import is_trellis_directory
 
@@ -75,7 +75,7 @@ def _recorded_source(args, config_a: ModelConfig) -> tuple[str, str, int]:
     if differ:
         raise UserError(f"--b-model {label}: not the model --model {printable(args.model)} was quantized from "
                         f"({', '.join(differ)}); name B's model with --b-model MODEL")
-    return model, weights, seed
+    return model, weights, seed, config
 
 
 def plan(args) -> BModel | None:
@@ -86,17 +86,17 @@ def plan(args) -> BModel | None:
         raise UserError("--b-model is empty: name B's model (a preset, a checkpoint directory, or source)")
     config_a = model_config(args.model)  # A's own refusal, as its load would give it
     if args.b_model == SOURCE:
-        model, weights, seed = _recorded_source(args, config_a)
+        model, weights, seed, config = _recorded_source(args, config_a)
     else:
         model, weights, seed = args.b_model, args.weights, args.seed
+        try:
+            config = model_config(model)
+        except UserError as error:
+            raise _as_b(model, model, error) from None
     b = BModel(args.b_model, model, weights, seed,
                _same_model(args.model, model) and (weights, seed) == (args.weights, args.seed))
-    try:
-        vocabulary = model_config(model).vocab_size
-    except UserError as error:
-        raise _as_b(b.label, model, error) from None
-    if vocabulary != config_a.vocab_size:
-        raise UserError(f"--b-model {b.label}: its vocabulary has {vocabulary} tokens and A's "
+    if config.vocab_size != config_a.vocab_size:
+        raise UserError(f"--b-model {b.label}: its vocabulary has {config.vocab_size} tokens and A's "
                         f"{config_a.vocab_size}: compare needs two models with one tokenizer")
     return b
 

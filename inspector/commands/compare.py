@@ -21,27 +21,11 @@ from engine.sidebyside import compare
 from inspector import records
 from inspector.commands import b_model
 from inspector.commands.common import show_engagements
-from inspector.commands.generate import (
-    add_generation_arguments,
-    check_generation_size,
-    check_trace_path,
-    counters_line,
-    generation_json,
-    print_records,
-    print_summary,
-    progress_for,
-    prompt_of,
-    step_callback,
-    token_words,
-    traced_clock,
-    write_trace,
-)
-from inspector.commands.output import (
-    INTERRUPTED,
-    output_format,
-    print_json,
-    stop_on_interrupt,
-)
+from inspector.commands.generate import (add_generation_arguments, check_generation_size, check_trace_path,
+                                         counters_line, generation_json, print_records,
+                                         print_summary, progress_for, prompt_of, step_callback, token_words,
+                                         traced_clock, write_trace)
+from inspector.commands.output import INTERRUPTED, output_format, print_json, stop_on_interrupt
 
 
 def add_parser(subparsers) -> None:
