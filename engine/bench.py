@@ -1033,6 +1033,11 @@ def critical_cell(entry: dict) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
+def csv_model(footer: dict) -> str:
+    """The model a CSV row ran: a checkpoint's path where one was loaded, else the preset's name."""
+    return (footer.get("checkpoint") or {}).get("path") or footer["model"]
+
+
 def format_csv(report: Report) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -1040,7 +1045,8 @@ def format_csv(report: Report) -> str:
                "tps_device_std", "clock_disagreement", "clock_flag", "ttft_ms", "ms_per_token", "ms_per_step",
                "host_us_per_step", "device_us_per_step"] + [name for name, _ in ARM_COLUMNS] + [
                "graph_replays", "graph_launches", "kernel_launches", "commit", "device"] + [
-               f"{name}_{stat}" for name in LATENCIES for stat in ("mean", "std", "p50", "p90", "p99")]
+               f"{name}_{stat}" for name in LATENCIES for stat in ("mean", "std", "p50", "p90", "p99")] + [
+               "model", "weights"]  # last, so that readers of the columns before keep their positions
     writer.writerow(columns)
     payload = report.to_json()
     for data in payload["rows"]:
@@ -1054,7 +1060,8 @@ def format_csv(report: Report) -> str:
                            sum(data["counters"]["kernels"].values()),
                            payload["footer"]["commit"], payload["footer"]["device"]]
                         + [((data.get("latency") or {}).get(name) or {}).get(stat) for name in LATENCIES
-                           for stat in ("mean", "std", "p50", "p90", "p99")])
+                           for stat in ("mean", "std", "p50", "p90", "p99")]
+                        + [csv_model(payload["footer"]), payload["footer"].get("weights")])
     return buffer.getvalue()
 
 

@@ -251,7 +251,7 @@ def _threshold(g: GateInputs) -> Decision:
 def _measured(g: GateInputs) -> Decision:
     if g.measured_crossover is None:
         return _adaptive(g, FALLBACK_THRESHOLD,
-                         f"measured: no calibration for this GPU and routing shape (run `moe-inspector sweep`), "
+                         f"measured: no calibration for this device and routing shape (run `moe-inspector sweep`), "
                          f"falling back to threshold:{FALLBACK_THRESHOLD}")
     source = f" on {g.measured_source}" if g.measured_source else ""
     return _adaptive(g, g.measured_crossover,

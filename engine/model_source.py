@@ -110,12 +110,21 @@ def refuse_missing_directory(model: str, base: str | Path | None = None) -> None
     if model in PRESETS:
         return
     if base is not None and (os.sep in model or "/" in model):
-        raise UserError(f"model {model}: {resolve_model_path(model, base)} is not a directory (a relative path "
-                        f"is taken from the session file's directory); give a preset ({', '.join(PRESETS)}) "
-                        f"or a checkpoint directory")
+        path = resolve_model_path(model, base)
+        raise UserError(f"model {model}: {path} {not_a_directory(path)} (a relative path is taken from the session "
+                        f"file's directory); give a preset ({', '.join(PRESETS)}) or a checkpoint directory")
     if os.sep in model or "/" in model or os.path.exists(model):
-        raise UserError(f"--model {model}: not a directory; give a preset ({', '.join(PRESETS)}) or a Hugging "
-                        f"Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+        raise UserError(f"--model {model}: {not_a_directory(Path(model))}; give a preset ({', '.join(PRESETS)}) or a "
+                        f"Hugging Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+
+
+def not_a_directory(path: Path) -> str:
+    """Why `path` is no checkpoint directory, in the words a refusal uses: missing, or a file."""
+    if not os.path.lexists(path):
+        return "does not exist"
+    if os.path.islink(path) and not os.path.exists(path):
+        return "is a broken link"
+    return "is a file, not a directory"
 
 
 def resolve_model_path(model: str, base: str | Path | None = None) -> Path:

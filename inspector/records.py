@@ -27,16 +27,21 @@ COLUMNS = (
     "ep_rank", "ep_ranks", "local_experts", "exchange_bytes", "exchange_us", "imbalance", "ranks",
     # a MoE layer with shared experts (DeepSeek, Qwen2-MoE): where they ran ("routed launches" or "apart") and why
     "shared_path", "shared_reason",
+    # a MoE layer's expert storage ("bf16", "trellis hyb K=2 V=2 L=16"), its bits per weight and the expert bytes
+    # the step read; and the model the row ran (a preset's name or a checkpoint's path: compare --b-model's A and
+    # B, or rows of several runs joined, say which is which)
+    "weight_format", "bits_per_weight", "bytes_moved", "model",
 )
 
 
-def record_row(config: str, step: dict, family: str, record: dict, device_type: str) -> dict[str, Any]:
+def record_row(config: str, step: dict, family: str, record: dict, device_type: str,
+               model: str | None = None) -> dict[str, Any]:
     """One flat row of a MoE (`family` "moe") or attention record of `step` (an engine step record)."""
     row: dict[str, Any] = {column: None for column in COLUMNS}
     row.update({key: record.get(key) for key in COLUMNS if key in record})
     row.update(config=config, step=record.get("step", step.get("step")), phase=record.get("phase", step.get("phase")),
                n_tokens=record.get("n_tokens", step.get("n_tokens")), family=family, token=step.get("token"),
-               timing=timing_method(record, device_type))
+               timing=timing_method(record, device_type), model=model)
     if family == "moe" and record.get("pairs_per_woken") is not None and record.get("tile_m"):
         row["fill_text"] = fill_text(record["pairs_per_woken"], record["tile_m"])
     ep = record.get("ep")
@@ -46,12 +51,12 @@ def record_row(config: str, step: dict, family: str, record: dict, device_type: 
     return row
 
 
-def rows_of(config: str, steps: Iterable[dict], device_type: str) -> list[dict[str, Any]]:
+def rows_of(config: str, steps: Iterable[dict], device_type: str, model: str | None = None) -> list[dict[str, Any]]:
     """Every record of `steps` in the dispatch log's order: per step its MoE layers, then its attention layers."""
     rows = []
     for step in steps:
-        rows += [record_row(config, step, "moe", record, device_type) for record in step["moe"]]
-        rows += [record_row(config, step, "attention", record, device_type) for record in step["attention"]]
+        rows += [record_row(config, step, "moe", record, device_type, model) for record in step["moe"]]
+        rows += [record_row(config, step, "attention", record, device_type, model) for record in step["attention"]]
     return rows
 
 

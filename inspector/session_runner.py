@@ -173,14 +173,15 @@ def preflight_step(where: str, index: int, step: Step, model: ModelConfig, devic
 
 def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConfig, Any]:
     """The model and torch device, after checking every step can run here; raises UserError."""
+    from engine.model_source import not_a_directory
     from engine.runtime import PRESETS, model_config, resolve_device, resolve_model_path
 
     name = session.engine.model
     path = None if name in PRESETS else resolve_model_path(name, session_directory(where))
     if path is not None and not path.is_dir():
         if "/" in name or os.sep in name or name.startswith("."):  # written as a path
-            raise UserError(f"{where}: [engine] model: {path} is not a directory (a relative path is taken from the "
-                            f"session file's directory): was the checkpoint moved? Fix the path in [engine] model")
+            raise UserError(f"{where}: [engine] model: {path} {not_a_directory(path)} (a relative path is taken from "
+                            f"the session file's directory): was the checkpoint moved? Fix the path in [engine] model")
         raise UserError(f"{where}: [engine] model: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                         f"directory beside the session file ({path}): was the checkpoint moved? Fix the path in "
                         f"[engine] model")

@@ -1,6 +1,8 @@
 """The bench harness: the steady-state rule on synthetic timelines, the refusal rules (each kind
 refused with exit 2 and no table), kernel shares, and the command end to end on `tiny`."""
 
+import csv
+import io
 import json
 import math
 
@@ -280,6 +282,15 @@ def test_markdown_and_csv_come_from_the_same_report(tiny):
     assert "commit" in markdown and "Generated tokens/s in 2-second bins" in markdown
     lines = bench.format_csv(report).splitlines()
     assert lines[0].startswith("test,kind,tokens,batch,state") and lines[1].startswith("tg4 @ b2,tg,4,2,steady")
+    rows = list(csv.DictReader(io.StringIO(bench.format_csv(report))))
+    assert rows[0]["model"] == "tiny" and rows[0]["weights"].startswith("random, seed 0")
+
+
+def test_csv_rows_name_the_checkpoint_they_ran():
+    """Rows of several models concatenated in CI must say which model each came from: a checkpoint by its path."""
+    footer = {"model": "qwen3-moe", "weights": "2 files", "checkpoint": {"path": "/ckpts/qwen3", "family": "qwen3-moe"}}
+    assert bench.csv_model(footer) == "/ckpts/qwen3"
+    assert bench.csv_model({"model": "demo"}) == "demo"
 
 
 @pytest.mark.parametrize("clock, fragment", [

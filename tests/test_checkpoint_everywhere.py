@@ -145,7 +145,7 @@ def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(c
     assert code == 0, err
     (session_directory / "ckpt").rename(session_directory / "moved")
     code, _, err = _run(["run", session], capsys)
-    assert code == 2 and "ckpt is not a directory" in err and "was the checkpoint moved?" in err
+    assert code == 2 and "ckpt does not exist" in err and "was the checkpoint moved?" in err
     assert (session_directory / "s.results.jsonl").exists()  # nothing recorded is lost
 
 

@@ -265,6 +265,7 @@ def test_generate_csv_and_jsonl_are_the_dispatch_log(capsys):
     assert len(rows) == 12 and {row["family"] for row in rows} == {"moe", "attention"}
     moe = next(row for row in rows if row["family"] == "moe")
     assert moe["reason"] and moe["decided_arm"] and moe["timing"].startswith("wall clock")
+    assert {row["model"] for row in rows} == {"tiny"} and moe["weight_format"] == "fp32" and moe["bytes_moved"] > 0
     assert main(["compare", *argv[1:], "--format", "jsonl"]) == 0
     assert {json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()} == {"A", "B"}
 

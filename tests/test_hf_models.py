@@ -438,7 +438,10 @@ def test_dense_model_and_missing_files_exit_2(tmp_path, capsys):
 
 def test_a_path_that_is_not_a_directory_exits_2(tmp_path, capsys):
     code, err = _run_cli(tmp_path / "no-such-model", capsys)
-    assert code == 2 and "not a directory" in err
+    assert code == 2 and "no-such-model: does not exist" in err
+    (tmp_path / "a-file").write_text("{}")
+    code, err = _run_cli(tmp_path / "a-file", capsys)
+    assert code == 2 and "a-file: is a file, not a directory" in err
 
 
 def test_missing_tokenizer_json_exits_2(built, tmp_path, capsys):

@@ -163,7 +163,7 @@ def test_a_model_path_that_is_not_a_directory_gets_the_same_line_everywhere(tmp_
     missing = str(tmp_path / "moved-away")
     assert main(argv + [missing]) == 2
     line = one_error_line(capsys)
-    assert f"--model {missing}: not a directory; give a preset (tiny, demo, v4-shape) or a Hugging Face" in line
+    assert f"--model {missing}: does not exist; give a preset (tiny, demo, v4-shape) or a Hugging Face" in line
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--device", "cpu"],

@@ -143,6 +143,12 @@ def test_compare_sets_the_coded_experts_against_their_source(quantized, capsys):
     assert 1e-3 < both["logit_rel_err"][0] < 1  # the quantization error of the first token's logits, not zero
     code, out, err = _run(["compare", "--model", target, "--b-model", "source", *argv], capsys)
     assert code == 0 and out.splitlines()[1].startswith(f"B: {both['models']['b']['name']} ("), err
+    code, out, err = _run(["compare", "--model", target, "--b-model", "source", *argv, "--format", "jsonl"], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and {(row["config"], row["model"]) for row in rows} == {("A", str(target)), ("B", str(source))}
+    moe = {row["config"]: row for row in rows if row["family"] == "moe"}
+    assert moe["A"]["weight_format"] == "trellis hyb K=2 V=2 L=16" and moe["A"]["bits_per_weight"] > 2
+    assert moe["B"]["weight_format"] == "fp32" and moe["A"]["bytes_moved"] < moe["B"]["bytes_moved"]
 
 
 def test_compare_runs_a_b_model_that_is_a_on_a_engine(quantized, capsys, monkeypatch):
@@ -187,8 +193,8 @@ def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, c
         assert code == 2 and said in err.splitlines()[-1] and f"source ({recorded})" in err and out == "", err
         assert "cannot verify" in err and "loading" not in err
     code, out, err = _run(["compare", "--model", target, "--b-model", tmp_path / "absent", *argv], capsys)
-    assert code == 2 and err.splitlines()[-1] == (f"moe-inspector: error: --b-model {tmp_path / 'absent'}: not a "
-                                                  f"directory; give a preset (tiny, demo, v4-shape) or a Hugging "
+    assert code == 2 and err.splitlines()[-1] == (f"moe-inspector: error: --b-model {tmp_path / 'absent'}: does "
+                                                  f"not exist; give a preset (tiny, demo, v4-shape) or a Hugging "
                                                   f"Face-format checkpoint directory (config.json, *.safetensors, "
                                                   f"tokenizer.json)")
     other = tmp_path / "other-tokenizer"  # the same model, a tokenizer trained on other text: same vocabulary size

@@ -111,9 +111,9 @@ def run(args) -> int:
                     "first_divergence": None if summary is None else summary["first_divergence"],
                     "logit_rel_err": None if summary is None else summary["logit_rel_err"], "cancelled": cancelled})
     elif fmt in records.EXPORTS:
-        rows = records.rows_of("A", result_a.steps, engine.device.type)
+        rows = records.rows_of("A", result_a.steps, engine.device.type, engine.model_spec)
         if result_b is not None:
-            rows += records.rows_of("B", result_b.steps, engine_b.device.type)
+            rows += records.rows_of("B", result_b.steps, engine_b.device.type, engine_b.model_spec)
         print(records.EXPORTS[fmt](rows), end="")
     else:
         if b_plan is None:

@@ -291,7 +291,7 @@ def run_on(args, group=None) -> int:
     if fmt == "json":
         print_json({**generation_json(engine, result), **({"routing_file": routing} if routing else {})})
     elif fmt in records.EXPORTS:
-        print(records.EXPORTS[fmt](records.rows_of("", result.steps, engine.device.type)), end="")
+        print(records.EXPORTS[fmt](records.rows_of("", result.steps, engine.device.type, engine.model_spec)), end="")
     else:
         print_summary(engine, result, args.max_tokens)
         if group is not None:
