@@ -29,6 +29,14 @@ A session is a script the TUI records and `moe-inspector run` executes headless:
     expect_match = false             # optional check: true = identical tokens, false = diverge
 
     [[step]]
+    action = "compare"               # one prompt under configs a and b, side by side
+    prompt = "..."
+    a = "base"
+    b = "base"
+    b_model = "source"               # optional: B on another model with A's tokenizer (a preset, a checkpoint
+                                     # directory from the session file's, or source: a trellis checkpoint's)
+
+    [[step]]
     action = "bench"                 # llama-bench rows: pp16, pp64, tg16 at batch 1 and 4
     pp = [16, 64]                    # prompt lengths (optional; pp and/or tg)
     tg = [16]                        # generated tokens (optional)
@@ -147,13 +155,15 @@ class PromptStep:
 
 @dataclass(frozen=True, kw_only=True)
 class CompareStep:
-    """The same prompt under configs `a` and `b`."""
+    """The same prompt under configs `a` and `b`; with `b_model`, B runs on another model that shares the
+    tokenizer (a preset, a checkpoint directory, or "source": what a trellis checkpoint was quantized from)."""
 
     action = "compare"
     prompt: str = _field(TEXT, required=True)
     max_tokens: int = _field(POSITIVE, 32)
     a: str = _field(NAME, required=True)
     b: str = _field(NAME, required=True)
+    b_model: str | None = _field(TEXT)
     expect_match: bool | None = _field(BOOLEAN)
 
 
@@ -484,6 +494,11 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     if isinstance(step, BenchStep) and step.pp is None and step.tg is None:
         raise UserError(f"{here}: nothing to measure; add pp = [...] (prompt lengths) and/or tg = [...] "
                         f"(generated tokens), e.g. pp = [16, 64] and tg = [16]")
+    if isinstance(step, CompareStep) and step.b_model is not None:
+        _check_printable(here, "b_model", step.b_model)
+        if not step.b_model.strip():
+            raise UserError(f"{here}: b_model is blank; name B's model (a preset, a checkpoint directory, or "
+                            f"\"source\"), or remove the key")
     if isinstance(step, PromptStep) and step.expect_match is not None and step.compare is None:
         raise UserError(f"{here}: expect_match checks two configurations against each other; add "
                         f"compare = \"<config name>\" or remove expect_match")

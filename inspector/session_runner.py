@@ -49,9 +49,9 @@ from engine.json_input import parse_json
 from engine.printable import printable
 from inspector import results_schema
 from engine.provenance import commit_and_dirty
-from inspector.session import Session, Step, atomic_write_text, step_to_plain
+from inspector.session import CompareStep, Session, Step, atomic_write_text, step_to_plain
 from inspector.session_steps import (CHECK_FAILED, OK, RunContext, action_for, base_flags, make_context,  # noqa: F401
-                                     token_at)
+                                     plan_b_model, preflight_b_model, session_directory, token_at)
 
 RESULTS_SCHEMA = 1
 MAX_RESULTS_BYTES = 256 * 1024 * 1024
@@ -93,11 +93,6 @@ def triton_version() -> str | None:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def session_directory(where: str | os.PathLike) -> Path:
-    """The directory a session's relative paths are taken from: the session file's."""
-    return Path(where).resolve().parent
 
 
 def environment_header(session: Session, where: str, device_label: str, device_spec: str,
@@ -196,6 +191,8 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
         raise UserError(f"{source}: {error}") from None
     for index, step in enumerate(session.steps, start=1):
         preflight_step(where, index, step, model, device)
+        if isinstance(step, CompareStep) and step.b_model is not None:
+            preflight_b_model(session, where, f"{where}: step {index} ({step.action})", step)
     return model, device
 
 
@@ -394,6 +391,10 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
     label = _label(recorded)
     for run_recorded, run_now in zip(recorded.get("runs", []), now.get("runs", [])):
         where = f"{label}, config {run_recorded['config']}"
+        if isinstance(run_recorded.get("model"), dict) and isinstance(run_now.get("model"), dict):
+            model_difference = weights_difference(run_recorded["model"], run_now["model"])
+            if model_difference is not None:
+                differences.append(f"{where}: b_model recorded with {model_difference}")
         tokens_recorded, tokens_now = run_recorded["tokens"], run_now["tokens"]
         if tokens_recorded != tokens_now:
             from engine.sidebyside import first_divergence
@@ -474,6 +475,28 @@ class ReplayOutcome:
         return 1 if self.differences or self.rerun.failed_checks else 0
 
 
+def check_b_models(session: Session, where: str, recorded: list[dict], results_path: str, device) -> None:
+    """Before a replay runs: each compare step's B model must hold the weights its recording ran (as the header's
+    are checked for A's), else the tokens would not be comparable."""
+    from engine.runtime import Engine
+
+    for index, (step, line) in enumerate(zip(session.steps, recorded), start=1):
+        runs = line.get("runs") or []
+        if not isinstance(step, CompareStep) or step.b_model is None or len(runs) < 2:
+            continue
+        about = runs[1].get("model")
+        if not isinstance(about, dict):
+            continue
+        here = f"{where}: step {index} ({step.action})"
+        planned = plan_b_model(session, where, here, step)
+        weights, checkpoint = Engine.provenance_before_load(planned.model, device, planned.seed, planned.weights)
+        difference = weights_difference(about, {"weights": weights, "checkpoint": checkpoint})
+        if difference is not None:
+            raise UserError(f"{results_path}: step {index}'s b_model was recorded with {difference}; tokens are only "
+                            f"comparable with the same weights, so nothing was re-run: restore that checkpoint, or "
+                            f"re-record with `moe-inspector run {shlex.quote(where)}`")
+
+
 def replay_session(session: Session, where: str, results_path: str | os.PathLike, device: str | None = None,
                    progress: Callable[[int, int, Step, dict | None], None] | None = None,
                    cancel: threading.Event | None = None) -> ReplayOutcome:
@@ -509,6 +532,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
             raise UserError(f"{results_path}: recorded with {difference}; tokens are only comparable with the same "
                             f"weights, so nothing was re-run: restore that checkpoint, or re-record with "
                             f"`moe-inspector run {shlex.quote(where)}`")
+        check_b_models(session, where, recorded, str(results_path), torch_device)
     rerun = run_session(session, where, device, progress, cancel=cancel)
     if header.get("weights") is not None and not same_weights(header, rerun.header):
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -52,6 +52,49 @@ def config_flags(session: Session, base: flag_registry.ResolvedFlags, name: str 
     return base.with_overrides(overrides, flag_registry.SESSION)
 
 
+def session_directory(where: str | Path) -> Path:
+    """The directory a session's relative paths are taken from: the session file's."""
+    return Path(where).resolve().parent
+
+
+def step_here(session: Session, where: str, step: Step) -> str:
+    """How errors name `step`: the file, its number and its action."""
+    index = next((number for number, other in enumerate(session.steps, start=1) if other is step), None)
+    if index is None:
+        index = next((number for number, other in enumerate(session.steps, start=1) if other == step), "?")
+    return f"{where}: step {index} ({step.action})"
+
+
+def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
+    """A compare step's B model (inspector.b_model.BModel), checked from the configs alone; UserError naming the
+    step. Paths are taken from the session file's directory, A's and B's alike."""
+    from engine.config import PRESETS
+    from engine.model_source import resolve_model_path
+    from inspector import b_model
+
+    def resolved(model: str) -> str:
+        if model in PRESETS or model == b_model.SOURCE:
+            return model
+        return str(resolve_model_path(model, session_directory(where)))
+
+    names = b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
+    return b_model.plan_for(resolved(session.engine.model), resolved(step.b_model), session.engine.weights,
+                            session.engine.seed, names)
+
+
+def preflight_b_model(session: Session, where: str, here: str, step: CompareStep) -> None:
+    """What a compare step's `b_model` can be checked for before anything loads: the model, its vocabulary, its
+    context against the prompt."""
+    from engine.model_source import model_config
+
+    planned = plan_b_model(session, where, here, step)
+    model = model_config(planned.model)
+    length = len(ByteTokenizer().encode(step.prompt))
+    if length + step.max_tokens > model.max_seq_len:
+        raise UserError(f"{here}: the prompt ({length} tokens) plus max_tokens {step.max_tokens} exceeds b_model's "
+                        f"context of {model.max_seq_len}; shorten the prompt or lower max_tokens")
+
+
 @dataclass
 class RunContext:
     session: Session
@@ -60,9 +103,31 @@ class RunContext:
     base: flag_registry.ResolvedFlags
     bench_progress: Any = None  # an object with advance(note=...), passed to engine.bench.run_bench
     trace: Any = None  # an engine.trace.Trace that receives every generation's and bench row's steps (--trace)
+    b_engines: dict = field(default_factory=dict)  # compare steps' B models, loaded once: (model, weights, seed)
 
     def flags(self, config: str | None) -> flag_registry.ResolvedFlags:
         return config_flags(self.session, self.base, config)
+
+    def b_engine(self, step: CompareStep) -> Any:
+        """The engine a compare step's B runs on: A's, or its `b_model` (loaded on A's device the first time, its
+        prompt tokens checked against A's)."""
+        if step.b_model is None:
+            return self.engine
+        from inspector import b_model
+
+        here = step_here(self.session, self.where, step)
+        planned = plan_b_model(self.session, self.where, here, step)
+        key = (planned.model, planned.weights, planned.seed)
+        names = b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
+        engine = self.b_engines.get(key)
+        if engine is None:
+            engine = b_model.load_for(planned, str(self.engine.device), self.engine, step.prompt, progress=False,
+                                      model_a=self.session.engine.model, names=names)
+            self.b_engines[key] = engine
+        elif engine.encode_prompt(step.prompt) != self.engine.encode_prompt(step.prompt):
+            raise UserError(f"{here}: b_model {planned.label}: it reads the prompt as other tokens than [engine] "
+                            f"model does: compare needs two models with one tokenizer")
+        return engine
 
 
 def make_context(session: Session, where: str, engine) -> RunContext:
@@ -233,22 +298,27 @@ class _Generation(Action):
         from engine.sidebyside import compare
 
         first, second = self.configs(step)
+        engines = [context.engine, context.b_engine(step) if isinstance(step, CompareStep) else context.engine]
         generations, walls = [], []
-        for config in (first, second) if second is not None else (first,):  # first None: the base [flags]
+        for config, engine in zip((first, second) if second is not None else (first,), engines):
+            # first None: the base [flags]
             started = time.perf_counter()
             clock = None
             if context.trace is not None:
                 from engine.trace import StepClock
 
                 clock = StepClock()
-            generation = context.engine.generate(step.prompt, step.max_tokens, context.flags(config), on_step=clock)
+            generation = engine.generate(step.prompt, step.max_tokens, context.flags(config), on_step=clock)
             walls.append(time.perf_counter() - started)
             if clock is not None:
                 context.trace.add_run(config or BASE, f"{len(generation.tokens)} tokens: {step.prompt[:40]!r}",
                                       clock.stamped(generation.steps))
             generations.append(generation)
         comparison = compare(generations[0], generations[1]) if len(generations) == 2 else None
-        return {"generations": generations, "walls": walls, "comparison": comparison}
+        outcome = {"generations": generations, "walls": walls, "comparison": comparison}
+        if getattr(step, "b_model", None) is not None:
+            outcome["b_model"] = b_model_about(engines[1])
+        return outcome
 
     def result(self, context, index, step, outcome) -> dict | None:
         generations, walls = outcome.get("generations"), list(outcome.get("walls") or ())
@@ -259,6 +329,8 @@ class _Generation(Action):
         names = [first or BASE] + ([second] if second is not None else [])
         runs = [summarize_generation(generation, name, wall or 0.0)
                 for generation, name, wall in zip(generations, names, walls) if generation is not None]
+        if outcome.get("b_model") is not None and len(runs) == 2:
+            runs[1]["model"] = outcome["b_model"]
         numbers: dict = {}
         check = None
         comparison = outcome.get("comparison")
@@ -271,6 +343,12 @@ class _Generation(Action):
         wall_s = outcome.get("wall_s")
         return result_line(index, step, runs, numbers, check,
                            float(wall_s) if wall_s is not None else sum(wall or 0.0 for wall in walls))
+
+
+def b_model_about(engine) -> dict:
+    """What a compare step's B ran on, for its results line: the model as loaded, its weights in words and a
+    checkpoint's provenance (engine.model_source.describe_checkpoint), which replay checks before it re-runs."""
+    return {"model": engine.model_spec, "weights": engine.weights_source, "checkpoint": engine.checkpoint}
 
 
 class PromptAction(_Generation):

@@ -19,7 +19,7 @@ from engine.printable import printable
 from engine.runtime import Engine
 from engine.sidebyside import compare
 from inspector import records
-from inspector.commands import b_model
+from inspector import b_model
 from inspector.commands.common import show_engagements
 from inspector.commands.generate import (add_generation_arguments, check_generation_size, check_trace_path,
                                          counters_line, generation_json, print_records,

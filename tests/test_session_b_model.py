@@ -1,0 +1,107 @@
+"""A session's compare step with `b_model`: B on another model than [engine] model (a trellis checkpoint against
+the model it was quantized from, as `compare --b-model` sets them), recorded, replayed, and refused with one line
+naming the step where B cannot be set beside A. Built on a tiny Qwen2-MoE made with transformers and quantized to
+2-bit hyb here (about a second on a CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from engine.trellis_job import parse_experts, quantize_model  # noqa: E402
+from inspector import cli  # noqa: E402
+from test_trellis_families import _build  # noqa: E402
+
+PROMPT = "routed experts"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(the directory holding source/ and hyb2/, source, hyb2): a Qwen2-MoE and its trellis checkpoint."""
+    root = tmp_path_factory.mktemp("b-model")
+    source = _build("qwen2-moe", root / "source")
+    quantize_model(str(source), parse_experts("trellis:K=2,code=hyb"), root / "hyb2", device="cpu")
+    return root, source, root / "hyb2"
+
+
+def _run(argv, capsys):
+    code = cli.main([str(part) for part in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _session(path, model: str, steps: list[dict], weights: str = "auto"):
+    lines = ['[session]', 'version = 1', 'name = "b-model"', '', '[engine]', f'model = "{model}"', 'device = "cpu"',
+             f'weights = "{weights}"']
+    for step in steps:
+        lines += ['', '[[step]]'] + [f'{key} = {json.dumps(value)}' for key, value in step.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _compare(b_model: str) -> dict:
+    return {"action": "compare", "prompt": PROMPT, "max_tokens": 3, "a": "base", "b": "base", "b_model": b_model}
+
+
+def test_a_session_compares_a_trellis_checkpoint_with_its_source_and_replays(models, tmp_path, capsys):
+    root, source, target = models
+    copy = tmp_path / "source-copy"  # B by path, beside the session; changed below to make replay refuse
+    shutil.copytree(source, copy)
+    session = _session(tmp_path / "s.toml", str(target), [_compare("source"), _compare("source-copy")])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "s.results.jsonl").read_text().splitlines()]
+    first, second = lines[1], lines[2]
+    assert first["definition"]["b_model"] == "source" and "model" not in first["runs"][0]
+    assert first["runs"][1]["model"]["checkpoint"]["path"] == str(source.resolve())
+    assert second["runs"][1]["model"]["checkpoint"]["path"] == str(copy.resolve())
+    assert first["runs"][1]["tokens"] == second["runs"][1]["tokens"]  # the same weights by either name
+    code, alone, err = _run(["generate", "--model", source, "--device", "cpu", "--prompt", PROMPT, "--max-tokens", "3",
+                             "--no-progress", "--json"], capsys)
+    assert code == 0 and first["runs"][1]["tokens"] == json.loads(alone)["tokens"], err
+    assert first["numbers"]["max_logit_rel_err"] > 1e-3  # A is the trellis model: the quantization's error
+
+    code, out, err = _run(["replay", session, "--json"], capsys)
+    assert code == 0 and json.loads(out)["matches"], err
+
+    weights = next(copy.glob("*.safetensors"))
+    before = (tmp_path / "s.results.jsonl").read_bytes()
+    with weights.open("ab") as handle:  # another size: other weights than the recording's
+        handle.write(b"\0" * 8)
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "step 2's b_model was recorded with weight files" in err and "nothing was re-run" in err
+    assert (tmp_path / "s.results.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("model, b_model, weights, said", [
+    ("hyb2", "nowhere", "auto", "nowhere: does not exist"),
+    ("hyb2", "tiny", "auto", "b_model tiny: its vocabulary has 256 tokens and A's 320"),
+    ("source", "source", "auto", "b_model source: [engine] model"),
+    ("hyb2", "source", "random", 'b_model source with [engine] weights = "random"'),
+])
+def test_a_b_model_that_cannot_stand_beside_a_is_refused_before_anything_loads(models, tmp_path, capsys, model,
+                                                                               b_model, weights, said):
+    root, _, _ = models
+    session = _session(tmp_path / "s.toml", str(root / model), [_compare(b_model)], weights)
+    before = session.read_bytes()
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert said in err and "step 1 (compare): b_model " in err and "loading" not in err, err
+    assert session.read_bytes() == before and not (tmp_path / "s.results.jsonl").exists()
+
+
+@pytest.mark.parametrize("value, said", [('""', "key 'b_model' must be a non-empty string"), ('" "', "b_model is blank"),
+                                         ('"a\\u001b[2Jb"', "control or format characters"),
+                                         ("3", "b_model")])
+def test_a_malformed_b_model_is_a_parse_error(tmp_path, capsys, value, said):
+    session = tmp_path / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "x"\n[engine]\nmodel = "tiny"\n[[step]]\naction = "compare"\n'
+                       f'prompt = "hi"\na = "base"\nb = "base"\nb_model = {value}\n')
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and said in err and "step 1 (compare)" in err, err
