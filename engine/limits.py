@@ -25,6 +25,7 @@ MAX_BENCH_ROWS = 256  # rows of one bench (every length at every batch size)
 MAX_CURVE_EXPERTS = 1 << 20  # routed experts in the curve's arithmetic (real models: up to a few hundred)
 MAX_CURVE_TOKENS = 1 << 40  # token counts in the curve's arithmetic
 MAX_TILE_M = 1 << 12
+MAX_CHECK_QUANT_TOKENS = 1 << 16  # token counts of one check-quant row (its references loop over the experts)
 # A seed is a torch generator's, recorded in sessions and results headers: a non-negative int64.
 MAX_SEED = 2**63 - 1
 
@@ -155,6 +156,20 @@ def check_curve_request(k: int, experts: int, tile_m: int, tokens, where: str) -
     check_list(tokens, f"{where}: tokens")
     for value in tokens:
         require_at_most(value, MAX_CURVE_TOKENS, f"{where}: a token count", "the curve's arithmetic stops there")
+
+
+def check_quant_request(config, tokens, device, where: str) -> None:
+    """check-quant's token counts before anything is drawn: the list's length, each count, and the memory of the
+    largest row (its inputs, the three [T, D] fp32 outputs and references, the routing, and per woken pair the
+    references' [2F + F + D] fp32 temporaries, twice)."""
+    check_list(tokens, where)
+    for value in tokens:
+        require_at_most(value, MAX_CHECK_QUANT_TOKENS, f"{where}: a token count",
+                        "a magnitude check needs no more: the grouped arms fill their tiles far below")
+    largest = max(tokens, default=0)
+    per_token = (8 * config.hidden + 2 * config.n_experts
+                 + 2 * config.top_k * (3 * config.intermediate + config.hidden)) * 4
+    require_fits(largest * per_token, device, f"{where}: the check at {largest} tokens", "ask for fewer tokens")
 
 
 def check_generation_request(config, device, dtype, positions: int, batch: int, where: str) -> None:

@@ -123,7 +123,7 @@ def not_a_directory(path: Path) -> str:
     if not os.path.lexists(path):
         return "does not exist"
     if os.path.islink(path) and not os.path.exists(path):
-        return "is a broken link"
+        return "is a link that leads nowhere (broken, or a loop)"
     return "is a file, not a directory"
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.compare import DTYPES, _relative, resolve_device, ulp_control
+from engine import limits
 from engine.errors import UserError
 from kernels import launches
 from kernels.reference import moe_reference
@@ -153,6 +154,8 @@ def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | 
     device = resolve_device(device)
     config = model_config(model)  # config.json alone: a bad --layer is refused before a weight loads
     layer = _moe_layer(config, layer)
+    if tokens:
+        limits.check_quant_request(config, tokens, device, "--tokens")
     # before the checkpoint loads; a directory that is not a trellis one is refused once loaded, in its own words
     source = verified_source(Path(model), original) if is_trellis_directory(Path(model)) else None
     engine = Engine.load(model, device=device)
@@ -178,6 +181,7 @@ def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens
     if arm not in arms:
         raise UserError(f"--arm {arm}: choose one of {', '.join(arms)} on {device}")
     tokens = tuple(tokens or DEFAULT_TOKENS[device])
+    limits.check_quant_request(config, tokens, engine.device, "tokens")
     working = engine.dtype
     multiple = SITS_ON_MULTIPLE[working]
     source = source or verified_source(Path(directory), original)

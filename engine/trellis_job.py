@@ -61,11 +61,10 @@ def parse_experts(text: str) -> TrellisCode:
         raise UserError(f"--experts {text!r}: give both K and code, e.g. trellis:K=2,code=hyb")
     if values["code"] not in CODES:
         raise UserError(f"--experts {text!r}: unknown code {values['code']!r}; choose one of {', '.join(CODES)}")
-    try:
-        bits = int(values["K"])
-        step = int(values.get("V", CODES[values["code"]]))
-    except ValueError:
-        raise UserError(f"--experts {text!r}: K and V are integers; use {allowed}") from None
+    numbers = [values["K"], values.get("V", str(CODES[values["code"]]))]
+    if not all(number.isascii() and number.isdigit() for number in numbers):  # int() takes " 2", "2_0", "٢"
+        raise UserError(f"--experts {text!r}: K and V are integers written in digits; use {allowed}")
+    bits, step = (int(number) for number in numbers)
     try:
         return TrellisCode(values["code"], bits, step)
     except ValueError as error:
@@ -111,6 +110,18 @@ def _check_output(out: Path) -> None:
                         f"place") from None
 
 
+def _check_outside(out: Path, model: str) -> None:
+    """The output may not lie inside the source checkpoint's directory: quantize never writes into the user's
+    model (a later load of the source would also find a checkpoint nested in it)."""
+    source = Path(model).expanduser()
+    if not source.is_dir():
+        return  # a preset
+    inside = out.resolve().parent
+    if inside == source.resolve() or source.resolve() in inside.parents:
+        raise UserError(f"--out {out}: inside the source model's directory {source}; quantize never writes into "
+                        f"the model it reads: pick a path outside it")
+
+
 def _source(engine, model: str, weights: str) -> dict:
     """What config.json records of the source: enough to load it again, and its fingerprint
     (engine.source_fingerprint), which check-quant and a resumed run compare with the model they are given."""
@@ -144,6 +155,7 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
 
     out = Path(out)
     _check_output(out)
+    _check_outside(out, model)
     text = None if calibration is None else _calibration_text(Path(calibration))  # before the model loads
     _check_not_trellis(model)
     engine = Engine.load(model, device=device, weights=weights)

@@ -142,3 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C, or one where a command has nothing to print yet
         print("\nmoe-inspector: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:
+        # A path the user gave that the system refuses (a name too long, a link loop, no permission) where no
+        # check named it first: still one line naming the path, exit 2. An OSError about no path is a bug.
+        if error.filename is None:
+            raise
+        print(f"moe-inspector: error: {path_error(error)}", file=sys.stderr)
+        return 2
+
+
+def path_error(error: OSError) -> str:
+    """One line for an OSError about a path: the path (shortened, escaped) and the system's reason."""
+    name = printable(str(error.filename), limit=120)
+    reason = error.strerror or type(error).__name__
+    return one_line(f"{name}: {reason.lower() if reason[:1].isupper() and reason[1:2].islower() else reason}; "
+                    f"check the path")

@@ -407,6 +407,9 @@ def _parse_engine(data: Mapping, where: str) -> EngineSpec:
             raise _wrong_type(here, key, TEXT.describe, table[key])
         if key in table:
             _check_printable(here, key, table[key])
+        if key in table and not table[key].strip():
+            raise UserError(f"{here}: {key} is blank; name a preset or a checkpoint directory (\"./\" for the "
+                            f"session file's own)" if key == "model" else f"{here}: {key} is blank; e.g. \"auto\"")
     if "seed" in table and not (_is_int(table["seed"]) and 0 <= table["seed"] <= MAX_SEED):
         raise _wrong_type(here, "seed", f"an integer from 0 to {MAX_SEED}", table["seed"])
     if "weights" in table and table["weights"] not in ("auto", "random"):

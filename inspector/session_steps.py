@@ -538,6 +538,10 @@ class CheckQuantAction(Action):
 
     step_type = CheckQuantStep
 
+    def preflight(self, here, step, model, device) -> None:
+        if step.tokens:
+            limits.check_quant_request(model, step.tokens, device, f"{here}: tokens")
+
     def run(self, context, step) -> dict:
         from engine.quant_check import check_quant_engine
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.errors import UserError
 from engine.printable import one_line
 from inspector.commands.check_output import _json_safe
 from inspector.commands.common import positive_int_list, seed_argument
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = output_format(args)
     tokens = positive_int_list(args.tokens, "--tokens") if args.tokens is not None else None
+    if args.original is not None and not args.original.strip():
+        raise UserError("--original is empty: name the model the experts were quantized from, or leave --original "
+                        "out to use the one the checkpoint records")
     result = check_quant(args.model, layer=args.layer, tokens=tokens, arm=args.arm,
                          device=getattr(args, "device", "auto"), seed=getattr(args, "seed", 0),
                          original=args.original)

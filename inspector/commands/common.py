@@ -7,6 +7,7 @@ import logging
 import sys
 
 from engine.errors import UserError
+from engine import limits
 from engine.limits import MAX_SEED
 from engine.printable import printable
 
@@ -73,11 +74,16 @@ def positive_int_list(text: str, option: str, allow_none: bool = False) -> list[
     if allow_none and text.strip().lower() in ("none", "0", ""):
         return []
     alternative = ", or none" if allow_none else ""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"{option} {printable(repr(text), 60)}: expected comma-separated integers, e.g. "
-                        f"1,8,64{alternative}") from None
-    if not values or any(value < 1 for value in values):
-        raise UserError(f"{option} {printable(repr(text), 60)}: every value must be an integer >= 1{alternative}")
+    shown = printable(repr(text), 60)
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) > 1 and "" in parts:  # "1,,2" or "1,2,": an item left out is a typo, not a value to skip
+        raise UserError(f"{option} {shown}: an empty item between commas; give comma-separated integers, e.g. "
+                        f"1,8,64{alternative}")
+    # ASCII digits only: int() would also take "2_0" (20) and other scripts' digits
+    if not all(part.isascii() and part.lstrip("-").isdigit() for part in parts):
+        raise UserError(f"{option} {shown}: expected comma-separated integers, e.g. 1,8,64{alternative}")
+    values = [int(part) for part in parts]
+    if any(value < 1 for value in values):
+        raise UserError(f"{option} {shown}: every value must be an integer >= 1{alternative}")
+    limits.check_list(values, option)
     return values

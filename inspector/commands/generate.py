@@ -272,7 +272,7 @@ def run_on(args, group=None) -> int:
         return 0
     if fmt == "text":
         show_engagements()
-        print(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}"
+        print(printable(f"{engine.config.name} ({engine.weights_source}) on {engine.device_label}", limit=None)
               + (f", expert parallel over {group.describe()}" if group is not None else ""))
     clock = traced_clock(args, engine)
     progress = progress_for(args, args.max_tokens, f"generate {engine.config.name}")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.printable import printable
 from engine.trellis_job import parse_experts, partial_directory, quantize_model, write_shape_only
 from inspector.commands.common import seed_argument
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json
@@ -46,8 +47,8 @@ def run(args) -> int:
     code = parse_experts(args.experts)  # bad input fails before the model loads
     if args.shape_only:
         out = write_shape_only(args.model, code, args.out, seed=args.seed)
-        print(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; load it "
-              f"with --model {shlex.quote(str(out))} --weights random")
+        print(printable(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; "
+                        f"load it with --model {shlex.quote(str(out))} --weights random", limit=None))
         return 0
     if args.calibration_tokens < 1:
         raise UserError(f"--calibration-tokens {args.calibration_tokens}: give at least 1")
@@ -78,21 +79,21 @@ def interrupted_note(args) -> str:
         command += ["--weights", args.weights]
     if args.calibration is not None:
         command += ["--calibration", args.calibration, "--calibration-tokens", str(args.calibration_tokens)]
-    return (f"the finished layers are in {partial}; resume with `{shlex.join(command)}`, or remove it "
-            f"(rm -r {shlex.quote(str(partial))})")
+    return printable(f"the finished layers are in {partial}; resume with `{shlex.join(command)}`, or remove it "
+                     f"(rm -r {shlex.quote(str(partial))})", limit=None)
 
 
 def print_text(result) -> None:
     """The written directory, then per matrix its error: the relative MSE (mse over the weights' mean square)
     and its square root, the relative RMS error, the measure `check-quant` gives of the experts' outputs."""
     kept = f"; kept layers {', '.join(map(str, result.resumed_layers))} of an earlier run" if result.resumed_layers else ""
-    print(f"wrote {result.out}: experts in {result.code.describe()}, {result.expert_bytes} bytes per expert against "
-          f"{result.bf16_expert_bytes} in bf16 ({result.bf16_expert_bytes / result.expert_bytes:.2f}x fewer), "
-          f"{result.seconds:.1f} s{kept}")
+    print(printable(f"wrote {result.out}: experts in {result.code.describe()}, {result.expert_bytes} bytes per expert "
+                    f"against {result.bf16_expert_bytes} in bf16 ({result.bf16_expert_bytes / result.expert_bytes:.2f}x "
+                    f"fewer), {result.seconds:.1f} s{kept}", limit=None))
     print(f"{'matrix':<18} {'shape':<16} {'mse':>11} {'rel. mse':>9} {'rel. rms':>9} {'max |error|':>12}")
     for item in result.matrices:
         shape = "x".join(map(str, item["shape"]))
         relative = item["relative_mse"]
         print(f"{item['name']:<18} {shape:<16} {item['mse']:>11.3e} {relative:>9.4f} {math.sqrt(relative):>9.3f} "
               f"{item['max_abs_error']:>12.3e}")
-    print(f"load it with --model {shlex.quote(str(result.out))}")
+    print(printable(f"load it with --model {shlex.quote(str(result.out))}", limit=None))
