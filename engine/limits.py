@@ -131,6 +131,10 @@ def check_bench_request(config, device, dtype, specs, reps: int, where: str, wei
         raise UserError(f"{where}: {len(specs)} rows (every length at every batch size), more than the "
                         f"{MAX_BENCH_ROWS} one bench may hold; give fewer lengths or batch sizes")
     weights = 0 if weights_loaded else weight_bytes(config, dtype)
+    if weights:  # weights that alone do not fit: fewer rows would not help, so say what would
+        require_fits(weights, device, f"{where}: holding the model's {str(dtype).replace('torch.', '')} weights alone",
+                     "fewer or shorter rows would not help: bench it where more memory is free (a GPU with more "
+                     "memory), or a smaller model")
     largest = max(specs, key=lambda spec: spec.batch * (spec.prompt_len + spec.max_tokens), default=None)
     if largest is None:
         return

@@ -97,8 +97,8 @@ def verified_source(directory: Path, original: str | None, option: str = "--orig
 
 
 def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, str | None], device: str,
-                      given: bool = False):
-    """The w13 and w2 of `layer` of the source model `verified_source` gave, float32 (`given`: by --original)."""
+                      given: bool = False, option: str = "--original"):
+    """The w13 and w2 of `layer` of the source model `verified_source` gave, float32 (`given`: by `option`)."""
     from engine.config import PRESETS
     from engine.runtime import Engine
     from engine.trellis_checkpoint import is_trellis_directory
@@ -116,11 +116,11 @@ def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, 
             engine = Engine.load(model, device=device, seed=seed, weights=weights)
             w13, w2 = (engine.weights[name] for name in names)
     except UserError as error:
-        raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give --original "
+        raise UserError(f"the source model of {directory} ({model}) does not load ({error}): give {option} "
                         f"MODEL") from None
     if isinstance(w13, TrellisMatrix):
-        which = f"--original {model}" if given else f"{directory}'s recorded source {model}"
-        raise UserError(f"{which}: its experts are trellis-coded too; give the unquantized model with --original "
+        which = f"{option} {model}" if given else f"{directory}'s recorded source {model}"
+        raise UserError(f"{which}: its experts are trellis-coded too; give the unquantized model with {option} "
                         f"MODEL")
     return w13.float(), w2.float()
 
@@ -157,7 +157,12 @@ def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | 
     if tokens:
         limits.check_quant_request(config, tokens, device, "--tokens")
     # before the checkpoint loads; a directory that is not a trellis one is refused once loaded, in its own words
-    source = verified_source(Path(model), original) if is_trellis_directory(Path(model)) else None
+    directory = Path(model)
+    if is_trellis_directory(directory) and not any(directory.glob("*.safetensors")):
+        raise UserError(f"--model {model}: a trellis shape (config.json alone, no codes): check-quant measures "
+                        f"quantized codes against the weights they came from; quantize the model without "
+                        f"--shape-only")
+    source = verified_source(directory, original) if is_trellis_directory(directory) else None
     engine = Engine.load(model, device=device)
     return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original,
                               source=source)
@@ -165,7 +170,7 @@ def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | 
 
 def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens: tuple[int, ...] | None = None,
                        arm: str | None = None, seed: int = 0, original: str | None = None,
-                       source: tuple | None = None) -> dict:
+                       source: tuple | None = None, option: str = "--original") -> dict:
     """`check_quant` on a loaded engine (a session's) whose model is the trellis directory `directory`; `source`:
     `verified_source`'s answer when the caller has it already."""
     device = engine.device.type
@@ -184,8 +189,9 @@ def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens
     limits.check_quant_request(config, tokens, engine.device, "tokens")
     working = engine.dtype
     multiple = SITS_ON_MULTIPLE[working]
-    source = source or verified_source(Path(directory), original)
-    original13, original2 = _original_weights(Path(directory), layer, source, device, given=original is not None)
+    source = source or verified_source(Path(directory), original, option)
+    original13, original2 = _original_weights(Path(directory), layer, source, device, given=original is not None,
+                                              option=option)
     source_note = source[3]
     dequantized13, dequantized2 = dequantize(w13), dequantize(w2)  # [E, 2F, D], [E, D, F] float32
     generator = torch.Generator(device=device).manual_seed(seed)

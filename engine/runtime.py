@@ -310,6 +310,11 @@ class Engine:
         if weights != "random":  # first: with --weights random no tokenizer is needed, so the fix is that
             has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists()
             if not has_weights:
+                from engine.trellis_checkpoint import is_trellis_directory
+
+                if is_trellis_directory(directory):  # quantize --shape-only's: codes of a shape, nothing to download
+                    raise UserError(f"{directory}: a trellis shape (config.json alone, no codes): give --weights "
+                                    f"random to draw random codes of it, or quantize the model without --shape-only")
                 raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
                                 f"random weights of this {family} shape, or download the weights")
         tokenizer, note = _directory_tokenizer(directory, config)

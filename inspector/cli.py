@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from engine.errors import UserError
@@ -142,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C, or one where a command has nothing to print yet
         print("\nmoe-inspector: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout's reader went away (`generate ... | head -1`): stop quietly, as a Unix tool does on SIGPIPE; stdout
+        # goes to /dev/null so that the interpreter's last flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
     except OSError as error:
         # A path the user gave that the system refuses (a name too long, a link loop, no permission) where no
         # check named it first: still one line naming the path, exit 2. An OSError about no path is a bug.

@@ -233,6 +233,7 @@ class CheckQuantStep:
     layer: int | None = _field(NON_NEGATIVE)
     tokens: list[int] | None = _field(TOKENS)
     arm: str | None = _field(TEXT)
+    original: str | None = _field(TEXT)  # the unquantized model (default: the one config.json records)
     expect: str | None = _field(QUANT_VERDICT)
 
 
@@ -497,6 +498,8 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
     if isinstance(step, BenchStep) and step.pp is None and step.tg is None:
         raise UserError(f"{here}: nothing to measure; add pp = [...] (prompt lengths) and/or tg = [...] "
                         f"(generated tokens), e.g. pp = [16, 64] and tg = [16]")
+    if isinstance(step, CheckQuantStep) and step.original is not None:
+        _check_printable(here, "original", step.original)
     if isinstance(step, CompareStep) and step.b_model is not None:
         _check_printable(here, "b_model", step.b_model)
         if not step.b_model.strip():

@@ -43,15 +43,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine import flags as flag_registry
-from engine.config import ModelConfig
+from engine.config import PRESETS, ModelConfig
 from engine.errors import UserError
 from engine.json_input import parse_json
 from engine.printable import printable
 from inspector import results_schema
 from engine.provenance import commit_and_dirty
-from inspector.session import CompareStep, Session, Step, atomic_write_text, step_to_plain
+from inspector.session import CheckQuantStep, CompareStep, Session, Step, atomic_write_text, step_to_plain
 from inspector.session_steps import (CHECK_FAILED, OK, RunContext, action_for, base_flags, make_context,  # noqa: F401
-                                     plan_b_model, preflight_b_model, session_directory, token_at)
+                                     plan_b_model, preflight_b_model, preflight_check_quant, session_directory,
+                                     token_at)
 
 RESULTS_SCHEMA = 1
 MAX_RESULTS_BYTES = 256 * 1024 * 1024
@@ -193,6 +194,8 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
         preflight_step(where, index, step, model, device)
         if isinstance(step, CompareStep) and step.b_model is not None:
             preflight_b_model(session, where, f"{where}: step {index} ({step.action})", step)
+        if isinstance(step, CheckQuantStep):
+            preflight_check_quant(session, where, f"{where}: step {index} ({step.action})", step)
     return model, device
 
 
@@ -329,7 +332,10 @@ def check_replayable(session: Session, header: dict, recorded: list[dict], resul
     """The recording must be of this session, on these flags: otherwise a diff would mislead (exit 2)."""
     rerun = f"run `moe-inspector run {shlex.quote(str(header.get('session_file', 'SESSION.toml')))}` to re-record"
     for key, now in (("model", session.engine.model), ("seed", session.engine.seed)):
-        if header.get(key) != now:
+        # a checkpoint recorded and named now by another path (moved, and the path fixed): its content decides,
+        # compared before anything runs (replay_session: weights_difference on the recorded provenance)
+        moved = key == "model" and isinstance(header.get("checkpoint"), dict) and now not in PRESETS
+        if header.get(key) != now and not moved:
             raise UserError(f"{results_path}: recorded with {key} {header.get(key)!r}, the session now says "
                             f"{now!r}; {rerun}")
     recorded_flags = {name: entry.get("value") for name, entry in (header.get("flags") or {}).items()}

@@ -533,6 +533,43 @@ class CheckAttentionAction(Action):
         return result_line(index, step, [], numbers, check, float(outcome.get("wall_s") or 0.0))
 
 
+ORIGINAL_KEY = "original ="  # how check-quant's refusals name the step's key that sets the source
+
+
+def quant_original(where: str, step: CheckQuantStep) -> str | None:
+    """A check-quant step's `original`, a path taken from the session file's directory (a preset as named)."""
+    from engine.config import PRESETS
+    from engine.model_source import resolve_model_path
+
+    if step.original is None or step.original in PRESETS:
+        return step.original
+    return str(resolve_model_path(step.original, session_directory(where)))
+
+
+def preflight_check_quant(session: Session, where: str, here: str, step: CheckQuantStep) -> None:
+    """Before any step runs: the model a check-quant step measures against must be there and be the one the
+    checkpoint was quantized from (a source moved since the recording stopped a session half-way)."""
+    from engine.config import PRESETS
+    from engine.model_source import not_a_directory, resolve_model_path
+    from engine.quant_check import verified_source
+    from engine.trellis_checkpoint import is_trellis_directory
+
+    name = session.engine.model
+    directory = None if name in PRESETS else resolve_model_path(name, session_directory(where))
+    if directory is None or not is_trellis_directory(directory):
+        return  # the step's own refusal (not trellis-coded) names it when it runs
+    original = quant_original(where, step)
+    try:
+        model, _, _, _ = verified_source(directory, original, ORIGINAL_KEY)
+    except UserError as error:
+        raise UserError(f"{here}: {error}") from None
+    path = Path(model).expanduser()
+    if model not in PRESETS and not path.is_dir():
+        which = f"original {step.original}" if original else f"the source {directory} records, {model},"
+        raise UserError(f"{here}: {which} {not_a_directory(path)}: was it moved? Set original = \"PATH\" in the "
+                        f"step (a path from the session file's directory)")
+
+
 class CheckQuantAction(Action):
     """A trellis arm against the dequantized and the original experts (engine.quant_check.check_quant_engine)."""
 
@@ -549,7 +586,8 @@ class CheckQuantAction(Action):
         directory = Path(checkpoint.get("path") or context.session.engine.model)
         return {"result": check_quant_engine(context.engine, directory, layer=step.layer,
                                              tokens=tuple(step.tokens) if step.tokens else None, arm=step.arm,
-                                             seed=context.session.engine.seed)}
+                                             seed=context.session.engine.seed,
+                                             original=quant_original(context.where, step), option=ORIGINAL_KEY)}
 
     def result(self, context, index, step, outcome) -> dict | None:
         if outcome.get("result") is None:

@@ -147,6 +147,14 @@ def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(c
     code, _, err = _run(["run", session], capsys)
     assert code == 2 and "ckpt does not exist" in err and "was the checkpoint moved?" in err
     assert (session_directory / "s.results.jsonl").exists()  # nothing recorded is lost
+    # the path fixed as the refusal says: the same checkpoint by content, so the recording replays
+    session.write_text(session.read_text().replace('model = "./ckpt"', 'model = "./moved"'))
+    code, _, err = _run(["replay", session], capsys)
+    assert code == 0, err
+    (session_directory / "moved" / "config.json").write_text(
+        (session_directory / "moved" / "config.json").read_text().replace("}", ', "note": 1}', 1))
+    code, _, err = _run(["replay", session], capsys)
+    assert code == 2 and "config.json sha256" in err, err
 
 
 def test_the_tui_runs_a_checkpoint_directory(checkpoint):

@@ -104,3 +104,38 @@ def test_generate_escapes_a_checkpoint_name_with_control_characters(tmp_path, ca
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b[31mred\\x0aname" in out
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly():
+    """`generate ... | head -1` printed a BrokenPipeError traceback; a Unix tool stops quietly on SIGPIPE."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "inspector", "generate", "--model", "tiny", "--device", "cpu",
+                                "--prompt", "hi", "--max-tokens", "2", "--no-progress"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the first line is written
+    error = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and "Traceback" not in error and "BrokenPipe" not in error, error
+
+
+def test_bench_says_when_the_weights_alone_do_not_fit(monkeypatch, capsys):
+    from engine import model_source
+
+    monkeypatch.setattr(model_source, "free_bytes", lambda device: 1000)
+    assert main(["bench", "--model", "tiny", "--weights", "random", "--device", "cpu", "--pp", "16", "--tg", "none",
+                 "--batch", "1", "--reps", "1", "--no-progress"]) == 2
+    assert "fewer or shorter rows would not help" in _one_line(capsys)
+
+
+def test_check_quant_takes_its_model_before_the_command_and_refuses_none(tmp_path, capsys):
+    assert main(["check-quant", "--device", "cpu"]) == 2
+    assert "check-quant needs --model DIR" in _one_line(capsys)
+    assert main(["quantize", "tiny", "--experts", "trellis:K=2,code=hyb", "--shape-only", "--out",
+                 str(tmp_path / "shape")]) == 0
+    capsys.readouterr()
+    for argv in (["check-quant", "--model", str(tmp_path / "shape")], ["--model", str(tmp_path / "shape"), "check-quant"]):
+        assert main([*argv, "--device", "cpu"]) == 2
+        assert "a trellis shape (config.json alone, no codes)" in _one_line(capsys)
+    assert main(["generate", "--model", str(tmp_path / "shape"), "--device", "cpu", "--prompt", "hi"]) == 2
+    assert "give --weights random to draw random codes of it" in _one_line(capsys)

@@ -105,3 +105,30 @@ def test_a_malformed_b_model_is_a_parse_error(tmp_path, capsys, value, said):
                        f'prompt = "hi"\na = "base"\nb = "base"\nb_model = {value}\n')
     code, out, err = _run(["run", session], capsys)
     assert code == 2 and said in err and "step 1 (compare)" in err, err
+
+
+def test_a_check_quant_step_whose_source_moved_is_refused_before_any_step_and_original_fixes_it(models, tmp_path,
+                                                                                              capsys):
+    """The source a trellis checkpoint records, moved: the session stopped at its check-quant step, half-way, with
+    advice to give --original, which `run` does not take. Now run's preflight names the step, and the step's own
+    `original` key points at the moved source."""
+    _, source, _ = models
+    shutil.copytree(source, tmp_path / "src")
+    quantize_model(str(tmp_path / "src"), parse_experts("trellis:K=2,code=hyb"), tmp_path / "hyb2", device="cpu")
+    (tmp_path / "src").rename(tmp_path / "src-moved")
+    capsys.readouterr()  # quantize's progress
+    prompt = {"action": "prompt", "prompt": PROMPT, "max_tokens": 2}
+    session = _session(tmp_path / "s.toml", "hyb2", [prompt, {"action": "check-quant", "tokens": [3]}])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "step 2 (check-quant): the source" in err and "does not exist: was it moved?" in err
+    assert 'Set original = "PATH" in the step' in err and not (tmp_path / "s.results.jsonl").exists()
+    session = _session(tmp_path / "s.toml", "hyb2", [prompt, {"action": "check-quant", "tokens": [3],
+                                                              "original": "src-moved", "expect": "dequantized"}])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 0, err
+    line = json.loads((tmp_path / "s.results.jsonl").read_text().splitlines()[2])
+    assert line["status"] == "ok" and line["numbers"]["rows"][0]["verdict"] == "dequantized"
+    session = _session(tmp_path / "s.toml", "hyb2", [{"action": "check-quant", "original": "tiny"}])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and "step 1 (check-quant): original = tiny is not the model" in err, err

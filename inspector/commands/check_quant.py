@@ -13,7 +13,7 @@ import sys
 from engine.errors import UserError
 from engine.printable import one_line
 from inspector.commands.check_output import _json_safe
-from inspector.commands.common import positive_int_list, seed_argument
+from inspector.commands.common import DEFAULT_MODEL, positive_int_list, seed_argument
 from inspector.commands.output import add_format_arguments, output_format, print_json
 
 
@@ -23,7 +23,9 @@ def add_parser(subparsers) -> None:
         description="Run one MoE layer of a trellis checkpoint through a trellis arm, and compare it with the "
         "dequantized reference (it must sit on it) and with the source model's original weights (the "
         "quantization error), beside a 1-ULP control of the working dtype.")
-    parser.add_argument("--model", required=True, help="a trellis checkpoint directory (moe-inspector quantize)")
+    # not required here: `moe-inspector --model DIR check-quant` gives it before the command (run() refuses none)
+    parser.add_argument("--model", default=argparse.SUPPRESS,
+                        help="a trellis checkpoint directory (moe-inspector quantize); required")
     parser.add_argument("--layer", type=int, default=None,
                         help="the MoE layer (default: the first; a dense layer has no experts to check)")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,33 cpu / "
@@ -42,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.quant_check import check_quant  # torch only when run
 
     fmt = output_format(args)
+    if args.model == DEFAULT_MODEL and "model" not in getattr(args, "given_globals", frozenset()):
+        raise UserError("check-quant needs --model DIR: a trellis checkpoint directory, as `moe-inspector quantize "
+                        "MODEL --experts trellis:K=2,code=hyb --out DIR` writes")
     tokens = positive_int_list(args.tokens, "--tokens") if args.tokens is not None else None
     if args.original is not None and not args.original.strip():
         raise UserError("--original is empty: name the model the experts were quantized from, or leave --original "

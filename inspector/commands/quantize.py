@@ -89,7 +89,8 @@ def print_text(result) -> None:
     kept = f"; kept layers {', '.join(map(str, result.resumed_layers))} of an earlier run" if result.resumed_layers else ""
     print(printable(f"wrote {result.out}: experts in {result.code.describe()}, {result.expert_bytes} bytes per expert "
                     f"against {result.bf16_expert_bytes} in bf16 ({result.bf16_expert_bytes / result.expert_bytes:.2f}x "
-                    f"fewer), {result.seconds:.1f} s{kept}", limit=None))
+                    f"fewer: {16 * result.expert_bytes / result.bf16_expert_bytes:.2f} bits per weight with the row "
+                    f"scales), {result.seconds:.1f} s{kept}", limit=None))
     print(f"{'matrix':<18} {'shape':<16} {'mse':>11} {'rel. mse':>9} {'rel. rms':>9} {'max |error|':>12}")
     for item in result.matrices:
         shape = "x".join(map(str, item["shape"]))
