@@ -41,15 +41,17 @@ class InspectorApp(App):
     def __init__(self, engine: Engine, flags: ResolvedFlags, *, b_overrides: dict[str, Any] | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, timed: bool = True, sweep_path: str | None = None,
                  startup_notes: list[str] | None = None, session=None, history_path: str | None = None,
-                 prompt: str = "") -> None:
+                 prompt: str = "", engine_b: Engine | None = None, b_model: str | None = None) -> None:
         """`history_path`: where the prompt history is kept between runs (None: for this run only);
-        `prompt`: the prompt box's text at start (--prompt-file)."""
+        `prompt`: the prompt box's text at start (--prompt-file); `engine_b`: B's own model (--b-model, as a
+        session records it in `b_model`), else B runs on `engine`."""
         super().__init__()
         self.history = PromptHistory(history_path)
         self.initial_prompt = prompt
         # What the bench screen showed when it was left, shown again on the next visit (BenchScreen.memory).
         self.bench_memory: dict | None = None
         self.engine, self.flags, self.timed = engine, flags, timed
+        self.engine_b, self.b_model = engine_b, b_model
         self.b_overrides = dict(DEFAULT_B_OVERRIDES if b_overrides is None else b_overrides)
         self.max_tokens, self.sweep_path = max_tokens, sweep_path
         self.startup_notes = list(startup_notes or [])
@@ -68,7 +70,7 @@ class InspectorApp(App):
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(self.SWITCH_INTERVAL)
         self.push_screen(MainScreen(self.engine, self.flags, self.b_overrides, self.max_tokens, self.timed,
-                                    self.history, self.initial_prompt))
+                                    self.history, self.initial_prompt, engine_b=self.engine_b, b_model=self.b_model))
         self._session_changed()
         for note in self.startup_notes:
             self.notify(note, severity="warning", timeout=10)
@@ -93,7 +95,7 @@ class InspectorApp(App):
         if self.session is None:
             return
         try:
-            step = self.session.record(action, outcome)
+            self.session.record(action, outcome)
         except (UserError, OSError) as error:  # never silent: a long notification and the status bar say so
             self.notify(f"{action.get('action')}: not recorded in the session: {error}", title="session",
                         severity="error", markup=False, timeout=30)

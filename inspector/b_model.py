@@ -128,16 +128,17 @@ def load(b: BModel | None, args, engine_a: Engine, prompt: str) -> Engine:
     return load_for(b, args.device, engine_a, prompt, progress=not args.no_progress, model_a=args.model)
 
 
-def load_for(b: BModel, device: str, engine_a: Engine, prompt: str, progress: bool, model_a: str,
+def load_for(b: BModel, device: str, engine_a: Engine, prompt: str | None, progress: bool, model_a: str,
              names: Names = OPTIONS) -> Engine:
-    """`load` for a planned B: A's engine when B's is A's, else B loaded on `device` and its prompt tokens checked."""
+    """`load` for a planned B: A's engine when B's is A's, else B loaded on `device` and its prompt tokens checked
+    (None: no prompt yet, the TUI checks each run's)."""
     if b.shares_a:
         return engine_a
     try:
         engine_b = Engine.load(b.model, device, b.seed, b.weights, text=True, progress=progress)
     except UserError as error:
         raise _as_b(b.label, b.model, error, names) from None
-    if engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
+    if prompt is not None and engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
         raise UserError(f"{names.b} {b.label}: it reads the prompt as other tokens than {names.a} "
                         f"{printable(model_a)} does: compare needs two models with one tokenizer")
     return engine_b

@@ -111,6 +111,9 @@ def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: the shipped or the directory's weights; random: random weights of the model's "
                              "shape (a directory's from its config.json, drawn on the device)")
     parser.add_argument("--sweep", default=None, metavar="FILE", help="sweep JSON for the tile-fill µs-per-arm plot")
+    parser.add_argument("--b-model", default=None, metavar="MODEL",
+                        help="run side B on another model with A's tokenizer (a preset, a checkpoint directory, or "
+                             "source: the model a trellis checkpoint was quantized from), as compare --b-model")
     parser.add_argument("--prompt-file", default=None, metavar="FILE",
                         help="start with the prompt box holding FILE's text (newlines kept)")
 

@@ -267,6 +267,7 @@ class SessionRecorder:
         table = {"action": "compare", **self._pick(action, CompareStep, drop=("a", "b"))}
         table["a"], effective_a = self._side(action["a"], self.current_flags, where, configs)
         table["b"], _ = self._side(action["b"], effective_a, where, configs)
+        self.current_flags = effective_a  # A is the TUI's flags, as a prompt step's
         return _ordered(table, CompareStep)
 
     def _curve(self, action: Mapping[str, Any], where: str, configs: list[Config]) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 from engine import flags as flag_registry
 from engine.config import PRESETS
 from engine.errors import UserError
-from engine.printable import one_line
+from engine.printable import one_line, printable
 from engine.runtime import Engine
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED
 from inspector.prompt_file import read_prompt_file
@@ -62,6 +62,34 @@ def history_path() -> Path:
     return Path(os.environ.get("MOEI_SESSION_DIR") or AUTOSAVE_DIRECTORY) / "prompt-history.jsonl"
 
 
+def _plan_b(args, model: str, weights: str, seed: int, base: Path | None):
+    """`--b-model` planned from the configs (inspector.b_model), or None; A's model as loaded (a session's
+    relative path taken from its directory)."""
+    if getattr(args, "b_model", None) is None:
+        return None
+    from inspector import b_model
+
+    if model not in PRESETS and base is not None:
+        from engine.model_source import resolve_model_path
+
+        model = str(resolve_model_path(model, base))
+    return model, b_model.plan_for(model, args.b_model, weights, seed)
+
+
+def _load_b(planned, engine: Engine, args) -> tuple[Engine | None, str | None]:
+    """B's engine and the b_model a session step records for it: "source" or a preset as named, a directory as
+    its absolute path (a session's paths are taken from its own directory, not from here)."""
+    if planned is None:
+        return None, None
+    from inspector import b_model
+
+    model_a, plan = planned
+    print(f"moe-inspector: loading B's model {printable(plan.model)} …", file=sys.stderr, flush=True)
+    engine_b = b_model.load_for(plan, str(engine.device), engine, None, progress=True, model_a=model_a)
+    given = plan.given if plan.given == b_model.SOURCE or plan.given in PRESETS else str(Path(plan.given).resolve())
+    return engine_b, given
+
+
 def launch(args) -> int:
     notes: list[str] = []
     prompt = ""
@@ -86,12 +114,14 @@ def launch(args) -> int:
                               protect={"the session file": session_path})
         if not existing and model not in PRESETS and not Path(model).is_dir():
             Engine.load(model, device, seed)  # refuses it in generate's words, before anything is loaded
-        print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
         weights = getattr(args, "weights", "auto")
         if existing:
             weights = load_session(session_path).engine.weights
         base = Path(session_path).resolve().parent if existing else None
+        planned = _plan_b(args, model, weights, seed, base)  # before A loads: a typo costs no load
+        print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
         engine = Engine.load(model, device, seed, weights, base=base)
+        engine_b, b_model = _load_b(planned, engine, args)
         path = Path(session_path) if session_path else autosave_path()
         session = TuiSession.start(path, engine, session_engine_info(engine, model, device, seed, weights), flags)
         if existing:
@@ -118,6 +148,7 @@ def launch(args) -> int:
 
     # `--sweep FILE` (optional) preloads the tile-fill screen's µs-per-arm plot.
     app = InspectorApp(engine, flags, startup_notes=notes, sweep_path=getattr(args, "sweep", None), session=session,
-                       b_overrides=session.b_overrides(), history_path=str(history_path()), prompt=prompt)
+                       b_overrides=session.b_overrides(), history_path=str(history_path()), prompt=prompt,
+                       engine_b=engine_b, b_model=b_model)
     app.run()
     return app.return_code or 0

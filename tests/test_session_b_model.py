@@ -132,3 +132,65 @@ def test_a_check_quant_step_whose_source_moved_is_refused_before_any_step_and_or
     session = _session(tmp_path / "s.toml", "hyb2", [{"action": "check-quant", "original": "tiny"}])
     code, out, err = _run(["run", session], capsys)
     assert code == 2 and "step 1 (check-quant): original = tiny is not the model" in err, err
+
+
+def test_the_tui_runs_b_on_its_own_model_and_records_a_replayable_compare_step(models, tmp_path, capsys):
+    """`moe-inspector --model DIR --b-model source`: pane B runs the source's bf16 experts beside A's codes, and
+    the session records the run as a compare step with b_model, which `replay` re-runs headless."""
+    import asyncio
+
+    from engine import flags as flag_registry
+    from engine.runtime import Engine
+    from inspector import b_model
+    from inspector.app import InspectorApp
+    from inspector.tui_session import TuiSession
+
+    _, source, target = models
+    engine = Engine.load(str(target), "cpu")
+    plan = b_model.plan_for(str(target), "source", "auto", 0)
+    engine_b = b_model.load_for(plan, "cpu", engine, None, progress=False, model_a=str(target))
+    flags = flag_registry.resolve([], environ={})
+    path = tmp_path / "tui.toml"
+    session = TuiSession.start(path, engine, {"model": str(target), "device": "cpu", "seed": 0}, flags)
+    app = InspectorApp(engine, flags, timed=False, session=session, engine_b=engine_b, b_model="source")
+    seen = {}
+
+    async def drive():
+        async with app.run_test(size=(120, 40)) as pilot:
+            main = app.main_screen
+            main.query_one("#max-tokens").value = "3"
+            main.query_one("#prompt").value = PROMPT
+            main.query_one("#prompt").focus()
+            await pilot.press("enter")
+            for _ in range(600):
+                await pilot.pause(0.05)
+                if main.current_run is not None and not main.current_run.running:
+                    break
+            await pilot.pause()
+            seen["title"] = str(main.query_one("#pane-b").border_title)
+            seen["tokens"] = dict(main.current_run.tokens)
+            seen["flags"] = dict(main.current_run.flags)
+
+    asyncio.run(drive())
+    assert seen["title"].startswith("B (f4 edits): qwen2-moe:source · "), seen
+    assert seen["tokens"]["B"] == list(engine_b.generate(PROMPT, 3, seen["flags"]["B"]).tokens)
+    assert seen["tokens"]["A"] == list(engine.generate(PROMPT, 3, seen["flags"]["A"]).tokens)
+    steps = path.read_text()
+    assert 'action = "compare"' in steps and 'b_model = "source"' in steps, steps
+    line = json.loads(path.with_name("tui.results.jsonl").read_text().splitlines()[1])
+    assert line["runs"][1]["model"]["checkpoint"]["path"] == str(source.resolve())
+    code, out, err = _run(["replay", path, "--json"], capsys)
+    assert code == 0 and json.loads(out)["matches"], err
+
+
+def test_the_tui_refuses_a_b_model_before_anything_loads(models, capsys):
+    from argparse import Namespace
+
+    from inspector.tui import launch
+
+    _, _, target = models
+    args = Namespace(model=str(target), device="cpu", seed=0, session=None, set_flags=[], weights="auto",
+                     b_model="tiny")
+    assert launch(args) == 2
+    err = capsys.readouterr().err
+    assert "--b-model tiny: its vocabulary has 256 tokens and A's 320" in err and "loading" not in err

@@ -28,6 +28,7 @@ from textual.widgets import Footer
 from engine.errors import UserError
 from engine.flags import DEFAULT, ResolvedFlags
 from engine.layer_timing import PROFILED
+from engine.printable import printable
 from engine.runtime import Engine
 from engine.sidebyside import compare, first_divergence
 from inspector import events
@@ -142,9 +143,12 @@ class MainScreen(Screen):
     VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
 
     def __init__(self, engine: Engine, flags: ResolvedFlags, b_overrides: dict[str, Any], max_tokens: int,
-                 timed: bool, history=None, prompt: str = "") -> None:
+                 timed: bool, history=None, prompt: str = "", engine_b: Engine | None = None,
+                 b_model: str | None = None) -> None:
+        """`engine_b`: B's own model (`--b-model`, as written in `b_model`), else B runs on `engine` too."""
         super().__init__()
         self.engine, self.initial_flags, self.timed = engine, flags, timed
+        self.engine_b, self.b_model = engine_b, b_model
         self.b_overrides = dict(b_overrides)
         self.default_max_tokens = max_tokens
         self.history, self.initial_prompt = history, prompt
@@ -172,8 +176,8 @@ class MainScreen(Screen):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        self.query_one("#pane-a", OutputPane).reset(describe_changed(self.initial_flags))
-        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.query_one("#pane-a", OutputPane).reset(self.a_title(self.initial_flags))
+        self.query_one("#pane-b", OutputPane).reset(self.b_title())
         self.query_one("#prompt").focus()
         self.set_interval(events.DRAIN_INTERVAL, self.drain)
 
@@ -208,6 +212,16 @@ class MainScreen(Screen):
     def flags_b(self, flags_a: ResolvedFlags) -> ResolvedFlags:
         return flags_a.with_overrides(self.b_overrides, B_SOURCE)
 
+    def a_title(self, flags: ResolvedFlags) -> str:
+        """Pane A's title: its flags, after its model's name when B runs on a model of its own."""
+        changed = describe_changed(flags)
+        return changed if self.engine_b is None else printable(f"{self.engine.config.name} · {changed}", 60)
+
+    def b_title(self) -> str:
+        """Pane B's title: its overrides, after its model's name when B runs on a model of its own."""
+        overrides = describe_overrides(self.b_overrides)
+        return overrides if self.engine_b is None else printable(f"{self.engine_b.config.name} · {overrides}", 60)
+
     @property
     def running(self) -> bool:
         return self.current_run is not None and self.current_run.running
@@ -221,7 +235,14 @@ class MainScreen(Screen):
         status = self.query_one(StatusBar)
         try:
             max_tokens = parse_max_tokens(max_tokens_text)
-            self.engine.check_length(self.engine.encode_prompt(prompt), max_tokens, max_tokens_name=MAX_TOKENS_LABEL)
+            tokens = self.engine.encode_prompt(prompt)
+            self.engine.check_length(tokens, max_tokens, max_tokens_name=MAX_TOKENS_LABEL)
+            if self.engine_b is not None:
+                tokens_b = self.engine_b.encode_prompt(prompt)
+                if tokens_b != tokens:
+                    raise UserError(f"B's model {self.engine_b.config.name} reads this prompt as other tokens than "
+                                    f"A's: side by side needs one tokenizer")
+                self.engine_b.check_length(tokens_b, max_tokens, max_tokens_name=MAX_TOKENS_LABEL)
         except UserError as error:
             status.set_activity(f"not run: {error}", running=False, alert=True)
             self.notify(str(error), title="not run", severity="error", markup=False)
@@ -245,6 +266,10 @@ class MainScreen(Screen):
             "flags": dict(flags_a.values),
             "compare": {"name": B, "overrides": dict(self.b_overrides), "flags": dict(flags_b.values)},
         }
+        if self.engine_b is not None:  # a session step that names B's model: a compare step with b_model
+            run.action = {"action": "compare", "prompt": prompt, "max_tokens": max_tokens,
+                          "a": {"flags": dict(flags_a.values)},
+                          "b": {"name": B, "flags": dict(flags_b.values)}, "b_model": self.b_model}
         self.post_message(events.RunStarted(run.id, prompt, max_tokens, flags_a, flags_b))
         self.generate(run, getattr(self.app, "engine_lock", None) or threading.Lock())
         return True
@@ -263,8 +288,9 @@ class MainScreen(Screen):
 
                 started = time.perf_counter()
                 try:
-                    generation = self.engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
-                                                      cancel=run.cancel, timed=self.timed)
+                    engine = self.engine_b if side == B and self.engine_b is not None else self.engine
+                    generation = engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
+                                                 cancel=run.cancel, timed=self.timed)
                 except UserError as error:
                     self.queue.put(events.RunErrorEvent(run.id, str(error)))
                     return
@@ -350,9 +376,13 @@ class MainScreen(Screen):
         if message.cancelled:
             self.notify("a cancelled run is not recorded in the session", title="session", timeout=4)
         elif run.action and A in run.generations and B in run.generations:
-            self.app.record_action(run.action, {
-                "generations": [run.generations[A], run.generations[B]],
-                "walls": [run.walls.get(A, 0.0), run.walls.get(B, 0.0)], "comparison": message.comparison})
+            outcome = {"generations": [run.generations[A], run.generations[B]],
+                       "walls": [run.walls.get(A, 0.0), run.walls.get(B, 0.0)], "comparison": message.comparison}
+            if self.engine_b is not None:
+                from inspector.session_steps import b_model_about
+
+                outcome["b_model"] = b_model_about(self.engine_b)
+            self.app.record_action(run.action, outcome)
 
     def on_run_failed(self, message: events.RunFailed) -> None:
         run = self._current(message.run_id)
@@ -384,8 +414,8 @@ class MainScreen(Screen):
     def on_flag_changed(self, message: events.FlagChanged) -> None:
         self.app.record_action({"action": "flag", "config": A, "flag": message.name, "value": message.value,
                                 "flags": dict(message.flags.values)})
-        self.query_one("#pane-a", OutputPane).retitle(describe_changed(message.flags))  # as B's edit retitles B
-        self.query_one("#pane-b", OutputPane).retitle(describe_overrides(self.b_overrides))  # B is A's flags + its own
+        self.query_one("#pane-a", OutputPane).retitle(self.a_title(message.flags))  # as B's edit retitles B
+        self.query_one("#pane-b", OutputPane).retitle(self.b_title())  # B is A's flags + its own
 
     def on_session_changed(self, message: events.SessionChanged) -> None:
         from inspector.tui_session import shown_path
@@ -409,8 +439,8 @@ class MainScreen(Screen):
     def clear_results(self, flags_a: ResolvedFlags, divergence_line: str) -> None:
         """Empty both panes (titled for A's flags and B's overrides), the log, the counters and the divergence
         bar: a run starts, or a session opens."""
-        self.query_one("#pane-a", OutputPane).reset(describe_changed(flags_a))
-        self.query_one("#pane-b", OutputPane).reset(describe_overrides(self.b_overrides))
+        self.query_one("#pane-a", OutputPane).reset(self.a_title(flags_a))
+        self.query_one("#pane-b", OutputPane).reset(self.b_title())
         self.query_one(DispatchLog).clear()
         self.query_one(CountersTable).reset()
         divergence = self.query_one(DivergenceBar)
@@ -425,7 +455,7 @@ class MainScreen(Screen):
             return
         self.b_overrides = dict(overrides)
         self.query_one(ConfigBRow).set_overrides(self.b_overrides)
-        self.query_one("#pane-b", OutputPane).retitle(describe_overrides(self.b_overrides))
+        self.query_one("#pane-b", OutputPane).retitle(self.b_title())
         self.app.record_action({"action": "config", "name": B, "overrides": dict(self.b_overrides)})
         self.post_message(events.ConfigBChanged(dict(self.b_overrides)))
 
