@@ -224,7 +224,12 @@ class Checkpoint:
             weight_map = read_index(directory)
             files = cls._files_from_index(directory, weight_map)
         else:
-            files = sorted(path for path in directory.glob("*.safetensors") if path.is_file())
+            named = sorted(directory.glob("*.safetensors"))
+            odd = [path for path in named if not path.is_file()]
+            if odd:  # a FIFO, a directory or a dangling link under the name: say so, not "no file"
+                raise UserError(f"{printable(str(odd[0]))}: not a regular file (a directory, a pipe, or a link that "
+                                f"leads nowhere); a checkpoint's *.safetensors are files")
+            files = named
             if not files:
                 raise UserError(f"{directory}: no *.safetensors file (and no {INDEX_FILE}): the weights must be "
                                 f"in safetensors format; convert .bin/.pt checkpoints with save_pretrained("

@@ -54,6 +54,7 @@ something else. Knows nothing of dispatch or generation.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +233,8 @@ def read_config_values(directory: Path) -> tuple[dict, Path]:
     """config.json as a dict whose known fields have their types and sizes (engine.hf_config_checks)."""
     path = directory / "config.json"
     if not path.is_file():
-        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
+        what = "missing" if not os.path.lexists(path) else "not a regular file (a directory, a pipe, or a broken link)"
+        raise UserError(f"{path}: {what}: a checkpoint directory needs config.json beside its *.safetensors "
                         f"(give --model a preset name or a Hugging Face-format directory)")
     require_inside(directory, path, "config.json")
     if path.stat().st_size > MAX_CONFIG_BYTES:

@@ -7,6 +7,8 @@ quantize writing its output inside the model it reads."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine import limits
@@ -139,3 +141,27 @@ def test_check_quant_takes_its_model_before_the_command_and_refuses_none(tmp_pat
         assert "a trellis shape (config.json alone, no codes)" in _one_line(capsys)
     assert main(["generate", "--model", str(tmp_path / "shape"), "--device", "cpu", "--prompt", "hi"]) == 2
     assert "give --weights random to draw random codes of it" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda path: os.mkfifo(path), "not a regular file"),
+    (lambda path: path.mkdir(), "not a regular file"),
+    (lambda path: path.symlink_to("absent.bin"), "no such file or directory"),
+])
+def test_a_weight_name_that_is_no_file_says_so(tmp_path, capsys, make, said):
+    model = write_tiny_mixtral(tmp_path / "model")
+    weights = next(model.glob("*.safetensors"))
+    weights.unlink()
+    make(weights)
+    assert main(["bench", "--model", str(model), "--device", "cpu", "--pp", "4", "--tg", "none", "--batch", "1",
+                 "--reps", "1", "--no-progress"]) == 2
+    line = _one_line(capsys)
+    assert said in line and weights.name in line, line
+
+
+def test_a_config_that_is_a_link_loop_is_not_called_missing(tmp_path, capsys):
+    model = write_tiny_mixtral(tmp_path / "model")
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to("config.json")
+    assert main(["generate", "--model", str(model), "--device", "cpu", "--prompt", "hi", "--no-progress"]) == 2
+    assert "config.json: not a regular file" in _one_line(capsys)
