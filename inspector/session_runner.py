@@ -131,6 +131,43 @@ def _weights_words(source: dict) -> str:
                               or "(none)")
 
 
+def _files_by_name(source) -> dict:
+    files = source.get("files") if isinstance(source, dict) else None
+    if not isinstance(files, list):
+        return {}
+    return {entry["file"]: entry for entry in files if isinstance(entry, dict) and isinstance(entry.get("file"), str)}
+
+
+def _same_weight_source(old, new) -> bool:
+    """Two checkpoints' weight sources (engine.model_source.describe_checkpoint's `weights`) are the same: random
+    with the same seed, or the same files by name and size, and by `sample_sha256` where both recorded one (a
+    recording made before it was kept compares by name and size alone)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)) or old.get("source") != new.get("source"):
+        return old == new
+    if old.get("source") != "files":
+        return old == new
+    then, now = _files_by_name(old), _files_by_name(new)
+    if set(then) != set(now):
+        return False
+    for name, entry in then.items():
+        sampled = "sample_sha256" in entry and "sample_sha256" in now[name]
+        if entry.get("bytes") != now[name].get("bytes") or (
+                sampled and entry["sample_sha256"] != now[name]["sample_sha256"]):
+            return False
+    return True
+
+
+def _changed_in_place(old, new) -> str | None:
+    """The first file whose name and size are the same but whose sampled bytes differ, else None."""
+    then, now = _files_by_name(old), _files_by_name(new)
+    for name in sorted(set(then) & set(now)):
+        recorded, current = then[name].get("sample_sha256"), now[name].get("sample_sha256")
+        if then[name].get("bytes") == now[name].get("bytes") and None not in (recorded, current) \
+                and recorded != current:
+            return name
+    return None
+
+
 def weights_difference(recorded: dict, now: dict) -> str | None:
     """What differs between the weights two results headers (or `Engine.provenance_before_load`'s pair, as
     {"weights", "checkpoint"}) ran, in a few words naming the first field that differs; None when they are the same
@@ -140,10 +177,14 @@ def weights_difference(recorded: dict, now: dict) -> str | None:
         for key, label in (("family", "family"), ("config_sha256", "config.json sha256")):
             if old.get(key) != new.get(key):
                 return f"{label} {old.get(key)}, the checkpoint now has {new.get(key)}"
-        if old.get("weights") != new.get("weights"):
+        if not _same_weight_source(old.get("weights"), new.get("weights")):
+            changed = _changed_in_place(old.get("weights"), new.get("weights"))
+            if changed:
+                return f"other bytes in {changed} (the same name and size: a checkpoint changed in place)"
             return (f"{_weights_words(old.get('weights') or {})}, the checkpoint now has "
                     f"{_weights_words(new.get('weights') or {})}")
-        if {k: v for k, v in old.items() if k != "path"} != {k: v for k, v in new.items() if k != "path"}:
+        if {k: v for k, v in old.items() if k not in ("path", "weights")} != {
+                k: v for k, v in new.items() if k not in ("path", "weights")}:
             return f"checkpoint {old}, now {new}"
         return None
     if now.get("weights") is None:  # a directory's words, unknown before loading: the re-run's header tells

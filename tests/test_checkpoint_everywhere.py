@@ -157,6 +157,36 @@ def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(c
     assert code == 2 and "config.json sha256" in err, err
 
 
+def test_replay_refuses_a_checkpoint_changed_in_place_and_reads_older_recordings(checkpoint, tmp_path, capsys):
+    """A fine-tune written over the same files keeps every name and size: the results header's sampled hash of each
+    file tells it apart before anything re-runs. A recording made before the hash was kept still replays."""
+    shutil.copytree(checkpoint, tmp_path / "ckpt")
+    session = tmp_path / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "dir"\n\n[engine]\nmodel = "./ckpt"\ndevice = "cpu"\n\n'
+                       '[[step]]\naction = "prompt"\nprompt = "hello"\nmax_tokens = 3\n')
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    results = tmp_path / "s.results.jsonl"
+    lines = results.read_text().splitlines()
+    header = json.loads(lines[0])
+    files = header["checkpoint"]["weights"]["files"]
+    assert files and all(len(entry["sample_sha256"]) == 16 for entry in files)
+    for entry in files:  # as a recording before the sampled hash: compared by name and size
+        del entry["sample_sha256"]
+    results.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    code, _, err = _run(["replay", session], capsys)
+    assert code == 0, err
+    results.write_text("\n".join(lines) + "\n")
+    weights = tmp_path / "ckpt" / files[0]["file"]
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(255 - value for value in data[middle:middle + 8])
+    weights.write_bytes(bytes(data))
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"other bytes in {weights.name} (the same name and size: a checkpoint changed in place)" in err
+
+
 def test_the_tui_runs_a_checkpoint_directory(checkpoint):
     from test_tui import make_app, run_prompt, synchronously
 
