@@ -138,7 +138,14 @@ def load_for(b: BModel, device: str, engine_a: Engine, prompt: str | None, progr
         engine_b = Engine.load(b.model, device, b.seed, b.weights, text=True, progress=progress)
     except UserError as error:
         raise _as_b(b.label, b.model, error, names) from None
-    if prompt is not None and engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
+    if prompt is not None:
+        check_prompt(b, engine_b, engine_a, prompt, model_a, names)
+    return engine_b
+
+
+def check_prompt(b: BModel, engine_b: Engine, engine_a: Engine, prompt: str, model_a: str,
+                 names: Names = OPTIONS) -> None:
+    """UserError unless both models read `prompt` as the same tokens (one tokenizer: the comparison's premise)."""
+    if engine_b is not engine_a and engine_b.encode_prompt(prompt) != engine_a.encode_prompt(prompt):
         raise UserError(f"{names.b} {b.label}: it reads the prompt as other tokens than {names.a} "
                         f"{printable(model_a)} does: compare needs two models with one tokenizer")
-    return engine_b

@@ -65,6 +65,13 @@ def step_here(session: Session, where: str, step: Step) -> str:
     return f"{where}: step {index} ({step.action})"
 
 
+def b_model_names(here: str):
+    """How a compare step's b_model refusals name what the session file says (inspector.b_model.Names)."""
+    from inspector import b_model
+
+    return b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
+
+
 def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
     """A compare step's B model (inspector.b_model.BModel), checked from the configs alone; UserError naming the
     step. Paths are taken from the session file's directory, A's and B's alike."""
@@ -77,9 +84,8 @@ def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
             return model
         return str(resolve_model_path(model, session_directory(where)))
 
-    names = b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
     return b_model.plan_for(resolved(session.engine.model), resolved(step.b_model), session.engine.weights,
-                            session.engine.seed, names)
+                            session.engine.seed, b_model_names(here))
 
 
 def preflight_b_model(session: Session, where: str, here: str, step: CompareStep) -> None:
@@ -118,15 +124,13 @@ class RunContext:
         here = step_here(self.session, self.where, step)
         planned = plan_b_model(self.session, self.where, here, step)
         key = (planned.model, planned.weights, planned.seed)
-        names = b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
         engine = self.b_engines.get(key)
-        if engine is None:
-            engine = b_model.load_for(planned, str(self.engine.device), self.engine, step.prompt, progress=False,
-                                      model_a=self.session.engine.model, names=names)
+        if engine is None:  # loaded without a prompt to check: each step's is checked below
+            engine = b_model.load_for(planned, str(self.engine.device), self.engine, None, progress=False,
+                                      model_a=self.session.engine.model, names=b_model_names(here))
             self.b_engines[key] = engine
-        elif engine.encode_prompt(step.prompt) != self.engine.encode_prompt(step.prompt):
-            raise UserError(f"{here}: b_model {planned.label}: it reads the prompt as other tokens than [engine] "
-                            f"model does: compare needs two models with one tokenizer")
+        b_model.check_prompt(planned, engine, self.engine, step.prompt, self.session.engine.model,
+                             b_model_names(here))
         return engine
 
 
