@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import UserError
+from engine.printable import printable
 
 # Memory a model may take of what is free: the KV cache, activations and the graphs' pools need the rest.
 FIT_SHARE = 0.9
@@ -75,10 +76,18 @@ def config_hash(directory: Path) -> str:
 SAMPLE_BYTES = 1 << 16  # each of the five pieces `sample_sha256` reads
 
 
+def require_regular_file(path: Path) -> None:
+    """UserError unless `path` is a regular file: a FIFO under a weight's name would block a read forever."""
+    if not path.is_file():
+        raise UserError(f"{printable(str(path))}: not a regular file (a directory, a pipe, or a link that leads "
+                        f"nowhere); a checkpoint's files are regular files")
+
+
 def sample_sha256(path: Path) -> str:
     """sha256 of five 64 KiB pieces of a file (its start, which holds a safetensors header's first bytes, its
     quarters and its end), the first 16 hex digits: a few hundred KB read however large the file. Why: a checkpoint
     fine-tuned in place keeps every file's name and size; this tells it apart without hashing gigabytes."""
+    require_regular_file(path)
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as handle:

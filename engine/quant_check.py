@@ -80,6 +80,9 @@ def verified_source(directory: Path, original: str | None, option: str = "--orig
     weights = source.get("weights") if source.get("weights") in ("auto", "random") else "auto"
     if not model:
         raise UserError(f"{directory}: config.json names no source model: give {option} MODEL")
+    if not isinstance(model, str):
+        raise UserError(f"{directory}: config.json's source model is {type(model).__name__}, not a name or a path: "
+                        f"give {option} MODEL, or quantize again")
     seed = source.get("seed", 0)
     seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
     recorded, note = source.get("fingerprint"), None

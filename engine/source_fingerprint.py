@@ -15,12 +15,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from engine.model_source import weight_files
+from engine.model_source import require_regular_file, weight_files
 
 _PIECE = 1 << 24
 
 
 def _file_sha256(path: Path) -> str:
+    require_regular_file(path)
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while piece := handle.read(_PIECE):
@@ -52,7 +53,9 @@ def differences(recorded: dict, current: dict) -> list[str]:
             words.append(f"{what} {recorded.get(key)} then, {current.get(key)} now")
     if recorded.get("config_sha256") != current.get("config_sha256"):
         words.append("config.json differs")
-    then = {item.get("file"): item for item in recorded.get("files") or () if isinstance(item, dict)}
+    files = recorded.get("files")
+    then = {item["file"]: item for item in (files if isinstance(files, list) else ())
+            if isinstance(item, dict) and isinstance(item.get("file"), str)}
     now = {item["file"]: item for item in current.get("files") or ()}
     for name in sorted(set(then) | set(now)):
         if name not in now:

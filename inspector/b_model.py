@@ -28,6 +28,7 @@ class Names:
     b: str = "--b-model"
     a: str = "--model"
     random: str = "--weights random"
+    give: str = "--b-model"  # as in "give the original with {give} MODEL"
 
 
 OPTIONS = Names()
@@ -71,7 +72,7 @@ def _recorded_source(model_a: str, weights_a: str, config_a: ModelConfig,
         raise UserError(f"{names.b} source with {names.random}: A's codes would be drawn at random, so the "
                         f"difference would not be the quantization's; drop {names.random}")
     try:
-        model, weights, seed, note = verified_source(directory, None, option=names.b)
+        model, weights, seed, note = verified_source(directory, None, option=names.give)
     except UserError as error:
         raise UserError(f"{names.b} source: {error}") from None
     if note:
@@ -83,12 +84,12 @@ def _recorded_source(model_a: str, weights_a: str, config_a: ModelConfig,
         raise _as_b(label, model, error, names) from None
     if model not in PRESETS and is_trellis_directory(resolve_model_path(model)):
         raise UserError(f"{names.b} {label}: its experts are trellis-coded too; name the unquantized model with "
-                        f"{names.b} MODEL")
+                        f"{names.give} MODEL")
     differ = [f"{name} {getattr(config, name)} against {getattr(config_a, name)}" for name in SHAPE
               if getattr(config, name) != getattr(config_a, name)]
     if differ:
         raise UserError(f"{names.b} {label}: not the model {names.a} {printable(model_a)} was quantized from "
-                        f"({', '.join(differ)}); name B's model with {names.b} MODEL")
+                        f"({', '.join(differ)}); name B's model with {names.give} MODEL")
     return model, weights, seed, config
 
 

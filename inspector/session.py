@@ -500,6 +500,9 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
                         f"(generated tokens), e.g. pp = [16, 64] and tg = [16]")
     if isinstance(step, CheckQuantStep) and step.original is not None:
         _check_printable(here, "original", step.original)
+        if not step.original.strip():
+            raise UserError(f"{here}: original is blank; name the unquantized model (a preset or a checkpoint "
+                            f"directory), or remove the key to use the one the checkpoint records")
     if isinstance(step, CompareStep) and step.b_model is not None:
         _check_printable(here, "b_model", step.b_model)
         if not step.b_model.strip():

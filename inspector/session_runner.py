@@ -123,12 +123,14 @@ def same_weights(recorded: dict, now: dict) -> bool:
     return weights_difference(recorded, now) is None
 
 
-def _weights_words(source: dict) -> str:
+def _weights_words(source) -> str:
+    if not isinstance(source, dict):
+        return f"weights {printable(repr(source), 60)}"
     if source.get("source") == "random":
-        return f"random weights, seed {source.get('seed')}, drawn on the {source.get('drawn_on')}"
-    files = source.get("files") or []
-    return "weight files " + (", ".join(f"{entry.get('file')} ({entry.get('bytes')} bytes)" for entry in files)
-                              or "(none)")
+        return printable(f"random weights, seed {source.get('seed')}, drawn on the {source.get('drawn_on')}", 120)
+    files = _files_by_name(source)
+    return printable("weight files " + (", ".join(f"{name} ({entry.get('bytes')} bytes)"
+                                                  for name, entry in files.items()) or "(none)"), 200)
 
 
 def _files_by_name(source) -> dict:
@@ -391,9 +393,20 @@ def check_replayable(session: Session, header: dict, recorded: list[dict], resul
         raise UserError(f"{results_path}: {len(recorded)} recorded steps, the session has {len(definitions)}; "
                         f"the session changed since it was recorded: {rerun}")
     for index, (definition, line) in enumerate(zip(definitions, recorded), start=1):
-        if line.get("definition") != definition:
+        if _as_spelled(line.get("definition")) != _as_spelled(definition):
             raise UserError(f"{results_path}: step {index} was recorded as {line.get('definition')}, the session "
                             f"now says {definition}; {rerun}")
+
+
+# Keys that name a model by path: a moved model with its path fixed is the same step; its content is what replay
+# compares (check_b_models for b_model, the recorded source's fingerprint for original)
+PATH_KEYS = ("b_model", "original")
+
+
+def _as_spelled(definition):
+    if not isinstance(definition, dict):
+        return definition
+    return {key: ("a model" if key in PATH_KEYS and value is not None else value) for key, value in definition.items()}
 
 
 def _label(step: dict) -> str:
@@ -438,10 +451,13 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
     label = _label(recorded)
     for run_recorded, run_now in zip(recorded.get("runs", []), now.get("runs", [])):
         where = f"{label}, config {run_recorded['config']}"
-        if isinstance(run_recorded.get("model"), dict) and isinstance(run_now.get("model"), dict):
-            model_difference = weights_difference(run_recorded["model"], run_now["model"])
-            if model_difference is not None:
-                differences.append(f"{where}: b_model recorded with {model_difference}")
+        if isinstance(run_now.get("model"), dict):  # B ran on a model of its own (a compare step's b_model)
+            if not isinstance(run_recorded.get("model"), dict):
+                differences.append(f"{where}: the recording holds no valid record of B's model")
+            else:
+                model_difference = weights_difference(run_recorded["model"], run_now["model"])
+                if model_difference is not None:
+                    differences.append(f"{where}: b_model recorded with {model_difference}")
         tokens_recorded, tokens_now = run_recorded["tokens"], run_now["tokens"]
         if tokens_recorded != tokens_now:
             from engine.sidebyside import first_divergence
@@ -531,9 +547,11 @@ def check_b_models(session: Session, where: str, recorded: list[dict], results_p
         runs = line.get("runs") or []
         if not isinstance(step, CompareStep) or step.b_model is None or len(runs) < 2:
             continue
-        about = runs[1].get("model")
-        if not isinstance(about, dict):
-            continue
+        about = runs[1].get("model") if isinstance(runs[1], dict) else None
+        if not isinstance(about, dict) or not isinstance(about.get("checkpoint", {}), (dict, type(None))):
+            raise UserError(f"{results_path}: step {index} runs B on b_model {printable(step.b_model, 60)}, and its "
+                            f"recording holds no valid record of B's model, so a match could not be trusted; "
+                            f"re-record with `moe-inspector run {shlex.quote(where)}`")
         here = f"{where}: step {index} ({step.action})"
         planned = plan_b_model(session, where, here, step)
         weights, checkpoint = Engine.provenance_before_load(planned.model, device, planned.seed, planned.weights)
@@ -579,7 +597,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
             raise UserError(f"{results_path}: recorded with {difference}; tokens are only comparable with the same "
                             f"weights, so nothing was re-run: restore that checkpoint, or re-record with "
                             f"`moe-inspector run {shlex.quote(where)}`")
-        check_b_models(session, where, recorded, str(results_path), torch_device)
+    check_b_models(session, where, recorded, str(results_path), torch_device)
     rerun = run_session(session, where, device, progress, cancel=cancel)
     if header.get("weights") is not None and not same_weights(header, rerun.header):
         raise UserError(f"{results_path}: recorded with weights '{header['weights']}', this replay ran with "

@@ -28,6 +28,7 @@ from engine import flags as flag_registry
 from engine import limits
 from engine.config import ModelConfig
 from engine.errors import UserError
+from engine.printable import printable
 from engine.tokenizer import ByteTokenizer
 from inspector import session_decode
 from inspector.session import (BASE, BENCH_DEFAULT_BATCH, BENCH_TG_PROMPT, BenchStep, CheckAttentionStep, CheckQuantStep,
@@ -69,7 +70,8 @@ def b_model_names(here: str):
     """How a compare step's b_model refusals name what the session file says (inspector.b_model.Names)."""
     from inspector import b_model
 
-    return b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"')
+    return b_model.Names(b=f"{here}: b_model", a="[engine] model", random='[engine] weights = "random"',
+                         give="b_model =")
 
 
 def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
@@ -561,7 +563,9 @@ def preflight_check_quant(session: Session, where: str, here: str, step: CheckQu
     name = session.engine.model
     directory = None if name in PRESETS else resolve_model_path(name, session_directory(where))
     if directory is None or not is_trellis_directory(directory):
-        return  # the step's own refusal (not trellis-coded) names it when it runs
+        raise UserError(f"{here}: [engine] model {printable(name, 80)} is not a trellis checkpoint, and check-quant "
+                        f"measures one; quantize it first (moe-inspector quantize MODEL --experts "
+                        f"trellis:K=2,code=hyb --out DIR) and name DIR in [engine] model")
     original = quant_original(where, step)
     try:
         model, _, _, _ = verified_source(directory, original, ORIGINAL_KEY)

@@ -194,3 +194,38 @@ def test_the_tui_refuses_a_b_model_before_anything_loads(models, capsys):
     assert launch(args) == 2
     err = capsys.readouterr().err
     assert "--b-model tiny: its vocabulary has 256 tokens and A's 320" in err and "loading" not in err
+
+
+@pytest.mark.parametrize("forged", [None, "x", 7, {"checkpoint": {"family": "qwen2-moe", "weights": 7}},
+                                    {"checkpoint": {"weights": {"source": "files", "files": "abc"}}}])
+def test_a_forged_record_of_b_is_refused_not_matched(models, tmp_path, capsys, forged):
+    _, source, target = models
+    session = _session(tmp_path / "s.toml", str(target), [_compare("source")])
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    results = tmp_path / "s.results.jsonl"
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines[1]["runs"][1]["model"] = forged
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "step 1" in err
+
+
+def test_a_path_key_fixed_after_a_move_still_replays(models, tmp_path, capsys):
+    _, source, target = models
+    shutil.copytree(source, tmp_path / "b")
+    session = _session(tmp_path / "s.toml", str(target), [_compare("b")])
+    assert _run(["run", session], capsys)[0] == 0
+    (tmp_path / "b").rename(tmp_path / "b-moved")
+    session.write_text(session.read_text().replace('b_model = "b"', 'b_model = "b-moved"'))
+    code, out, err = _run(["replay", session, "--json"], capsys)
+    assert code == 0 and json.loads(out)["matches"], err
+
+
+def test_a_check_quant_step_on_a_model_that_is_not_trellis_is_refused_before_any_step(models, tmp_path, capsys):
+    _, source, _ = models
+    prompt = {"action": "prompt", "prompt": PROMPT, "max_tokens": 2}
+    session = _session(tmp_path / "s.toml", str(source), [prompt, {"action": "check-quant"}])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and out == "" and "step 2 (check-quant): [engine] model" in err and "not a trellis" in err, err

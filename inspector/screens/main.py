@@ -549,7 +549,7 @@ class MainScreen(Screen):
         device = self.engine.device.type
         return [record_row(entry.side, {"step": entry.record["step"], "phase": entry.record["phase"],
                                         "n_tokens": entry.record["n_tokens"]}, entry.op, entry.record, device,
-                           self.engine.model_spec)
+                           (self.engine_b if entry.side == B and self.engine_b is not None else self.engine).model_spec)
                 for entry in self.query_one(DispatchLog).shown]
 
     def export_log(self, text: str) -> str:
