@@ -25,6 +25,14 @@ NO_STEPS = "the session has no steps to compare"
 # Summaries of one run (one configuration of a prompt or compare step)
 # --------------------------------------------------------------------------------------------
 
+def run_label(run: dict) -> str:
+    """A run's config, and the model it ran on where that was not [engine] model (a compare step's b_model)."""
+    model = run.get("model")
+    if isinstance(model, dict) and isinstance(model.get("model"), str):
+        return f"{run['config']} on {printable(model['model'], 60)}"
+    return run["config"]
+
+
 def _moe_label(moe: dict, key: str) -> str:
     arm = moe[key]
     return f"{arm} v{moe['variant']}" if arm == "grouped" and moe.get("variant") is not None else arm
@@ -127,7 +135,7 @@ def generation_rows(header: dict, steps: list[dict]) -> list[dict]:
             divergence = numbers.get("first_divergence") if first and len(step["runs"]) > 1 else None
             error = numbers.get("max_logit_rel_err") if first else None
             rows.append({
-                "step": step["step"], "action": step["action"], "config": run["config"],
+                "step": step["step"], "action": step["action"], "config": run_label(run),
                 "overrides": _flag_overrides(run, header), "prompt tokens": run["prompt_tokens"],
                 "tokens": len(run["tokens"]), "text": run["text"], "prefill": prefill_summary(run),
                 "prefill reason": run["reasons"][0] if run.get("reasons") else "",
@@ -390,7 +398,7 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
         if runs:
             for run_old, run_new in runs:
                 rows.append({
-                    "step": old["step"], "action": old["action"], "config": run_old["config"],
+                    "step": old["step"], "action": old["action"], "config": run_label(run_old),
                     "tokens": _same(run_old["tokens"], run_new["tokens"]),
                     "counters": _same(run_old["counters"], run_new["counters"]),
                     "decisions": "match" if decisions_match(run_old["decisions"], run_new["decisions"]) else "DIFFERS",

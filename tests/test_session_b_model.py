@@ -68,6 +68,8 @@ def test_a_session_compares_a_trellis_checkpoint_with_its_source_and_replays(mod
 
     code, out, err = _run(["replay", session, "--json"], capsys)
     assert code == 0 and json.loads(out)["matches"], err
+    code, out, err = _run(["replay", session], capsys)
+    assert code == 0 and f"| base on {source.resolve()} |" in out, out
 
     weights = next(copy.glob("*.safetensors"))
     before = (tmp_path / "s.results.jsonl").read_bytes()
