@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from engine import flags as flag_registry
 from engine import limits
-from engine.config import ModelConfig
+from engine.config import PRESETS, ModelConfig
 from engine.errors import UserError
 from engine.printable import printable
 from engine.tokenizer import ByteTokenizer
@@ -90,13 +90,33 @@ def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
                             session.engine.seed, b_model_names(here))
 
 
+def _prompt_tokens(model: str, prompt: str) -> list[int] | None:
+    """The prompt as `model`'s tokenizer.json reads it (ms: no weight loads), or None where the model has none
+    (a preset, byte tokens) or it cannot be read here."""
+    path = Path(model) / "tokenizer.json"
+    if model in PRESETS or not path.is_file():
+        return None
+    try:
+        from engine.hf_tokenizer import HFTokenizer
+
+        return list(HFTokenizer(path).encode(prompt))
+    except (UserError, ImportError):
+        return None
+
+
 def preflight_b_model(session: Session, where: str, here: str, step: CompareStep) -> None:
     """What a compare step's `b_model` can be checked for before anything loads: the model, its vocabulary, its
     context against the prompt."""
-    from engine.model_source import model_config
+    from engine.model_source import model_config, resolve_model_path
 
     planned = plan_b_model(session, where, here, step)
     model = model_config(planned.model)
+    a_model = session.engine.model if session.engine.model in PRESETS else str(
+        resolve_model_path(session.engine.model, session_directory(where)))
+    tokens = [_prompt_tokens(name, step.prompt) for name in (a_model, planned.model)]
+    if None not in tokens and tokens[0] != tokens[1]:  # else the load's own check, when the step runs
+        raise UserError(f"{here}: b_model {planned.label}: it reads the prompt as other tokens than [engine] model "
+                        f"does: compare needs two models with one tokenizer")
     length = len(ByteTokenizer().encode(step.prompt))
     if length + step.max_tokens > model.max_seq_len:
         raise UserError(f"{here}: the prompt ({length} tokens) plus max_tokens {step.max_tokens} exceeds b_model's "

@@ -231,3 +231,22 @@ def test_a_check_quant_step_on_a_model_that_is_not_trellis_is_refused_before_any
     session = _session(tmp_path / "s.toml", str(source), [prompt, {"action": "check-quant"}])
     code, out, err = _run(["run", session], capsys)
     assert code == 2 and out == "" and "step 2 (check-quant): [engine] model" in err and "not a trellis" in err, err
+
+
+def test_a_b_model_with_another_tokenizer_of_the_same_size_is_refused_before_any_step(models, tmp_path, capsys):
+    from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_tokenizers, trainers
+
+    _, source, target = models
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    tokenizer = Tokenizer(tokenizer_models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["routed experts routed experts"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(other / "tokenizer.json"))
+    prompt = {"action": "prompt", "prompt": PROMPT, "max_tokens": 2}
+    session = _session(tmp_path / "s.toml", str(target), [prompt, _compare("other")])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and out == "" and "step 2 (compare): b_model" in err and "other tokens" in err, err
+    assert not (tmp_path / "s.results.jsonl").exists()
