@@ -37,6 +37,13 @@ _MAX_DIMENSIONS = 8
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # a 671B model's index is ~9 MB
 
 
+
+def require_regular_file(path: Path) -> None:
+    """UserError unless `path` is a regular file: a FIFO under a weight's name would block a read forever."""
+    if not path.is_file():
+        raise UserError(f"{printable(str(path))}: not a regular file (a directory, a pipe, or a link that leads "
+                        f"nowhere); a checkpoint's files are regular files")
+
 def _shape_text(shape) -> str:
     return "[" + ", ".join(str(size) for size in shape) + "]"
 
@@ -224,12 +231,9 @@ class Checkpoint:
             weight_map = read_index(directory)
             files = cls._files_from_index(directory, weight_map)
         else:
-            named = sorted(directory.glob("*.safetensors"))
-            odd = [path for path in named if not path.is_file()]
-            if odd:  # a FIFO, a directory or a dangling link under the name: say so, not "no file"
-                raise UserError(f"{printable(str(odd[0]))}: not a regular file (a directory, a pipe, or a link that "
-                                f"leads nowhere); a checkpoint's *.safetensors are files")
-            files = named
+            files = sorted(directory.glob("*.safetensors"))
+            for path in files:  # a FIFO, a directory or a dangling link under the name: say so, not "no file"
+                require_regular_file(path)
             if not files:
                 raise UserError(f"{directory}: no *.safetensors file (and no {INDEX_FILE}): the weights must be "
                                 f"in safetensors format; convert .bin/.pt checkpoints with save_pretrained("

@@ -63,7 +63,7 @@ from typing import TextIO
 import torch
 
 from engine import trellis_checkpoint
-from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside
+from engine.checkpoint import Checkpoint, nonfinite_allowed, require_inside, require_regular_file
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.hf_config_checks import check_config_values, check_counts
 from engine.json_input import parse_json
@@ -232,10 +232,10 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KB
 def read_config_values(directory: Path) -> tuple[dict, Path]:
     """config.json as a dict whose known fields have their types and sizes (engine.hf_config_checks)."""
     path = directory / "config.json"
-    if not path.is_file():
-        what = "missing" if not os.path.lexists(path) else "not a regular file (a directory, a pipe, or a broken link)"
-        raise UserError(f"{path}: {what}: a checkpoint directory needs config.json beside its *.safetensors "
+    if not os.path.lexists(path):
+        raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
                         f"(give --model a preset name or a Hugging Face-format directory)")
+    require_regular_file(path)
     require_inside(directory, path, "config.json")
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise UserError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, not a config.json; download it again")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import require_regular_file
 from engine.config import ModelConfig
 from engine.errors import UserError
-from engine.printable import printable
 
 # Memory a model may take of what is free: the KV cache, activations and the graphs' pools need the rest.
 FIT_SHARE = 0.9
@@ -75,12 +75,6 @@ def config_hash(directory: Path) -> str:
 
 SAMPLE_BYTES = 1 << 16  # each of the five pieces `sample_sha256` reads
 
-
-def require_regular_file(path: Path) -> None:
-    """UserError unless `path` is a regular file: a FIFO under a weight's name would block a read forever."""
-    if not path.is_file():
-        raise UserError(f"{printable(str(path))}: not a regular file (a directory, a pipe, or a link that leads "
-                        f"nowhere); a checkpoint's files are regular files")
 
 
 def sample_sha256(path: Path) -> str:

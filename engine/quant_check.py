@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engine.compare import DTYPES, _relative, resolve_device, ulp_control
 from engine import limits
+from engine.compare import DTYPES, _relative, resolve_device, ulp_control
 from engine.errors import UserError
 from kernels import launches
 from kernels.reference import moe_reference
@@ -161,11 +161,12 @@ def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | 
         limits.check_quant_request(config, tokens, device, "--tokens")
     # before the checkpoint loads; a directory that is not a trellis one is refused once loaded, in its own words
     directory = Path(model)
-    if is_trellis_directory(directory) and not any(directory.glob("*.safetensors")):
+    trellis = is_trellis_directory(directory)
+    if trellis and not any(directory.glob("*.safetensors")):
         raise UserError(f"--model {model}: a trellis shape (config.json alone, no codes): check-quant measures "
                         f"quantized codes against the weights they came from; quantize the model without "
                         f"--shape-only")
-    source = verified_source(directory, original) if is_trellis_directory(directory) else None
+    source = verified_source(directory, original) if trellis else None
     engine = Engine.load(model, device=device)
     return check_quant_engine(engine, Path(model), layer=layer, tokens=tokens, arm=arm, seed=seed, original=original,
                               source=source)

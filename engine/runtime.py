@@ -33,11 +33,11 @@ from engine.dispatcher import DECODE, MIXED, PREFILL, Dispatcher  # noqa: F401 -
 from engine.errors import UserError
 from engine.flags import ResolvedFlags
 from engine.model import random_weights, random_weights_on
+from engine.progress import SILENT
 from engine.records import StepRecord
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.shipped import load_shipped, shipped_directory
-from engine.progress import SILENT
 from engine.tokenizer import ByteTokenizer
 from kernels import launches
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from engine.model_source import require_regular_file, weight_files
+from engine.checkpoint import require_regular_file
+from engine.model_source import weight_files
 
 _PIECE = 1 << 24
 

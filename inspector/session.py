@@ -331,6 +331,13 @@ def _wrong_type(where: str, key: str, expected: str, value: Any) -> UserError:
     return UserError(f"{where}: key {key!r} must be {expected}, got {_type_name(value)} ({_shown(value)})")
 
 
+def _check_named(where: str, key: str, value: str, fix: str) -> None:
+    """A key that names something (a model, a device): printable, and not blank (a blank path is a directory)."""
+    _check_printable(where, key, value)
+    if not value.strip():
+        raise UserError(f"{where}: {key} is blank; {fix}")
+
+
 def _check_printable(where: str, key: str, value: str, allowed: str = NAME_ALLOWED_CONTROLS) -> None:
     bad = unprintable_characters(value, allowed)
     if bad:
@@ -407,10 +414,8 @@ def _parse_engine(data: Mapping, where: str) -> EngineSpec:
         if key in table and not TEXT.check(table[key]):
             raise _wrong_type(here, key, TEXT.describe, table[key])
         if key in table:
-            _check_printable(here, key, table[key])
-        if key in table and not table[key].strip():
-            raise UserError(f"{here}: {key} is blank; name a preset or a checkpoint directory (\"./\" for the "
-                            f"session file's own)" if key == "model" else f"{here}: {key} is blank; e.g. \"auto\"")
+            _check_named(here, key, table[key], "name a preset or a checkpoint directory (\"./\" for the session "
+                         "file's own)" if key == "model" else "e.g. \"auto\"")
     if "seed" in table and not (_is_int(table["seed"]) and 0 <= table["seed"] <= MAX_SEED):
         raise _wrong_type(here, "seed", f"an integer from 0 to {MAX_SEED}", table["seed"])
     if "weights" in table and table["weights"] not in ("auto", "random"):
@@ -499,15 +504,11 @@ def _parse_step(entry: Mapping, index: int, where: str, config_names: list[str])
         raise UserError(f"{here}: nothing to measure; add pp = [...] (prompt lengths) and/or tg = [...] "
                         f"(generated tokens), e.g. pp = [16, 64] and tg = [16]")
     if isinstance(step, CheckQuantStep) and step.original is not None:
-        _check_printable(here, "original", step.original)
-        if not step.original.strip():
-            raise UserError(f"{here}: original is blank; name the unquantized model (a preset or a checkpoint "
-                            f"directory), or remove the key to use the one the checkpoint records")
+        _check_named(here, "original", step.original, "name the unquantized model (a preset or a checkpoint "
+                     "directory), or remove the key to use the one the checkpoint records")
     if isinstance(step, CompareStep) and step.b_model is not None:
-        _check_printable(here, "b_model", step.b_model)
-        if not step.b_model.strip():
-            raise UserError(f"{here}: b_model is blank; name B's model (a preset, a checkpoint directory, or "
-                            f"\"source\"), or remove the key")
+        _check_named(here, "b_model", step.b_model, "name B's model (a preset, a checkpoint directory, or "
+                     "\"source\"), or remove the key")
     if isinstance(step, PromptStep) and step.expect_match is not None and step.compare is None:
         raise UserError(f"{here}: expect_match checks two configurations against each other; add "
                         f"compare = \"<config name>\" or remove expect_match")

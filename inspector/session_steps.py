@@ -58,6 +58,13 @@ def session_directory(where: str | Path) -> Path:
     return Path(where).resolve().parent
 
 
+def session_model(model: str, where: str | Path) -> str:
+    """A model a session names, as it loads: a preset by name, a path taken from the session file's directory."""
+    from engine.model_source import resolve_model_path
+
+    return model if model in PRESETS else str(resolve_model_path(model, session_directory(where)))
+
+
 def step_here(session: Session, where: str, step: Step) -> str:
     """How errors name `step`: the file, its number and its action."""
     index = next((number for number, other in enumerate(session.steps, start=1) if other is step), None)
@@ -77,16 +84,10 @@ def b_model_names(here: str):
 def plan_b_model(session: Session, where: str, here: str, step: CompareStep):
     """A compare step's B model (inspector.b_model.BModel), checked from the configs alone; UserError naming the
     step. Paths are taken from the session file's directory, A's and B's alike."""
-    from engine.config import PRESETS
-    from engine.model_source import resolve_model_path
     from inspector import b_model
 
-    def resolved(model: str) -> str:
-        if model in PRESETS or model == b_model.SOURCE:
-            return model
-        return str(resolve_model_path(model, session_directory(where)))
-
-    return b_model.plan_for(resolved(session.engine.model), resolved(step.b_model), session.engine.weights,
+    b = step.b_model if step.b_model == b_model.SOURCE else session_model(step.b_model, where)
+    return b_model.plan_for(session_model(session.engine.model, where), b, session.engine.weights,
                             session.engine.seed, b_model_names(here))
 
 
@@ -107,13 +108,12 @@ def _prompt_tokens(model: str, prompt: str) -> list[int] | None:
 def preflight_b_model(session: Session, where: str, here: str, step: CompareStep) -> None:
     """What a compare step's `b_model` can be checked for before anything loads: the model, its vocabulary, its
     context against the prompt."""
-    from engine.model_source import model_config, resolve_model_path
+    from engine.model_source import model_config
 
     planned = plan_b_model(session, where, here, step)
     model = model_config(planned.model)
-    a_model = session.engine.model if session.engine.model in PRESETS else str(
-        resolve_model_path(session.engine.model, session_directory(where)))
-    tokens = [_prompt_tokens(name, step.prompt) for name in (a_model, planned.model)]
+    tokens = [_prompt_tokens(name, step.prompt) for name in (session_model(session.engine.model, where),
+                                                               planned.model)]
     if None not in tokens and tokens[0] != tokens[1]:  # else the load's own check, when the step runs
         raise UserError(f"{here}: b_model {planned.label}: it reads the prompt as other tokens than [engine] model "
                         f"does: compare needs two models with one tokenizer")
@@ -564,24 +564,18 @@ ORIGINAL_KEY = "original ="  # how check-quant's refusals name the step's key th
 
 def quant_original(where: str, step: CheckQuantStep) -> str | None:
     """A check-quant step's `original`, a path taken from the session file's directory (a preset as named)."""
-    from engine.config import PRESETS
-    from engine.model_source import resolve_model_path
-
-    if step.original is None or step.original in PRESETS:
-        return step.original
-    return str(resolve_model_path(step.original, session_directory(where)))
+    return None if step.original is None else session_model(step.original, where)
 
 
 def preflight_check_quant(session: Session, where: str, here: str, step: CheckQuantStep) -> None:
     """Before any step runs: the model a check-quant step measures against must be there and be the one the
     checkpoint was quantized from (a source moved since the recording stopped a session half-way)."""
-    from engine.config import PRESETS
-    from engine.model_source import not_a_directory, resolve_model_path
+    from engine.model_source import not_a_directory
     from engine.quant_check import verified_source
     from engine.trellis_checkpoint import is_trellis_directory
 
     name = session.engine.model
-    directory = None if name in PRESETS else resolve_model_path(name, session_directory(where))
+    directory = None if name in PRESETS else Path(session_model(name, where))
     if directory is None or not is_trellis_directory(directory):
         raise UserError(f"{here}: [engine] model {printable(name, 80)} is not a trellis checkpoint, and check-quant "
                         f"measures one; quantize it first (moe-inspector quantize MODEL --experts "

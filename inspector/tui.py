@@ -62,17 +62,16 @@ def history_path() -> Path:
     return Path(os.environ.get("MOEI_SESSION_DIR") or AUTOSAVE_DIRECTORY) / "prompt-history.jsonl"
 
 
-def _plan_b(args, model: str, weights: str, seed: int, base: Path | None):
-    """`--b-model` planned from the configs (inspector.b_model), or None; A's model as loaded (a session's
-    relative path taken from its directory)."""
+def _plan_b(args, model: str, weights: str, seed: int, session_path: str | None):
+    """`--b-model` planned from the configs (inspector.b_model), or None; A's model as loaded (an existing
+    session's relative path taken from its directory)."""
     if getattr(args, "b_model", None) is None:
         return None
     from inspector import b_model
+    from inspector.session_steps import session_model
 
-    if model not in PRESETS and base is not None:
-        from engine.model_source import resolve_model_path
-
-        model = str(resolve_model_path(model, base))
+    if session_path is not None:
+        model = session_model(model, session_path)
     return model, b_model.plan_for(model, args.b_model, weights, seed)
 
 
@@ -118,7 +117,7 @@ def launch(args) -> int:
         if existing:
             weights = load_session(session_path).engine.weights
         base = Path(session_path).resolve().parent if existing else None
-        planned = _plan_b(args, model, weights, seed, base)  # before A loads: a typo costs no load
+        planned = _plan_b(args, model, weights, seed, session_path if existing else None)  # before A loads
         print(f"moe-inspector: loading model {model} (device {device}) …", file=sys.stderr, flush=True)
         engine = Engine.load(model, device, seed, weights, base=base)
         engine_b, b_model = _load_b(planned, engine, args)

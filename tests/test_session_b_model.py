@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")
 
 from engine.trellis_job import parse_experts, quantize_model  # noqa: E402
 from inspector import cli  # noqa: E402
-from test_trellis_families import _build  # noqa: E402
+from test_trellis_families import _build, _with_other_tokenizer  # noqa: E402
 
 PROMPT = "routed experts"
 
@@ -234,17 +234,8 @@ def test_a_check_quant_step_on_a_model_that_is_not_trellis_is_refused_before_any
 
 
 def test_a_b_model_with_another_tokenizer_of_the_same_size_is_refused_before_any_step(models, tmp_path, capsys):
-    from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_tokenizers, trainers
-
     _, source, target = models
-    other = tmp_path / "other"
-    shutil.copytree(source, other)
-    tokenizer = Tokenizer(tokenizer_models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(["routed experts routed experts"], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer.save(str(other / "tokenizer.json"))
+    _with_other_tokenizer(source, tmp_path / "other")
     prompt = {"action": "prompt", "prompt": PROMPT, "max_tokens": 2}
     session = _session(tmp_path / "s.toml", str(target), [prompt, _compare("other")])
     code, out, err = _run(["run", session], capsys)

@@ -74,6 +74,22 @@ def _write_tokenizer(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
 
 
+def _with_other_tokenizer(source: Path, other: Path) -> Path:
+    """`source` copied to `other` with a tokenizer trained on other text: the same vocabulary size, other tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    other.mkdir()
+    for path in source.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["routed experts routed experts"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(other / "tokenizer.json"))
+    return other
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     """family -> its source directory."""
@@ -197,18 +213,7 @@ def test_compare_refuses_a_b_model_it_cannot_set_beside_a(quantized, tmp_path, c
                                                   f"not exist; give a preset (tiny, demo, v4-shape) or a Hugging "
                                                   f"Face-format checkpoint directory (config.json, *.safetensors, "
                                                   f"tokenizer.json)")
-    other = tmp_path / "other-tokenizer"  # the same model, a tokenizer trained on other text: same vocabulary size
-    other.mkdir()
-    for path in source.iterdir():
-        (other / path.name).write_bytes(path.read_bytes())
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(["routed experts routed experts"], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer.save(str(other / "tokenizer.json"))
+    other = _with_other_tokenizer(source, tmp_path / "other-tokenizer")  # the same model, other tokens
     code, out, err = _run(["compare", "--model", target, "--b-model", other, *argv], capsys)
     assert code == 2 and "reads the prompt as other tokens" in err and out == ""
     assert err.splitlines()[-1].startswith("moe-inspector: error: --b-model") and "Traceback" not in err

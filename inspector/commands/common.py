@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
-from engine.errors import UserError
 from engine import limits
+from engine.errors import UserError
 from engine.limits import MAX_SEED
 from engine.printable import printable
 
