@@ -46,6 +46,12 @@ class _Subcommands(argparse._SubParsersAction):
         if subparser is None:  # argparse's own message
             return super().__call__(parser, namespace, values, option_string)
         outer = {dest for dest, value in vars(namespace).items() if not _unset(value) and dest != self.dest}
+        known = {action.dest for action in subparser._actions} | set(subparser.get_default("reads_globals") or ())
+        stray = [next(a.option_strings[-1] for a in parser._actions if a.dest == dest)
+                 for dest in sorted(outer - known) if any(a.dest == dest for a in parser._actions)]
+        if stray:  # `--session s.toml flags`, `--model X run s.toml`: not silently ignored
+            subparser.error(f"{', '.join(stray)} given before the command; {name} does not take "
+                            f"{'it' if len(stray) == 1 else 'them'}")
         setattr(namespace, self.dest, name)
         inner, rest = subparser.parse_known_args(list(arg_strings), None)
         given = _given(subparser, arg_strings)

@@ -423,10 +423,13 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
 def replay_json(recorded_header: dict, recorded: list[dict], rerun_header: dict, rerun: list[dict],
                 differences: list[str], cancelled: bool = False) -> dict:
     """The replay for machines: whether it matches, every difference in words, a row per step and
-    configuration (tokens, counters, decisions: match or DIFFERS), the checks, both headers and the re-run."""
+    configuration (tokens, counters, decisions: match or DIFFERS), the checks, both headers and the re-run.
+    `matches` is null where nothing was compared (no steps; `note` says so), as the heading claims no match."""
     held, failed = check_counts(rerun)
-    return {"session": recorded_header.get("session"), "matches": not differences and not cancelled,
-            "differences": differences, "rows": replay_rows(recorded, rerun),
+    compared = bool(recorded or rerun or differences)
+    return {"session": recorded_header.get("session"),
+            "matches": (not differences and not cancelled) if compared else None,
+            **({} if compared else {"note": NO_STEPS}), "differences": differences, "rows": replay_rows(recorded, rerun),
             "checks": {"held": held, "failed": failed}, "steps_recorded": len(recorded), "steps_rerun": len(rerun),
             "cancelled": cancelled, "recorded_header": recorded_header, "rerun_header": rerun_header,
             "rerun": rerun}

@@ -88,3 +88,30 @@ def test_every_option_on_both_sides_with_two_values_is_one_line_exit_2(command, 
     assert stop.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("moe-inspector: error: ") and f"({first})" in last and f"({second})" in last, last
+
+
+def _strays():
+    parser = build_parser()
+    outer = {action.dest: action.option_strings[-1] for action in parser._actions
+             if action.option_strings and action.dest in TWO_VALUES}
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        known = {action.dest for action in command._actions} | set(command.get_default("reads_globals") or ())
+        for dest in sorted(set(outer) - known):
+            yield name, dest, outer[dest]
+
+
+@pytest.mark.parametrize("command, dest, option", list(_strays()))
+def test_a_global_the_command_does_not_take_is_refused_not_ignored(command, dest, option, capsys):
+    """Generated over every command: `--session s.toml flags` or `--model X run s.toml` would otherwise run
+    without the option the user gave: one line naming it and the command, exit 2."""
+    required = [part for _, parts in REQUIRED.get(command, []) for part in parts]
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([option, TWO_VALUES[dest][0], command] + required)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"moe-inspector: error: {option} given before the command; {command} does not take"), last
+
+
+def test_check_attention_reads_the_global_model():
+    assert build_parser().parse_args(["--model", "demo", "check-attention", "--mla"]).model == "demo"

@@ -340,6 +340,8 @@ def test_a_session_without_steps_runs_reports_and_replays(capsys, tmp_path):
     for extra in ([], ["--json"]):
         code, out, err = run_cli(capsys, "replay", session_path, *extra)
         assert code == 0 and "Traceback" not in err, err
+    verdict = json.loads(out)  # the machine's verdict claims no match either: null, with the reason
+    assert verdict["matches"] is None and verdict["note"] == "the session has no steps to compare"
     code, out, err = run_cli(capsys, "replay", session_path)
     # no comparison happened, so none is claimed: one line says so
     assert "# replay of `empty`: the session has no steps to compare\n" in out and "matches" not in out

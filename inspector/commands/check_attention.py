@@ -72,7 +72,7 @@ def add_parser(subparsers) -> None:
                         help="take the dims from a preset or a checkpoint directory's config.json: the sinks check its "
                              "heads, kv heads, head_dim and first masked layer's window and block; --decode its "
                              "heads, kv heads, head_dim, window and sinks; --mla its heads and latent dims")
-    parser.set_defaults(run=run)
+    parser.set_defaults(reads_globals=frozenset({"model"}), run=run)
 
 
 MLA_ONLY = ("kv_lora_rank", "rope_dim", "nope_dim", "v_dim")

@@ -6,7 +6,8 @@ everything matches, 1 on a difference (the first is named: step, config, token i
 tokens) or a failed check, 2 when there is nothing comparable (no results file: `run` first; a
 different device, flags or session), 130 after Ctrl-C (the steps re-run so far are compared).
 Markdown by default; `--json` (or `--format json`) one object with `matches`, every difference,
-a row per step and configuration, the checks and both headers.
+a row per step and configuration, the checks and both headers (`matches` null where the
+session has no steps: nothing was compared).
 """
 
 from __future__ import annotations
