@@ -69,9 +69,12 @@ def verified_source(directory: Path, original: str | None, option: str = "--orig
     """The model to measure against (config.json's source, or `original`) as (model, weights, seed, note). It must
     match the fingerprint quantize recorded (engine.source_fingerprint), else a UserError names what differs:
     against another model, or a source changed since, the "quantization error" would measure two models apart.
-    A directory written before fingerprints were recorded cannot be verified: `note` says so (else None).
+    A directory written before fingerprints were recorded cannot be verified: `note` says so (else None). A relative
+    source path (a hand edit; quantize records absolute ones) is read against `directory`, not the cwd.
     `option`: the caller's option that names another model (check-quant's --original, compare's --b-model)."""
     from engine.config import PRESETS
+    from engine.limits import MAX_SEED
+    from engine.printable import printable
     from engine.source_fingerprint import differences, fingerprint
     from engine.trellis_checkpoint import source_of
 
@@ -83,8 +86,12 @@ def verified_source(directory: Path, original: str | None, option: str = "--orig
     if not isinstance(model, str):
         raise UserError(f"{directory}: config.json's source model is {type(model).__name__}, not a name or a path: "
                         f"give {option} MODEL, or quantize again")
+    if not original and model not in PRESETS and not Path(model).expanduser().is_absolute():
+        model = str(Path(directory) / model)  # a relative source (a hand edit) is the config's neighbour, not cwd's
     seed = source.get("seed", 0)
-    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise UserError(f"{directory}: config.json's source seed is {printable(repr(seed), 40)}, not an integer "
+                        f"from 0 to {MAX_SEED}: quantize again, or give {option} MODEL with its own weights")
     recorded, note = source.get("fingerprint"), None
     if not isinstance(recorded, dict):
         note = (f"{directory} records no fingerprint of its source (quantized before they were recorded): cannot "

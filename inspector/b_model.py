@@ -58,6 +58,9 @@ def _same_model(a: str, b: str) -> bool:
     return resolve_model_path(a).resolve() == resolve_model_path(b).resolve()
 
 
+_NOTED: set[str] = set()
+
+
 def _recorded_source(model_a: str, weights_a: str, config_a: ModelConfig,
                      names: Names) -> tuple[str, str, int, ModelConfig]:
     """(model, weights, seed, config) of the source the trellis checkpoint `model_a` records, verified."""
@@ -75,7 +78,8 @@ def _recorded_source(model_a: str, weights_a: str, config_a: ModelConfig,
         model, weights, seed, note = verified_source(directory, None, option=names.give)
     except UserError as error:
         raise UserError(f"{names.b} source: {error}") from None
-    if note:
+    if note and note not in _NOTED:  # once a process: a session's preflight and its step both plan B
+        _NOTED.add(note)
         print(f"moe-inspector: note: {one_line(note)}", file=sys.stderr)
     label = f"source ({printable(model)})"
     try:

@@ -482,6 +482,35 @@ def test_a_directory_without_a_fingerprint_is_checked_with_a_note(source, quanti
     assert len(notes) == 1 and "records no fingerprint" in notes[0]
 
 
+def _edit_source(quantized: Path, to: Path, **values) -> Path:
+    copy = _copy(quantized, to)
+    config = json.loads((copy / "config.json").read_text())
+    config["moe_inspector"]["source"].update(values)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_relative_source_is_read_beside_the_directory_not_the_cwd(source, quantized, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A hand-edited relative source ("../mixtral" beside the checkpoint) names the config's neighbour wherever the
+    command runs from."""
+    (tmp_path / "models").mkdir()
+    _copy(source, tmp_path / "models" / "mixtral")
+    pointed = _edit_source(quantized, tmp_path / "models" / "hyb2", model="../mixtral")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = _run(["check-quant", "--model", pointed, "--device", "cpu", "--tokens", "1"], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, "0", 1.5, True])
+def test_a_recorded_source_seed_out_of_range_is_one_line(quantized, tmp_path, capsys, seed):
+    pointed = _edit_source(quantized, tmp_path / "q", seed=seed)
+    code, out, err = _run(["check-quant", "--model", pointed, "--device", "cpu", "--tokens", "1"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "config.json's source seed is" in err and "Traceback" not in err
+
+
 def _interrupted_after_layer_0(source: Path, experts: str, out: Path, monkeypatch) -> None:
     """A quantize run stopped by Ctrl-C once layer 0 is written: a partial directory to resume."""
     from engine import trellis_job
