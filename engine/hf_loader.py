@@ -234,7 +234,7 @@ def read_config_values(directory: Path) -> tuple[dict, Path]:
     path = directory / "config.json"
     if not os.path.lexists(path):
         raise UserError(f"{path}: missing: a checkpoint directory needs config.json beside its *.safetensors "
-                        f"(give --model a preset name or a Hugging Face-format directory)")
+                        f"(a model is a preset name or a Hugging Face-format directory)")
     require_regular_file(path)
     require_inside(directory, path, "config.json")
     if path.stat().st_size > MAX_CONFIG_BYTES:

@@ -70,9 +70,12 @@ def _plan_b(args, model: str, weights: str, seed: int, session_path: str | None)
     from inspector import b_model
     from inspector.session_steps import session_model
 
-    if session_path is not None:
+    names = b_model.OPTIONS
+    if session_path is not None:  # A's model and weights are the session's: refusals name its keys, not options
         model = session_model(model, session_path)
-    return model, b_model.plan_for(model, args.b_model, weights, seed)
+        names = b_model.Names(a=f"[engine] model of {printable(session_path)}",
+                              random=f'[engine] weights = "random" of {printable(session_path)}')
+    return model, b_model.plan_for(model, args.b_model, weights, seed, names)
 
 
 def _load_b(planned, engine: Engine, args) -> tuple[Engine | None, str | None]:

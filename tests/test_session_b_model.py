@@ -198,6 +198,23 @@ def test_the_tui_refuses_a_b_model_before_anything_loads(models, capsys):
     assert "--b-model tiny: its vocabulary has 256 tokens and A's 320" in err and "loading" not in err
 
 
+def test_the_tui_names_the_sessions_keys_not_options_nobody_typed(models, tmp_path, capsys):
+    """A session whose [engine] weights are random, opened with --b-model source: the refusal names the session's
+    key, not a --weights option the command line never had."""
+    from argparse import Namespace
+
+    from inspector.tui import launch
+
+    _, _, target = models
+    session = _session(tmp_path / "s.toml", str(target), [], weights="random")
+    args = Namespace(model="demo", device="cpu", seed=0, session=str(session), set_flags=[], weights="auto",
+                     b_model="source", given_globals=frozenset({"session", "b_model"}))
+    assert launch(args) == 2
+    err = capsys.readouterr().err
+    assert f'with [engine] weights = "random" of {session}' in err and "--weights" not in err, err
+    assert "loading" not in err
+
+
 @pytest.mark.parametrize("forged", [None, "x", 7, {"checkpoint": {"family": "qwen2-moe", "weights": 7}},
                                     {"checkpoint": {"weights": {"source": "files", "files": "abc"}}}])
 def test_a_forged_record_of_b_is_refused_not_matched(models, tmp_path, capsys, forged):
