@@ -69,3 +69,11 @@ def require_text(text: str, what: str = "the prompt") -> str:
 def one_line(message: str) -> str:
     """A message for one terminal line: every unprintable character escaped, no length limit."""
     return printable(message, limit=None)
+
+
+def path_error(error: OSError) -> str:
+    """One line for an OSError about a path: the path (shortened, escaped) and the system's reason."""
+    name = printable(str(error.filename), limit=120)
+    reason = error.strerror or type(error).__name__
+    return one_line(f"{name}: {reason.lower() if reason[:1].isupper() and reason[1:2].islower() else reason}; "
+                    f"check the path")

@@ -12,7 +12,7 @@ import os
 import sys
 
 from engine.errors import UserError
-from engine.printable import one_line, printable
+from engine.printable import one_line, path_error, printable
 from inspector.commands import COMMAND_MODULES
 from inspector.commands.common import DEFAULT_MODEL, DEFAULT_SEED, seed_argument
 
@@ -166,10 +166,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-inspector: error: {path_error(error)}", file=sys.stderr)
         return 2
 
-
-def path_error(error: OSError) -> str:
-    """One line for an OSError about a path: the path (shortened, escaped) and the system's reason."""
-    name = printable(str(error.filename), limit=120)
-    reason = error.strerror or type(error).__name__
-    return one_line(f"{name}: {reason.lower() if reason[:1].isupper() and reason[1:2].islower() else reason}; "
-                    f"check the path")

@@ -46,7 +46,7 @@ from engine import flags as flag_registry
 from engine.config import PRESETS, ModelConfig
 from engine.errors import UserError
 from engine.json_input import parse_json
-from engine.printable import printable
+from engine.printable import path_error, printable
 from inspector import results_schema
 from engine.provenance import commit_and_dirty
 from inspector.session import CheckQuantStep, CompareStep, Session, Step, atomic_write_text, step_to_plain
@@ -217,7 +217,11 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
 
     name = session.engine.model
     path = None if name in PRESETS else resolve_model_path(name, session_directory(where))
-    if path is not None and not path.is_dir():
+    try:
+        is_dir = path is None or path.is_dir()
+    except OSError as error:  # a name the system refuses (too long, a loop)
+        raise UserError(f"{where}: [engine] model: {path_error(error)}") from None
+    if not is_dir:
         if "/" in name or os.sep in name or name.startswith("."):  # written as a path
             raise UserError(f"{where}: [engine] model: {path} {not_a_directory(path)} (a relative path is taken from "
                             f"the session file's directory): was the checkpoint moved? Fix the path in [engine] model")
@@ -234,11 +238,17 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
         source = f"{where}: [engine] device" if device_name == session.engine.device else "--device"
         raise UserError(f"{source}: {error}") from None
     for index, step in enumerate(session.steps, start=1):
-        preflight_step(where, index, step, model, device)
-        if isinstance(step, CompareStep) and step.b_model is not None:
-            preflight_b_model(session, where, f"{where}: step {index} ({step.action})", step)
-        if isinstance(step, CheckQuantStep):
-            preflight_check_quant(session, where, f"{where}: step {index} ({step.action})", step)
+        here = f"{where}: step {index} ({step.action})"
+        try:
+            preflight_step(where, index, step, model, device)
+            if isinstance(step, CompareStep) and step.b_model is not None:
+                preflight_b_model(session, where, here, step)
+            if isinstance(step, CheckQuantStep):
+                preflight_check_quant(session, where, here, step)
+        except OSError as error:  # a path key the system refuses (too long, a loop): the step that named it
+            if error.filename is None:
+                raise
+            raise UserError(f"{here}: {path_error(error)}") from None
     return model, device
 
 

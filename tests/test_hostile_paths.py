@@ -96,6 +96,23 @@ def test_a_session_with_a_blank_model_names_the_table(tmp_path, capsys):
     assert f"{session}: [engine]: model is blank" in _one_line(capsys)
 
 
+@pytest.mark.parametrize("where, tail", [
+    ("engine", ""),
+    ("b_model", '[[step]]\naction = "compare"\nprompt = "hi"\nmax_tokens = 2\na = "base"\nb = "base"\nb_model = "{long}"\n'),
+])
+def test_a_session_path_too_long_for_the_system_names_its_key(tmp_path, capsys, where, tail):
+    """A path key the system refuses (ENAMETOOLONG) is named by the table or step that holds it, as a missing
+    one is: the user has a key to fix, not only a path."""
+    long = "y" * 5000
+    model = long if where == "engine" else "tiny"
+    session = tmp_path / "s.toml"
+    session.write_text(f'[session]\nversion = 1\nname = "x"\n[engine]\nmodel = "{model}"\n' + tail.format(long=long))
+    assert main(["run", str(session)]) == 2
+    line = _one_line(capsys)
+    said = "[engine] model: " if where == "engine" else "step 1 (compare): "
+    assert line.startswith(f"moe-inspector: error: {session}: {said}") and "file name too long" in line, line
+
+
 def test_generate_escapes_a_checkpoint_name_with_control_characters(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     model = write_tiny_mixtral(tmp_path / "\x1b[31mred\nname")
