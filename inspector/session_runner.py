@@ -381,16 +381,17 @@ def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list
 # --------------------------------------------------------------------------------------------
 
 def check_replayable(session: Session, header: dict, recorded: list[dict], results_path: str,
-                     current_flags: flag_registry.ResolvedFlags) -> None:
-    """The recording must be of this session, on these flags: otherwise a diff would mislead (exit 2)."""
-    rerun = f"run `moe-inspector run {shlex.quote(str(header.get('session_file', 'SESSION.toml')))}` to re-record"
+                     current_flags: flag_registry.ResolvedFlags, where: str) -> None:
+    """The recording must be of this session, on these flags: otherwise a diff would mislead (exit 2). `where`: the
+    session file as the user named it now (the recorded session_file may have moved since)."""
+    rerun = f"run `moe-inspector run {printable(shlex.quote(where), 120)}` to re-record"
     for key, now in (("model", session.engine.model), ("seed", session.engine.seed)):
         # a checkpoint recorded and named now by another path (moved, and the path fixed): its content decides,
         # compared before anything runs (replay_session: weights_difference on the recorded provenance)
         moved = key == "model" and isinstance(header.get("checkpoint"), dict) and now not in PRESETS
         if header.get(key) != now and not moved:
-            raise UserError(f"{results_path}: recorded with {key} {header.get(key)!r}, the session now says "
-                            f"{now!r}; {rerun}")
+            raise UserError(f"{results_path}: recorded with {key} {printable(repr(header.get(key)), 120)}, the "
+                            f"session now says {printable(repr(now), 120)}; {rerun}")
     recorded_flags = {name: entry.get("value") for name, entry in (header.get("flags") or {}).items()}
     for name in flag_registry.SPECS:
         if name in recorded_flags and recorded_flags[name] != current_flags[name]:
@@ -577,7 +578,7 @@ def replay_session(session: Session, where: str, results_path: str | os.PathLike
                    cancel: threading.Event | None = None) -> ReplayOutcome:
     """Re-run on the recording's device (unless `device` says otherwise) and diff."""
     header, recorded = read_results(results_path, where)
-    check_replayable(session, header, recorded, str(results_path), base_flags(session))
+    check_replayable(session, header, recorded, str(results_path), base_flags(session), where)
     if device is None and header.get("device_spec"):
         device = header["device_spec"]  # replay where it was recorded
         try:

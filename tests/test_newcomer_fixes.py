@@ -164,6 +164,24 @@ def test_a_suggested_command_quotes_its_path(tmp_path, capsys):
     assert f"`moe-inspector run {shlex.quote(str(session))}" in line
 
 
+def test_a_moved_sessions_re_record_hint_names_where_it_is_now(tmp_path, capsys):
+    """The recording's session_file is where the session was run; after a move the hint names the file replayed."""
+    import shlex
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir()
+    (before / "s.toml").write_text(SESSION_HEAD + 'device = "cpu"\n[[step]]\naction = "curve"\n')
+    assert main(["run", str(before / "s.toml")]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    before.rename(after)
+    session = after / "s.toml"
+    session.write_text(session.read_text().replace('model = "tiny"', 'model = "tiny"\nseed = 1'))
+    assert main(["replay", str(session)]) == 2
+    line = one_error_line(capsys)
+    assert "recorded with seed 0, the session now says 1" in line, line
+    assert f"`moe-inspector run {shlex.quote(str(session))}` to re-record" in line and str(before) not in line
+
+
 def test_the_tuis_open_suggestion_quotes_its_path(tmp_path):
     import shlex
 
