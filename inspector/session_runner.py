@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shlex
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -344,6 +345,24 @@ def write_results(path: str | os.PathLike, header: dict, steps: list[dict]) -> P
     return path
 
 
+def recorded_session(path: str | os.PathLike) -> str | None:
+    """The session name a results file records, "" for a header without one; None where `path` is no results file
+    (missing, not a regular file, unreadable, or a first line that is not a results header). Reads one line, at
+    most 64 KB: a check before a write, not a validation."""
+    try:
+        with open(path, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            first = handle.readline(65536)
+        header = json.loads(first.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(header, dict) or header.get("kind") != "header" or "schema" not in header:
+        return None
+    name = header.get("session")
+    return name if isinstance(name, str) else ""
+
+
 def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list[dict]]:
     path = Path(path)
     try:
@@ -385,6 +404,9 @@ def check_replayable(session: Session, header: dict, recorded: list[dict], resul
     """The recording must be of this session, on these flags: otherwise a diff would mislead (exit 2). `where`: the
     session file as the user named it now (the recorded session_file may have moved since)."""
     rerun = f"run `moe-inspector run {printable(shlex.quote(where), 120)}` to re-record"
+    if header.get("session") != session.name:  # another session's recording: its model or steps are not "changes"
+        raise UserError(f"{results_path}: records session {printable(repr(header.get('session')), 60)}, not "
+                        f"{printable(repr(session.name), 60)}; give this session's results with --results, or {rerun}")
     for key, now in (("model", session.engine.model), ("seed", session.engine.seed)):
         # a checkpoint recorded and named now by another path (moved, and the path fixed): its content decides,
         # compared before anything runs (replay_session: weights_difference on the recorded provenance)

@@ -206,3 +206,31 @@ def test_an_unknown_option_after_a_command_shows_that_commands_usage(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: moe-inspector generate ") and "moe-inspector: error: unrecognized arguments: --bogus" in err
+
+
+# -- another session's recording is neither overwritten nor read as "changes" ---------------------------------
+
+def _two_sessions(tmp_path, capsys):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.toml").write_text(SESSION_HEAD.replace('name = "s"', f'name = "{name}"')
+                                               + 'device = "cpu"\n[[step]]\naction = "curve"\n')
+    assert main(["run", str(tmp_path / "a.toml")]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return tmp_path / "a.results.jsonl"
+
+
+@pytest.mark.parametrize("option", ["--report", "--results"])
+def test_run_refuses_to_write_over_another_sessions_recording(tmp_path, capsys, option):
+    recording = _two_sessions(tmp_path, capsys)
+    before = recording.read_bytes()
+    assert main(["run", str(tmp_path / "b.toml"), option, str(recording)]) == 2
+    line = one_error_line(capsys)
+    assert "session 'a'" in line and str(recording) in line, line
+    assert recording.read_bytes() == before
+
+
+def test_replay_of_another_sessions_recording_names_the_session_not_a_change(tmp_path, capsys):
+    recording = _two_sessions(tmp_path, capsys)
+    assert main(["replay", str(tmp_path / "b.toml"), "--results", str(recording)]) == 2
+    line = one_error_line(capsys)
+    assert "records session 'a', not 'b'" in line and "changed" not in line, line

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import sys
 
+from engine.errors import UserError
+from engine.printable import printable
+
 from inspector.commands.output import INTERRUPTED, add_format_arguments, format_for_path, output_format, stop_on_interrupt
 from inspector.output_paths import check_output_path, distinct_outputs, write_output
 from inspector.session import load_session
 from inspector.session_report import FORMATS, render
-from inspector.session_runner import dumps_results, results_path_for, run_session
+from inspector.session_runner import dumps_results, recorded_session, results_path_for, run_session
 
 
 def add_parser(subparsers) -> None:
@@ -60,6 +63,10 @@ def check_outputs(session_path, results_path, report_path, results_label: str = 
     for path, option in ((report_path, "--report"), (trace_path, "--trace")):
         if path is not None:
             check_output_path(path, option, protect=protect)
+            recorded = recorded_session(path)
+            if recorded is not None:  # another session's recording (or this one's) is not a report's to replace
+                raise UserError(f"{option} {printable(str(path))}: that is the recorded results of session "
+                                f"{printable(repr(recorded), 60)}, which a report would replace; pick another name")
     distinct_outputs({"--report": report_path, results_label: results_path, "--trace": trace_path})
 
 
@@ -70,6 +77,11 @@ def run(args) -> int:
                   args.trace)
     report_format(args)
     session = load_session(args.session)
+    recorded = recorded_session(results_path)
+    if recorded is not None and recorded != session.name:  # re-recording is this session's results only
+        raise UserError(f"{'--results' if args.results else 'the results file'} {printable(str(results_path))}: it "
+                        f"records session {printable(repr(recorded), 60)}, not {printable(repr(session.name), 60)}; "
+                        f"pick another --results, or remove that file first")
     from engine import ep_launch
 
     if session.engine.ep > 1 or ep_launch.under_torchrun():  # [engine] ep = N: every rank runs every step
