@@ -241,7 +241,7 @@ def parse_value(name: str, value: Any, where: str) -> Any:
 
 def parse_assignments(assignments: list[str], where: str = "--set") -> dict[str, Any]:
     """`["FLAG=VALUE", ...]` to validated values (a comma list goes through engine.comma_list.parse_flag_list,
-    which refuses its empty items)."""
+    which refuses its empty items); one flag with two values is refused."""
     if isinstance(assignments, str):
         raise TypeError("parse_assignments takes a list of FLAG=VALUE; split a comma list with engine.comma_list")
     values: dict[str, Any] = {}
@@ -250,7 +250,10 @@ def parse_assignments(assignments: list[str], where: str = "--set") -> dict[str,
         name = name.strip()
         if not separator or not name:
             raise UserError(f"{where}: {assignment!r} is not FLAG=VALUE (flags: {', '.join(SPECS)})")
-        values[name] = parse_value(name, value, where)
+        parsed = parse_value(name, value, where)
+        if name in values and values[name] != parsed:  # the last silently winning would run another A/B
+            raise UserError(f"{where}: {name} given twice ({values[name]!r} and {parsed!r}): give one")
+        values[name] = parsed
     return values
 
 

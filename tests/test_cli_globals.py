@@ -115,3 +115,11 @@ def test_a_global_the_command_does_not_take_is_refused_not_ignored(command, dest
 
 def test_check_attention_reads_the_global_model():
     assert build_parser().parse_args(["--model", "demo", "check-attention", "--mla"]).model == "demo"
+
+
+def test_compare_sides_given_twice_are_both_kept(capsys):
+    """`--a tile_m=32 --a fused_mask=drop` ran A with fused_mask alone: argparse keeps the last of an option."""
+    assert main(["compare", "--model", "tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1",
+                 "--a", "tile_m=32", "--a", "fused_mask=drop", "--json"]) == 0
+    flags = json.loads(capsys.readouterr().out)["a"]["flags"]
+    assert flags["tile_m"]["value"] == 32 and flags["fused_mask"]["value"] == "drop"

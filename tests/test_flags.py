@@ -142,3 +142,14 @@ def test_every_variable_read_by_hand_is_a_flag_or_says_why_it_is_not():
                 assert name in flags.ENVIRONMENT_ONLY, f"{path.relative_to(root)} reads {name} by hand"
             if package == "kernels":
                 assert "os.environ" not in text.replace('os.environ.get("TRITON_INTERPRET")', ""), path.name
+
+
+def test_one_flag_with_two_values_is_refused_not_last_wins():
+    """`--a tile_m=32,tile_m=64` or `--set tile_m=32 ... --set tile_m=64`: the last silently winning would run
+    another configuration than the one the user wrote; the same value twice is one."""
+    from engine.errors import UserError
+    from engine.flags import parse_assignments
+
+    with pytest.raises(UserError, match=r"--a: tile_m given twice \(32 and 64\): give one"):
+        parse_assignments(["tile_m=32", "tile_m=64"], "--a")
+    assert parse_assignments(["tile_m=32", "tile_m=32"], "--a") == {"tile_m": 32}

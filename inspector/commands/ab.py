@@ -27,8 +27,8 @@ def add_parser(subparsers) -> None:
         "interval and a verdict: faster, slower, no change or insufficient data. Rows that did not measure the "
         "same thing on both sides are refused.")
     sides = parser.add_argument_group("sides")
-    sides.add_argument("--a", default="", metavar="FLAG=VALUE,...", help="side A's flag values")
-    sides.add_argument("--b", default="", metavar="FLAG=VALUE,...", help="side B's flag values")
+    sides.add_argument("--a", action="append", default=[], metavar="FLAG=VALUE,...", help="side A's flag values")
+    sides.add_argument("--b", action="append", default=[], metavar="FLAG=VALUE,...", help="side B's flag values")
     sides.add_argument("--set", dest="set_flags", action="append", default=[], metavar="FLAG=VALUE",
                        help="a flag value of both sides, repeatable")
     for name in ("a", "b"):
@@ -102,11 +102,11 @@ def _sides(args):
 
     base = registry.resolve(args.set_flags)
     sides = {}
-    for name, text in (("A", args.a), ("B", args.b)):
-        overrides = parse_flag_list(text, f"--{name.lower()}")
+    for name, given in (("A", args.a), ("B", args.b)):  # --a given twice: one list (a flag twice is refused)
+        overrides = parse_flag_list(",".join(given), f"--{name.lower()}")
         flags = base.with_overrides(overrides, registry.COMMAND_LINE)
-        assignments = list(args.set_flags) + [f"{key}={registry.format_value(key, value)}"
-                                              for key, value in overrides.items()]
+        merged = {**registry.parse_assignments(list(args.set_flags)), **overrides}  # the side's value over --set's
+        assignments = [f"{key}={registry.format_value(key, value)}" for key, value in merged.items()]
         sides[name] = ab.Side(name, None, overrides, dict(flags.values), assignments)
     return sides
 

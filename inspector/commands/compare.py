@@ -31,8 +31,8 @@ from inspector.commands.output import INTERRUPTED, output_format, print_json, st
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("compare", help="run A and B flag sets on one prompt; first divergence, logit error")
     add_generation_arguments(parser)
-    parser.add_argument("--a", default="", metavar="FLAG=VALUE,...", help="configuration A overrides")
-    parser.add_argument("--b", default="", metavar="FLAG=VALUE,...", help="configuration B overrides")
+    parser.add_argument("--a", action="append", default=[], metavar="FLAG=VALUE,...", help="configuration A overrides")
+    parser.add_argument("--b", action="append", default=[], metavar="FLAG=VALUE,...", help="configuration B overrides")
     parser.add_argument("--b-model", default=None, metavar="MODEL",
                         help="B runs this model (a preset or checkpoint directory with A's tokenizer; --weights and "
                              "--seed apply to both); 'source': the model the trellis checkpoint --model was "
@@ -71,6 +71,7 @@ def run(args) -> int:
     fmt = output_format(args)
     prompt = prompt_of(args)
     base = flag_registry.resolve(args.set_flags)
+    args.a, args.b = ",".join(args.a), ",".join(args.b)  # --a given twice: one list (a flag twice is refused)
     flags_a = base.with_overrides(parse_flag_list(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(parse_flag_list(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
