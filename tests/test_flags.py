@@ -153,3 +153,20 @@ def test_one_flag_with_two_values_is_refused_not_last_wins():
     with pytest.raises(UserError, match=r"--a: tile_m given twice \(32 and 64\): give one"):
         parse_assignments(["tile_m=32", "tile_m=64"], "--a")
     assert parse_assignments(["tile_m=32", "tile_m=32"], "--a") == {"tile_m": 32}
+
+
+@pytest.mark.parametrize("fmt", ["text", "md", "json"])
+def test_every_format_of_the_flags_command_shows_the_value_now_and_its_source(fmt, capsys):
+    from inspector.cli import main
+
+    assert main(["flags", "--set", "tile_m=32", "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    if fmt == "json":
+        import json
+
+        entry = next(e for e in json.loads(out)["flags"] if e["name"] == "tile_m")
+        assert (entry["value"], entry["source"]) == (32, "command line")
+    else:
+        line = "\n".join(part for part in out.split("\n\n") if "tile_m" in part) if fmt == "text" else \
+            next(row for row in out.splitlines() if "`tile_m`" in row)
+        assert "32 (command line)" in line, line

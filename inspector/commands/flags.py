@@ -37,12 +37,13 @@ def run(args) -> int:
         print_json({"precedence": PRECEDENCE, "flags": entries})
         return 0
     if fmt == "md":
-        print("| flag | values (default) | environment | meaning |")
-        print("|---|---|---|---|")
+        print("| flag | now (from) | values (default) | environment | meaning |")
+        print("|---|---|---|---|---|")
         for entry in entries:
             default = format_value(entry["name"], entry["default"])
-            print(f"| `{entry['name']}` | {entry['values']} ({default}) | `{entry['environment']}` | "
-                  f"{entry['meaning']} |")
+            now = format_value(entry["name"], entry["value"])
+            print(f"| `{entry['name']}` | {now} ({entry['source']}) | {entry['values']} ({default}) | "
+                  f"`{entry['environment']}` | {entry['meaning']} |")
         return 0
     width = max(len(name) for name in SPECS) + 2
     pad = " " * width
