@@ -133,7 +133,7 @@ def refuse_missing_directory(model: str, base: str | Path | None = None) -> None
         path = resolve_model_path(model, base)
         raise UserError(f"model {model}: {path} {not_a_directory(path)} (a relative path is taken from the session "
                         f"file's directory); give a preset ({', '.join(PRESETS)}) or a checkpoint directory")
-    if os.sep in model or "/" in model or os.path.exists(model):
+    if os.sep in model or "/" in model or os.path.lexists(model):  # lexists: a broken link is named as one
         raise UserError(f"--model {model}: {not_a_directory(Path(model))}; give a preset ({', '.join(PRESETS)}) or a "
                         f"Hugging Face-format checkpoint directory (config.json, *.safetensors, tokenizer.json)")
 

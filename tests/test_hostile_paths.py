@@ -45,6 +45,14 @@ def test_a_model_path_that_is_a_link_loop_says_so(tmp_path, capsys):
     assert "is a link that leads nowhere (broken, or a loop)" in _one_line(capsys)
 
 
+def test_a_broken_link_named_without_a_slash_is_not_called_an_unknown_preset(tmp_path, capsys, monkeypatch):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "dangling", "--device", "cpu", "--prompt", "hi"]) == 2
+    line = _one_line(capsys)
+    assert "is a link that leads nowhere" in line and "unknown model" not in line, line
+
+
 @pytest.mark.parametrize("tokens, said", [
     ("1,,2", "an empty item between commas"), ("1,2,", "an empty item between commas"),
     ("2_0", "expected comma-separated integers"), ("\u0662", "expected comma-separated integers"),
