@@ -33,6 +33,21 @@ def test_the_sinks_check_takes_the_global_models_dims(capsys):
     assert config["head_dim"] != 64  # not the check's own CPU default
 
 
+def test_a_mask_cut_to_the_interpreters_sizes_says_so(capsys):
+    """demo's mask is W=128, B=64; the CPU checks it at W=32, B=16: the user is told, and the JSON keeps both."""
+    masked = next(mask for mask in PRESETS["demo"].layer_masks if mask.kind == "composite")
+    assert main(["--model", "demo", "check-attention", "--seq-len", "48", "--device", "cpu", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["model_mask"] == {"window": masked.window, "block": masked.block,
+                                    "checked_at_the_models_sizes": False}
+    assert f"demo's mask is W={masked.window}, B={masked.block}; checked at W=32, B=16" in captured.err
+    assert main(["--model", "demo", "check-attention", "--seq-len", "48", "--device", "cpu", "--window",
+                 str(masked.window), "--block", str(masked.block), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["model_mask"]["checked_at_the_models_sizes"] and "mask is" not in captured.err
+
+
 def test_an_option_given_beside_the_model_wins(capsys):
     assert main(["--model", "tiny", "check-attention", "--seq-len", "24", "--window", "8", "--json"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]

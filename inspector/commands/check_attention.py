@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.printable import printable
+
 from inspector.commands.check_output import print_result
 from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from inspector.commands.check_decode import chosen_model
 
     model_name = chosen_model(args)  # the global --model where given: the model's dims, as F3 takes them
-    defaults = {**DEFAULTS[device], **(_sinks_defaults(model_name, device) if model_name is not None else {})}
+    model_shape = _sinks_defaults(model_name, device) if model_name is not None else {}
+    defaults = {**DEFAULTS[device], **{name: model_shape[name] for name in model_shape if name in DEFAULTS[device]}}
     options = {
         name: getattr(args, name) if getattr(args, name) is not None else default
         for name, default in defaults.items()
@@ -118,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
           f"{options['head_dim']}, {options['heads']} heads on {device}"
           + (" (the Triton interpreter: tens of seconds)" if device == "cpu" else "") + " …",
           file=sys.stderr, flush=True)
+    cut = _cut_mask(model_name, model_shape, options)
+    if cut:
+        print(f"check-attention: {cut}", file=sys.stderr, flush=True)
     result = check_attention(
         **options,
         mode=args.mode,
@@ -125,7 +131,21 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         seed=getattr(args, "seed", 0),
     )
+    if model_shape:  # what the model runs, beside what was checked
+        result["model_mask"] = {"window": model_shape["model_window"], "block": model_shape["model_block"],
+                                "checked_at_the_models_sizes": not cut}
     return print_result(result, fmt, format_result)
+
+
+def _cut_mask(model_name, model_shape: dict, options: dict) -> str:
+    """A note when the check runs at a smaller window or block than the model's (the interpreter's sizes on a CPU),
+    else ""."""
+    if not model_shape or (options["window"], options["block"]) == (model_shape["model_window"],
+                                                                    model_shape["model_block"]):
+        return ""
+    return (f"{printable(model_name)}'s mask is W={model_shape['model_window']}, B={model_shape['model_block']}; "
+            f"checked at W={options['window']}, B={options['block']} (give --window, --block and --seq-len for the "
+            f"model's sizes)")
 
 
 def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
@@ -161,7 +181,8 @@ def _sinks_defaults(model_name: str, device: str) -> dict[str, int]:
                         f"{attention_kind.model_attention(config)}; the sinks check (sinks with a composite mask) does "
                         f"not apply: run check-attention --{kind}")
     shape = attention_kind.attention_shape(config, device == "cuda")
-    return {name: shape[name] for name in ("seq_len", "head_dim", "heads", "kv_heads", "window", "block", "pad")}
+    return {name: shape[name] for name in ("seq_len", "head_dim", "heads", "kv_heads", "window", "block", "pad",
+                                           "model_window", "model_block")}
 
 
 def _latent_defaults(model_name: str) -> dict[str, int]:
