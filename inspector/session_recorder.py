@@ -53,7 +53,6 @@ from inspector.session import (BASE, BenchStep, CheckAttentionStep, CompareStep,
                                parse_session, render_table, session_to_plain, step_keys, step_to_plain)
 
 PANE_LABELS = {"a", "b"}  # TUI pane names, which say nothing once saved
-_MISSING = object()
 
 
 def default_session_path(directory: str | os.PathLike | None = None) -> Path:
@@ -212,10 +211,15 @@ class SessionRecorder:
     def _effective(self, flags: Any, over: Mapping[str, Any], where: str) -> dict[str, Any]:
         return {**over, **_flag_values(flags, where)}
 
+    def _base_value(self, name: str) -> Any:
+        """A flag's value in the session's base configuration: its [flags] entry, else the flag's default (an opened
+        session lists only the flags it sets; comparing with those alone made every default an override)."""
+        return self._session.flags.get(name, flag_registry.SPECS[name].default)
+
     def _config_name(self, effective: Mapping[str, Any], preferred: str | None, configs: list[Config]) -> str:
         """The config holding `effective`'s differences from [flags] (BASE when none), created if new."""
         overrides = {name: effective[name] for name in flag_registry.SPECS
-                     if name in effective and self._session.flags.get(name, _MISSING) != effective[name]}
+                     if name in effective and self._base_value(name) != effective[name]}
         if not overrides:
             return BASE
         for config in configs:
@@ -272,10 +276,9 @@ class SessionRecorder:
 
     def _curve(self, action: Mapping[str, Any], where: str, configs: list[Config]) -> dict:
         table = {"action": "curve", **self._pick(action, CurveStep, drop=("config",))}
-        if "tile_m" not in table and self._session.flags.get("tile_m", _MISSING) != self.current_flags.get("tile_m",
-                                                                                                          _MISSING):
-            if "tile_m" in self.current_flags:
-                table["tile_m"] = self.current_flags["tile_m"]
+        if "tile_m" not in table and "tile_m" in self.current_flags \
+                and self._base_value("tile_m") != self.current_flags["tile_m"]:
+            table["tile_m"] = self.current_flags["tile_m"]
         return _ordered(table, CurveStep)
 
     def _sweep(self, action: Mapping[str, Any], where: str, configs: list[Config]) -> dict:

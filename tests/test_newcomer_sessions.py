@@ -105,3 +105,23 @@ def test_a_check_quant_step_is_in_the_report():
     report = render_markdown({"session": "q", "device": "cpu", "flags": {}}, [step])
     assert "## check-quant" in report and "| 1 | 0 | trellis hyb K=2 V=2 L=16 | rotated-torch | 1 |" in report
     assert "3.79x" in report and "0.466" in report and "sits on the dequantized reference" in report
+
+
+def test_an_opened_session_reuses_its_configs_rather_than_dumping_every_flag(tmp_path):
+    """A session listing one [flags] entry and a config `ref`, continued in the TUI (which passes its whole flag
+    state): the new step names base and ref, not config-2 and config-3 holding every flag's default."""
+    from engine import flags as flag_registry
+    from inspector.session import load_session
+    from inspector.session_recorder import SessionRecorder
+
+    path = tmp_path / "s.toml"
+    path.write_text('[session]\nversion = 1\nname = "s"\n[engine]\nmodel = "tiny"\n[flags]\ntile_m = 16\n'
+                    '[[config]]\nname = "ref"\nmoe_gate = "reference"\n')
+    everything = dict(flag_registry.resolve([]).values)  # the TUI's state: every flag, at its default here
+    recorder = SessionRecorder.load(path)
+    recorder.append({"action": "prompt", "prompt": "hi", "max_tokens": 2, "flags": everything,
+                     "compare": {"name": "B", "flags": {**everything, "moe_gate": "reference"}}})
+    session = load_session(path)
+    assert [config.name for config in session.configs] == ["ref"]
+    step = session.steps[-1]
+    assert (step.config, step.compare) in (("base", "ref"), (None, "ref"))
