@@ -57,6 +57,11 @@ MAX_STEPS_PER_GRAPH = 64
 MAX_ROUTING_CAP_MB = 65536
 
 
+# A token count a flag holds (decode_floor, moe_max_tokens, prefill_chunk, threshold:N): int32, as the kernels' counts
+# are; a larger one is a typo, and a session keeps integers within 2**53.
+MAX_TOKENS = 2**31 - 1
+
+
 def _parse_int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool):
@@ -129,7 +134,7 @@ def _parse_gate(value: Any) -> str:
     if value in GATE_NAMES:
         return value
     match = re.fullmatch(r"threshold:(\d+)", value)
-    if match and int(match.group(1)) >= 1:
+    if match and 1 <= int(match.group(1)) <= MAX_TOKENS:
         return f"threshold:{int(match.group(1))}"
     raise ValueError
 
@@ -139,9 +144,9 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "floor, tile-fill, threshold:N (N >= 1), measured, gemv, grouped, reference, dequant",
              _parse_gate, "select", GATE_NAMES + ("threshold:16",),
              "MoE arm policy; measured falls back to threshold:16 without a calibration"),
-    FlagSpec("decode_floor", 8, "an integer >= 0", _parse_int(0), "int",
+    FlagSpec("decode_floor", 8, "an integer >= 0 (at most 2**31-1)", _parse_int(0, MAX_TOKENS), "int",
              help="steps with n <= floor take the GEMV arm (adaptive policies)"),
-    FlagSpec("moe_max_tokens", 0, "an integer >= 0 (0 = off)", _parse_int(0), "int",
+    FlagSpec("moe_max_tokens", 0, "an integer >= 0 (0 = off; at most 2**31-1)", _parse_int(0, MAX_TOKENS), "int",
              help="pin GEMV for n <= value"),
     FlagSpec("grouped_variant", 2, "0, 1 or 2", _parse_choice((0, 1, 2), int), "select", (0, 1, 2),
              "grouped-GEMM variant; outputs are bit-identical"),
@@ -159,7 +164,7 @@ SPECS: dict[str, FlagSpec] = {spec.name: spec for spec in (
              "at a one-row decode step, each layer's attention RMSNorm (with its residual add) computed inside the "
              "q/k/v (or latent) GEMV instead of its own launch (the fp32 sums in another order: tokens may differ "
              "at a near tie); off = rms_norm, then the GEMV"),
-    FlagSpec("prefill_chunk", 512, "an integer >= 16", _parse_int(16), "int",
+    FlagSpec("prefill_chunk", 512, "an integer >= 16 (at most 2**31-1)", _parse_int(16, MAX_TOKENS), "int",
              help="prompt tokens per sequence per prefill step (chunked prefill in batched runs)"),
     FlagSpec("nonfinite_weights", "refuse", "refuse or allow", _parse_choice(("refuse", "allow")), "select",
              ("refuse", "allow"), "weights holding NaN or inf: refused at load (naming the tensor), or allowed for an "

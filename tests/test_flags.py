@@ -170,3 +170,14 @@ def test_every_format_of_the_flags_command_shows_the_value_now_and_its_source(fm
         line = "\n".join(part for part in out.split("\n\n") if "tile_m" in part) if fmt == "text" else \
             next(row for row in out.splitlines() if "`tile_m`" in row)
         assert "32 (command line)" in line, line
+
+
+@pytest.mark.parametrize("assignment", ["moe_max_tokens=99999999999999999999999", "decode_floor=9007199254740993",
+                                        "prefill_chunk=2147483648", "moe_gate=threshold:2147483648",
+                                        "decode_floor=" + "9" * 5000])
+def test_a_token_count_past_int32_is_refused_naming_the_flag(assignment):
+    from engine.flags import parse_assignments
+
+    with pytest.raises(UserError, match=f"flag {assignment.split('=')[0]} in --set"):
+        parse_assignments([assignment])
+    assert parse_assignments(["moe_max_tokens=2147483647"]) == {"moe_max_tokens": 2**31 - 1}
