@@ -56,7 +56,7 @@ def test_the_sinks_check_takes_model_on_either_side_of_the_command(argv, capsys,
     from engine import compare
 
     taken = {}
-    monkeypatch.setattr(compare, "check_attention", lambda **kwargs: (taken.update(kwargs), pytest.skip.Exception))
+    monkeypatch.setattr(compare, "check_attention", lambda **kwargs: taken.update(kwargs) or {})
     monkeypatch.setattr("inspector.commands.check_attention.print_result", lambda result, fmt, formatter: 0)
     assert main(argv + ["--device", "cpu"]) == 0
     assert {key: taken[key] for key in ("head_dim", "heads", "kv_heads", "window", "block")} == {
