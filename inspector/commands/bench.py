@@ -45,7 +45,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=seed_argument, default=0, help="weight and prompt seed (default 0)")
     parser.add_argument("--pp", default="128,512,2048",
                         help="prompt lengths of the pp rows (default 128,512,2048; none or 0 for no pp rows)")
-    parser.add_argument("--tg", default="128", help="generated tokens of the tg rows (default 128; none or 0 for no tg rows)")
+    parser.add_argument("--tg", default="128",
+                        help="generated tokens of the tg rows (default 128; none or 0 for no tg rows)")
     parser.add_argument("--batch", default="1,8,32", help="sequences per row (default 1,8,32)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per row, after one warm-up (default 5)")
     parser.add_argument("--tg-prompt", type=int, default=32, help="prompt tokens of each tg sequence (default 32)")

@@ -26,7 +26,6 @@ import argparse
 import sys
 
 from engine.printable import printable
-
 from inspector.commands.check_output import print_result
 from inspector.commands.common import seed_argument
 from inspector.commands.output import add_format_arguments, output_format

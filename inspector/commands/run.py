@@ -14,7 +14,6 @@ import sys
 
 from engine.errors import UserError
 from engine.printable import printable
-
 from inspector.commands.output import INTERRUPTED, add_format_arguments, format_for_path, output_format, stop_on_interrupt
 from inspector.output_paths import check_output_path, distinct_outputs, write_output
 from inspector.session import load_session
