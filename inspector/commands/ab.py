@@ -103,7 +103,7 @@ def _sides(args):
     base = registry.resolve(args.set_flags)
     sides = {}
     for name, given in (("A", args.a), ("B", args.b)):  # --a given twice: one list (a flag twice is refused)
-        overrides = parse_flag_list(",".join(given), f"--{name.lower()}")
+        overrides = parse_flag_list(",".join(part for part in given if part), f"--{name.lower()}")
         flags = base.with_overrides(overrides, registry.COMMAND_LINE)
         merged = {**registry.parse_assignments(list(args.set_flags)), **overrides}  # the side's value over --set's
         assignments = [f"{key}={registry.format_value(key, value)}" for key, value in merged.items()]

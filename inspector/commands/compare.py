@@ -71,7 +71,8 @@ def run(args) -> int:
     fmt = output_format(args)
     prompt = prompt_of(args)
     base = flag_registry.resolve(args.set_flags)
-    args.a, args.b = ",".join(args.a), ",".join(args.b)  # --a given twice: one list (a flag twice is refused)
+    # --a given twice is one list (a flag given two values is refused); an --a "" adds nothing
+    args.a, args.b = (",".join(part for part in side if part) for side in (args.a, args.b))
     flags_a = base.with_overrides(parse_flag_list(args.a, "--a"), flag_registry.COMMAND_LINE)
     flags_b = base.with_overrides(parse_flag_list(args.b, "--b"), flag_registry.COMMAND_LINE)
     check_trace_path(args)
