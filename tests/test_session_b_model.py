@@ -81,6 +81,26 @@ def test_a_session_compares_a_trellis_checkpoint_with_its_source_and_replays(mod
     assert (tmp_path / "s.results.jsonl").read_bytes() == before
 
 
+def test_the_replay_screen_renders_a_b_model_step_whose_sides_share_a_config(models, tmp_path, capsys):
+    """A compare step with b_model runs A and B as config base both: the F7 screen pairs each run with the same
+    position in the other recording (by name it paired A with B, saw a divergence, and then crashed)."""
+    from inspector.screens.replay import render_runs
+
+    _, _, target = models
+    session = _session(tmp_path / "s.toml", str(target), [_compare("source")])
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    line = json.loads((tmp_path / "s.results.jsonl").read_text().splitlines()[1])
+    assert [run["config"] for run in line["runs"]] == ["base", "base"]
+    assert line["runs"][0]["tokens"] != line["runs"][1]["tokens"]  # A and B differ: a name pairing would say so
+    text = "\n".join(part.plain for part in render_runs(line, line, {}))
+    assert "first differing token" not in text and "config base on " in text  # B names its model
+    changed = json.loads(json.dumps(line))
+    changed["runs"][1]["tokens"][0] += 1
+    text = "\n".join(part.plain for part in render_runs(line, changed, {}))
+    assert text.count("first differing token: 0") == 1
+
+
 @pytest.mark.parametrize("model, b_model, weights, said", [
     ("hyb2", "nowhere", "auto", "nowhere: does not exist"),
     ("hyb2", "tiny", "auto", "b_model tiny: its vocabulary has 256 tokens and A's 320"),

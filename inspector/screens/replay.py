@@ -32,7 +32,7 @@ from inspector import events
 from inspector.describe import fill_text
 from inspector.events import EngineQueue
 from inspector.session import Session, Step, step_to_plain
-from inspector.session_report import NO_STEPS, decided_summary, executed_summary
+from inspector.session_report import NO_STEPS, decided_summary, executed_summary, run_label
 from inspector.session_runner import diff_step, make_context, preflight_step, run_step
 from inspector.widgets.output_pane import TokenText, render_tokens, token_text, tokenizer_token_text
 
@@ -65,19 +65,21 @@ def _float(value: Any, digits: str = ".2e") -> str:
 def render_runs(line: dict, other: dict | None, base_flags: dict, shown: TokenText = token_text) -> list:
     """A prompt/compare step's configurations, tokens marked from the first one the other side lacks."""
     parts: list = []
-    other_runs = {run["config"]: run for run in (other or {}).get("runs", [])}
-    for run in line.get("runs", []):
-        heading = Text(f"config {run['config']}", style="bold")
+    other_list = list((other or {}).get("runs", []))
+    for index, run in enumerate(line.get("runs", [])):
+        heading = Text(f"config {run_label(run)}", style="bold")  # B's model where it ran on its own
         heading.append(f"  ({_overrides(run, base_flags)})", style="dim")
         parts.append(heading)
-        mirror = other_runs.get(run["config"])
+        # the same position in the other recording (A and B may share a config name: a compare step's b_model)
+        mirror = other_list[index] if index < len(other_list) and other_list[index]["config"] == run["config"] \
+            else next((candidate for candidate in other_list if candidate["config"] == run["config"]), None)
         divergence = first_divergence(run["tokens"], mirror["tokens"]) if mirror is not None else None
         tokens = render_tokens(run["tokens"], divergence, shown)
         tokens.append(f"   {len(run['tokens'])} tokens after {run['prompt_tokens']} prompt tokens", style="dim")
         parts.append(tokens)
         if divergence is not None:
-            shown = run["tokens"][divergence] if divergence < len(run["tokens"]) else "end"
-            parts.append(Text(f"first differing token: {divergence} ({shown})", style="bold red"))
+            token = run["tokens"][divergence] if divergence < len(run["tokens"]) else "end"
+            parts.append(Text(f"first differing token: {divergence} ({token})", style="bold red"))
         parts.append(Text(f"decided: {decided_summary(run)}"))
         parts.append(Text(f"ran (counters): {executed_summary(run)}"))
         timings = run.get("timings", {})
