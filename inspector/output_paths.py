@@ -6,7 +6,8 @@
 A path is refused (UserError, exit 2, before anything runs) when it is empty; when it is, or links
 to, a file that must not be overwritten (`protect`: the session being run, its results file as
 the report, the recording a replay reads; compared by inode, so symbolic and hard links count);
-when it is a directory or another non-regular file (a device, a FIFO: a rename would replace the
+when it is a file a load of the checkpoint directory holding it reads (a *.safetensors shard, config.json, the
+tokenizer: an output there would break the model, or join its weights); when it is a directory or another non-regular file (a device, a FIFO: a rename would replace the
 node itself); when an existing file is read-only (its owner meant to keep it); when its directory
 does not exist, is not a directory, or does not take a new file (checked by creating and removing
 an unnamed, else a hidden, file there, which also catches read-only filesystems and full quotas).
@@ -65,6 +66,23 @@ def _probe_directory(directory: Path) -> None:
     os.unlink(probe)
 
 
+# What a checkpoint directory's load reads besides *.safetensors (engine.hf_loader, engine.trellis_checkpoint).
+CHECKPOINT_FILES = frozenset({"config.json", "tokenizer.json", "model.safetensors.index.json", "quantization.json"})
+
+
+def _checkpoint_file(path: Path) -> bool:
+    """Whether `path` is (or would become) a file a load of the checkpoint directory holding it reads: a weight
+    shard, its index, config.json, the tokenizer, a trellis report. Other files beside a checkpoint (a session and
+    its results, a report) are the user's to write."""
+    name = path.name.lower()
+    if name not in CHECKPOINT_FILES and not name.endswith(".safetensors"):
+        return False
+    try:
+        return (path.parent / "config.json").is_file()
+    except OSError:
+        return False
+
+
 def check_output_path(path: str | os.PathLike | None, option: str,
                       protect: Mapping[str, str | os.PathLike | None] | None = None) -> Path:
     """The path, checked as the module docstring says; `option` names it in messages (`--results`)."""
@@ -103,6 +121,10 @@ def check_output_path(path: str | os.PathLike | None, option: str,
                         f"create it first (mkdir -p) or pick another place")
     if not directory.is_dir():
         raise UserError(f"{option} {shown}: {printable(str(directory))} is not a directory; check the path")
+    if _checkpoint_file(path):
+        raise UserError(f"{option} {shown}: a file a load of the checkpoint {printable(str(directory))} reads; "
+                        f"writing it would break that model: name a file outside it, or not a weight, config or "
+                        f"tokenizer file")
     try:
         _probe_directory(directory)
     except OSError as error:

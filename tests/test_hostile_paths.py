@@ -190,3 +190,18 @@ def test_a_config_that_is_a_link_loop_is_not_called_missing(tmp_path, capsys):
     (model / "config.json").symlink_to("config.json")
     assert main(["generate", "--model", str(model), "--device", "cpu", "--prompt", "hi", "--no-progress"]) == 2
     assert "config.json: not a regular file" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("argv_tail, name", [
+    (["generate", "--prompt", "hi", "--max-tokens", "1", "--trace"], "config.json"),
+    (["generate", "--prompt", "hi", "--max-tokens", "1", "--record-routing"], "extra.safetensors"),
+    (["bench", "--pp", "none", "--tg", "1", "--batch", "1", "--reps", "1", "--json-out"], "config.json"),
+])
+def test_an_output_never_lands_on_a_file_a_checkpoint_load_reads(tmp_path, capsys, argv_tail, name):
+    """--trace mx/config.json replaced the model's config with a trace; --record-routing mx/x.safetensors would join
+    its weights at the next load. Refused before anything runs; the checkpoint is as it was."""
+    model = write_tiny_mixtral(tmp_path / "mx")
+    before = {path.name: path.read_bytes() for path in model.iterdir()}
+    assert main(["--model", str(model), "--device", "cpu"] + argv_tail + [str(model / name)]) == 2
+    assert "a file a load of the checkpoint" in _one_line(capsys)
+    assert {path.name: path.read_bytes() for path in model.iterdir()} == before
