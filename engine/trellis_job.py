@@ -337,14 +337,20 @@ def _layer_report_path(partial: Path, layer: int) -> Path:
 
 
 def _finished_layer(partial: Path, layer: int) -> list[dict] | None:
-    """The reports of a layer a previous run finished (its tensors and its report both written), else None."""
+    """The reports of a layer a previous run finished (its tensors, whole, and its report both written), else None:
+    a layer whose file was cut or emptied since is quantized again."""
+    from engine.checkpoint import read_header
+
     report = _layer_report_path(partial, layer)
-    if not (partial / tc.layer_file(layer)).is_file() or not report.is_file():
+    tensors = partial / tc.layer_file(layer)
+    if not tensors.is_file() or not report.is_file():
         return None
     try:
-        return json.loads(report.read_text())
-    except (OSError, ValueError):
+        read_header(tensors)  # whole: every tensor's bytes inside the file (one cut or emptied since is redone)
+        reports = json.loads(report.read_text())
+    except (OSError, ValueError, UserError):
         return None
+    return reports if isinstance(reports, list) else None
 
 
 def _calibration_text(path: Path) -> str:

@@ -529,6 +529,19 @@ def _interrupted_after_layer_0(source: Path, experts: str, out: Path, monkeypatc
     assert (partial_directory(out) / layer_file(0)).is_file()
 
 
+@pytest.mark.parametrize("cut", [5000, 0])
+def test_a_resume_redoes_a_kept_layer_whose_file_was_cut(source, quantized, tmp_path, monkeypatch, cut):
+    """A kept layer is trusted only whole: one truncated or emptied since is quantized again, so the finished
+    directory equals an uninterrupted run's, not a checkpoint that fails at its first load."""
+    out = tmp_path / "out"
+    _interrupted_after_layer_0(source, "trellis:K=2,code=hyb", out, monkeypatch)
+    kept = partial_directory(out) / layer_file(0)
+    with kept.open("r+b") as handle:
+        handle.truncate(cut)
+    quantize_model(str(source), parse_experts("trellis:K=2,code=hyb"), out, device="cpu")
+    assert (out / layer_file(0)).read_bytes() == (quantized / layer_file(0)).read_bytes()
+
+
 def test_a_resume_with_other_settings_says_which_in_words(source, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _interrupted_after_layer_0(source, "trellis:K=3,code=hyb", out, monkeypatch)
