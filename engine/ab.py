@@ -288,7 +288,8 @@ def _json_in(stdout: str) -> dict:
 
 
 def session_copy(session: Path, flags: dict, target: Path) -> None:
-    """`session` with `flags` set in its [flags] table, written to `target` (tomllib in, tomli_w out)."""
+    """`session` with `flags` set in its [flags] table, written to `target` (tomllib in, tomli_w out), its relative
+    paths made absolute: the copy runs from a scratch directory, each side from its own tree."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -300,7 +301,33 @@ def session_copy(session: Path, flags: dict, target: Path) -> None:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise UserError(f"--session {session}: cannot read it as TOML ({error}); check the file") from None
     document.setdefault("flags", {}).update(flags)
+    _absolute_paths(document, session.resolve().parent)
     target.write_text(tomli_w.dumps(document), encoding="utf-8")
+
+
+# The session keys that name a path, taken from the session file's directory (inspector.session_steps,
+# inspector.session_routing): the copy lives in a scratch directory, so they are written out in full.
+SESSION_PATH_KEYS = ("b_model", "original", "routing")
+
+
+def _absolute_paths(document: dict, directory: Path) -> None:
+    """Rewrite `document`'s relative model and file paths against `directory` (presets and `source` kept)."""
+    from engine.config import PRESETS
+
+    def absolute(value):
+        if not isinstance(value, str) or value in PRESETS or value == "source" or not value.strip():
+            return value
+        path = Path(value).expanduser()
+        return value if path.is_absolute() else str(directory / path)
+
+    engine = document.get("engine")
+    if isinstance(engine, dict) and "model" in engine:
+        engine["model"] = absolute(engine["model"])
+    steps = document.get("step")
+    for step in steps if isinstance(steps, list) else []:
+        for key in SESSION_PATH_KEYS:
+            if isinstance(step, dict) and key in step:
+                step[key] = absolute(step[key])
 
 
 # --------------------------------------------------------------------------------------------------

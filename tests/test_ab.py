@@ -382,3 +382,30 @@ def test_the_report_names_the_common_set_once_and_each_sides_own_flags():
     text = ab_report.format_markdown(run_stub(lambda side, call: bench_json(100.0), rounds=2, the_sides=the_sides))
     assert "- **A**: this tree; prefill_chunk=512\n" in text and "- **B**: this tree; prefill_chunk=16\n" in text, text
     assert "- both sides: --set moe_gate=reference flash_512=off\n" in text
+
+
+def test_relative_paths_reach_each_sides_tree_whole(tmp_path, monkeypatch):
+    """Each side runs in its own tree (its cwd) and a session runs from a scratch copy: a relative --model, and a
+    session's relative [engine] model and step paths, are written out in full before a side starts."""
+    from engine import ab
+    from inspector.cli import build_parser
+    from inspector.commands.ab import _workload
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    args = build_parser().parse_args(["ab", "--model", "bench/configs/deepseek-v2-lite", "--weights", "random",
+                                      "--b", "shared_fold=on"])
+    arguments = _workload(args, {}).arguments
+    assert arguments[arguments.index("--model") + 1] == str(root / "bench" / "configs" / "deepseek-v2-lite")
+    (tmp_path / "sessions").mkdir()
+    session = tmp_path / "sessions" / "s.toml"
+    session.write_text('[session]\nversion = 1\nname = "s"\n[engine]\nmodel = "../q"\n[[step]]\naction = "compare"\n'
+                       'prompt = "hi"\na = "base"\nb = "base"\nb_model = "source"\n[[step]]\naction = "check-quant"\n'
+                       'original = "../src"\n')
+    ab.session_copy(session, {"tile_m": 32}, tmp_path / "copy.toml")
+    import tomllib
+
+    copy = tomllib.loads((tmp_path / "copy.toml").read_text())
+    assert copy["engine"]["model"] == str(tmp_path / "sessions" / "../q")
+    assert copy["step"][0]["b_model"] == "source" and copy["step"][1]["original"] == str(tmp_path / "sessions/../src")
+    assert copy["flags"] == {"tile_m": 32}

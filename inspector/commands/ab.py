@@ -115,6 +115,13 @@ def _workload(args, sides):
     from engine import ab
     from inspector.commands.common import positive_int_list
 
+    if args.workload in ("bench", "sweep"):  # each side runs in its own tree: a relative path is taken from here
+        from engine.config import PRESETS
+        from engine.model_source import model_config
+
+        model_config(args.model)  # a model that does not load is refused here, in its own words, not by each side
+        if args.model not in PRESETS:
+            args.model = str(Path(args.model).expanduser().resolve())
     if args.workload == "bench":
         for option in ("pp", "tg"):
             positive_int_list(getattr(args, option), f"--{option}", allow_none=True)
