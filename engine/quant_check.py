@@ -135,16 +135,25 @@ def _original_weights(directory: Path, layer: int, source: tuple[str, str, int, 
     return w13.float(), w2.float()
 
 
-def _moe_layer(config, layer: int | None) -> int:
-    """`layer`, or the first MoE layer when None; UserError for a layer the model lacks or a dense one (no experts)."""
+def moe_layer(config, layer: int | None, option: str = "--layer") -> int:
+    """`layer`, or the first MoE layer when None; UserError for a layer the model lacks or a dense one (no experts).
+    `option`: how the caller's user wrote it (a session step's `layer` key)."""
     if layer is None:
         return config.moe_layers[0]
     if not 0 <= layer < config.n_layers:
-        raise UserError(f"--layer {layer}: {config.name} has layers 0..{config.n_layers - 1}")
+        raise UserError(f"{option} {layer}: {config.name} has layers 0..{config.n_layers - 1}")
     if layer not in config.moe_layers:
-        raise UserError(f"--layer {layer}: a dense layer of {config.name}, without experts; give a MoE layer "
+        raise UserError(f"{option} {layer}: a dense layer of {config.name}, without experts; give a MoE layer "
                         f"({_layer_list(config.moe_layers)})")
     return layer
+
+
+def trellis_arm(arm: str | None, device: str, option: str = "--arm") -> str:
+    """`arm`, or the first trellis arm `device` runs when None; UserError naming the ones it runs."""
+    arms = trellis_arms(device)
+    if arm is not None and arm not in arms:
+        raise UserError(f"{option} {arm}: choose one of {', '.join(arms)} on {device}")
+    return arm or next(iter(arms))
 
 
 def _layer_list(layers: tuple[int, ...]) -> str:
@@ -163,7 +172,7 @@ def check_quant(model: str, layer: int | None = None, tokens: tuple[int, ...] | 
 
     device = resolve_device(device)
     config = model_config(model)  # config.json alone: a bad --layer is refused before a weight loads
-    layer = _moe_layer(config, layer)
+    layer = moe_layer(config, layer)
     if tokens:
         limits.check_quant_request(config, tokens, device, "--tokens")
     # before the checkpoint loads; a directory that is not a trellis one is refused once loaded, in its own words
@@ -187,15 +196,13 @@ def check_quant_engine(engine, directory: Path, layer: int | None = None, tokens
     device = engine.device.type
     model = str(directory)
     config = engine.config
-    layer = _moe_layer(config, layer)
+    layer = moe_layer(config, layer)
     w13, w2 = engine.weights[f"layers.{layer}.w13"], engine.weights[f"layers.{layer}.w2"]
     if not isinstance(w13, TrellisMatrix):
         raise UserError(f"--model {model}: its experts are not trellis-coded; quantize it first with "
                         f"`moe-inspector quantize {shlex.quote(str(model))} --experts trellis:K=2,code=hyb --out DIR`")
+    arm = trellis_arm(arm, device)
     arms = trellis_arms(device)
-    arm = arm or next(iter(arms))
-    if arm not in arms:
-        raise UserError(f"--arm {arm}: choose one of {', '.join(arms)} on {device}")
     tokens = tuple(tokens or DEFAULT_TOKENS[device])
     limits.check_quant_request(config, tokens, engine.device, "tokens")
     working = engine.dtype

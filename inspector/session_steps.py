@@ -598,8 +598,15 @@ class CheckQuantAction(Action):
     step_type = CheckQuantStep
 
     def preflight(self, here, step, model, device) -> None:
+        from engine.quant_check import moe_layer, trellis_arm
+
         if step.tokens:
             limits.check_quant_request(model, step.tokens, device, f"{here}: tokens")
+        try:  # known from the config and the device: refused before step 1 runs, naming the step's keys
+            moe_layer(model, step.layer, "layer")
+            trellis_arm(step.arm, getattr(device, "type", str(device)), "arm")
+        except UserError as error:
+            raise UserError(f"{here}: {error}") from None
 
     def run(self, context, step) -> dict:
         from engine.quant_check import check_quant_engine

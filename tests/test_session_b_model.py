@@ -270,6 +270,16 @@ def test_a_check_quant_step_on_a_model_that_is_not_trellis_is_refused_before_any
     assert code == 2 and out == "" and "step 2 (check-quant): [engine] model" in err and "not a trellis" in err, err
 
 
+@pytest.mark.parametrize("key, value, said", [("layer", 7, "layer 7: "), ("arm", "bogus", "arm bogus: choose one of")])
+def test_a_check_quant_steps_layer_and_arm_are_refused_before_any_step(models, tmp_path, capsys, key, value, said):
+    _, _, target = models
+    prompt = {"action": "prompt", "prompt": PROMPT, "max_tokens": 2}
+    session = _session(tmp_path / "s.toml", str(target), [prompt, {"action": "check-quant", key: value}])
+    code, out, err = _run(["run", session], capsys)
+    assert code == 2 and out == "" and "[run] step 1" not in err, err
+    assert f"{session}: step 2 (check-quant): {said}" in err and "--" not in err.split(said)[0], err
+
+
 def test_a_b_model_with_another_tokenizer_of_the_same_size_is_refused_before_any_step(models, tmp_path, capsys):
     _, source, target = models
     _with_other_tokenizer(source, tmp_path / "other")
