@@ -352,6 +352,7 @@ def render_csv(header: dict, steps: list[dict]) -> str:
         if step["action"] == "curve":
             rows += [{"table": "curve", **row} for row in curve_rows(step)]
     rows += [{"table": "check-attention", **row} for row in attention_rows(steps)]
+    rows += [{"table": "check-quant", **row} for row in quant_rows(steps)]
     rows += [{"table": "sweep", **row} for row in sweep_rows(steps)]
     rows += [{"table": "bench", **row} for row in bench_rows(steps)]
     columns: list[str] = []
@@ -390,7 +391,7 @@ def _same(old: Any, new: Any) -> str:
 
 
 def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
-    from inspector.session_runner import decisions_match  # what the diff compares
+    from inspector.session_runner import decisions_match, quant_verdicts  # what the diff compares
 
     rows = []
     for old, new in zip(recorded, rerun):
@@ -413,6 +414,7 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
             else:
                 verdict = (_same(old["numbers"].get("verdict"), new["numbers"].get("verdict"))
                            if old["action"] == "check-attention" else
+                           _same(quant_verdicts(old), quant_verdicts(new)) if old["action"] == "check-quant" else
                            _same(old["numbers"], new["numbers"]) if old["action"] == "curve" else "not compared")
             rows.append({"step": old["step"], "action": old["action"], "config": "", "tokens": "", "counters": "",
                          "decisions": verdict, "wall s recorded": f"{old['wall_s']:.2f}",

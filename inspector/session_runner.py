@@ -478,6 +478,11 @@ def _describe_decision(entry: dict) -> str:
     return "; ".join(parts)
 
 
+def quant_verdicts(step: dict) -> list:
+    """A check-quant step's verdict per token count: what a replay compares of it."""
+    return [row.get("verdict") for row in ((step.get("numbers") or {}).get("rows") or [])]
+
+
 def diff_step(recorded: dict, now: dict) -> list[str]:
     """What differs between a recorded step result and its re-run, in words; timings are not compared."""
     differences = []
@@ -523,7 +528,7 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
         if old != new:
             differences.append(f"{label}: verdict differs: recorded {old}, now {new}")
     if recorded["action"] == "check-quant":
-        old, new = ([row.get("verdict") for row in ((side.get("numbers") or {}).get("rows") or [])] for side in (recorded, now))
+        old, new = quant_verdicts(recorded), quant_verdicts(now)
         if old != new:
             differences.append(f"{label}: verdicts differ: recorded {old}, now {new}")
     if recorded["action"] == "bench":

@@ -288,3 +288,17 @@ def test_a_b_model_with_another_tokenizer_of_the_same_size_is_refused_before_any
     code, out, err = _run(["run", session], capsys)
     assert code == 2 and out == "" and "step 2 (compare): b_model" in err and "other tokens" in err, err
     assert not (tmp_path / "s.results.jsonl").exists()
+
+
+def test_every_report_format_carries_a_check_quant_step(models, tmp_path, capsys):
+    """The CSV left check-quant steps out, with their checks; md, json and jsonl carry them."""
+    _, _, target = models
+    session = _session(tmp_path / "s.toml", str(target), [{"action": "check-quant", "tokens": [1],
+                                                            "expect": "dequantized"}])
+    code, out, err = _run(["run", session, "--format", "csv"], capsys)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("check-quant,")]
+    assert len(rows) == 1 and "dequantized" in rows[0] and "held" in rows[0], out
+    code, out, err = _run(["replay", session], capsys)  # its verdicts are compared, and the table says so
+    row = next(line for line in out.splitlines() if "| check-quant |" in line)
+    assert code == 0 and "| match |" in row, out
