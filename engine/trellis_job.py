@@ -431,6 +431,7 @@ def write_shape_only(model: str, code: TrellisCode, out: str | Path, *, seed: in
 
     out = Path(out)
     _check_output(out)
+    _check_outside(out, model)
     config = model_config(model)
     if not config.plain_experts:
         raise UserError(f"--model {model}: {config.name}'s experts have biases or the clamped SwiGLU, which the "

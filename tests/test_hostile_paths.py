@@ -205,3 +205,17 @@ def test_an_output_never_lands_on_a_file_a_checkpoint_load_reads(tmp_path, capsy
     assert main(["--model", str(model), "--device", "cpu"] + argv_tail + [str(model / name)]) == 2
     assert "a file a load of the checkpoint" in _one_line(capsys)
     assert {path.name: path.read_bytes() for path in model.iterdir()} == before
+
+
+def test_quantize_refuses_options_it_would_ignore_and_a_shape_inside_its_source(tmp_path, capsys):
+    model = write_tiny_mixtral(tmp_path / "mx")
+    base = ["quantize", str(model), "--experts", "trellis:K=2,code=hyb", "--device", "cpu"]
+    assert main(base + ["--out", str(tmp_path / "q"), "--calibration-tokens", "7"]) == 2
+    assert "--calibration-tokens without --calibration" in _one_line(capsys)
+    text = tmp_path / "c.txt"
+    text.write_text("some text")
+    assert main(base + ["--out", str(tmp_path / "q"), "--shape-only", "--calibration", str(text)]) == 2
+    assert "--shape-only writes no weights" in _one_line(capsys)
+    assert main(base + ["--out", str(model / "q"), "--shape-only"]) == 2
+    assert "inside the source model's directory" in _one_line(capsys)
+    assert not (tmp_path / "q").exists() and not (model / "q").exists()

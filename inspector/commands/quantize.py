@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--calibration", default=None, metavar="TEXT_FILE",
                         help="run this text through the model first and weigh each expert's error by its inputs' "
                              "Hessian (LDLQ); default: the plain squared error")
-    parser.add_argument("--calibration-tokens", type=int, default=8192, metavar="N",
+    parser.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
                         help="tokens of the calibration text to run (default 8192)")
     parser.add_argument("--shape-only", action="store_true",
                         help="write config.json alone (shape, code, seeds): load it with --weights random for "
@@ -45,6 +45,11 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     fmt = output_format(args)
     code = parse_experts(args.experts)  # bad input fails before the model loads
+    if args.calibration_tokens is not None and args.calibration is None:  # else silently a plain run
+        raise UserError("--calibration-tokens without --calibration: give the calibration text file, or drop it")
+    if args.shape_only and args.calibration is not None:
+        raise UserError("--shape-only writes no weights, so --calibration would weigh nothing: drop one of them")
+    args.calibration_tokens = 8192 if args.calibration_tokens is None else args.calibration_tokens
     if args.shape_only:
         out = write_shape_only(args.model, code, args.out, seed=args.seed)
         print(printable(f"wrote {out}/config.json: {code.describe()} experts of {args.model}'s shape, no weights; "
