@@ -212,8 +212,10 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     layout = tc.TrellisLayout(code, seed, layouts)
     tc.write_tensors(partial / tc.DENSE_FILE, {name: engine.weights[name].to(torch.bfloat16)
                                                for name in _dense_names(config)})
-    # a preset reads bytes; a directory's model its tokenizer.json, or none (prompts refused as its own loader does)
-    tokenizer = "bytes" if engine.checkpoint is None else "none"
+    # a preset reads bytes, and so do a directory's random weights (as their own load does, with a byte vocabulary);
+    # a directory's own weights its tokenizer.json, or none (prompts refused as its own loader does)
+    drawn = weights == "random" and config.vocab_size >= 256
+    tokenizer = "bytes" if engine.checkpoint is None or drawn else "none"
     if engine.checkpoint is not None and (Path(model) / "tokenizer.json").is_file():
         shutil.copyfile(Path(model) / "tokenizer.json", partial / "tokenizer.json")
         tokenizer = "tokenizer.json"

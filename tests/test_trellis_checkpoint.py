@@ -599,3 +599,16 @@ def test_check_quant_names_a_recorded_source_that_is_coded_too_as_recorded(quant
     line = err.splitlines()[-1]
     assert code == 2 and f"recorded source {quantized}: its experts are trellis-coded too" in line, err
     assert not line.startswith("moe-inspector: error: --original")
+
+
+def test_a_quantized_random_shape_reads_prompts_as_its_source_does(source, tmp_path, capsys):
+    """A config.json-only directory with --weights random reads prompts as byte tokens; its trellis checkpoint
+    recorded no tokenizer and refused every text prompt."""
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_bytes((source / "config.json").read_bytes())
+    out = tmp_path / "q"
+    quantize_model(str(shape), parse_experts("trellis:K=2,code=hyb"), out, device="cpu", weights="random")
+    code, _, err = _run(["generate", "--model", out, "--device", "cpu", "--prompt", "hi", "--max-tokens", "1",
+                         "--no-progress"], capsys)
+    assert code == 0, err
