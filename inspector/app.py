@@ -52,7 +52,10 @@ class InspectorApp(App):
         self.bench_memory: dict | None = None
         self.engine, self.flags, self.timed = engine, flags, timed
         self.engine_b, self.b_model = engine_b, b_model
-        self.b_overrides = dict(DEFAULT_B_OVERRIDES if b_overrides is None else b_overrides)
+        # B on its own model starts at A's flags (the panes then differ by the model alone, as compare --b-model
+        # runs them); B on A's model starts at the reference configuration
+        default_b = {} if engine_b is not None else DEFAULT_B_OVERRIDES
+        self.b_overrides = dict(default_b if b_overrides is None else b_overrides)
         self.max_tokens, self.sweep_path = max_tokens, sweep_path
         self.startup_notes = list(startup_notes or [])
         self.session = session

@@ -195,6 +195,7 @@ def test_the_tui_runs_b_on_its_own_model_and_records_a_replayable_compare_step(m
 
     asyncio.run(drive())
     assert seen["title"].startswith("B (f4 edits): qwen2-moe:source · "), seen
+    assert seen["flags"]["B"] == seen["flags"]["A"]  # B differs by its model alone, as compare --b-model runs it
     assert seen["tokens"]["B"] == list(engine_b.generate(PROMPT, 3, seen["flags"]["B"]).tokens)
     assert seen["tokens"]["A"] == list(engine.generate(PROMPT, 3, seen["flags"]["A"]).tokens)
     steps = path.read_text()
