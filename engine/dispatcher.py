@@ -220,7 +220,11 @@ class Dispatcher:
             "decided_arm": decision.arm, "executed_arm": executed.name, "variant": decision.variant,
             "reason": decision.reason, "execution_note": note, "us": None, "us_method": None, "arm_kernels": [],
             "weight_format": stored.name, "bits_per_weight": stored.bits_per_weight,
-            "expert_bytes": stored.bytes_per_expert, "bytes_moved": round(predicted * stored.bytes_per_expert),
+            "expert_bytes": stored.bytes_per_expert,
+            # the decided arm's traffic under uniform routing, the figure the trellis gate's reason states
+            "bytes_moved": round(dispatch.moved_bytes(decision.arm, n, top_k, experts_count, stored.bytes_per_expert,
+                                                      2 * 3 * self.engine.config.hidden
+                                                      * self.engine.config.intermediate)),
         }
         if self.family_fields:
             record.update(self.family_fields)

@@ -44,7 +44,7 @@ class MoeRecord(TypedDict, total=False):
     weight_format: str  # the experts' storage: "bf16", "fp32", or "trellis hyb K=2 V=2 L=16" (engine.weight_format)
     bits_per_weight: float  # trellis: K plus the row scales
     expert_bytes: int  # w13 + w2 of one expert, as stored: what a woken expert costs the step to read
-    bytes_moved: int | None  # expert weight bytes the step reads: woken_predicted * expert_bytes
+    bytes_moved: int | None  # expert weight bytes the decided arm moves (engine.dispatch.moved_bytes)
 
 
 class AttentionRecord(TypedDict, total=False):

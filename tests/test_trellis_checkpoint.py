@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import flags
+from engine import dispatch, flags
 from engine.errors import UserError
 from engine.runtime import Engine
 from engine.trellis_checkpoint import DENSE_FILE, layer_file
@@ -130,7 +130,7 @@ def test_a_loaded_directory_runs_with_the_trellis_experts(source, quantized):
     from inspector.widgets.dispatch_log import LogEntry
 
     shown = LogEntry("A", "moe", record).reason()
-    assert record["bytes_moved"] == round(record["woken_predicted"] * record["expert_bytes"])
+    assert f"moves {dispatch._megabytes(record['bytes_moved'])} of weights" in record["reason"]  # one figure
     assert f"[trellis hyb K=2 V=2 L=16, {record['bits_per_weight']:.2f} b/w, {record['bytes_moved'] / 1e6:.3g} MB]" \
         in shown
     assert "trellis" not in LogEntry("A", "moe", plain).reason()  # bf16 rows unchanged

@@ -216,6 +216,10 @@ def test_the_dispatcher_names_trellis_arms_and_records_the_format(tmp_path, monk
         assert record["weight_format"] == "trellis hyb K=2 V=2 L=16"
         assert record["bits_per_weight"] == pytest.approx(packed_bits, abs=1e-4) and packed_bits > 2
         woken = dispatch.woken_experts(n, config.top_k, config.n_experts)
-        assert record["bytes_moved"] == round(woken * (w13.bytes_per_expert + w2.bytes_per_expert))
+        stored = w13.bytes_per_expert + w2.bytes_per_expert  # the decided arm's traffic, as its reason says
+        moved = dispatch.moved_bytes(arm, n, config.top_k, config.n_experts, stored,
+                                     6 * config.hidden * config.intermediate)
+        assert record["bytes_moved"] == round(moved) and moved >= woken * stored
+        assert f"moves {dispatch._megabytes(moved)} of weights" in record["reason"]
         assert torch.equal(out, moe_trellis_reference(h, w13, w2, ids, weights))
     assert dispatcher.counters.to_json()["arms"]["reference"] == 3
