@@ -95,15 +95,17 @@ def min_tokens(k: int, n_experts: int, tile_m: int) -> int:
     return high
 
 
-def moved_bytes(arm: str, n_tokens: int, k: int, n_experts: int, expert_bytes: int, dense_expert_bytes: int) -> float:
+def moved_bytes(arm: str, n_tokens: int, k: int, n_experts: int, expert_bytes: int, dense_expert_bytes: int,
+                woken: float | None = None) -> float:
     """Expected weight bytes one step's MoE layer moves through device memory on `arm` (uniform routing).
 
     expert_bytes: one expert's stored weights (w13 and w2: bf16 bytes, or packed codes plus their scales
     and signs); dense_expert_bytes: the same expert in bf16 (what the dequantize arm writes and reads back).
-    GEMV reads each pair's expert on its own; the grouped arms stage each woken expert once."""
+    GEMV reads each pair's expert on its own; the grouped arms stage each woken expert once. `woken`: the
+    caller's woken_experts(n_tokens, k, n_experts), when it has it (a record per layer per step)."""
     if arm in (GEMV, TRELLIS_GEMV):
         return float(max(n_tokens, 0) * k * expert_bytes)
-    woken = woken_experts(n_tokens, k, n_experts)
+    woken = woken_experts(n_tokens, k, n_experts) if woken is None else woken
     if arm == TRELLIS_DEQUANT:
         return woken * (expert_bytes + 2 * dense_expert_bytes)
     return woken * expert_bytes

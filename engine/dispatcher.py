@@ -223,8 +223,8 @@ class Dispatcher:
             "expert_bytes": stored.bytes_per_expert,
             # the decided arm's traffic under uniform routing, the figure the trellis gate's reason states
             "bytes_moved": round(dispatch.moved_bytes(decision.arm, n, top_k, experts_count, stored.bytes_per_expert,
-                                                      2 * 3 * self.engine.config.hidden
-                                                      * self.engine.config.intermediate)),
+                                                      6 * self.engine.config.hidden * self.engine.config.intermediate,
+                                                      woken=predicted)),
         }
         if self.family_fields:
             record.update(self.family_fields)
