@@ -29,7 +29,8 @@ def run_label(run: dict) -> str:
     """A run's config, and the model it ran on where that was not [engine] model (a compare step's b_model)."""
     model = run.get("model")
     if isinstance(model, dict) and isinstance(model.get("model"), str):
-        return f"{run['config']} on {printable(model['model'], 60)}"
+        name = model["model"]  # a long path keeps its end, the part that tells two checkpoints apart
+        return f"{run['config']} on {printable(name if len(name) <= 60 else '…' + name[-59:], 80)}"
     return run["config"]
 
 
@@ -399,7 +400,7 @@ def replay_rows(recorded: list[dict], rerun: list[dict]) -> list[dict]:
         if runs:
             for run_old, run_new in runs:
                 rows.append({
-                    "step": old["step"], "action": old["action"], "config": run_label(run_old),
+                    "step": old["step"], "action": old["action"], "config": run_label(run_new),  # where B loaded now
                     "tokens": _same(run_old["tokens"], run_new["tokens"]),
                     "counters": _same(run_old["counters"], run_new["counters"]),
                     "decisions": "match" if decisions_match(run_old["decisions"], run_new["decisions"]) else "DIFFERS",

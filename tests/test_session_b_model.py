@@ -261,6 +261,9 @@ def test_a_path_key_fixed_after_a_move_still_replays(models, tmp_path, capsys):
     session.write_text(session.read_text().replace('b_model = "b"', 'b_model = "b-moved"'))
     code, out, err = _run(["replay", session, "--json"], capsys)
     assert code == 0 and json.loads(out)["matches"], err
+    code, out, err = _run(["replay", session], capsys)  # the table names where B loaded now, not the old path
+    row = next(line for line in out.splitlines() if line.startswith("| 1 | compare | base on "))
+    assert code == 0 and "/b-moved |" in row, row
 
 
 def test_a_check_quant_step_on_a_model_that_is_not_trellis_is_refused_before_any_step(models, tmp_path, capsys):
