@@ -6,8 +6,9 @@
 A path is refused (UserError, exit 2, before anything runs) when it is empty; when it is, or links
 to, a file that must not be overwritten (`protect`: the session being run, its results file as
 the report, the recording a replay reads; compared by inode, so symbolic and hard links count);
-when it is a file a load of the checkpoint directory holding it reads (a *.safetensors shard, config.json, the
-tokenizer: an output there would break the model, or join its weights); when it is a directory or another non-regular file (a device, a FIFO: a rename would replace the
+when it is a file a load of the checkpoint directory holding it reads (a *.safetensors shard,
+config.json, the tokenizer: an output there would break the model, or join its weights); when
+it is a directory or another non-regular file (a device, a FIFO: a rename would replace the
 node itself); when an existing file is read-only (its owner meant to keep it); when its directory
 does not exist, is not a directory, or does not take a new file (checked by creating and removing
 an unnamed, else a hidden, file there, which also catches read-only filesystems and full quotas).
