@@ -37,12 +37,12 @@ _MAX_DIMENSIONS = 8
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # a 671B model's index is ~9 MB
 
 
-
 def require_regular_file(path: Path) -> None:
     """UserError unless `path` is a regular file: a FIFO under a weight's name would block a read forever."""
     if not path.is_file():
         raise UserError(f"{printable(str(path))}: not a regular file (a directory, a pipe, or a link that leads "
                         f"nowhere); a checkpoint's files are regular files")
+
 
 def _shape_text(shape) -> str:
     return "[" + ", ".join(str(size) for size in shape) + "]"

@@ -76,7 +76,6 @@ def config_hash(directory: Path) -> str:
 SAMPLE_BYTES = 1 << 16  # each of the five pieces `sample_sha256` reads
 
 
-
 def sample_sha256(path: Path) -> str:
     """sha256 of five 64 KiB pieces of a file (its start, which holds a safetensors header's first bytes, its
     quarters and its end), the first 16 hex digits: a few hundred KB read however large the file. Why: a checkpoint
@@ -95,6 +94,14 @@ def weight_files(directory: Path) -> list[dict]:
     """The safetensors files of a checkpoint directory: name, size in bytes and `sample_sha256`."""
     return [{"file": path.name, "bytes": path.stat().st_size, "sample_sha256": sample_sha256(path)}
             for path in sorted(directory.glob("*.safetensors"))]
+
+
+def files_by_name(files) -> dict[str, dict]:
+    """A recorded list of weight files (`weight_files`' entries, read back from a file that may be damaged or
+    hand-edited) by name; entries without a string name are skipped, anything but a list is no files."""
+    if not isinstance(files, list):
+        return {}
+    return {entry["file"]: entry for entry in files if isinstance(entry, dict) and isinstance(entry.get("file"), str)}
 
 
 def describe_checkpoint(directory: Path, family: str, weights: str, seed: int, device: torch.device) -> dict:

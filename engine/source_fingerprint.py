@@ -16,7 +16,7 @@ import hashlib
 from pathlib import Path
 
 from engine.checkpoint import require_regular_file
-from engine.model_source import weight_files
+from engine.model_source import files_by_name, weight_files
 
 _PIECE = 1 << 24
 
@@ -54,10 +54,7 @@ def differences(recorded: dict, current: dict) -> list[str]:
             words.append(f"{what} {recorded.get(key)} then, {current.get(key)} now")
     if recorded.get("config_sha256") != current.get("config_sha256"):
         words.append("config.json differs")
-    files = recorded.get("files")
-    then = {item["file"]: item for item in (files if isinstance(files, list) else ())
-            if isinstance(item, dict) and isinstance(item.get("file"), str)}
-    now = {item["file"]: item for item in current.get("files") or ()}
+    then, now = files_by_name(recorded.get("files")), files_by_name(current.get("files"))
     for name in sorted(set(then) | set(now)):
         if name not in now:
             words.append(f"{name} is missing")

@@ -135,10 +135,9 @@ def _weights_words(source) -> str:
 
 
 def _files_by_name(source) -> dict:
-    files = source.get("files") if isinstance(source, dict) else None
-    if not isinstance(files, list):
-        return {}
-    return {entry["file"]: entry for entry in files if isinstance(entry, dict) and isinstance(entry.get("file"), str)}
+    from engine.model_source import files_by_name  # torch: not at import, where `flags` and `--help` start
+
+    return files_by_name(source.get("files") if isinstance(source, dict) else None)
 
 
 def _same_weight_source(old, new) -> bool:

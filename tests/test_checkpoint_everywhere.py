@@ -4,6 +4,7 @@ the results record the checkpoint; a moved checkpoint and a config without weigh
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,16 @@ def _run(argv, capsys):
     code = cli.main([str(part) for part in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def _recorded_session(directory: Path, folder: str, steps: str, capsys, engine: str = "") -> Path:
+    """A session in `directory` on the checkpoint ./`folder` beside it (`engine`: more [engine] lines), run once."""
+    session = directory / "s.toml"
+    session.write_text(f'[session]\nversion = 1\nname = "dir"\n\n[engine]\nmodel = "./{folder}"\ndevice = "cpu"\n'
+                       f'{engine}\n{steps}')
+    code, _, err = _run(["run", session], capsys)
+    assert code == 0, err
+    return session
 
 
 def test_bench_takes_a_checkpoint_directory_and_records_it(checkpoint, tmp_path, capsys):
@@ -132,12 +143,9 @@ def test_a_session_runs_and_replays_a_relative_checkpoint_and_refuses_it_moved(c
     session_directory = tmp_path / "work"
     session_directory.mkdir()
     shutil.copytree(checkpoint, session_directory / "ckpt")
-    session = session_directory / "s.toml"
-    session.write_text('[session]\nversion = 1\nname = "dir"\n\n[engine]\nmodel = "./ckpt"\ndevice = "cpu"\n\n'
-                       '[[step]]\naction = "prompt"\nprompt = "hello"\nmax_tokens = 5\n\n'
-                       '[[step]]\naction = "bench"\npp = [16]\ntg = [4]\nbatch = [1]\nreps = 1\n')
-    code, _, err = _run(["run", session], capsys)
-    assert code == 0, err
+    session = _recorded_session(session_directory, "ckpt", '[[step]]\naction = "prompt"\nprompt = "hello"\n'
+                                'max_tokens = 5\n\n[[step]]\naction = "bench"\npp = [16]\ntg = [4]\nbatch = [1]\n'
+                                'reps = 1\n', capsys)
     header = json.loads((session_directory / "s.results.jsonl").read_text().splitlines()[0])
     assert header["model"] == "./ckpt" and header["checkpoint"]["family"] == "qwen3-moe"
     assert header["checkpoint"]["path"] == str((session_directory / "ckpt").resolve())
@@ -161,11 +169,8 @@ def test_replay_refuses_a_checkpoint_changed_in_place_and_reads_older_recordings
     """A fine-tune written over the same files keeps every name and size: the results header's sampled hash of each
     file tells it apart before anything re-runs. A recording made before the hash was kept still replays."""
     shutil.copytree(checkpoint, tmp_path / "ckpt")
-    session = tmp_path / "s.toml"
-    session.write_text('[session]\nversion = 1\nname = "dir"\n\n[engine]\nmodel = "./ckpt"\ndevice = "cpu"\n\n'
-                       '[[step]]\naction = "prompt"\nprompt = "hello"\nmax_tokens = 3\n')
-    code, _, err = _run(["run", session], capsys)
-    assert code == 0, err
+    session = _recorded_session(tmp_path, "ckpt", '[[step]]\naction = "prompt"\nprompt = "hello"\nmax_tokens = 3\n',
+                                capsys)
     results = tmp_path / "s.results.jsonl"
     lines = results.read_text().splitlines()
     header = json.loads(lines[0])
@@ -235,11 +240,8 @@ def test_replay_refuses_other_weights_before_running_a_step(config_only, tmp_pat
     other weights) is named in one line, exit 2, before a model is loaded or a step runs."""
     session_directory = tmp_path / "work"
     shutil.copytree(config_only, session_directory / "shape")
-    session = session_directory / "s.toml"
-    session.write_text('[session]\nversion = 1\nname = "shape"\n\n[engine]\nmodel = "./shape"\ndevice = "cpu"\n'
-                       'weights = "random"\n\n[[step]]\naction = "prompt"\nprompt = "hi"\nmax_tokens = 2\n')
-    code, _, err = _run(["run", session], capsys)
-    assert code == 0, err
+    session = _recorded_session(session_directory, "shape", '[[step]]\naction = "prompt"\nprompt = "hi"\n'
+                                'max_tokens = 2\n', capsys, engine='weights = "random"\n')
     results = session_directory / "s.results.jsonl"
     recorded = results.read_text()
     config_path = session_directory / "shape" / "config.json"

@@ -212,15 +212,21 @@ class MainScreen(Screen):
     def flags_b(self, flags_a: ResolvedFlags) -> ResolvedFlags:
         return flags_a.with_overrides(self.b_overrides, B_SOURCE)
 
+    def engine_for(self, side: str) -> Engine:
+        """The engine a pane's runs use: B's own model where --b-model gave one, else A's."""
+        return self.engine_b if side == B and self.engine_b is not None else self.engine
+
+    def _title(self, side: str, flags_text: str) -> str:
+        """A pane's title: its flags, after its model's name when B runs on a model of its own."""
+        if self.engine_b is None:
+            return flags_text
+        return printable(f"{self.engine_for(side).config.name} · {flags_text}", 60)
+
     def a_title(self, flags: ResolvedFlags) -> str:
-        """Pane A's title: its flags, after its model's name when B runs on a model of its own."""
-        changed = describe_changed(flags)
-        return changed if self.engine_b is None else printable(f"{self.engine.config.name} · {changed}", 60)
+        return self._title(A, describe_changed(flags))
 
     def b_title(self) -> str:
-        """Pane B's title: its overrides, after its model's name when B runs on a model of its own."""
-        overrides = describe_overrides(self.b_overrides)
-        return overrides if self.engine_b is None else printable(f"{self.engine_b.config.name} · {overrides}", 60)
+        return self._title(B, describe_overrides(self.b_overrides))
 
     @property
     def running(self) -> bool:
@@ -288,9 +294,8 @@ class MainScreen(Screen):
 
                 started = time.perf_counter()
                 try:
-                    engine = self.engine_b if side == B and self.engine_b is not None else self.engine
-                    generation = engine.generate(run.prompt, run.max_tokens, run.flags[side], on_step=on_step,
-                                                 cancel=run.cancel, timed=self.timed)
+                    generation = self.engine_for(side).generate(run.prompt, run.max_tokens, run.flags[side],
+                                                                on_step=on_step, cancel=run.cancel, timed=self.timed)
                 except UserError as error:
                     self.queue.put(events.RunErrorEvent(run.id, str(error)))
                     return
@@ -549,7 +554,7 @@ class MainScreen(Screen):
         device = self.engine.device.type
         return [record_row(entry.side, {"step": entry.record["step"], "phase": entry.record["phase"],
                                         "n_tokens": entry.record["n_tokens"]}, entry.op, entry.record, device,
-                           (self.engine_b if entry.side == B and self.engine_b is not None else self.engine).model_spec)
+                           self.engine_for(entry.side).model_spec)
                 for entry in self.query_one(DispatchLog).shown]
 
     def export_log(self, text: str) -> str:
