@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.errors import UserError
+from engine.progress import advance
 from engine.runtime import resolve_device as resolve_engine_device
 from engine.triton_support import require_triton
 from kernels import launches
@@ -39,6 +40,7 @@ from kernels.reference import MaskSpec, attention_reference, visible_mask
 MODES = ("honor", "drop")
 HEAD_DIMS = (64, 128, 256, 512)
 SINK_SWEEP = (float("-inf"), -5.0, 0.0, 5.0, float("inf"))
+CHECK_PARTS = 5  # progress steps before the sink sweep: the references, the fused call, three ablations
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
@@ -240,10 +242,12 @@ def check_attention(
     dtype: "str | torch.dtype | None" = None,  # None: bf16 on cuda, fp32 on cpu
     seed: int = 0,
     sink_values: tuple[float, ...] = SINK_SWEEP,
+    progress=None,  # engine.progress.Progress-like: advance() after each kernel call or reference (may raise)
 ) -> dict:
     """Run the magnitude check on fresh random inputs; see the module docstring for the parts.
     Raises UserError for bad options. `result["ok"]` is True when the fused output sits on the
-    masked reference and every sink of the sweep does too."""
+    masked reference and every sink of the sweep does too. `progress.advance` is called between the parts
+    (CHECK_PARTS + len(sink_values) calls), where a caller may stop the check by raising."""
     device = resolve_device(device)
     if isinstance(dtype, torch.dtype):
         dtype = next((name for name, value in DTYPES.items() if value == dtype), str(dtype))
@@ -284,6 +288,7 @@ def check_attention(
     causal_ref = reference(MaskSpec("causal"), None)
     unmasked_ref = reference(MaskSpec("none"), None)
     control = ulp_control(masked_ref, working)
+    advance(progress, "references")
 
     masked_vs_causal = _relative(causal_ref, masked_ref)
     discrimination = {
@@ -296,6 +301,7 @@ def check_attention(
     }
 
     fused_out = fused(sinks)
+    advance(progress, "fused kernel")
     errors = {
         "masked": _relative(fused_out, masked_ref),
         "causal": _relative(fused_out, causal_ref),
@@ -316,6 +322,7 @@ def check_attention(
             "effect": _relative(ablated, masked_ref),  # how much this part of the mask matters here
             "fused": _relative(fused_out, ablated),  # the fused output's distance to it
         }
+        advance(progress, f"ablation {name}")
     nearest_ablation = min(ablation, key=lambda name: ablation[name]["fused"])
 
     other_name = verdict if verdict in ("causal", "unmasked") else min(("causal", "unmasked"), key=errors.get)
@@ -327,6 +334,7 @@ def check_attention(
         sink_logits = torch.full((H,), sink_value, device=device)
         swept_ref = reference(config.spec, padding, sink_logits)
         swept = fused(sink_logits)
+        advance(progress, f"sink {_sink_label(sink_value)}")
         sweep_control = ulp_control(swept_ref, working)
         error = _relative(swept, swept_ref)
         finite = bool(torch.isfinite(swept).all())

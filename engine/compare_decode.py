@@ -47,6 +47,7 @@ import torch
 from engine.compare import (DTYPES, HEAD_DIMS, _relative, check_mode_and_dtype, require_interpreter, resolve_device,
                             ulp_control)
 from engine.errors import UserError
+from engine.progress import advance
 from kernels import launches
 from kernels.reference import MaskSpec, attention_reference
 
@@ -69,6 +70,7 @@ GARBAGE_SCALE = 8.0  # stale entries: keys and values this many times the live o
 INVISIBLE_VALUE_SCALE = 4.0  # the invisible probes' values (see _draw_inputs)
 MAX_BATCH = 256  # sequences of one check (a decode step's batch is at most a few hundred)
 MAX_SEQ_LEN = 1 << 20  # cache capacity (keys per sequence); the memory check bounds it further
+CHECK_PARTS = 5  # progress steps at most: the references, then up to four runs of the kernel
 # kernels.attention_decode.MAX_ROWS (a test keeps them equal): not imported here, so that a CPU run can still set
 # the interpreter before the kernel module is first imported.
 MAX_ROWS = 64
@@ -327,9 +329,11 @@ def _run_verdict(per_sequence, names: list[str]) -> str:
 
 def check_decode(seq_len: int, batch: int, head_dim: int, heads: int, kv_heads: int | None = None,
                  window: int | None = None, sinks: bool = False, mode: str = "honor", device: str = "auto",
-                 dtype: "str | torch.dtype | None" = None, seed: int = 0) -> dict:
+                 dtype: "str | torch.dtype | None" = None, seed: int = 0, progress=None) -> dict:
     """Run the check on fresh random inputs (module docstring). Raises UserError for bad options;
-    `result["ok"]` is True when every mode discriminates and every run sits on `ok`."""
+    `result["ok"]` is True when every mode discriminates and every run sits on `ok`. `progress.advance` is called
+    after the references and after each run of the kernel (at most CHECK_PARTS calls), where a caller may stop
+    the check by raising."""
     device = resolve_device(device)
     if isinstance(dtype, torch.dtype):
         dtype = next((name for name, value in DTYPES.items() if value == dtype), str(dtype))
@@ -353,6 +357,7 @@ def check_decode(seq_len: int, batch: int, head_dim: int, heads: int, kv_heads: 
         best = max(range(config.batch), key=ratios.__getitem__)
         discrimination[name] = {"ratio": ratios[best], "sequence": best, "fires": ratios[best] > DISCRIMINATION_RATIO}
     fires = all(row["fires"] for row in discrimination.values())
+    advance(progress, "references")
 
     q_start = positions.to(torch.int32)
     spec = config.spec if mode == "honor" else MaskSpec("none")  # drop: no mask over the whole capacity
@@ -372,6 +377,7 @@ def check_decode(seq_len: int, batch: int, head_dim: int, heads: int, kv_heads: 
                      "verdict": _run_verdict(per_sequence, names) if fires else "none",
                      "sequences": [sorted(sits) for _, sits in per_sequence],
                      "_rows": (out - references[OK]).norm(dim=-1)[:, 0]})  # [B, Hq]
+        advance(progress, label)
 
     wrong = {run["verdict"] for run in runs} - {OK}  # a mode some runs show (a merge's alone, say) names the check
     verdict = OK if not wrong else wrong.pop() if len(wrong) == 1 else "none"

@@ -28,6 +28,7 @@ import torch
 from engine.compare import (DTYPES, SEPARATION, _relative, check_mode_and_dtype, require_interpreter, resolve_device,
                             ulp_control)
 from engine.errors import UserError
+from engine.progress import advance
 from kernels import launches
 from kernels.reference import mla_decompressed_reference
 
@@ -40,6 +41,7 @@ DISCRIMINATION_RATIO = 100.0
 # the roundings average down over R terms). bf16 (GPU) has the same roundings in units of its own ULP: 4 leaves
 # room for the MMA order. A lost causal mask sits ~10^3 (fp16) to ~10^7 (fp32) controls away at the defaults.
 SITS_ON_MULTIPLE = {torch.float32: 8.0, torch.float16: 4.0, torch.bfloat16: 4.0}
+CHECK_PARTS = 2  # progress steps: the references, the fused call
 
 # Seconds under the interpreter on a CPU; on CUDA DeepSeek-V3's shape (latent 512 + rope 64, 128 heads).
 DEFAULTS = {
@@ -105,9 +107,11 @@ def _kernel(device: str):
 
 def check_mla(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
               mode: str = "honor", device: str = "auto", dtype: "str | torch.dtype | None" = None,
-              seed: int = 0) -> dict:
+              seed: int = 0, progress=None) -> dict:
     """Run the check on fresh random inputs (module docstring). Raises UserError for bad options;
-    `result["ok"]` is True when the discrimination fires and the fused output sits on the causal reference."""
+    `result["ok"]` is True when the discrimination fires and the fused output sits on the causal reference.
+    `progress.advance` is called after the references and after the fused call (CHECK_PARTS calls), where a caller
+    may stop the check by raising."""
     device = resolve_device(device)
     if isinstance(dtype, torch.dtype):
         dtype = next((name for name, value in DTYPES.items() if value == dtype), str(dtype))
@@ -137,6 +141,7 @@ def check_mla(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_d
     unmasked_ref = reference(last_position=True)
     no_rope_ref = reference(rope=False)
     control = ulp_control(causal_ref, working)
+    advance(progress, "references")
     causal_vs_unmasked = _relative(unmasked_ref, causal_ref)
     discrimination = {"causal_vs_unmasked": causal_vs_unmasked, "causal_vs_no_rope": _relative(no_rope_ref, causal_ref),
                       "control": control, "ratio": causal_vs_unmasked / control, "threshold": DISCRIMINATION_RATIO,
@@ -145,6 +150,7 @@ def check_mla(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_d
     q_absorbed = torch.cat([torch.einsum("bthn,hnr->bthr", q[..., :nope_dim], w_uk), q[..., nope_dim:]], dim=-1)
     out_latent = mla_decode(q_absorbed, cache, R, config.scale, T - 1 if mode == "drop" else 0)  # [1, T, Hq, R]
     fused = torch.einsum("bthr,hvr->bthv", out_latent, w_uv).float()  # [1, T, Hq, v]
+    advance(progress, "fused kernel")
     errors = {"causal": _relative(fused, causal_ref), "unmasked": _relative(fused, unmasked_ref),
               "no_rope": _relative(fused, no_rope_ref)}
     multiple = SITS_ON_MULTIPLE[working]

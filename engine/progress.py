@@ -72,3 +72,10 @@ class _Silent:
 
 
 SILENT = _Silent()
+
+
+def advance(progress, note: str = "") -> None:
+    """`progress.advance(note=note)` where a progress object is given (a long computation's parts report to it,
+    and a caller may stop the computation there by raising from advance)."""
+    if progress is not None:
+        progress.advance(note=note)

@@ -297,16 +297,15 @@ class Engine:
                         shown: str | None = None, text: bool = False, progress: bool = True) -> "Engine":
         """A Hugging Face-format checkpoint directory: its safetensors files (engine.hf_loader), or with
         weights="random" random weights of the family and shape its config.json gives, drawn on `device`.
-        The model must fit the device's free memory, checked before a byte is read or drawn; missing weights are
-        refused before a missing tokenizer (`text`: a text prompt needs tokenizer.json). `shown`: the path
+        Refused in this order, before a byte is read or drawn: missing weights (their fix is --weights random or a
+        download, whatever the size), a model larger than the device's free memory, a missing tokenizer (`text`: a
+        text prompt needs tokenizer.json). `shown`: the path
         as the user gave it (a session's relative path), which the weights' source names."""
         from engine import model_source
         from engine.hf_loader import load_checkpoint, read_config  # tokenizers is imported only for directories
 
         config, family = read_config(directory)
         dtype = cls.dtype_for(device)
-        model_source.check_fits(config, device, dtype, str(directory))
-        checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
         if weights != "random":  # first: with --weights random no tokenizer is needed, so the fix is that
             has_weights = any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").exists()
             if not has_weights:
@@ -317,6 +316,8 @@ class Engine:
                                     f"random to draw random codes of it, or quantize the model without --shape-only")
                 raise UserError(f"{directory}: config.json but no *.safetensors: give --weights random to draw "
                                 f"random weights of this {family} shape, or download the weights")
+        model_source.check_fits(config, device, dtype, str(directory))
+        checkpoint = model_source.describe_checkpoint(directory, family, weights, seed, device)
         tokenizer, note = _directory_tokenizer(directory, config)
         if text and note and weights != "random":  # before a weight is read: a load of minutes for a refusal
             raise UserError(_text_refusal(directory, note))

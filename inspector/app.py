@@ -75,10 +75,11 @@ class InspectorApp(App):
         self.push_screen(MainScreen(self.engine, self.flags, self.b_overrides, self.max_tokens, self.timed,
                                     self.history, self.initial_prompt, engine_b=self.engine_b, b_model=self.b_model))
         self._session_changed()
-        for note in self.startup_notes:
-            self.notify(note, severity="warning", timeout=10)
+        for note in self.startup_notes:  # long enough to be read once the first screen is drawn
+            self.notify(note, severity="warning", timeout=30)
         if self.session is not None:
-            self.notify(f"recording into session {self.session.describe()}: saved after every action "
+            new = "" if self.session.path.exists() else "new session (no such file yet): "
+            self.notify(f"{new}recording into session {self.session.describe()}: saved after every action "
                         f"(ctrl+s saves as, ctrl+o opens, f7 replays)", title="session", timeout=10)
 
     def on_unmount(self) -> None:

@@ -65,6 +65,12 @@ class CheckDoneEvent:
     result: dict | None
     error: str | None
     wall_s: float = 0.0
+    cancelled: bool = False  # the screen was left: the check stopped after one of its parts
+
+
+@dataclass(frozen=True)
+class CheckProgressEvent:
+    note: str  # the part of the check that finished: "references", "fused kernel", "sink -5"
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,9 @@ class EngineQueue:
             elif isinstance(event, RunErrorEvent):
                 messages.append(RunFailed(event.run_id, event.message))
             elif isinstance(event, CheckDoneEvent):
-                messages.append(AttentionCheckFinished(event.result, event.error, event.wall_s))
+                messages.append(AttentionCheckFinished(event.result, event.error, event.wall_s, event.cancelled))
+            elif isinstance(event, CheckProgressEvent):
+                messages.append(AttentionCheckProgressed(event.note))
             elif isinstance(event, ReplayStepEvent):
                 messages.append(ReplayStepFinished(event.index, event.result, event.error))
             elif isinstance(event, BenchProgressEvent):
@@ -218,9 +226,15 @@ class ConfigBChanged(Message):
 
 
 class AttentionCheckFinished(Message, bubble=False):
-    def __init__(self, result: dict | None, error: str | None, wall_s: float = 0.0) -> None:
+    def __init__(self, result: dict | None, error: str | None, wall_s: float = 0.0, cancelled: bool = False) -> None:
         super().__init__()
-        self.result, self.error, self.wall_s = result, error, wall_s
+        self.result, self.error, self.wall_s, self.cancelled = result, error, wall_s, cancelled
+
+
+class AttentionCheckProgressed(Message, bubble=False):
+    def __init__(self, note: str) -> None:
+        super().__init__()
+        self.note = note
 
 
 class ReplayStepFinished(Message, bubble=False):

@@ -125,6 +125,9 @@ def test_a_model_larger_than_free_memory_is_refused_before_loading(config_only, 
     with pytest.raises(UserError, match=r"take 0\.\d\d GiB .* more than 90% of the 0\.00 GiB free"):
         Engine.load(str(config_only), "cpu", weights="random")
 
+    with pytest.raises(UserError, match="config.json but no \\*.safetensors: give --weights random"):
+        Engine.load(str(config_only), "cpu")  # the missing weights first: their fix holds at any size
+
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["compare", "--prompt", "hi"]])
 def test_a_preset_larger_than_free_memory_is_refused_before_a_weight_is_drawn(command, monkeypatch, capsys):

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import io
 import json
+import time
 
 import pytest
 from rich.console import Console
@@ -130,6 +131,9 @@ async def test_run_fills_both_panes_and_the_log(engine):
         await pilot.press("f5")
         await pilot.pause()
         assert log.follow and log.lines.scroll_y == log.lines.max_scroll_y
+        await pilot.resize_terminal(SIZE[0] + 40, SIZE[1] + 30)  # a taller table lowers its end: not a scroll up
+        await pilot.pause()
+        assert log.follow
 
 
 @synchronously
@@ -412,6 +416,55 @@ async def test_attention_check_screen(engine):
     shown = console.export_text()
     assert "verdict: causal" in shown and "check FAILED" in shown and "padding_off" in shown
     assert "causal reference      1.600e-07" in shown
+
+
+@synchronously
+async def test_attention_check_left_stops_after_its_part_and_sizes_are_checked_first(engine):
+    """Leaving the screen stops a running check at its next part, unrecorded, and a check asked for meanwhile
+    waits for the engine lock rather than running beside it (the interpreter runs one kernel at a time); a size
+    this machine cannot hold is refused in place before anything is allocated."""
+    import threading
+
+    parts, running = [], threading.Event()
+
+    def slow_check(progress=None, **parameters):
+        for part in range(1000):
+            running.set()
+            time.sleep(0.01)
+            parts.append(part)
+            progress.advance(note=f"part {part}")
+        return {"verdict": "masked", "ok": True}
+
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = AttentionCheckScreen(engine, app.main_screen.flags, check=slow_check)
+        app.push_screen(screen)
+        await pilot.pause()
+        screen.query_one("#check-seq-len").value = str(10**6)
+        await pilot.press("f7")
+        await pilot.pause()
+        assert "refused: the attention check: the reference attention at seq_len 1000000" in str(
+            screen.query_one("#check-output").render()) and not screen.running and not parts
+        screen.query_one("#check-seq-len").value = "64"
+        recorded = len(app.actions)
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: running.is_set() and screen.running)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.engine_lock.locked())
+        stopped_at = len(parts)
+        assert stopped_at < 1000 and not isinstance(app.screen, AttentionCheckScreen)
+        await pilot.pause(0.1)
+        assert len(parts) == stopped_at and len(app.actions) == recorded  # stopped, and nothing recorded
+        app.engine_lock.acquire()  # a generation holds the engine: a new check waits for it
+        again = AttentionCheckScreen(engine, app.main_screen.flags, check=lambda **_: {"verdict": "masked", "ok": True})
+        app.push_screen(again)
+        await pilot.pause()
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: "waiting for the run before it" in str(again.query_one("#check-output").render()))
+        assert again.result is None
+        app.engine_lock.release()
+        await wait_until(pilot, lambda: again.result is not None)
+        assert app.actions[-1]["action"] == "check-attention"
 
 
 def test_sweep_file_is_optional_and_checked(tmp_path):
@@ -806,3 +859,29 @@ async def test_profiled_microseconds_that_arrive_with_the_end_of_a_side_reach_th
         await pilot.pause()
         row = log.shown.index(next(shown for shown in log.shown if shown.record is entry.record))
         assert str(log.lines.get_row_at(row)[10]) == "12.3"
+
+
+def test_a_title_names_only_values_off_their_defaults():
+    """A session the TUI saved sets every flag, most to its default: A's title names only what differs."""
+    from inspector.screens.main import describe_changed
+
+    every = {name: spec.default for name, spec in flag_registry.SPECS.items()}
+    saved = flag_registry.resolve([], session={**{n: flag_registry.format_value(n, v) for n, v in every.items()},
+                                               "tile_m": 32}, environ={})
+    assert describe_changed(saved) == "tile_m=32"
+    assert describe_changed(flag_registry.resolve([], session={"tile_m": 16}, environ={})) == "default flags"
+
+
+@synchronously
+async def test_the_palette_clears_a_long_prompt_and_ctrl_z_brings_it_back(engine):
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        prompt = app.main_screen.query_one("#prompt")
+        long_prompt = "\n".join(f"line {index} of a pasted prompt" for index in range(16))
+        prompt.value = long_prompt
+        app.main_screen.action_clear_prompt()
+        await pilot.pause()
+        assert prompt.value == "" and app.focused is prompt
+        await pilot.press("ctrl+z")
+        await pilot.pause()
+        assert prompt.value == long_prompt

@@ -83,3 +83,55 @@ def test_palette_and_help_offer_the_ab_screen():
 
     assert any(action == "screen.ab" for _, _, _, action in ACTIONS)  # (title, key, help, action)
     assert any(key == "f9" for key, _ in KEYS)
+
+
+def _accepted_renders(report: dict, tmp_path) -> bool:
+    """load_report either refuses the file in one line or returns a report every row of which renders."""
+    from engine.ab_report import row_cells
+    from engine.errors import UserError
+    from inspector.screens.ab import load_report
+
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(report))
+    try:
+        loaded = load_report(str(path))
+    except UserError as error:
+        assert "\n" not in str(error) and str(path) in str(error)
+        return False
+    for row in loaded["rows"]:
+        row_cells(row)
+    return True
+
+
+def test_a_report_the_screen_cannot_show_is_refused_in_place(tmp_path):
+    good = stub_report(tmp_path / "ab.json")
+    assert _accepted_renders(good, tmp_path)
+    hostile_rows = [{"name": 5}, "x", None, {"row": "tg32"}, dict(good["rows"][0], a={"median": "1"}),
+                    dict(good["rows"][0], interval=[1]), dict(good["rows"][0], values={"A": ["x"]}),
+                    dict(good["rows"][0], verdict=None), {"row": "tg32", "refused": 3}]
+    for row in hostile_rows:
+        assert not _accepted_renders(dict(good, rows=[row]), tmp_path), row
+    for key, value in (("sides", []), ("sides", {"A": {"overrides": 1}}), ("runs", [{"side": "A"}]),
+                       ("failure", {"line": "x"}), ("workload", "bench")):
+        assert not _accepted_renders(dict(good, **{key: value}), tmp_path), key
+
+
+def test_generated_reports_are_refused_or_shown(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    good = stub_report(tmp_path / "ab.json")
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4)
+    value = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                         | st.dictionaries(st.sampled_from(["row", "unit", "a", "b", "median", "mad_rel", "ratio",
+                                                            "interval", "verdict", "values", "A", "B", "refused"]),
+                                           inner, max_size=4), max_leaves=12)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(index=st.integers(0, len(good["rows"]) - 1), field=st.sampled_from(sorted(good["rows"][0])), new=value)
+    def one(index, field, new):
+        rows = [dict(row) for row in good["rows"]]
+        rows[index][field] = new
+        _accepted_renders(dict(good, rows=rows), tmp_path)
+
+    one()

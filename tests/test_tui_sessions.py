@@ -151,6 +151,14 @@ async def test_round_trip_record_in_the_tui_save_run_and_replay_headless(engine,
         await pilot.press("escape")
         await pilot.pause()
         assert results_path_for(mine).read_bytes() == recording
+        # a name of no export format is refused before the question about replacing an existing file
+        precious = tmp_path / "precious.toml"
+        precious.write_text("kept = true\n")
+        dialog = await type_path(pilot, app, "ctrl+t", str(precious))
+        assert "'.toml' names no format" in dialog.refusal, dialog.refusal
+        assert "Enter again" not in str(dialog.query_one("#session-refusal").render())
+        await pilot.press("escape")
+        await pilot.pause()
 
     # What the TUI saw is the recording: a headless replay of it matches, tokens, counters and decisions.
     header, lines = read_results(results_path_for(mine), str(mine))
@@ -423,3 +431,14 @@ def test_recorded_results_of_other_weights_are_set_aside_on_opening(engine, tmp_
     assert "recorded results not used: recorded with weights 'random, seed 7', the model now loads " \
            "'random, seed 0'; replay re-runs only" in opened.note
     assert results.read_text().splitlines()[0] == json.dumps(lines[0])  # the file is left as it is
+
+
+@synchronously
+async def test_a_session_path_that_does_not_exist_opens_as_a_new_session(engine, tmp_path):
+    """`--session typo.toml` starts a session rather than refusing, and says so where the user looks."""
+    app = make_app(engine, tmp_path / "typo.toml")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        shown = [notification.message for notification in app._notifications]
+        assert any(message.startswith(f"new session (no such file yet): recording into session {tmp_path}/typo.toml")
+                   for message in shown), shown

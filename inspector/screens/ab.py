@@ -33,7 +33,64 @@ def load_report(path: str) -> dict:
         raise UserError(f"{path}: not a JSON A/B report ({type(error).__name__})") from None
     if not isinstance(report, dict) or report.get("kind") != "ab" or not isinstance(report.get("rows"), list):
         raise UserError(f"{path}: not an A/B report (no kind \"ab\" with rows); `moe-inspector ab --json-out` writes one")
+    problem = shape_problem(report)
+    if problem is not None:
+        raise UserError(f"{path}: not an A/B report as `moe-inspector ab --json-out` writes one: {problem}")
     return report
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _row_problem(row) -> str | None:
+    """What in one row the screen cannot show (None: nothing): the fields engine.ab_report.row_cells and the plot
+    read, with their types."""
+    if not isinstance(row, dict) or not isinstance(row.get("row"), str):
+        return "not an object with a \"row\" name"
+    if not isinstance(row.get("unit", ""), str):
+        return "its \"unit\" is not text"
+    if row.get("refused"):
+        return None if isinstance(row["refused"], str) else "its \"refused\" is not text"
+    for side in ("a", "b"):
+        data = row.get(side)
+        if not isinstance(data, dict) or not _number(data.get("median")) or not _number(data.get("mad_rel")):
+            return f"its side {side!r} has no numeric median and mad_rel"
+    if not _number(row.get("ratio")) or not isinstance(row.get("verdict"), str) or "unit" not in row:
+        return "it lacks a numeric \"ratio\", a \"verdict\" or a \"unit\""
+    interval = row.get("interval")
+    if interval is not None and not (isinstance(interval, list) and len(interval) == 2 and all(map(_number, interval))):
+        return "its \"interval\" is not two numbers"
+    values = row.get("values", {})
+    if not isinstance(values, dict) or any(not isinstance(values.get(side, []), list)
+                                           or not all(v is None or _number(v) for v in values.get(side, []))
+                                           for side in ("A", "B")):
+        return "its \"values\" are not lists of numbers per side"
+    return None
+
+
+def shape_problem(report: dict) -> str | None:
+    """The first field of an A/B report the screen could not show, in words (None: every one it reads is
+    there, with its type): a hand-edited or foreign JSON is refused in place instead of failing as it is drawn."""
+    for index, row in enumerate(report["rows"]):
+        problem = _row_problem(row)
+        if problem is not None:
+            return f"rows[{index}]: {problem}"
+    sides = report.get("sides", {})
+    if not isinstance(sides, dict) or not all(isinstance(sides.get(name, {}), dict)
+                                              and isinstance(sides.get(name, {}).get("overrides", {}), dict)
+                                              for name in ("A", "B")):
+        return "\"sides\" is not an object of sides A and B with their overrides"
+    runs = report.get("runs", [])
+    if not isinstance(runs, list) or not all(isinstance(run, dict) and isinstance(run.get("round"), int)
+                                             for run in runs):
+        return "\"runs\" is not a list of runs with their rounds"
+    failure = report.get("failure")
+    if failure and not (isinstance(failure, dict) and "side" in failure and "line" in failure):
+        return "\"failure\" names no side and line"
+    if not isinstance(report.get("workload", {}), dict):
+        return "\"workload\" is not an object"
+    return None
 
 
 class AbScreen(Screen):

@@ -15,7 +15,11 @@ does for that configuration:
 Any other attention (a composite mask without sinks, a head_dim no fused kernel takes, a latent shape the MLA
 kernel declines) has no such check: the screen says so in one line and runs nothing.
 The check runs in a thread worker; `engine.compare` is imported lazily: where a build lacks it, the screen says
-so instead of failing.
+so instead of failing. Its sizes are checked against this machine's memory before it starts (as the command's
+are). It holds the app's engine lock while it runs, so it never runs beside a generation, a replayed step or a
+bench, nor beside a check left running: the Triton interpreter cannot run two kernels at once. Leaving the
+screen stops it after its current part (a reference or one kernel call: the interpreter cannot be interrupted
+inside one), unrecorded.
 
 On a CPU the kernels run under the Triton interpreter, so the default sizes are cut to run in about ten
 seconds; every size is editable.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import threading
 import time
 
 import torch
@@ -54,6 +59,41 @@ SIZES = ("seq_len", "window", "block", "pad")
 
 MLA_SIZES = ("seq_len", "heads")
 DECODE_SIZES = ("seq_len", "batch")
+
+
+class CheckCancelled(Exception):
+    """The screen was left: the check stops after its current part."""
+
+
+class CheckProgress:
+    """The engine check's progress object: each finished part becomes a note on the queue; once the screen is
+    left, the next part raises CheckCancelled."""
+
+    def __init__(self, queue: EngineQueue, cancel: threading.Event) -> None:
+        self.queue, self.cancel = queue, cancel
+
+    def advance(self, steps: int = 1, note: str = "") -> None:
+        if self.cancel.is_set():
+            raise CheckCancelled()
+        self.queue.put(events.CheckProgressEvent(note))
+
+
+def check_request(kind: str | None, parameters: dict[str, Any], where: str = "the attention check") -> None:
+    """The check's memory at these sizes against this machine's, before anything is allocated: the bounds
+    `check-attention` applies (UserError naming both sizes)."""
+    p, device = parameters, parameters["device"]
+    if kind == MLA:
+        from engine.compare_mla import check_request as mla_request
+
+        mla_request(p["seq_len"], p["heads"], p["kv_lora_rank"], p["rope_dim"], device, where)
+    elif kind == DECODE:
+        from engine.compare_decode import check_request as decode_request
+
+        decode_request(p["seq_len"], p["batch"], p["heads"], p["kv_heads"], p["head_dim"], device, where)
+    else:
+        from engine.limits import check_attention_request
+
+        check_attention_request(p["seq_len"], p["heads"], p["kv_heads"], p["head_dim"], device, where)
 
 
 def load_check(kind: str | None = SINKS) -> Callable[..., dict] | None:
@@ -230,7 +270,7 @@ def render_mla_result(result: dict) -> Text:
 
 class AttentionCheckScreen(Screen):
     BINDINGS = [
-        Binding("escape,f3", "app.pop_screen", "Back"),
+        Binding("escape,f3", "leave", "Back"),
         Binding("f7", "run_check", "Run check"),
     ]
 
@@ -250,7 +290,9 @@ class AttentionCheckScreen(Screen):
         self.shape = attention_shape(engine)
         self.sizes = {MLA: MLA_SIZES, SINKS: SIZES, DECODE: DECODE_SIZES}.get(self.kind, ())
         self.queue = EngineQueue()
+        self.cancel = threading.Event()
         self.running = False
+        self.started = 0.0  # perf_counter when the running check was asked for
         self.result: dict | None = None
         self._action: dict | None = None  # the session's record of the running check, saved when it finishes
 
@@ -319,14 +361,18 @@ class AttentionCheckScreen(Screen):
             return
         try:
             parameters = self.parameters()
+            check_request(self.kind, parameters)
         except UserError as error:
             output.update(f"refused: {error}")
             return
         self.running = True
+        self.started = time.perf_counter()
+        self.cancel.clear()
         self.refresh_bindings()
         shown = {**parameters, "dtype": DTYPE_NAMES.get(parameters["dtype"], parameters["dtype"])}
         name = {MLA: "check_mla", DECODE: "check_decode"}.get(self.kind, "check_attention")
-        output.update(f"running {name}({', '.join(f'{k}={v}' for k, v in shown.items())}) …")
+        self.running_line = f"running {name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
+        output.update(f"{self.running_line} …")
         # Plain values for sessions: "torch.float32" (the session format reads float32); the latent check is the
         # step's mla = true, the decode check its decode = true, with the model's dims written out
         kind = {MLA: {"mla": True}, DECODE: {"decode": True}}.get(self.kind, {})
@@ -339,23 +385,57 @@ class AttentionCheckScreen(Screen):
 
     @work(thread=True, exclusive=True, group="attention-check")
     def run_check(self, parameters: dict[str, Any]) -> None:
-        """On the worker thread: only the queue is touched."""
-        started = time.perf_counter()
+        """On the worker thread: only the queue is touched. Waits for the app's engine lock (a generation, a
+        replayed step, a bench or a check left running finishes first), giving up when the screen is left."""
+        lock = getattr(self.app, "engine_lock", None) or threading.Lock()
+        if not lock.acquire(blocking=False):
+            self.queue.put(events.CheckProgressEvent("waiting for the run before it to finish"))
+            while not lock.acquire(timeout=0.1):
+                if self.cancel.is_set():
+                    self.queue.put(events.CheckDoneEvent(None, None, cancelled=True))
+                    return
         try:
-            result = self.check(**parameters)
+            started = time.perf_counter()
+            result = self.check(**parameters, progress=CheckProgress(self.queue, self.cancel))
+        except CheckCancelled:
+            self.queue.put(events.CheckDoneEvent(None, None, cancelled=True))
+            return
         except UserError as error:
             self.queue.put(events.CheckDoneEvent(None, str(error)))
             return
+        finally:
+            lock.release()
         self.queue.put(events.CheckDoneEvent(result, None, time.perf_counter() - started))
+
+    def cancel_work(self) -> None:
+        """Stop a running check after its current part (the app calls this on quit)."""
+        self.cancel.set()
+
+    def action_leave(self) -> None:
+        if self.running:
+            self.cancel_work()
+            self.app.notify(f"attention check stopping after its current part ({time.perf_counter() - self.started:.0f} "
+                            f"s in; the interpreter cannot stop inside a kernel call); not recorded",
+                            severity="warning")
+        self.app.pop_screen()
 
     def drain(self) -> None:
         for message in self.queue.drain():
             self.post_message(message)
 
+    def on_attention_check_progressed(self, message: events.AttentionCheckProgressed) -> None:
+        if self.running:
+            self.query_one("#check-output", Static).update(
+                f"{self.running_line} … {message.note} ({time.perf_counter() - self.started:.0f} s)")
+
     def on_attention_check_finished(self, message: events.AttentionCheckFinished) -> None:
         self.running = False
         self.refresh_bindings()
         output = self.query_one("#check-output", Static)
+        if message.cancelled:
+            output.update("check stopped when the screen was left; f7 runs it again")
+            self._action = None
+            return
         if message.error is not None:
             output.update(f"check refused: {message.error}")
             return

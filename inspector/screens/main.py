@@ -23,10 +23,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, TextArea
 
 from engine.errors import UserError
-from engine.flags import DEFAULT, ResolvedFlags
+from engine.flags import DEFAULT, SPECS, ResolvedFlags
 from engine.layer_timing import PROFILED
 from engine.printable import printable
 from engine.runtime import Engine
@@ -90,8 +90,10 @@ def parse_max_tokens(text: str) -> int:
 
 
 def describe_changed(flags: ResolvedFlags) -> str:
-    """A's title: the flags not at their defaults, or that it runs on defaults."""
-    changed = {name: flags[name] for name, source in flags.sources.items() if source != DEFAULT}
+    """A's title: the flags whose values are not their defaults, or that it runs on defaults (a session the TUI
+    saved sets every flag, most to its default: those are not changes)."""
+    changed = {name: flags[name] for name, source in flags.sources.items()
+               if source != DEFAULT and flags[name] != SPECS[name].default}
     return describe_overrides(changed) if changed else "default flags"
 
 
@@ -264,7 +266,7 @@ class MainScreen(Screen):
         self.current_run = run
         self.clear_results(flags_a, "A running; B waits")
         lock = getattr(self.app, "engine_lock", None)
-        waiting = " (waiting for the engine: a replayed step or a bench holds it)" if lock and lock.locked() else ""
+        waiting = " (waiting for the engine: a replayed step, a bench or an attention check holds it)" if lock and lock.locked() else ""
         status.set_activity(f"running A: 0/{max_tokens}{waiting}", running=True)
         self.refresh_bindings()
         run.action = {
@@ -425,9 +427,9 @@ class MainScreen(Screen):
     def on_session_changed(self, message: events.SessionChanged) -> None:
         from inspector.tui_session import shown_path
 
-        self.query_one(StatusBar).set_session(f"{shown_path(message.path)} · {message.steps} "
-                                              f"step{'s' if message.steps != 1 else ''}"
-                                              + (f" · {message.note}" if message.note else ""))
+        steps = f" · {message.steps} step{'s' if message.steps != 1 else ''}" + (f" · {message.note}" if message.note
+                                                                                else "")
+        self.query_one(StatusBar).set_session(shown_path(message.path) + steps, Path(message.path).name + steps)
 
     def load_session_state(self, flags: ResolvedFlags, b_overrides: dict[str, Any] | None) -> None:
         """An opened session: A where it left off, and B as its last side-by-side step had it; the last run's
@@ -482,6 +484,12 @@ class MainScreen(Screen):
 
     def action_clear_filters(self) -> None:
         self.query_one(DispatchLog).clear_filters()
+
+    def action_clear_prompt(self) -> None:
+        """Empty the prompt box, as an edit of its own: ctrl+z in the box brings the text back."""
+        prompt = self.query_one("#prompt", TextArea)
+        prompt.clear()
+        prompt.focus()
 
     def set_flag(self, name: str, value: Any) -> None:
         """From the command palette: a value for a select/bool flag, or None to focus an int flag's box."""
@@ -560,13 +568,10 @@ class MainScreen(Screen):
     def export_log(self, text: str) -> str:
         """Write the shown rows to `text` (.csv, .json or .jsonl); UserError, shown in place, for another name."""
         from inspector import records
-        from inspector.commands.output import format_for_path
         from inspector.session import atomic_write_text
 
         path = text.strip()
-        if not path:
-            raise UserError("give a file name, e.g. dispatch-log.csv")
-        fmt = format_for_path(path, None, ("csv", "json", "jsonl"), "export", alternative="")
+        fmt = self.export_format(path)
         rows = self.log_rows()
         if not rows:
             raise UserError("the dispatch log is empty: run a prompt first")
@@ -587,9 +592,21 @@ class MainScreen(Screen):
         self.notify(f"{len(rows)} rows written to {path} ({fmt})", title="export")
         return path
 
+    @staticmethod
+    def export_format(path: str) -> str:
+        """The export's format from its name (csv, json or jsonl); UserError for an empty or another name."""
+        from inspector.commands.output import format_for_path
+
+        if not path:
+            raise UserError("give a file name, e.g. dispatch-log.csv")
+        return format_for_path(path, None, ("csv", "json", "jsonl"), "export", alternative="")
+
     def check_export_path(self, path: str) -> Path:
-        """The export's path, checked (inspector.output_paths): never the open session's file or its results."""
+        """The export's path, checked (inspector.output_paths): a name of an export format, never the open
+        session's file or its results (the dialog asks this before asking to replace a file)."""
         from inspector.output_paths import check_output_path
+
+        self.export_format(path)
 
         session = getattr(self.app, "session", None)
         protect = {} if session is None else {"the open session's file": session.path,

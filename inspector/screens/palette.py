@@ -20,6 +20,7 @@ ACTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("Run prompt", "enter", "run the prompt box's text through A and B at temperature 0 (ctrl+j: a new line)",
      "screen.run_prompt"),
     ("Cancel run", "escape", "stop the running generation at its next step", "screen.cancel"),
+    ("Clear prompt", "", "empty the prompt box (ctrl+z in the box brings the text back)", "screen.clear_prompt"),
     ("Load prompt from a file", "ctrl+n", "put a text file's contents (newlines kept) in the prompt box",
      "screen.prompt_file"),
     ("Earlier / later prompt", "↑ / ↓", "in the prompt box, on its first / last line: the prompt history",

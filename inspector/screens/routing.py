@@ -22,6 +22,10 @@ from textual.widgets import DataTable, Footer, Input, Static
 from engine import routing_stats
 from engine.errors import UserError
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 COLUMNS = ("layer", "tokens", "max/mean", "cv", "woken/step", "uniform", "woken", "uniform", "hottest (share)")
 # Cell colours from cold to hot; a zero-load expert is a dim dot
 RAMP = ("#1d3557", "#2a5d8f", "#3a86a8", "#52b69a", "#99d98c", "#e9c46a", "#f4a261", "#e76f51", "#d62828")
@@ -186,9 +190,9 @@ class RoutingScreen(Screen):
         summary = self.summary = routing_stats.summarize(recording, self.scope)
         header = recording.header
         self.query_one("#routing-status", Static).update(
-            f"{self.source}: {header.get('model', '?')}, {recording.n_steps} steps, {recording.tokens} tokens"
+            f"{self.source}: {header.get('model', '?')}, {_count(recording.n_steps, 'step')}, {_count(recording.tokens, 'token')}"
             + (f"; cut at the cap at step {recording.truncated.get('at_step')}" if recording.truncated else ""))
-        scope = (f"{self.scope.describe()}: steps {summary.first_step}..{summary.last_step}, {summary.tokens} tokens, "
+        scope = (f"{self.scope.describe()}: steps {summary.first_step}..{summary.last_step}, {_count(summary.tokens, 'token')}, "
                  f"top-{summary.top_k} of {summary.experts}" if summary.layers else f"{self.scope.describe()}: "
                  f"nothing recorded")
         self.query_one("#routing-scope", Static).update(

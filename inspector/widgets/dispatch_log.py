@@ -281,9 +281,11 @@ class DispatchLog(Vertical):
             self.post_message(self.Opened(self, event.cursor_row))
 
     def _scrolled(self, old: float, new: float) -> None:
+        """A scroll up pauses following; a scroll that leaves the table at its end does not (a taller window
+        lowers the end, and the table's scroll with it: not the user's doing)."""
         if self._programmatic:
             return
-        if new < old:
+        if new < old and new < self.lines.max_scroll_y:
             self.follow = False
 
     def resume_follow(self) -> None:

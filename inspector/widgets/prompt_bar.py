@@ -116,7 +116,7 @@ class PromptBar(Horizontal):
         yield area
         with Horizontal(id="max-tokens-box"):
             yield Label(MAX_TOKENS_LABEL, id="max-tokens-label")
-            yield Input(str(self.max_tokens), id="max-tokens", restrict=r"[0-9]*", max_length=5, compact=True)
+            yield Input(str(self.max_tokens), id="max-tokens", restrict=r"[0-9]*", max_length=9, compact=True)
 
     def on_mount(self) -> None:
         self._show_lines()

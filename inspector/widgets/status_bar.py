@@ -24,6 +24,9 @@ def model_details(engine: Engine) -> str:
             f"head_dim {c.head_dim} · context {c.max_seq_len} · {engine.weights_source}")
 
 
+NARROW = 140  # columns under which the bar names the session by its file name alone
+
+
 class StatusBar(Static):
     """Model, device, and the state of the current generation."""
 
@@ -32,7 +35,7 @@ class StatusBar(Static):
         self.engine = engine
         self.activity = "idle"
         self.running = self.alert = False
-        self.session = ""  # where actions are recorded; empty when nothing records
+        self.session = self.session_short = ""  # where actions are recorded; empty when nothing records
 
     def on_mount(self) -> None:
         self._render_line()
@@ -45,8 +48,13 @@ class StatusBar(Static):
         self.set_class(alert, "-alert")
         self._render_line()
 
-    def set_session(self, text: str) -> None:
-        self.session = text
+    def set_session(self, text: str, short: str | None = None) -> None:
+        """`text`: the session's path and state; `short`: the same with the file's name alone, shown where the
+        bar is narrower than NARROW (a whole path would push the name off an 80-column line)."""
+        self.session, self.session_short = text, short or text
+        self._render_line()
+
+    def on_resize(self) -> None:
         self._render_line()
 
     def _render_line(self) -> None:
@@ -64,7 +72,7 @@ class StatusBar(Static):
         else:
             line.append("○ see below", style="bold")
         if self.session:
-            line.append(f"  │  session {self.session}")
+            line.append(f"  │  session {self.session if self.size.width >= NARROW else self.session_short}")
         line.append(f"  │  {model_details(self.engine)}")
         line.no_wrap, line.overflow = True, "ellipsis"
         # an alert: the first line as ever, then the whole reason, wrapped
