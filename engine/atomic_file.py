@@ -100,8 +100,12 @@ def _open_unnamed(directory: Path, mode: int) -> int | None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` atomically (see the module docstring); raises OSError on failure, and
-    then `path` is as it was and no temporary is left."""
+    then `path` is as it was and no temporary is left. A symbolic link is written through: the file it leads to is
+    replaced (its temporary beside it) and the link is kept, as a user who linked a results file into a store
+    expects."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     directory = path.parent
     existing_mode = None
     try:

@@ -46,11 +46,11 @@ def parse_ep(value, where: str = "--ep") -> int:
     return value
 
 
-def check_divisible(n_experts: int, ranks: int, model: str) -> None:
-    """Each rank holds E / W contiguous experts: W must divide E."""
+def check_divisible(n_experts: int, ranks: int, model: str, option: str = "--ep") -> None:
+    """Each rank holds E / W contiguous experts: W must divide E (`option`: where the count was given)."""
     if n_experts % ranks:
         divisors = [d for d in range(1, min(n_experts, MAX_RANKS) + 1) if n_experts % d == 0]
-        raise UserError(f"--ep {ranks}: {model} has {n_experts} experts, not divisible by {ranks} ranks; "
+        raise UserError(f"{option} {ranks}: {model} has {n_experts} experts, not divisible by {ranks} ranks; "
                         f"give one of {', '.join(map(str, divisors))}")
 
 

@@ -67,7 +67,7 @@ def _parse_int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]
         if isinstance(value, bool):
             raise ValueError
         if isinstance(value, str):
-            if not re.fullmatch(r"\s*[+]?\d+\s*", value):
+            if not re.fullmatch(r"\s*[+]?[0-9]+\s*", value):  # ASCII digits: \d takes "٣" too
                 raise ValueError
             value = int(value)
         if not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):

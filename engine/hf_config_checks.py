@@ -45,6 +45,9 @@ ROPE_TYPES: dict[str, str] = {
     "truncate": BOOL, "partial_rotary_factor": NUMBER,
 }
 QUANTIZATION_TYPES: dict[str, str] = {"quant_method": TEXT}
+# Numbers that only mean something above zero (a theta of 0 rotates nothing; an eps of -1 divides by a negative
+# mean square); the loader read 0 as "not given" for some of them, silently replacing it by a default.
+POSITIVE = frozenset({"rms_norm_eps", "rope_theta", "factor", "original_max_position_embeddings"})
 
 # Ceilings on sizes: every released MoE model sits orders of magnitude below (DeepSeek-V3: 61 layers,
 # 256 experts, hidden 7168, vocab 129280; context windows up to a few million tokens).
@@ -84,6 +87,9 @@ def _check_table(values: dict, types: dict[str, str], path: Path, prefix: str = 
         if not _has_type(value, expected):
             raise UserError(f"{printable(str(path))}: {prefix}{key!r} is {printable(repr(value), 60)}, expected "
                             f"{expected}: fix config.json")
+        if key in POSITIVE and not value > 0:
+            raise UserError(f"{printable(str(path))}: {prefix}{key!r} is {printable(repr(value), 60)}, and it must be "
+                            f"above 0: fix config.json")
         if expected == INT:
             limit = SIZE_LIMITS.get(key, DEFAULT_SIZE_LIMIT) if not prefix else DEFAULT_SIZE_LIMIT
             if not -limit <= value <= limit:
@@ -100,6 +106,14 @@ def check_config_values(values: dict, path: Path) -> None:
             _check_table(values[key], ROPE_TYPES, path, f"{key}.")
     if isinstance(values.get("quantization_config"), dict):
         _check_table(values["quantization_config"], QUANTIZATION_TYPES, path, "quantization_config.")
+    both = [values.get(key) for key in ("rope_parameters", "rope_scaling")]
+    if all(isinstance(table, dict) and table for table in both) and _rope_kind(both[0]) != _rope_kind(both[1]):
+        raise UserError(f"{printable(str(path))}: rope_parameters says rope_type {_rope_kind(both[0])!r} and "
+                        f"rope_scaling says {_rope_kind(both[1])!r}; readers differ on which wins: keep one of them")
+
+
+def _rope_kind(table: dict) -> str:
+    return str(table.get("rope_type") or table.get("type") or "default")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")

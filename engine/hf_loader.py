@@ -869,6 +869,8 @@ def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
     # Every tensor's presence, shape and dtype first, and no tensor left over: a bad checkpoint loads nothing.
     used = _expect_sources(checkpoint, sources, shapes)
     _refuse_unused(config, family, checkpoint, used, unread_layers)
+    if config.tie_embeddings and "lm_head.weight" in checkpoint:
+        _check_tied_head(checkpoint)
     weights: dict[str, torch.Tensor] = {}
     progress = Progress(len(sources), f"loading {checkpoint.directory.name}",
                         stream=sys.stderr if stream is None else stream)
@@ -881,6 +883,18 @@ def _load_weights(config: ModelConfig, family: str, checkpoint: Checkpoint,
     finally:
         progress.close()
     return weights
+
+
+def _check_tied_head(checkpoint: Checkpoint) -> None:
+    """A checkpoint whose config.json ties the output head to the embedding may store lm_head.weight anyway, but
+    then it must be the embedding: one that differs is a head config.json says is not there (readers differ on
+    which they use), refused before a weight is loaded."""
+    head, embed = checkpoint.entries["lm_head.weight"], checkpoint.entries.get("model.embed_tokens.weight")
+    if embed is None or head.shape != embed.shape or head.dtype != embed.dtype or not torch.equal(
+            checkpoint.read("lm_head.weight"), checkpoint.read("model.embed_tokens.weight")):
+        raise UserError(f"{head.file}: tensor lm_head.weight is not the embedding (model.embed_tokens.weight), and "
+                        f"config.json sets tie_word_embeddings: the checkpoint and its config disagree; set "
+                        f"tie_word_embeddings to false if the head is its own")
 
 
 def _refuse_unused(config: ModelConfig, family: str, checkpoint: Checkpoint, used: set[str],

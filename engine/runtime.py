@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import time
 from pathlib import Path
@@ -93,6 +94,8 @@ def _directory_tokenizer(directory: Path, config: ModelConfig) -> tuple[object, 
             return HFTokenizer(directory / "tokenizer.json"), ""
         except UserError as error:
             reason = str(error).split(": ", 1)[-1]
+    elif os.path.lexists(directory / "tokenizer.json"):  # a pipe, a device, a link that leads nowhere
+        reason = "tokenizer.json is not a regular file"
     else:
         reason = "no tokenizer.json"
     if config.vocab_size < 256:

@@ -36,7 +36,8 @@ import json
 import math
 import os
 import statistics
-from pathlib import Path
+
+from engine.atomic_file import atomic_write_bytes
 
 HOST, DEVICE = 1, 2
 ATTENTION, MOE, OTHER = "attention", "moe", "other"
@@ -405,18 +406,20 @@ class Trace:
                 "otherData": {"producer": "moe-inspector", "notes": self.notes, "attributions": self.attributions,
                               "clock": "the step records' clock (perf_counter), µs from the first event"}}
 
-    def write(self, path: str | os.PathLike) -> int:
-        """Write the trace (validated first) atomically; returns its size in bytes."""
+    def dumps(self) -> bytes:
+        """The trace as UTF-8 JSON, validated first (ValueError where it does not follow the format)."""
         payload = self.to_json()
         problems = validate(payload)
         if problems:
             raise ValueError(f"the trace does not follow the trace-event format: {problems[0]}")
-        text = json.dumps(payload, separators=(",", ":"), default=str)
-        target = Path(path)
-        temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, target)
-        return len(text.encode("utf-8"))
+        return json.dumps(payload, separators=(",", ":"), default=str).encode("utf-8")
+
+    def write(self, path: str | os.PathLike) -> int:
+        """Write the trace atomically (engine.atomic_file: on a failure, an OSError, the file is as it was and no
+        temporary is left); returns its size in bytes."""
+        data = self.dumps()
+        atomic_write_bytes(path, data)
+        return len(data)
 
 
 def _moe_args(record: dict) -> dict:

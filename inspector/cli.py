@@ -7,8 +7,10 @@ Ctrl-C (a long command prints what it had done first).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
+import re
 import sys
 
 from engine.errors import UserError
@@ -76,6 +78,17 @@ class _Subcommands(argparse._SubParsersAction):
             subparser.error(f"unrecognized arguments: {' '.join(printable(part) for part in rest)}")
 
 
+def _ascii_int(text: str) -> int:
+    """An integer written in ASCII digits, as a user types one: int() would also take "٣" (an Arabic-Indic three)
+    and "1_0"."""
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):
+        raise ValueError(text)
+    return int(text)
+
+
+_ascii_int.__name__ = "int"  # argparse names the type in its refusal: "invalid int value: '٣'"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; keep its message to one line plus the usage. The top parser tells
     the options given before a subcommand from its defaults (`_Subcommands`; `given_globals` names them)."""
@@ -83,6 +96,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Subcommands)
+        self.register("type", int, _ascii_int)  # every `type=int` option: what int() takes beyond ASCII digits
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         self.print_usage(sys.stderr)
@@ -137,10 +151,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A write that found no room, with no path named: every file this tool writes goes through write_output, which
+# names its path, so what is left is standard output (a full disk under `> out.json`, or /dev/full).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _stdout_refuses(error: OSError) -> bool:
+    """Whether `error` is standard output finding no room; if so stdout is pointed at /dev/null, so that the
+    interpreter's last flush does not fail again."""
+    if error.filename is not None or error.errno not in NO_ROOM:
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return True
+
+
+# Options and arguments that name a file: given as '' they were read as "not given" wherever the code tests the
+# value's truth (`--trace ''` ran and wrote nothing), so a blank one is refused as the empty path it is.
+PATH_DESTS = ("trace", "record_routing", "results", "report", "json_out", "csv", "prompt_file", "session", "sweep",
+              "out", "calibration", "routing", "file")
+
+
+def _blank_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The option (or argument) of PATH_DESTS given as a blank string, as the user spells it; None if none."""
+    actions = []
+    for action in parser._actions:  # the command's own first: its `session` argument is not the TUI's --session
+        if isinstance(action, argparse._SubParsersAction) and args.command in action.choices:
+            actions += action.choices[args.command]._actions
+    seen = {action.dest for action in actions}
+    actions += [action for action in parser._actions if action.dest not in seen]
+    for action in actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in PATH_DESTS and isinstance(value, str) and not value.strip():
+            return action.option_strings[-1] if action.option_strings else action.metavar or action.dest
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        blank = _blank_path(parser, args)
+        if blank is not None:
+            raise UserError(f"{blank}: an empty path; give a file name")
         if args.command is None:
             from inspector.tui import launch  # textual is imported only for the TUI
 
@@ -160,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13
     except OSError as error:
         # A path the user gave that the system refuses (a name too long, a link loop, no permission) where no
-        # check named it first: still one line naming the path, exit 2. An OSError about no path is a bug.
+        # check named it first: still one line naming the path, exit 2. Standard output that takes no more (a
+        # full disk, /dev/full) is the user's too. Any other OSError about no path is a bug.
+        if _stdout_refuses(error):
+            print(f"moe-inspector: error: standard output could not be written ({error.strerror or error}); free "
+                  f"space or send it elsewhere", file=sys.stderr)
+            return 2
         if error.filename is None:
             raise
         print(f"moe-inspector: error: {path_error(error)}", file=sys.stderr)

@@ -85,8 +85,9 @@ def _checkpoint_file(path: Path) -> bool:
 
 
 def check_output_path(path: str | os.PathLike | None, option: str,
-                      protect: Mapping[str, str | os.PathLike | None] | None = None) -> Path:
-    """The path, checked as the module docstring says; `option` names it in messages (`--results`)."""
+                      protect: Mapping[str, str | os.PathLike | None] | None = None, calibration: bool = False) -> Path:
+    """The path, checked as the module docstring says; `option` names it in messages (`--results`). Never the
+    calibration file moe_gate=measured reads, unless `calibration` (sweep, which merges its entries into it)."""
     text = "" if path is None else os.fspath(path)
     if not text.strip():
         raise UserError(f"{option}: an empty path; give a file name")
@@ -94,7 +95,12 @@ def check_output_path(path: str | os.PathLike | None, option: str,
         raise UserError(f"{option} {printable(text)!s}: a path cannot hold a NUL character")
     path = Path(text).expanduser()
     shown = printable(str(path))
-    for what, other in (protect or {}).items():
+    from engine.calibration import calibration_path
+
+    # the calibration file moe_gate=measured reads (and only sweep writes, merging): no command's output
+    always = {} if calibration else {
+        "the calibration file moe_gate=measured reads (MOEI_CALIBRATION or its default)": calibration_path()}
+    for what, other in {**(protect or {}), **always}.items():
         if other is not None and _same_file(path, Path(other).expanduser()):
             raise UserError(f"{option} {shown}: that is {what}, which this command must not overwrite; "
                             f"give another file name")

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine.bounded_read import read_regular
 from engine.errors import UserError
 
 MAX_BYTES = 8 * 1024 * 1024  # far above any context this tool runs (4096 byte tokens on demo), far below RAM
@@ -29,11 +30,10 @@ def read_prompt_file(path: str, option: str = "--prompt-file") -> str:
             raise UserError(f"{where}: is a directory; name the text file that holds the prompt")
         try:
             size = file.stat().st_size
-            if size > MAX_BYTES:
+            if size > MAX_BYTES and file.is_file():
                 raise UserError(f"{where}: {size:,} bytes, more than the {MAX_BYTES:,} a prompt file may hold; "
                                 "give a shorter file")
-            with open(file, "rb") as handle:
-                data = handle.read(MAX_BYTES + 1)
+            data = read_regular(file, MAX_BYTES, where, "give a text file, or pipe the prompt to --prompt-file -")
         except FileNotFoundError:
             raise UserError(f"{where}: no such file; check the path (relative to {os.getcwd()})") from None
         except OSError as error:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine import flags as flag_registry
+from engine.bounded_read import read_regular
 from engine.config import PRESETS, ModelConfig
 from engine.errors import UserError
 from engine.json_input import parse_json
@@ -237,6 +238,11 @@ def preflight(session: Session, where: str, device_name: str) -> tuple[ModelConf
     except UserError as error:
         source = f"{where}: [engine] device" if device_name == session.engine.device else "--device"
         raise UserError(f"{source}: {error}") from None
+    from engine.model_source import check_fits
+    from engine.runtime import Engine
+
+    check_fits(model, device, Engine.dtype_for(device), f"{where}: [engine] model {printable(name)}",
+               "use a smaller model, or a device with more memory (--device), or free memory")
     for index, step in enumerate(session.steps, start=1):
         here = f"{where}: step {index} ({step.action})"
         try:
@@ -365,10 +371,8 @@ def recorded_session(path: str | os.PathLike) -> str | None:
 def read_results(path: str | os.PathLike, session_path: str) -> tuple[dict, list[dict]]:
     path = Path(path)
     try:
-        if path.is_file() and path.stat().st_size > MAX_RESULTS_BYTES:
-            raise UserError(f"{path}: more than {MAX_RESULTS_BYTES} bytes, not a results file this reads; run the "
-                            f"session again to re-record")
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, MAX_RESULTS_BYTES, str(path), "give the .results.jsonl "
+                            "that `moe-inspector run` wrote, or run the session again to re-record").decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no recorded results for {session_path}; record them first with "
                         f"`moe-inspector run {shlex.quote(str(session_path))}`") from None
@@ -428,6 +432,10 @@ def check_replayable(session: Session, header: dict, recorded: list[dict], resul
         if _as_spelled(line.get("definition")) != _as_spelled(definition):
             raise UserError(f"{results_path}: step {index} was recorded as {line.get('definition')}, the session "
                             f"now says {definition}; {rerun}")
+        if line.get("action") != definition.get("action"):  # a line at odds with itself: edited, not recorded
+            raise UserError(f"{results_path}: step {index}'s line says action "
+                            f"{printable(repr(line.get('action')), 40)}, its own definition "
+                            f"{definition.get('action')!r}: the recording was edited; {rerun}")
 
 
 # Keys that name a model by path: a moved model with its path fixed is the same step; its content is what replay
@@ -486,6 +494,10 @@ def diff_step(recorded: dict, now: dict) -> list[str]:
     """What differs between a recorded step result and its re-run, in words; timings are not compared."""
     differences = []
     label = _label(recorded)
+    configs_recorded = [run.get("config") for run in recorded.get("runs", [])]
+    configs_now = [run.get("config") for run in now.get("runs", [])]
+    if configs_recorded != configs_now:  # a run missing from the recording is a difference, not a pass
+        differences.append(f"{label}: runs recorded under configs {configs_recorded}, re-run under {configs_now}")
     for run_recorded, run_now in zip(recorded.get("runs", []), now.get("runs", [])):
         where = f"{label}, config {run_recorded['config']}"
         if isinstance(run_now.get("model"), dict):  # B ran on a model of its own (a compare step's b_model)

@@ -264,6 +264,23 @@ def mla_shape(step: CheckAttentionStep, model: ModelConfig, here: str) -> dict[s
     return {"seq_len": step.seq_len, "heads": step.heads or model.n_heads, **shape}
 
 
+def as_step_keys(message: str) -> str:
+    """A check's message with its command-line options (`--head-dim`) spelled as a session step's keys
+    (`head_dim`), and the device as the session's [engine] key."""
+    import re
+
+    message = message.replace("--device", "[engine] device")
+    return re.sub(r"--([a-z][a-z-]*)", lambda match: match.group(1).replace("-", "_"), message)
+
+
+def _dtype_name(dtype: str | None, device) -> str:
+    """A step's dtype (float32, float16, bfloat16; None: the engine's) as engine.compare names it."""
+    names = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+    if dtype:
+        return names.get(dtype, dtype)
+    return "bf16" if str(device).startswith("cuda") else "fp32"
+
+
 def attention_shape(step: CheckAttentionStep, model: ModelConfig) -> dict[str, Any]:
     """The step's shape with the model's values filled in where the step leaves them out."""
     mask = _composite_mask(model)
@@ -500,6 +517,14 @@ class CheckAttentionAction(Action):
         if shape["pad"] >= shape["seq_len"]:
             raise UserError(f"{here}: pad {shape['pad']} leaves no unpadded key of seq_len {shape['seq_len']}; "
                             f"use pad < seq_len")
+        from engine.compare import CheckConfig, resolve_device
+
+        try:  # the check's own validation, before anything runs, its option names spelled as the step's keys
+            CheckConfig(**{key: shape[key] for key in ("seq_len", "head_dim", "heads", "kv_heads", "window", "block",
+                                                       "pad", "mode")},
+                        device=resolve_device(device), dtype=_dtype_name(step.dtype, device), seed=0)
+        except UserError as error:
+            raise UserError(f"{here}: {as_step_keys(str(error))}") from None
         limits.check_attention_request(shape["seq_len"], shape["heads"], shape["kv_heads"], shape["head_dim"],
                                        device, here)
 

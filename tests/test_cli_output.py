@@ -211,11 +211,14 @@ def test_a_prompt_file_keeps_every_line(capsys, tmp_path):
     ("directory", "is a directory"),
     (b"", "the file is empty"),
     (b"caf\xe9", "not UTF-8 text (byte 3 is 0xe9)"),
+    ("fifo", "not a regular file (a device, a socket or a pipe)"),  # no writer: a read would wait forever
 ])
 def test_a_bad_prompt_file_is_one_line_and_exit_2(capsys, tmp_path, content, fragment):
     path = tmp_path / "prompt.txt"
     if content == "directory":
         path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
     elif content is not None:
         path.write_bytes(content)
     assert main(["generate", "--model", "tiny", "--device", "cpu", "--prompt-file", str(path)]) == 2
@@ -370,3 +373,51 @@ def test_no_progress_also_quiets_a_checkpoints_loading_lines(tmp_path, capsys):
     assert "loading mixtral" in capsys.readouterr().err
     assert main(argv + ["--no-progress"]) == 0
     assert "loading" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is Linux's")
+def test_standard_output_with_no_room_is_one_line_and_exit_2():
+    """`> out.json` on a full disk (here /dev/full): one line on stderr, exit 2, no traceback."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "inspector", "flags"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=REPOSITORY)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == ("moe-inspector: error: standard output could not be written (No space left on "
+                                   "device); free space or send it elsewhere")
+
+
+def test_format_does_not_make_a_session_name_a_report(capsys, tmp_path):
+    """`run s.toml --report other.toml --format md` would put markdown over another session: refused, untouched."""
+    other = tmp_path / "other.toml"
+    other.write_text((REPOSITORY / "sessions" / "quickstart.toml").read_text())
+    before = other.read_bytes()
+    session = tmp_path / "s.toml"
+    session.write_text(other.read_text())
+    assert main(["run", str(session), "--report", str(other), "--format", "md"]) == 2
+    err = capsys.readouterr().err
+    assert "the name says a session (TOML), which this command does not write; end the name in .md" in err
+    assert other.read_bytes() == before
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["generate", "--model", "tiny", "--prompt", "hi", "--trace", ""], "--trace"),
+    (["generate", "--model", "tiny", "--prompt", "hi", "--record-routing", " "], "--record-routing"),
+    (["bench", "--model", "tiny", "--tg", "1", "--trace", ""], "--trace"),
+    (["replay", "s.toml", "--results", ""], "--results"),
+    (["run", ""], "SESSION.toml"),
+])
+def test_a_blank_path_is_refused_not_taken_as_not_given(argv, option, capsys):
+    """`--trace ''` ran and wrote nothing: every option that names a file refuses a blank one, naming it."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"moe-inspector: error: {option}: an empty path; give a file name\n"
+
+
+@pytest.mark.parametrize("argv", [["--max-tokens", "\u0663"], ["--max-tokens", "1_0"], ["--set", "decode_floor=\u0663"]])
+def test_integers_are_ascii_digits(argv, capsys):
+    """int() takes an Arabic-Indic three and 1_0; an option or a flag takes the digits a user types."""
+    try:
+        code = main(["generate", "--model", "tiny", "--prompt", "hi", *argv])
+    except SystemExit as usage:  # argparse's refusal: its usage line and one error line
+        code = usage.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and ("invalid int value" in err or "is not allowed" in err), err

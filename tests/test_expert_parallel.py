@@ -178,8 +178,19 @@ def test_session_ep_not_dividing_leaves_the_results_as_they_were(tmp_path, capsy
     results = tmp_path / "three.results.jsonl"
     results.write_text("recorded before\n")
     assert main(["run", str(path)]) == 2
-    assert "not divisible by 3 ranks" in capsys.readouterr().err
+    assert f"{path}: [engine] ep 3: tiny has 8 experts, not divisible by 3 ranks" in capsys.readouterr().err
     assert results.read_text() == "recorded before\n"
+
+
+def test_a_bad_step_of_an_ep_session_is_refused_before_a_rank_is_spawned(tmp_path, capfd, monkeypatch):
+    from engine import ep_launch
+
+    monkeypatch.setattr(ep_launch, "run", lambda *args, **kwargs: pytest.fail("ranks spawned"))
+    path = tmp_path / "bad.toml"
+    path.write_text(SESSION.format(ep=2) + '\n[[step]]\naction = "curve"\nk = 100000\n')
+    assert main(["run", str(path)]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "step 2 (curve): k 100000 is more than experts 8" in err, err
 
 
 def test_session_ep_two_runs_on_two_ranks_and_records_them(tmp_path, capfd):

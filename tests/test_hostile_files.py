@@ -282,6 +282,24 @@ def test_a_named_temporary_left_by_a_kill_is_removed_by_the_next_write(tmp_path,
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["s.toml"]
 
 
+def test_an_output_that_is_a_link_is_written_through_and_the_link_kept(tmp_path, capsys):
+    """A results file linked into a store: `run` updates the store's file and keeps the link (replacing the link
+    by a regular file left the store's copy stale)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "real.results.jsonl").write_text("old")
+    (store / "report.md").write_text("old")
+    session = tmp_path / "s.toml"
+    session.write_text(SESSION)
+    (tmp_path / "s.results.jsonl").symlink_to(store / "real.results.jsonl")
+    (tmp_path / "report.md").symlink_to(store / "report.md")
+    assert main(["run", str(session), "--device", "cpu", "--report", str(tmp_path / "report.md")]) == 0, \
+        capsys.readouterr().err
+    for link, target in (("s.results.jsonl", "real.results.jsonl"), ("report.md", "report.md")):
+        assert (tmp_path / link).is_symlink() and (store / target).read_text() != "old"
+    assert sorted(entry.name for entry in store.iterdir()) == ["real.results.jsonl", "report.md"]
+
+
 def test_a_pasted_byte_that_is_not_utf8_becomes_a_replacement_character():
     pytest.importorskip("textual")
     from textual.drivers import linux_driver
@@ -437,6 +455,11 @@ def test_symbolic_links_leading_out_are_refused_and_the_hub_cache_layout_is_kept
     ({"rope_scaling": "yarn"}, "expected an object"),
     ({"architectures": [[]]}, "expected a list of strings"),
     ({"quantization_config": "mxfp4"}, "expected an object"),
+    ({"rms_norm_eps": -1}, "'rms_norm_eps' is -1, and it must be above 0"),
+    ({"rope_theta": 0}, "'rope_theta' is 0, and it must be above 0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0.0}}, "rope_scaling.'factor' is 0.0, and it must be above 0"),
+    ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters says rope_type 'default' and rope_scaling says 'yarn'"),
 ])
 def test_config_sizes_and_types_are_refused_before_any_allocation(tmp_path, capsys, monkeypatch, config, fragment):
     from engine import hf_loader
@@ -476,3 +499,28 @@ def test_a_hostile_tensor_name_reaches_the_terminal_escaped(tmp_path, capsys):
     tensors["\x1b[2Jmodel.extra"] = torch.ones(2)
     code, _, err = generate(capsys, make_checkpoint(tmp_path / "ckpt", tensors=tensors))
     assert code == 2 and "\x1b" not in err and "\\x1b[2Jmodel.extra" in err
+
+
+def test_no_output_overwrites_the_calibration_file_a_run_reads(tmp_path, capsys, monkeypatch):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text("{}")
+    monkeypatch.setenv("MOEI_CALIBRATION", str(calibration))
+    session = tmp_path / "s.toml"
+    session.write_text(SESSION)
+    for option in ("--report", "--trace"):
+        assert main(["run", str(session), "--device", "cpu", option, str(calibration)]) == 2
+        err = capsys.readouterr().err
+        assert "that is the calibration file moe_gate=measured reads" in err and calibration.read_text() == "{}"
+
+
+def test_a_tied_head_stored_unlike_the_embedding_is_refused(tmp_path, capsys):
+    """tie_word_embeddings with an lm_head.weight of its own: the config and the weights disagree (transformers
+    and this engine read it differently), refused before loading; one equal to the embedding loads."""
+    tensors = _tensors()
+    directory = make_checkpoint(tmp_path / "differs", {"tie_word_embeddings": True}, tensors)
+    code, _, err = generate(capsys, directory)
+    assert code == 2 and "tensor lm_head.weight is not the embedding (model.embed_tokens.weight), and config.json " \
+        "sets tie_word_embeddings" in err, err
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    code, _, err = generate(capsys, make_checkpoint(tmp_path / "same", {"tie_word_embeddings": True}, tensors))
+    assert code == 0, err

@@ -363,6 +363,36 @@ def test_replay_detects_a_tampered_token(recorded, capsys, tmp_path):
     assert "DIFFERS" in out
 
 
+def test_replay_refuses_a_recording_missing_a_run_or_relabelled(recorded, capsys, tmp_path):
+    """A run dropped from a step's line is a difference (not a pass over the runs both sides have), and a line
+    whose action contradicts its own definition is an edited recording, refused before anything runs."""
+    session_path = fresh_copy(recorded, tmp_path)
+    results = results_path_for(session_path)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines[2]["runs"].pop()  # step 2's unfused run
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = run_cli(capsys, "replay", session_path)
+    assert code == 1 and "step 2 (prompt): runs recorded under configs ['base'], re-run under ['base', " in err, err
+    lines = [json.loads(line) for line in results_path_for(fresh_copy(recorded, tmp_path)).read_text().splitlines()]
+    lines[3]["action"], lines[3]["numbers"]["k"] = "prompt", 7  # the curve step, relabelled and changed
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = run_cli(capsys, "replay", session_path)
+    assert code == 2 and "step 3's line says action 'prompt', its own definition 'curve': the recording was " \
+        "edited" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_replay_refuses_a_results_file_that_is_not_a_regular_file(recorded, capsys, tmp_path, special):
+    """/dev/zero grew without end and a FIFO waited forever for a writer: both are refused by what they are."""
+    session_path = fresh_copy(recorded, tmp_path)
+    if special == "fifo":
+        special = tmp_path / "fifo.jsonl"
+        os.mkfifo(special)
+    code, _, err = run_cli(capsys, "replay", session_path, "--results", str(special))
+    assert code == 2 and "not a regular file (a device, a socket or a pipe)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_replay_detects_a_changed_decision_and_counter(recorded, capsys, tmp_path):
     session_path = fresh_copy(recorded, tmp_path)
     results = results_path_for(session_path)
@@ -519,3 +549,25 @@ def test_recorder_turns_tui_check_attention_and_compare_payloads_into_valid_step
     with pytest.raises(UserError, match="not one of flag"):
         recorder.append({"action": "dance"})
     assert load_session(tmp_path / "s.toml") == recorder.session  # refused actions changed nothing
+
+
+def test_a_check_attention_steps_bad_values_name_its_keys(tmp_path, capsys):
+    """The check's own validation (`--head-dim must be ...`) is spelled as the step's keys in a session."""
+    path = tmp_path / "s.toml"
+    for key, value, fragment in (("head_dim", "3", "head_dim must be one of 64, 128, 256, 512"),
+                                 ("dtype", '"bfloat16"', "dtype bf16 needs [engine] device cuda")):
+        path.write_text('[session]\nversion = 1\nname = "t"\n[engine]\nmodel = "tiny"\ndevice = "cpu"\n'
+                        f'[[step]]\naction = "check-attention"\nseq_len = 32\n{key} = {value}\n')
+        code, _, err = run_cli(capsys, "run", path)
+        assert code == 2 and f"{path}: step 1 (check-attention): {fragment}" in err and "--" not in err, err
+
+
+def test_a_session_model_too_large_for_memory_names_its_key(tmp_path, capsys, monkeypatch):
+    from engine import model_source
+
+    monkeypatch.setattr(model_source, "free_bytes", lambda device: 1000)
+    path = tmp_path / "s.toml"
+    path.write_text('[session]\nversion = 1\nname = "t"\n[engine]\nmodel = "tiny"\ndevice = "cpu"\n'
+                    '[[step]]\naction = "prompt"\nprompt = "hi"\nmax_tokens = 2\n')
+    code, _, err = run_cli(capsys, "run", path)
+    assert code == 2 and f"{path}: [engine] model tiny: the model's weights take" in err and "--model" not in err

@@ -183,6 +183,31 @@ def test_generate_and_compare_write_traces(tmp_path):
     assert "measured µs" in measured  # generate times each layer: the slices are that long
 
 
+def test_a_trace_that_cannot_be_written_is_one_line_and_leaves_the_old_file(tmp_path, monkeypatch, capsys):
+    """A full disk under --trace: one line, exit 2, the old file as it was and no temporary beside it (the trace
+    was written by hand before, so a failure was a traceback and a .tmp file per attempt)."""
+    import errno
+
+    from engine import atomic_file
+    from inspector.cli import main
+
+    out = tmp_path / "t.json"
+    out.write_text('{"old": true}')
+    real = atomic_file._write_all
+
+    def full(descriptor, data):
+        real(descriptor, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic_file, "_write_all", full)
+    code = main(["generate", "--model", "tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                 "--trace", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--trace {out}: could not be written (No space left on device)" in err
+    assert "Traceback" not in err and out.read_text() == '{"old": true}'
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["t.json"]
+
+
 def test_nvtx_is_off_on_the_cpu():
     import torch
 

@@ -13,6 +13,7 @@ from engine import bench, limits
 from engine import flags as flag_registry
 from engine.config import PRESETS
 from engine.errors import UserError
+from engine.printable import printable
 from engine.progress import Progress
 from engine.runtime import Engine, model_config, resolve_device
 from inspector.commands.common import positive_int_list, seed_argument
@@ -222,8 +223,9 @@ def run_on(args, group=None) -> int:
         finally:
             progress.close()
     if trace is not None:
-        size = trace.write(args.trace)
-        print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
+        data = trace.dumps()
+        write_output(args.trace, data, "--trace")
+        print(f"trace: {printable(str(args.trace))} ({len(data) / 1e6:.2f} MB)", file=sys.stderr)
     if args.json_out:
         write_output(args.json_out, bench.format_json(report), "--json-out")
     if args.record_routing:

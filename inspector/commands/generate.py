@@ -20,6 +20,7 @@ from inspector import records
 from inspector.commands.common import add_engine_arguments, show_engagements
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json, stop_on_interrupt
 from inspector.describe import changed_flags, shared_reason_text
+from inspector.output_paths import write_output
 from inspector.prompt_file import read_prompt_file
 
 FORMATS = ("text", "json", "jsonl", "csv")
@@ -191,8 +192,9 @@ def write_trace(args, runs) -> None:
     trace = Trace()
     for configuration, result, clock in runs:
         trace.add_run(configuration, f"{result.model}: {len(result.tokens)} tokens", clock.stamped(result.steps))
-    size = trace.write(args.trace)
-    print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
+    data = trace.dumps()
+    write_output(args.trace, data, "--trace")
+    print(f"trace: {printable(str(args.trace))} ({len(data) / 1e6:.2f} MB)", file=sys.stderr)
 
 
 def step_callback(clock, progress: Progress | None):

@@ -25,6 +25,9 @@ INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
 
 # File name endings and the format each names.
 EXTENSIONS = {"md": "md", "markdown": "md", "json": "json", "jsonl": "jsonl", "csv": "csv"}
+# Endings of files this tool reads but never writes as output: --format does not make such a name a report's
+# (`run s.toml --report other.toml --format md` would put markdown over another session).
+INPUT_EXTENSIONS = {"toml": "a session (TOML)", "safetensors": "weights (safetensors)", "py": "Python source"}
 
 
 def add_format_arguments(parser: argparse.ArgumentParser, formats: tuple[str, ...], default: str,
@@ -52,6 +55,9 @@ def format_for_path(path: str, explicit: str | None, allowed: tuple[str, ...], o
     named = EXTENSIONS.get(suffix)
     endings = ", ".join(f".{ending}" for ending, fmt in EXTENSIONS.items() if fmt in allowed)
     if explicit is not None:
+        if suffix in INPUT_EXTENSIONS:
+            raise UserError(f"{option} {path}: the name says {INPUT_EXTENSIONS[suffix]}, which this command does not "
+                            f"write; end the name in .{explicit}")
         if named is not None and named != explicit:
             raise UserError(f"{option} {path}: the name says {named} and --format says {explicit}; rename the file "
                             f"or drop --format")

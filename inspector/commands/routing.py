@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.printable import printable
 
 
 def add_parser(subparsers) -> None:
@@ -85,7 +86,7 @@ def run(args) -> int:
     print(routing_stats.format_summary(summary, recording.header, args.columns))
     print(describe_limits(recording))
     if args.csv:
-        print(f"loads written: {args.csv}")
+        print(f"loads written: {printable(str(args.csv))}")
     return 0
 
 
@@ -164,7 +165,8 @@ def write_recording(path: str, recording, quiet: bool = False) -> dict:
     written = {"path": path, "steps": recording.n_steps, "tokens": recording.tokens, "bytes": size,
                "truncated": recording.truncated}
     if not quiet:
-        print(f"routing: {path} ({recording.n_steps} steps, {recording.tokens} tokens, {size / 1024:.1f} KiB)"
+        print(f"routing: {printable(str(path))} ({recording.n_steps} steps, {recording.tokens} tokens, "
+              f"{size / 1024:.1f} KiB)"
               + (f"; stopped at the cap at step {recording.truncated['at_step']}" if recording.truncated else ""),
               file=sys.stderr)
     return written

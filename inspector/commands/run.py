@@ -85,12 +85,12 @@ def run(args) -> int:
 
     if session.engine.ep > 1 or ep_launch.under_torchrun():  # [engine] ep = N: every rank runs every step
         from engine.expert_parallel import check_divisible
-        from engine.model_source import model_config
-        from inspector.session_runner import session_directory
+        from inspector.session_runner import preflight
 
-        model = model_config(session.engine.model, session_directory(args.session))
-        check_divisible(model.n_experts, session.engine.ep, session.engine.model)
-        return ep_launch.run(session.engine.ep, run_rank, args, device=args.device or session.engine.device)
+        device = args.device or session.engine.device
+        model, _ = preflight(session, args.session, device)  # every step checked before a rank is spawned
+        check_divisible(model.n_experts, session.engine.ep, session.engine.model, f"{args.session}: [engine] ep")
+        return ep_launch.run(session.engine.ep, run_rank, args, device=device)
     return run_on(args)
 
 
@@ -119,14 +119,15 @@ def run_on(args, group=None) -> int:
             outcome = run_session(session, args.session, args.device, progress_printer("run"), trace=trace,
                                   cancel=stop)
     if trace is not None:
-        size = trace.write(args.trace)
-        print(f"trace: {args.trace} ({size / 1e6:.2f} MB)", file=sys.stderr)
+        data = trace.dumps()
+        write_output(args.trace, data, "--trace")
+        print(f"trace: {printable(str(args.trace))} ({len(data) / 1e6:.2f} MB)", file=sys.stderr)
     if not outcome.cancelled:
         write_output(results_path, dumps_results(outcome.header, outcome.steps), "--results")
     report = render(outcome.header, outcome.steps, fmt, session.description, cancelled=outcome.cancelled)
     if args.report:
         write_output(args.report, report, "--report")
-        print(f"report: {args.report}", file=sys.stderr)
+        print(f"report: {printable(str(args.report))}", file=sys.stderr)
     else:
         sys.stdout.write(report)
     failed = outcome.failed_checks
@@ -134,8 +135,9 @@ def run_on(args, group=None) -> int:
     ran = len(outcome.steps)
     done = (f"cancelled after {ran} of {len(session.steps)} step{'' if len(session.steps) == 1 else 's'}"
             if outcome.cancelled else f"{ran} step{'' if ran == 1 else 's'}")
-    results = (f"results file not written (cancelled); {results_path} is as it was" if outcome.cancelled
-               else f"results in {results_path}")
+    shown = printable(str(results_path))
+    results = (f"results file not written (cancelled); {shown} is as it was" if outcome.cancelled
+               else f"results in {shown}")
     print(f"[run] {session.name}: {done} on {outcome.header['device']}, "
           + (f"{len(failed)} of {checks} checks FAILED" if failed else
              ("the check held" if checks == 1 else f"all {checks} checks held") if checks else "no checks")

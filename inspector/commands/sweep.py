@@ -112,7 +112,7 @@ def check_calibration_path(explicit: str | None) -> None:
     from inspector.output_paths import check_output_path
 
     if explicit is not None:
-        check_output_path(explicit, "--calibration")
+        check_output_path(explicit, "--calibration", calibration=True)
         check_writable(Path(explicit))
         return
     path = calibration_path()
@@ -120,7 +120,8 @@ def check_calibration_path(explicit: str | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         pass  # the check below says why it cannot be written
-    check_output_path(path, "the calibration file (MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)")
+    check_output_path(path, "the calibration file (MOEI_CALIBRATION or ~/.cache/moe-inspector/calibration.json)",
+                      calibration=True)
     check_writable(path)
 
 
