@@ -31,6 +31,7 @@ from typing import Callable
 
 from engine import ab_rows, ab_stats
 from engine.errors import UserError
+from engine.limits import MAX_AB_ROUNDS, MAX_AB_WARMUP, require_at_most
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SCHEMA = 1
@@ -103,11 +104,15 @@ def current_tree() -> Tree:
     return tree_at(REPOSITORY, "this tree")
 
 
-def tree_at(path: str | os.PathLike, label: str | None = None) -> Tree:
-    """A directory holding a checkout of this project (its `inspector/cli.py`), used as it is."""
+def tree_at(path: str | os.PathLike, label: str | None = None, option: str = "--a-tree/--b-tree") -> Tree:
+    """A directory holding a checkout of this project (its `inspector/cli.py`), used as it is; `option` names
+    the option that gave it in a refusal. A blank path is refused (Path("") is the current directory)."""
+    if not str(path).strip():
+        raise UserError(f"{option} {str(path)!r}: an empty path; give the root of a source tree, or drop {option} "
+                        "to run this tree")
     where = Path(path).expanduser().resolve()
     if not (where / "inspector" / "cli.py").is_file():
-        raise UserError(f"--a-tree/--b-tree {path}: not a checkout of moe-inspector (no inspector/cli.py there); "
+        raise UserError(f"{option} {path}: not a checkout of moe-inspector (no inspector/cli.py there); "
                         "give the root of a source tree")
     identity = str(where)
     try:
@@ -121,14 +126,18 @@ def tree_at(path: str | os.PathLike, label: str | None = None) -> Tree:
     return Tree(where, identity, label or str(where))
 
 
-def tree_of_revision(revision: str, repository: Path = REPOSITORY) -> Tree:
-    """The tree of `revision` in `repository`, unpacked with `git archive` into a temporary directory."""
+def tree_of_revision(revision: str, repository: Path = REPOSITORY, option: str = "--a-rev/--b-rev") -> Tree:
+    """The tree of `revision` in `repository`, unpacked with `git archive` into a temporary directory; `option`
+    names the option that gave it in a refusal."""
+    if not revision.strip():  # git would read "^{commit}" as HEAD's
+        raise UserError(f"{option} {revision!r}: an empty revision; give a commit, branch or tag of this repository, "
+                        f"or drop {option} to run this tree")
     try:
         found = _git(repository, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
     except (OSError, subprocess.SubprocessError) as error:
-        raise UserError(f"--a-rev/--b-rev {revision}: git could not run here ({error}); give --a-tree PATH") from None
+        raise UserError(f"{option} {revision}: git could not run here ({error}); give a tree PATH instead") from None
     if found.returncode != 0 or not found.stdout.strip():
-        raise UserError(f"--a-rev/--b-rev {revision!r}: no such revision in {repository} (git rev-parse found none); "
+        raise UserError(f"{option} {revision!r}: no such revision in {repository} (git rev-parse found none); "
                         "give a commit, branch or tag of this repository")
     commit = found.stdout.strip()
     directory = Path(tempfile.mkdtemp(prefix=f"moei-ab-{commit[:10]}-"))
@@ -138,7 +147,7 @@ def tree_of_revision(revision: str, repository: Path = REPOSITORY) -> Tree:
                               stderr=subprocess.PIPE, timeout=300)
     if done.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)
-        raise UserError(f"--a-rev/--b-rev {revision}: git archive failed: {done.stderr.decode(errors='replace')[:200]}")
+        raise UserError(f"{option} {revision}: git archive failed: {done.stderr.decode(errors='replace')[:200]}")
     root = directory / "tree"
     with tarfile.open(archive) as bundle:
         try:
@@ -160,6 +169,13 @@ class Side:
     def to_json(self) -> dict:
         return {"name": self.name, "tree": self.tree.label, "code": self.tree.identity, "path": str(self.tree.path),
                 "overrides": self.overrides, "flags": self.flags, "set": self.assignments}
+
+
+def side_flag_values(side: Side) -> dict:
+    """The flag values a side's runs set (`assignments`: both sides' --set and its own), as resolved values: a
+    session's copy holds them in its [flags], where the common --set would otherwise be lost."""
+    names = [assignment.partition("=")[0].strip() for assignment in side.assignments]
+    return {name: side.flags[name] for name in names}
 
 
 def same_sides(a: Side, b: Side) -> bool:
@@ -429,8 +445,10 @@ def run_ab(sides: dict[str, Side], workload: Workload, rounds: int, warmup: int 
 
     if rounds < 1:
         raise UserError(f"--rounds must be >= 1, got {rounds}")
+    require_at_most(rounds, MAX_AB_ROUNDS, "--rounds", "timed rounds, each running both sides once; the default is 8")
     if warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {warmup}")
+    require_at_most(warmup, MAX_AB_WARMUP, "--warmup", "discarded runs per side; the default is 1")
     if same_sides(sides["A"], sides["B"]):
         raise UserError("the two sides are the same (same code, same flag values): nothing to compare; change "
                         "--a/--b, or give --a-tree/--a-rev/--b-tree/--b-rev of different code")
@@ -444,7 +462,7 @@ def run_ab(sides: dict[str, Side], workload: Workload, rounds: int, warmup: int 
     try:
         for name, side in sides.items():
             if workload.kind == "session":
-                session_copy(workload.session, side.overrides, scratch / f"session-{name}.toml")
+                session_copy(workload.session, side_flag_values(side), scratch / f"session-{name}.toml")
 
         failed_start: dict[str, SideFailed] = {}
         for name, side in sides.items():  # every side's process starts now (their imports overlap) ...

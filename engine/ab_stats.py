@@ -27,6 +27,8 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from engine.limits import MAX_AB_RESAMPLES
+
 RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by < 0.1 % between seeds at 10 rounds
 CONFIDENCE = 0.95
 TOLERANCE = 0.02  # the no-change band: |B/A - 1| <= 2 %, about the spread of one process's row over its reps
@@ -52,8 +54,8 @@ class Rule:
             raise ValueError(f"tolerance {self.tolerance}: give a fraction in (0, 1), e.g. 0.02 for 2 %")
         if not 0 < self.confidence < 1:
             raise ValueError(f"confidence {self.confidence}: give a fraction in (0, 1)")
-        if self.resamples < 100:
-            raise ValueError(f"resamples {self.resamples}: give at least 100")
+        if not 100 <= self.resamples <= MAX_AB_RESAMPLES:  # each is a pass over the rounds in pure Python
+            raise ValueError(f"resamples {self.resamples}: give from 100 to {MAX_AB_RESAMPLES}")
         if self.min_rounds < 2:
             raise ValueError(f"min_rounds {self.min_rounds}: give at least 2")
 

@@ -26,6 +26,11 @@ MAX_CURVE_EXPERTS = 1 << 20  # routed experts in the curve's arithmetic (real mo
 MAX_CURVE_TOKENS = 1 << 40  # token counts in the curve's arithmetic
 MAX_TILE_M = 1 << 12
 MAX_CHECK_QUANT_TOKENS = 1 << 16  # token counts of one check-quant row (its references loop over the experts)
+# An A/B's rounds and its statistics (engine.ab, engine.ab_stats): each round runs both sides once, and each row's
+# bootstrap is pure Python, about 0.5 s a row at 100000 resamples of 8 rounds.
+MAX_AB_ROUNDS = 10_000  # timed rounds of an A/B (the default is 8; a verdict needs 5)
+MAX_AB_WARMUP = 1000  # discarded warm-up runs per side of an A/B (the default is 1)
+MAX_AB_RESAMPLES = 100_000  # bootstrap resamples of an A/B row (the default is 2000)
 # A seed is a torch generator's, recorded in sessions and results headers: a non-negative int64.
 MAX_SEED = 2**63 - 1
 
