@@ -91,10 +91,12 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         raise _corrupt(path, "the safetensors header is not a JSON object")
     data_bytes = size - 8 - header_bytes
     entries: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []  # each tensor's data bytes, to refuse two that overlap
     for name, spec in header.items():
-        if name == "__metadata__":
-            if spec is not None and not isinstance(spec, dict):
-                raise _corrupt(path, "the header's __metadata__ is not an object")
+        if name == "__metadata__":  # the reader (safetensors) takes text values only, and names no tensor if not
+            if spec is not None and (not isinstance(spec, dict)
+                                     or not all(isinstance(value, str) for value in spec.values())):
+                raise _corrupt(path, "the header's __metadata__ is not an object of text values")
             continue
         shown = printable(name)
         if not isinstance(spec, dict):
@@ -121,6 +123,11 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                                 f"({expected} bytes) but its header gives it {end - begin} bytes: the file is "
                                 f"corrupt; download it again")
         entries[name] = TensorEntry(name, path, dtype, tuple(shape))
+        spans.append((begin, end, shown))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):  # the reader refuses it naming another tensor
+        if begin < end:
+            raise _corrupt(path, f"tensors {first} and {second} claim overlapping bytes of the data")
     return entries
 
 
@@ -227,7 +234,8 @@ class Checkpoint:
         directory = Path(directory)
         index_path = directory / INDEX_FILE
         weight_map = None
-        if index_path.is_file():
+        if os.path.lexists(index_path):  # a FIFO or a dangling link under the index's name: refused, not skipped
+            require_regular_file(index_path)
             weight_map = read_index(directory)
             files = cls._files_from_index(directory, weight_map)
         else:

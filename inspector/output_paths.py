@@ -67,13 +67,15 @@ def _probe_directory(directory: Path) -> None:
     os.unlink(probe)
 
 
-# What a checkpoint directory's load reads besides *.safetensors (engine.hf_loader, engine.trellis_checkpoint).
-CHECKPOINT_FILES = frozenset({"config.json", "tokenizer.json", "model.safetensors.index.json", "quantization.json"})
+# What a checkpoint directory's load reads besides *.safetensors (engine.hf_loader, engine.trellis_checkpoint), and
+# the files the other readers of a Hugging Face checkpoint take from it.
+CHECKPOINT_FILES = frozenset({"config.json", "tokenizer.json", "model.safetensors.index.json", "quantization.json",
+                              "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"})
 
 
 def _checkpoint_file(path: Path) -> bool:
     """Whether `path` is (or would become) a file a load of the checkpoint directory holding it reads: a weight
-    shard, its index, config.json, the tokenizer, a trellis report. Other files beside a checkpoint (a session and
+    shard, its index, config.json, the tokenizer (and its config), a trellis report. Other files beside a checkpoint (a session and
     its results, a report) are the user's to write."""
     name = path.name.lower()
     if name not in CHECKPOINT_FILES and not name.endswith(".safetensors"):

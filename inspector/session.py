@@ -522,7 +522,9 @@ def parse_session(data: Mapping, where: str) -> Session:
     version, name, description = _parse_header(data, where)
     for key in data:
         if key not in TABLES:
-            raise UserError(f"{where}: unknown table {key!r}; allowed: {', '.join(TABLES)}")
+            what = "table" if isinstance(data[key], Mapping) or isinstance(data[key], list) else "top-level key"
+            raise UserError(f"{where}: unknown {what} {printable(repr(key), 60)}; a session holds the tables "
+                            f"{', '.join(TABLES)}")
     engine = _parse_engine(data, where)
     session_flags = _parse_flags(data, where)
     configs = _parse_configs(data, where)
@@ -573,6 +575,9 @@ def load_session(path: str | os.PathLike) -> Session:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise UserError(f"{where}: not valid TOML: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    if text.startswith("\ufeff"):  # TOML allows no byte-order mark; tomllib's message would point at column 1
+        raise UserError(f"{where}: not valid TOML: the file starts with a byte-order mark (U+FEFF); save it as UTF-8 "
+                        f"without one")
     return loads_session(text, where)
 
 

@@ -524,3 +524,50 @@ def test_a_tied_head_stored_unlike_the_embedding_is_refused(tmp_path, capsys):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     code, _, err = generate(capsys, make_checkpoint(tmp_path / "same", {"tie_word_embeddings": True}, tensors))
     assert code == 0, err
+
+
+def test_an_index_that_is_not_a_regular_file_is_refused_not_skipped(tmp_path, capsys):
+    """A FIFO under the index's name was skipped and the shards globbed: the checkpoint is not what it says."""
+    directory = make_checkpoint(tmp_path / "fifo-index", shards=2)
+    index = directory / "model.safetensors.index.json"
+    index.unlink()
+    os.mkfifo(index)
+    code, _, err = generate(capsys, directory)
+    assert code == 2 and "model.safetensors.index.json: not a regular file" in err, err
+
+
+def test_outputs_never_replace_a_checkpoints_generation_config(tmp_path, capsys):
+    directory = make_checkpoint(tmp_path / "ckpt")
+    (directory / "generation_config.json").write_text("{}")
+    code, _, err = cli(capsys, "generate", "--model", directory, "--prompt", "w1", "--max-tokens", "1", "--device",
+                       "cpu", "--trace", directory / "generation_config.json")
+    assert code == 2 and "a file a load of the checkpoint" in err
+    assert (directory / "generation_config.json").read_text() == "{}"
+
+
+def _overlap(header: dict) -> None:
+    """model.norm.weight's bytes moved onto the start of the embedding's."""
+    first = header["model.embed_tokens.weight"]["data_offsets"][0]
+    span = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [first, first + span[1] - span[0]]
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda header: header.update({"__metadata__": {"format": ["pt"]}}), "__metadata__ is not an object of text"),
+    (_overlap, "claim overlapping bytes"),
+])
+def test_a_header_the_reader_would_refuse_names_the_problem_not_another_tensor(tmp_path, capsys, edit, fragment):
+    """safetensors refused these naming model.embed_tokens.weight, a tensor with nothing wrong."""
+    import struct
+
+    directory = make_checkpoint(tmp_path / "ckpt")
+    path = directory / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+    code, _, err = generate(capsys, directory)
+    assert code == 2 and fragment in err, err

@@ -106,6 +106,7 @@ def test_parser_is_plain_functions_over_plain_values():
          "one of masked, causal, unmasked, no_rope, none"),
         ({"step": {"action": "curve"}}, "array of tables"),
         ({"extra": {}}, "unknown table 'extra'"),
+        ({"foo": 1}, "unknown top-level key 'foo'; a session holds the tables"),
     ]
     for extra, fragment in cases:
         with pytest.raises(UserError, match="x.toml") as error:
@@ -571,3 +572,10 @@ def test_a_session_model_too_large_for_memory_names_its_key(tmp_path, capsys, mo
                     '[[step]]\naction = "prompt"\nprompt = "hi"\nmax_tokens = 2\n')
     code, _, err = run_cli(capsys, "run", path)
     assert code == 2 and f"{path}: [engine] model tiny: the model's weights take" in err and "--model" not in err
+
+
+def test_a_session_with_a_byte_order_mark_is_refused_saying_so(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff".encode() + (SESSIONS / "quickstart.toml").read_bytes())
+    with pytest.raises(UserError, match="starts with a byte-order mark"):
+        load_session(path)
