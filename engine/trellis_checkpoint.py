@@ -7,8 +7,12 @@ weights dict in which each layer's `w13` and `w2` are kernels.trellis_reference.
 trellis arms receive), every other tensor a dense tensor. Every tensor's dtype and shape is checked against
 config.json first, so a mismatch is one UserError naming the file and the tensor, and nothing is half loaded.
 
+config.json's model entry is checked field by field (type, range, no unknown key) and every seed against its
+range before any weight loads. `read_layer_file` gives `quantize` the same checks for one layer file it would keep.
+
 Writing: the pieces engine.trellis_job assembles (config.json's entry, the layer and dense files), each
-written to a temporary name and renamed, so a file is whole or absent.
+written to a temporary name and renamed, so a file is whole or absent; a write the system refuses (a full disk)
+is a WriteError naming the file and the system's reason, its temporary file removed.
 
 Knows nothing of the Viterbi search, dispatch or generation.
 """
@@ -17,18 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import sys
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from engine.checkpoint import FLOAT_DTYPES, Checkpoint
+from engine.checkpoint import FLOAT_DTYPES, Checkpoint, read_header
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.errors import UserError
+from engine.hf_config_checks import SIZE_LIMITS
+from engine.limits import MAX_SEED
+from engine.printable import printable
 from engine.progress import Progress
 from kernels.trellis_reference import (HYB_INDEX_BITS, TILE, TrellisCode, TrellisMatrix, hadamard_signs)
 
@@ -106,6 +118,105 @@ _NESTED_CONFIGS = {"rope_scaling": YarnScaling, "latent_attention": LatentAttent
 _TUPLE_FIELDS = ("dense_layers",)
 
 
+# Ranges of the model entry's numbers, by key (nested: `rope_scaling.factor`); a number not listed is finite, and an
+# integer not listed is within 0..2**40. Sizes have engine.hf_config_checks' ceilings for the fields they come from.
+_LARGEST = 1 << 40
+_INTEGER_RANGES: dict[str, tuple[int, int]] = {
+    "n_layers": (1, SIZE_LIMITS["num_hidden_layers"]), "hidden": (1, SIZE_LIMITS["hidden_size"]),
+    "intermediate": (1, SIZE_LIMITS["moe_intermediate_size"]), "n_experts": (1, SIZE_LIMITS["num_experts"]),
+    "top_k": (1, SIZE_LIMITS["num_experts_per_tok"]), "n_heads": (1, SIZE_LIMITS["num_attention_heads"]),
+    "n_kv_heads": (1, SIZE_LIMITS["num_key_value_heads"]), "head_dim": (1, SIZE_LIMITS["head_dim"]),
+    "vocab_size": (1, SIZE_LIMITS["vocab_size"]), "max_seq_len": (1, SIZE_LIMITS["max_position_embeddings"]),
+    "n_group": (1, SIZE_LIMITS["num_experts"]), "topk_group": (1, SIZE_LIMITS["num_experts"]),
+    "dense_layers": (0, SIZE_LIMITS["num_hidden_layers"] - 1),
+    "dense_intermediate": (0, SIZE_LIMITS["intermediate_size"]),
+    "layer_masks.window": (0, SIZE_LIMITS["sliding_window"]), "layer_masks.block": (0, SIZE_LIMITS["sliding_window"]),
+    "rope_scaling.original_max_position": (1, SIZE_LIMITS["original_max_position_embeddings"]),
+    "latent_attention.kv_lora_rank": (1, SIZE_LIMITS["hidden_size"]),
+    "latent_attention.q_lora_rank": (1, SIZE_LIMITS["hidden_size"]),
+    "latent_attention.qk_nope_head_dim": (1, SIZE_LIMITS["head_dim"]),
+    "latent_attention.qk_rope_head_dim": (1, SIZE_LIMITS["head_dim"]),
+    "latent_attention.v_head_dim": (1, SIZE_LIMITS["head_dim"]),
+    "shared_experts.count": (1, SIZE_LIMITS["num_experts"]),
+    "shared_experts.intermediate": (1, SIZE_LIMITS["n_routed_experts"] * SIZE_LIMITS["moe_intermediate_size"]),
+}
+# numbers that must be > 0 (an eps of 0 divides by zero; a theta of 0 or below has no frequencies)
+_POSITIVE_NUMBERS = {"rope_theta", "norm_eps", "activation_limit", "routed_scaling_factor", "clip_qkv",
+                     "rope_scaling.factor", "rope_scaling.beta_fast", "rope_scaling.beta_slow",
+                     "rope_scaling.attention_factor", "latent_attention.softmax_scale", "latent_attention.norm_eps"}
+
+
+def _is_number(value) -> bool:
+    """A finite JSON number (not true or false; an integer too large for a float is not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _model_error(path: Path, key: str, value, expected: str) -> UserError:
+    return UserError(f"{path}: {FORMAT_KEY}.model.{key} is {printable(repr(value), 60)}, expected {expected}: the "
+                     f"file is damaged; quantize the model again")
+
+
+def _check_model_value(value, hint, key: str, path: Path) -> None:
+    """`value` (JSON) against the type hint of the config field `key` (its dotted path in the model entry), and
+    the field's range; UserError naming the file and the key otherwise."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)]
+        if value is None and len(kinds) < len(typing.get_args(hint)):
+            return
+        hint = kinds[0]
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):  # JSON's lists; config_to_json's own values keep the tuples
+            raise _model_error(path, key, value, "a list")
+        for item in value:
+            _check_model_value(item, typing.get_args(hint)[0], key, path)
+        return
+    if dataclasses.is_dataclass(hint):
+        _check_model_entry(value, hint, path, f"{key}.")
+        return
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _model_error(path, key, value, "true or false")
+    elif hint is str:
+        if not isinstance(value, str):
+            raise _model_error(path, key, value, "a string")
+    elif hint is int:
+        low, high = _INTEGER_RANGES.get(key, (0, _LARGEST))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise _model_error(path, key, value, f"an integer from {low} to {high}")
+    elif hint is float:
+        positive = key in _POSITIVE_NUMBERS
+        if not _is_number(value) or (positive and value <= 0):
+            raise _model_error(path, key, value, "a number > 0" if positive else "a finite number")
+    else:  # a field of a type this reader does not know: a bug, caught by the tests
+        raise AssertionError(f"{key}: {hint}")
+
+
+def _check_model_entry(values, kind, path: Path, prefix: str = "") -> None:
+    """Every field of `kind` (ModelConfig or a config nested in it) in `values`: present unless it has a default,
+    of its type and within its range; no other key."""
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: {FORMAT_KEY}.model{'.' + prefix.rstrip('.') if prefix else ''} must be an object "
+                        f"of the engine's model config")
+    fields = {field.name: field for field in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise UserError(f"{path}: {FORMAT_KEY}.model has unknown key {printable(repr(prefix + unknown[0]), 80)}: "
+                        f"written by another version of moe-inspector; quantize the model again")
+    hints = typing.get_type_hints(kind)
+    for name, field in fields.items():
+        if name not in values:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise UserError(f"{path}: {FORMAT_KEY}.model has no {prefix + name!r}: the file is damaged; "
+                                f"quantize the model again")
+            continue
+        _check_model_value(values[name], hints[name], prefix + name, path)
+
+
 def config_to_json(config: ModelConfig) -> dict:
     """A ModelConfig as plain JSON values (`config_from_json` reads it back equal)."""
     values = dataclasses.asdict(config)
@@ -116,13 +227,7 @@ def config_to_json(config: ModelConfig) -> dict:
 def config_from_json(values: dict, path: Path) -> ModelConfig:
     """`config_to_json`'s values -> the ModelConfig, its nested configs (layer masks, YaRN, latent attention,
     shared experts) rebuilt as their dataclasses; UserError naming `path` for anything else."""
-    if not isinstance(values, dict):
-        raise UserError(f"{path}: {FORMAT_KEY}.model must be an object of the engine's model config")
-    known = {field.name for field in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UserError(f"{path}: {FORMAT_KEY}.model has unknown key {unknown[0]!r}: written by another version of "
-                        f"moe-inspector; quantize the model again")
+    _check_model_entry(values, ModelConfig, path)  # types and ranges first: the config's own checks compare them
     try:
         fields = dict(values)
         fields["layer_masks"] = tuple(LayerMask(**mask) for mask in values.get("layer_masks", ()))
@@ -144,11 +249,19 @@ def is_trellis_config(values: dict) -> bool:
     return FORMAT_KEY in values or (isinstance(quantization, dict) and quantization.get("quant_method") == QUANT_METHOD)
 
 
-def _integer(entry: dict, key: str, path: Path, where: str) -> int:
+# The sign seeds are hashed mod 2**64 (kernels.trellis_reference.hadamard_signs): a seed outside 0..2**64-1 would
+# be masked into that range, another seed than the one written
+MAX_SIGN_SEED = 2**64 - 1
+
+
+def _integer(entry: dict, key: str, path: Path, where: str, low: int | None = None, high: int | None = None) -> int:
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"{path}: {where}.{key} is {value!r}, expected an integer: the file is damaged; quantize "
-                        f"the model again")
+        raise UserError(f"{path}: {where}.{key} is {printable(repr(value), 60)}, expected an integer: the file is "
+                        f"damaged; quantize the model again")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise UserError(f"{path}: {where}.{key} is {printable(value, 60)}, outside {low}..{high}: the file is "
+                        f"damaged; quantize the model again")
     return value
 
 
@@ -187,21 +300,23 @@ def read_config(values: dict, path: Path) -> tuple[ModelConfig, str, TrellisLayo
             raise UserError(f"{path}: {where}.matrices has no entry for {name}: every MoE layer's w13 and w2 are "
                             f"coded")
         shape = item.get("shape")
-        layout = MatrixLayout(tuple(shape) if isinstance(shape, list) else (), *(
-            _integer(item, key, path, f"{where}.matrices.{name}")
-            for key in ("left_seed", "right_seed", "left_block", "right_block")))
+        seeds = [_integer(item, key, path, f"{where}.matrices.{name}", 0, MAX_SIGN_SEED)
+                 for key in ("left_seed", "right_seed")]
+        blocks = [_integer(item, key, path, f"{where}.matrices.{name}") for key in ("left_block", "right_block")]
+        whole = isinstance(shape, list) and all(isinstance(size, int) and not isinstance(size, bool) for size in shape)
+        layout = MatrixLayout(tuple(shape) if whole else (), *seeds, *blocks)
         expected = _dense_shape(config, name)
         if layout.shape != expected:
-            raise UserError(f"{path}: {where}.matrices.{name}.shape is {list(layout.shape)} but the model config makes "
-                            f"it {list(expected)}: the file is damaged; quantize the model again")
+            raise UserError(f"{path}: {where}.matrices.{name}.shape is {printable(repr(shape), 60)} but the model "
+                            f"config makes it {list(expected)}: the file is damaged; quantize the model again")
         _check_blocks(name, layout, config, path)
         matrices[name] = layout
     extra = sorted(set(matrices_entry) - set(matrices))
     if extra:
         raise UserError(f"{path}: {where}.matrices names {extra[0]}, which the model config does not have")
-    seed = quantization.get("seed", 0)
+    seed = _integer(quantization, "seed", path, where, 0, MAX_SEED)  # the --seed quantize was given
     config = dataclasses.replace(config, name=quantized_name(config.name, code))
-    return config, f"trellis {code.code} K={code.K}", TrellisLayout(code, seed if isinstance(seed, int) else 0, matrices)
+    return config, f"trellis {code.code} K={code.K}", TrellisLayout(code, seed, matrices)
 
 
 def quantized_name(source_name: str, code: TrellisCode) -> str:
@@ -263,21 +378,8 @@ def load_weights(directory: Path, config: ModelConfig, layout: TrellisLayout, de
         for name, shape in shapes.items():
             if name not in coded:
                 checkpoint.expect(name, shape, FLOAT_DTYPES, why=f"a dense tensor of {config.name}")
-        for name, matrix in layout.matrices.items():
-            experts, rows, columns = matrix.shape
-            _expect(checkpoint, codes_name(name), (experts, rows // TILE, columns // TILE, code.words_per_tile), "I32",
-                    f"{code.describe()} codes of {name} [{experts}, {rows}, {columns}]")
-            _expect(checkpoint, scales_name(name), (experts, rows), "F32", f"row scales of {name}")
-        if code.needs_table:
-            for layer in config.moe_layers:
-                _expect(checkpoint, table_name(layer), (1 << HYB_INDEX_BITS, 2), "F32", "the hyb code table")
-        expected = set(shapes) - coded | {codes_name(n) for n in coded} | {scales_name(n) for n in coded}
-        if code.needs_table:
-            expected |= {table_name(layer) for layer in config.moe_layers}
-        unused = sorted(checkpoint.names() - expected)
-        if unused:
-            raise UserError(f"{checkpoint.entries[unused[0]].file}: tensor {unused[0]} is not part of a {code.describe()} "
-                            f"checkpoint of this config.json: the directory mixes files of two checkpoints")
+        expected = set(shapes) - coded | _expect_coded(checkpoint, layout, config.moe_layers)
+        _refuse_unused(checkpoint, expected, code)
         weights: dict = {}
         progress = Progress(len(shapes), f"loading {directory.name}", stream=sys.stderr if stream is None else stream)
         try:
@@ -290,6 +392,49 @@ def load_weights(directory: Path, config: ModelConfig, layout: TrellisLayout, de
         finally:
             progress.close()
         return weights
+    finally:
+        checkpoint.close()
+
+
+def _expect_coded(checkpoint: Checkpoint, layout: TrellisLayout, layers) -> set[str]:
+    """Checks the dtype and shape of the coded tensors of `layers` (codes, scales, hyb's table); their names."""
+    code = layout.code
+    names: set[str] = set()
+    for layer in layers:
+        for name in (f"layers.{layer}.{matrix}" for matrix in MATRICES):
+            experts, rows, columns = layout.matrices[name].shape
+            _expect(checkpoint, codes_name(name), (experts, rows // TILE, columns // TILE, code.words_per_tile), "I32",
+                    f"{code.describe()} codes of {name} [{experts}, {rows}, {columns}]")
+            _expect(checkpoint, scales_name(name), (experts, rows), "F32", f"row scales of {name}")
+            names |= {codes_name(name), scales_name(name)}
+        if code.needs_table:
+            _expect(checkpoint, table_name(layer), (1 << HYB_INDEX_BITS, 2), "F32", "the hyb code table")
+            names.add(table_name(layer))
+    return names
+
+
+def _refuse_unused(checkpoint: Checkpoint, expected: set[str], code: TrellisCode) -> None:
+    unused = sorted(checkpoint.names() - expected)
+    if unused:
+        raise UserError(f"{checkpoint.entries[unused[0]].file}: tensor {unused[0]} is not part of a {code.describe()} "
+                        f"checkpoint of this config.json: the directory mixes files of two checkpoints")
+
+
+def read_layer_file(path: Path, layer: int, layout: TrellisLayout) -> dict[str, TrellisMatrix]:
+    """One layer's experts file, alone, with every check `load_weights` applies to it (its tensors' names, dtypes
+    and shapes against `layout`, finite scales and table): its w13 and w2 on the CPU. What `quantize` checks a
+    layer file a killed run left with before it keeps it. UserError naming the file otherwise; a link is refused
+    (quantize writes its files itself)."""
+    if path.is_symlink():
+        raise UserError(f"{printable(str(path))}: a link (to {printable(os.readlink(path), 80)}), not a file quantize "
+                        f"wrote")
+    if not path.is_file():
+        raise UserError(f"{printable(str(path))}: not a regular file")
+    checkpoint = Checkpoint(path.parent, read_header(path))
+    try:
+        _refuse_unused(checkpoint, _expect_coded(checkpoint, layout, (layer,)), layout.code)
+        return {name: _read_matrix(checkpoint, name, layout, torch.device("cpu"))
+                for name in (f"layers.{layer}.{matrix}" for matrix in MATRICES)}
     finally:
         checkpoint.close()
 
@@ -375,28 +520,68 @@ def byte_tokenizer(directory: Path) -> bool:
 # Writing
 # --------------------------------------------------------------------------------------------
 
+class WriteError(UserError):
+    """A file of the directory could not be written (a full disk, a quota, an I/O error): the message names the
+    file and the system's reason; nothing is left under its name or its temporary one."""
+
+
+def _write_failed(path: Path, temporary: Path, error: Exception) -> WriteError:
+    try:  # the piece written so far: it holds space the user needs back, and no name points at it
+        temporary.unlink(missing_ok=True)
+    except OSError:
+        pass
+    if isinstance(error, OSError):
+        reason = error.strerror or str(error)
+    else:  # safetensors reports an I/O error as text: "... No space left on device (os error 28)"
+        number = re.search(r"os error (\d+)", str(error))
+        reason = os.strerror(int(number.group(1))) if number else printable(str(error).splitlines()[0], 160)
+    return WriteError(f"{printable(str(path))}: cannot write it ({reason})")
+
+
+def _temporary(path: Path) -> Path:
+    """`path`'s temporary name, emptied first: a leftover there (a killed run's, or a link) is never written
+    through."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.unlink(missing_ok=True)
+    return temporary
+
+
 def _replace(temporary: Path, final: Path) -> None:
     with open(temporary, "rb") as handle:  # on disk before the rename makes it visible
         os.fsync(handle.fileno())
     os.replace(temporary, final)
 
 
-def write_json(path: Path, values: dict) -> None:
+def write_bytes(path: Path, data: bytes) -> None:
+    """A file, whole or absent (written to a temporary name, then renamed); WriteError if the system refuses."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(values, indent=1) + "\n")
-    _replace(temporary, path)
+    try:
+        temporary = _temporary(path)
+        temporary.write_bytes(data)
+        _replace(temporary, path)
+    except OSError as error:
+        raise _write_failed(path, temporary, error) from None
+
+
+def write_json(path: Path, values: dict) -> None:
+    write_bytes(path, (json.dumps(values, indent=1) + "\n").encode())
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file, whole or absent (written to a temporary name, then renamed)."""
+    """A safetensors file, whole or absent (written to a temporary name, then renamed); WriteError if the system
+    refuses."""
     temporary = path.with_name(path.name + ".tmp")
     # clones: safetensors refuses tensors that share memory (the engine's wq, wk, wv are views of one buffer)
-    save_file({name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}, str(temporary),
-              metadata={"format": "pt"})
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(temporary, 0o666 & ~mask)  # safetensors creates its file 0600; a plain open() would give this mode
-    _replace(temporary, path)
+    tensors = {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+    try:
+        temporary = _temporary(path)
+        save_file(tensors, str(temporary), metadata={"format": "pt"})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(temporary, 0o666 & ~mask)  # safetensors creates its file 0600; a plain open() would give this mode
+        _replace(temporary, path)
+    except (OSError, SafetensorError) as error:
+        raise _write_failed(path, temporary, error) from None
 
 
 def layer_tensors(layer: int, w13: TrellisMatrix, w2: TrellisMatrix) -> dict[str, torch.Tensor]:

@@ -5,7 +5,10 @@ The run writes into a hidden sibling of the output, `.NAME.partial/`, and rename
 every file is in place, so a kill leaves either no output directory or a complete one. Inside the partial
 directory each layer's experts go to their own file, written whole (temporary name, then rename) with
 its error report beside it; the same command run again finds the partial directory, checks that it was
-started with the same source and code (`job.json`), and skips the layers it finished.
+started with the same source and code (`job.json`), and skips the layers it finished, each checked first as the
+loader checks it and against this run's code, seeds, blocks and shapes: one that fails (cut, edited, replaced by
+a link or another checkpoint's file) is quantized again, with a note. A file the run does not write refuses the
+resume, and a write the system refuses (a full disk) is one line; the finished layers stay for the same command.
 
 Only the routed experts of the MoE layers are coded. Dense tensors (attention, norms, router, embeddings, head,
 shared experts, the MLPs of dense layers) are copied as they are, in bf16. Seeds: each
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -33,6 +36,7 @@ import torch
 from engine import trellis_checkpoint as tc
 from engine.comma_list import split_items
 from engine.errors import UserError
+from engine.printable import printable
 from engine.progress import Progress
 from engine.source_fingerprint import differences, fingerprint
 from engine.trellis_quantizer import quantization_report, quantize_stack
@@ -178,6 +182,9 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     job = {"format_version": tc.FORMAT_VERSION, "source": source, "code": code.code, "bits_per_weight": code.K,
            "weights_per_step": code.V, "seed": seed}
     partial = partial_directory(out)
+    if partial.is_symlink():
+        raise UserError(f"{partial}: a link (to {os.readlink(partial)}); quantize makes its partial directory itself: "
+                        f"remove the link (rm {partial})")
     if partial.is_dir() and (partial / JOB_FILE).is_file():
         try:
             started = json.loads((partial / JOB_FILE).read_text())
@@ -192,13 +199,19 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
         tc.write_json(partial / JOB_FILE, job)
     table = default_hyb_table() if code.needs_table else None
     stream = sys.stderr if stream is None else stream
+    _check_partial_names(partial, config)
+    kept = {}
+    for layer in config.moe_layers:  # each kept layer checked as the loader would, before the first is reused
+        kept[layer], why = _finished_layer(engine, partial, layer, code, seed, table)
+        if why:
+            print(printable(f"moe-inspector: note: {why}; quantizing layer {layer} again", limit=None), file=stream)
     sequences = sum(int(engine.weights[name].numel()) // SEQUENCE for name in tc.expert_matrices(config))
     progress = Progress(sequences, f"quantizing {config.name} to {code.describe()}", stream=stream)
     began = time.perf_counter()
     reports, resumed, layouts = [], [], {}
     try:
         for layer in config.moe_layers:  # a dense layer has no experts: dense.safetensors keeps its MLP
-            done = _finished_layer(partial, layer)
+            done = kept[layer]
             if done is not None:
                 resumed.append(layer)
                 progress.advance(sum(item["sequences"] for item in done), note=f"layer {layer} (kept)")
@@ -217,15 +230,20 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     drawn = weights == "random" and config.vocab_size >= 256
     tokenizer = "bytes" if engine.checkpoint is None or drawn else "none"
     if engine.checkpoint is not None and (Path(model) / "tokenizer.json").is_file():
-        shutil.copyfile(Path(model) / "tokenizer.json", partial / "tokenizer.json")
+        tc.write_bytes(partial / "tokenizer.json", (Path(model) / "tokenizer.json").read_bytes())
         tokenizer = "tokenizer.json"
     seconds = time.perf_counter() - began
     result = QuantizeResult(out, code, [{k: v for k, v in item.items() if k != "layout"} for item in reports],
                             resumed, seconds, tc.expert_bytes(config, code), tc.bf16_expert_bytes(config))
     tc.write_json(partial / tc.REPORT_FILE, result.to_json() | {"source": source})
-    tc.write_json(partial / "config.json", tc.config_json(config, layout, source, tokenizer))
+    written = tc.config_json(config, layout, source, tokenizer)
+    tc.read_config(json.loads(json.dumps(written)), partial / "config.json")  # what every load will check first
+    tc.write_json(partial / "config.json", written)
     for path in partial.glob("experts-*.json"):  # the per-layer reports live on in quantization.json
         path.unlink()
+    for name in _partial_names(config):  # a killed write's leftovers
+        if name.endswith(".tmp"):
+            (partial / name).unlink(missing_ok=True)
     (partial / JOB_FILE).unlink()
     os.replace(partial, out)  # the output appears whole, or not at all
     return result
@@ -338,26 +356,133 @@ def _layer_report_path(partial: Path, layer: int) -> Path:
     return partial / tc.layer_file(layer).replace(".safetensors", ".json")
 
 
-def _finished_layer(partial: Path, layer: int) -> list[dict] | None:
-    """The reports of a layer a previous run finished (its tensors, whole, and its report both written), else None:
-    a layer whose file was cut or emptied since is quantized again."""
-    from engine.checkpoint import read_header
+# The files a partial directory may hold: what the run writes, and its temporary names
+_PARTIAL_FILES = (JOB_FILE, "config.json", tc.DENSE_FILE, tc.REPORT_FILE, "tokenizer.json")
+# A layer's report is a few hundred bytes; anything far larger was not written by quantize
+_MAX_REPORT_BYTES = 1 << 20
+_REPORT_KEYS = ("name", "shape", "sequences", "mse", "relative_mse", "max_abs_error", "seconds", "layout")
 
+
+def _partial_names(config) -> set[str]:
+    names = set(_PARTIAL_FILES)
+    for layer in config.moe_layers:
+        names |= {tc.layer_file(layer), _layer_report_path(Path(), layer).name}
+    return names | {name + ".tmp" for name in names}
+
+
+def _check_partial_names(partial: Path, config) -> None:
+    """A partial directory holds only files this run writes: anything else would be published with the checkpoint
+    (a stray *.safetensors makes every load refuse it)."""
+    names = _partial_names(config)
+    for path in sorted(partial.iterdir()):
+        if path.name not in names:
+            raise UserError(printable(f"{path}: not a file quantize writes, in its partial directory: remove it, or "
+                                      f"remove the partial directory (rm -r {partial}) to start over", limit=None))
+
+
+def _matrix_layout(config, name: str, shape, seed: int) -> list[int]:
+    """[left_seed, right_seed, left_block, right_block] of a coded matrix stack of `shape` [E, N, C]."""
+    _, rows, columns = shape
+    left_block = hadamard_block(config.intermediate) if name.endswith(".w13") else hadamard_block(rows)
+    return [*matrix_seeds(seed, name), left_block, hadamard_block(columns)]
+
+
+def _finished_layer(engine, partial: Path, layer: int, code: TrellisCode, seed: int,
+                    table: torch.Tensor | None) -> tuple[list[dict] | None, str]:
+    """(the reports of a layer a previous run finished, '') when its tensors and its report were both written and
+    the tensors pass the loader's checks for this run's code, seeds, blocks and shapes (engine.trellis_checkpoint.
+    read_layer_file); else (None, why it is not kept: '' for a layer that was not finished): a layer whose file was
+    cut, emptied, replaced or edited since is quantized again, so the run never publishes what a load refuses."""
     report = _layer_report_path(partial, layer)
     tensors = partial / tc.layer_file(layer)
-    if not tensors.is_file() or not report.is_file():
-        return None
+    if not os.path.lexists(tensors) or not os.path.lexists(report):
+        return None, ""  # not finished (killed between the two writes), or never started
+    expected = []
+    for matrix in tc.MATRICES:
+        name = f"layers.{layer}.{matrix}"
+        shape = list(engine.weights[name].shape)
+        expected.append({"name": name, "shape": shape, "sequences": math.prod(shape) // SEQUENCE,
+                         "layout": _matrix_layout(engine.config, name, shape, seed)})
     try:
-        read_header(tensors)  # whole: every tensor's bytes inside the file (one cut or emptied since is redone)
-        reports = json.loads(report.read_text())
-    except (OSError, ValueError, UserError):
-        return None
-    return reports if isinstance(reports, list) else None
+        reports = _read_report(report, expected)
+        layouts = {item["name"]: tc.MatrixLayout(tuple(item["shape"]), *item["layout"]) for item in expected}
+        stacks = tc.read_layer_file(tensors, layer, tc.TrellisLayout(code, seed, layouts))
+        if table is not None and not torch.equal(stacks[f"layers.{layer}.w13"].table, table):
+            raise UserError(f"{tensors}: its hyb table is not the one this run codes with")
+        for item in reports:  # the codes measure the error their report says: this model's weights, in this code
+            measured = _kept_error(engine.weights[item["name"]], stacks[item["name"]])
+            if not math.isclose(measured, item["mse"], rel_tol=1e-3, abs_tol=1e-12):
+                raise UserError(f"{tensors}: {item['name']}'s codes are {measured:.3e} from this model's weights, "
+                                f"their report says {item['mse']:.3e}: they code another model or another code")
+    except UserError as error:
+        return None, f"layer {layer} in {partial} is not kept ({error})"
+    return reports, ""
+
+
+def _kept_error(weights: torch.Tensor, stack: TrellisMatrix) -> float:
+    """The mean squared error of a kept stack against the weights it codes, measured as `_quantize_layer` measures
+    it (the same chunks of experts)."""
+    experts, rows, columns = weights.shape
+    per_chunk = max(1, _CHUNK_WEIGHTS // (rows * columns))
+    squared = 0.0
+    for start in range(0, experts, per_chunk):
+        end = start + per_chunk
+        piece = TrellisMatrix(stack.code, stack.codes[start:end], stack.scales[start:end], stack.table,
+                              stack.left_signs, stack.right_signs, stack.left_block, stack.right_block,
+                              stack.left_seed, stack.right_seed).to(weights.device)
+        report = quantization_report(weights[start:end], dequantize(piece))
+        squared += report.mse * report.weights
+    return squared / weights.numel()
+
+
+def _read_report(path: Path, expected: list[dict]) -> list[dict]:
+    """A layer's report (experts-LLLLL.json) as `_quantize_layer` writes it, with `expected`'s names, shapes,
+    sequence counts and layouts and non-negative errors; UserError naming the file otherwise."""
+    if not path.is_file() or path.stat().st_size > _MAX_REPORT_BYTES:
+        raise UserError(f"{path}: not a layer report (a regular file of at most {_MAX_REPORT_BYTES} bytes)")
+    try:
+        reports = json.loads(path.read_text())  # as written: NaN is the relative error of an all-zero matrix
+    except (OSError, ValueError, RecursionError) as error:
+        raise UserError(f"{path}: unreadable ({type(error).__name__})") from None
+    if not isinstance(reports, list) or len(reports) != len(expected):
+        raise UserError(f"{path}: not a list of the reports of {', '.join(item['name'] for item in expected)}")
+    for item, wanted in zip(reports, expected):
+        if not isinstance(item, dict) or sorted(item) != sorted(_REPORT_KEYS):
+            raise UserError(f"{path}: a report is not an object of {', '.join(_REPORT_KEYS)}")
+        for key, value in wanted.items():  # compared as JSON: 4.0 is not 4, true is not 1
+            if json.dumps(item[key]) != json.dumps(value):
+                raise UserError(f"{path}: {wanted['name']}'s {key} is {printable(repr(item[key]), 60)}, this run's "
+                                f"is {value!r}")
+        for key in ("mse", "relative_mse", "max_abs_error", "seconds"):
+            if not _measured(item[key], nan=key == "relative_mse"):
+                raise UserError(f"{path}: {wanted['name']}'s {key} is {printable(repr(item[key]), 60)}, not an error "
+                                f"a run measures")
+    return reports
+
+
+def _measured(number, nan: bool) -> bool:
+    """A number >= 0 as a report records it (NaN where `nan`: the relative error of an all-zero matrix)."""
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        return False
+    try:
+        number = float(number)
+    except OverflowError:
+        return False
+    return (math.isfinite(number) and number >= 0) or (nan and math.isnan(number))
+
+
+# A calibration text is read whole into memory (and tokenized): far above any useful calibration set (the Hessians
+# saturate at a few hundred thousand tokens), far below a machine's memory.
+MAX_CALIBRATION_BYTES = 256 * 1024 * 1024
 
 
 def _calibration_text(path: Path) -> str:
+    """The calibration file's text: a regular file (a FIFO would wait for a writer forever) of at most
+    MAX_CALIBRATION_BYTES of UTF-8; UserError naming --calibration otherwise."""
+    from engine.bounded_read import read_regular
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, MAX_CALIBRATION_BYTES, f"--calibration {path}", "give a text file").decode("utf-8")
     except OSError as error:
         raise UserError(f"--calibration {path}: cannot read it ({error.strerror or error}); give a text file") from None
     except UnicodeDecodeError as error:
@@ -375,9 +500,7 @@ def _quantize_layer(engine, layer: int, code: TrellisCode, seed: int, table, par
         name = f"layers.{layer}.{matrix}"
         weights = engine.weights[name]  # [E, N, C]
         experts, rows, columns = weights.shape
-        left_seed, right_seed = matrix_seeds(seed, name)
-        left_block = hadamard_block(config.intermediate) if matrix == "w13" else hadamard_block(rows)
-        right_block = hadamard_block(columns)
+        left_seed, right_seed, left_block, right_block = _matrix_layout(config, name, weights.shape, seed)
         began = time.perf_counter()
         per_chunk = max(1, _CHUNK_WEIGHTS // (rows * columns))
         pieces, squared, power, largest = [], 0.0, 0.0, 0.0
@@ -449,8 +572,15 @@ def write_shape_only(model: str, code: TrellisCode, out: str | Path, *, seed: in
         layouts[name] = tc.MatrixLayout(shape, *matrix_seeds(seed, name), left_block, hadamard_block(shape[2]))
     source = {"model": model, "weights": "none (shape only: load with --weights random)", "seed": seed}
     partial = partial_directory(out)
+    if partial.is_symlink() or (partial.is_dir() and any(partial.iterdir())):  # a run's layers would go with it
+        raise UserError(f"{partial}: a quantize run left this partial directory; finish it, or remove it "
+                        f"(rm -r {partial}) to write --shape-only at {out}")
     partial.mkdir(exist_ok=True)
-    tc.write_json(partial / "config.json", tc.config_json(config, tc.TrellisLayout(code, seed, layouts), source,
-                                                          "bytes" if config.vocab_size == 256 else "none"))
+    try:
+        tc.write_json(partial / "config.json", tc.config_json(config, tc.TrellisLayout(code, seed, layouts), source,
+                                                              "bytes" if config.vocab_size == 256 else "none"))
+    except tc.WriteError:
+        partial.rmdir()  # it held only config.json, which the failed write removed
+        raise
     os.replace(partial, out)
     return out

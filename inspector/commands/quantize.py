@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.errors import UserError
 from engine.printable import printable
+from engine.trellis_checkpoint import WriteError
 from engine.trellis_job import parse_experts, partial_directory, quantize_model, write_shape_only
 from inspector.commands.common import seed_argument
 from inspector.commands.output import INTERRUPTED, add_format_arguments, output_format, print_json
@@ -63,6 +64,8 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print(f"\nmoe-inspector: interrupted; {interrupted_note(args)}", file=sys.stderr)
         return INTERRUPTED
+    except WriteError as error:  # a full disk: no output, the finished layers kept for the same command
+        raise UserError(f"{error}; {args.out} was not written: {interrupted_note(args)}") from None
     if fmt == "json":
         print_json(result.to_json())
         return 0
