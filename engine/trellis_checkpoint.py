@@ -39,12 +39,14 @@ from engine.checkpoint import FLOAT_DTYPES, Checkpoint, read_header
 from engine.config import LatentAttention, LayerMask, ModelConfig, SharedExperts, YarnScaling
 from engine.errors import UserError
 from engine.hf_config_checks import SIZE_LIMITS
-from engine.limits import MAX_SEED
 from engine.printable import printable
 from engine.progress import Progress
 from kernels.trellis_reference import (HYB_INDEX_BITS, TILE, TrellisCode, TrellisMatrix, hadamard_signs)
 
 FORMAT_KEY = "moe_inspector"
+# quantize's --seed: engine.limits.MAX_SEED (a torch generator's seed), not imported from there: engine.limits
+# reaches engine.model_source, which loads checkpoints of this format (a cycle); tests keep the two equal
+MAX_SEED = 2**63 - 1
 FORMAT_NAME = "trellis-experts"
 FORMAT_VERSION = 1
 QUANT_METHOD = "trellis"

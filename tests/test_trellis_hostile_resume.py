@@ -393,3 +393,9 @@ def test_a_calibration_file_that_is_a_pipe_is_refused_not_waited_on(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(UserError, match="--calibration .*: not a regular file"):
         trellis_job._calibration_text(fifo)
+
+
+def test_the_seed_ceiling_is_the_limits_one():
+    from engine import limits
+
+    assert tc.MAX_SEED == limits.MAX_SEED
