@@ -162,6 +162,12 @@ def quantize_model(model: str, code: TrellisCode, out: str | Path, *, seed: int 
     _check_outside(out, model)
     text = None if calibration is None else _calibration_text(Path(calibration))  # before the model loads
     _check_not_trellis(model)
+    tokenizer_file = Path(model) / "tokenizer.json"
+    if os.path.lexists(tokenizer_file) and not tokenizer_file.is_file():  # copied at the end: a pipe would hang it,
+        # and skipping it would publish a checkpoint that refuses text prompts
+        raise UserError(f"{printable(str(tokenizer_file))}: not a regular file (a device, a socket, a pipe or a link "
+                        f"that leads nowhere); the quantized checkpoint copies the source's tokenizer: replace it by "
+                        f"the file")
     engine = Engine.load(model, device=device, weights=weights)
     config = engine.config
     if not config.plain_experts:

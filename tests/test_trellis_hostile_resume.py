@@ -399,3 +399,13 @@ def test_the_seed_ceiling_is_the_limits_one():
     from engine import limits
 
     assert tc.MAX_SEED == limits.MAX_SEED
+
+
+def test_a_source_tokenizer_that_is_a_pipe_is_refused_before_quantizing(source, tmp_path):
+    """It was skipped (not a regular file) and the checkpoint published without it, refusing text prompts."""
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    os.mkfifo(copy / "tokenizer.json")
+    with pytest.raises(UserError, match="tokenizer.json: not a regular file"):
+        quantize_model(str(copy), parse_experts(EXPERTS), tmp_path / "q", device="cpu")
+    assert not (tmp_path / "q").exists()
