@@ -134,6 +134,9 @@ async def test_run_fills_both_panes_and_the_log(engine):
         await pilot.resize_terminal(SIZE[0] + 40, SIZE[1] + 30)  # a taller table lowers its end: not a scroll up
         await pilot.pause()
         assert log.follow
+        await pilot.resize_terminal(*SIZE)  # a shorter one raises it above the view: a following log goes back
+        await wait_until(pilot, lambda: log.lines.scroll_y == log.lines.max_scroll_y)
+        assert log.follow and log.lines.cursor_row == len(log.shown) - 1
 
 
 @synchronously

@@ -108,7 +108,11 @@ def test_a_report_the_screen_cannot_show_is_refused_in_place(tmp_path):
     assert _accepted_renders(good, tmp_path)
     hostile_rows = [{"name": 5}, "x", None, {"row": "tg32"}, dict(good["rows"][0], a={"median": "1"}),
                     dict(good["rows"][0], interval=[1]), dict(good["rows"][0], values={"A": ["x"]}),
-                    dict(good["rows"][0], verdict=None), {"row": "tg32", "refused": 3}]
+                    dict(good["rows"][0], verdict=None), {"row": "tg32", "refused": 3},
+                    {"row": "r", "refused": "gone", "values": {"A": ["x", "y"]}},
+                    {"row": "r", "refused": "gone", "values": [1, 2]},
+                    {"row": "r", "refused": "gone", "a": 5, "values": {"A": [1, 2]}},
+                    {"row": "r", "refused": "gone", "a": {"median": "x"}, "values": {"A": [1, 2]}}]
     for row in hostile_rows:
         assert not _accepted_renders(dict(good, rows=[row]), tmp_path), row
     for key, value in (("sides", []), ("sides", {"A": {"overrides": 1}}), ("runs", [{"side": "A"}]),
@@ -135,3 +139,22 @@ def test_generated_reports_are_refused_or_shown(tmp_path):
         _accepted_renders(dict(good, rows=rows), tmp_path)
 
     one()
+
+
+def test_a_row_name_with_brackets_is_shown_as_written(engine, tmp_path):
+    """A row named "[/x]" was read as markup by the table and ended the app."""
+    report_path = tmp_path / "ab.json"
+    report = stub_report(report_path)
+    report["rows"][0]["row"] = "[/x]"
+    report_path.write_text(json.dumps(report))
+
+    async def scenario():
+        app = InspectorApp(engine, flag_registry.resolve([], environ={}), timed=False)
+        async with app.run_test(size=(160, 48)) as pilot:
+            app.push_screen(AbScreen(str(report_path)))
+            await pilot.pause()
+            table = app.screen.query_one("#ab-rows", DataTable)
+            assert str(table.get_row_at(0)[0]) == "[/x]"
+            assert "2 rows" in str(app.screen.query_one("#ab-status", Static).render())
+
+    asyncio.run(scenario())

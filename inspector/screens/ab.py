@@ -9,6 +9,7 @@ import json
 import shlex
 from pathlib import Path
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -50,22 +51,24 @@ def _row_problem(row) -> str | None:
         return "not an object with a \"row\" name"
     if not isinstance(row.get("unit", ""), str):
         return "its \"unit\" is not text"
-    if row.get("refused"):
-        return None if isinstance(row["refused"], str) else "its \"refused\" is not text"
-    for side in ("a", "b"):
+    values = row.get("values", {})  # plotted for a refused row too
+    if not isinstance(values, dict) or any(not isinstance(values.get(side, []), list)
+                                           or not all(v is None or _number(v) for v in values.get(side, []))
+                                           for side in ("A", "B")):
+        return "its \"values\" are not lists of numbers per side"
+    refused = row.get("refused")
+    for side in ("a", "b"):  # a refused row may lack them; where present, they are drawn as the medians
         data = row.get(side)
-        if not isinstance(data, dict) or not _number(data.get("median")) or not _number(data.get("mad_rel")):
+        if (data is not None or not refused) and (
+                not isinstance(data, dict) or not _number(data.get("median")) or not _number(data.get("mad_rel"))):
             return f"its side {side!r} has no numeric median and mad_rel"
+    if refused:
+        return None if isinstance(refused, str) else "its \"refused\" is not text"
     if not _number(row.get("ratio")) or not isinstance(row.get("verdict"), str) or "unit" not in row:
         return "it lacks a numeric \"ratio\", a \"verdict\" or a \"unit\""
     interval = row.get("interval")
     if interval is not None and not (isinstance(interval, list) and len(interval) == 2 and all(map(_number, interval))):
         return "its \"interval\" is not two numbers"
-    values = row.get("values", {})
-    if not isinstance(values, dict) or any(not isinstance(values.get(side, []), list)
-                                           or not all(v is None or _number(v) for v in values.get(side, []))
-                                           for side in ("A", "B")):
-        return "its \"values\" are not lists of numbers per side"
     return None
 
 
@@ -152,11 +155,12 @@ class AbScreen(Screen):
         if report.get("failure"):
             lines.append(f"stopped: side {report['failure']['side']}: {report['failure']['line']}")
         self.query_one("#ab-sides", Static).update("\n".join(lines))
-        status.update(f"{len(report['rows'])} rows, {len({run['round'] for run in report.get('runs', [])})} rounds")
+        rows, rounds = len(report["rows"]), len({run["round"] for run in report.get("runs", [])})
+        status.update(f"{rows} row{'' if rows == 1 else 's'}, {rounds} round{'' if rounds == 1 else 's'}")
         table = self.query_one("#ab-rows", DataTable)
         table.clear()
         for index, row in enumerate(report["rows"]):
-            table.add_row(*row_cells(row), key=str(index))
+            table.add_row(*(Text(cell) for cell in row_cells(row)), key=str(index))  # as typed: "[/x]" is no markup
         if report["rows"]:
             table.move_cursor(row=0)
             self.draw(0)

@@ -68,7 +68,7 @@ def heatmap(summary: routing_stats.Summary, columns: int) -> Text:
                f"cold ", style="dim")
     for colour in RAMP:
         out.append("█", style=colour)
-    out.append(f" hot = {top:.0f} tokens; · none", style="dim")
+    out.append(f" hot = {_count(round(top), 'token')}; · none", style="dim")
     return out
 
 

@@ -288,6 +288,11 @@ class DispatchLog(Vertical):
         if new < old and new < self.lines.max_scroll_y:
             self.follow = False
 
+    def on_resize(self) -> None:
+        """A shorter window raises the table's end above the view: a following log moves back to it."""
+        if self.follow and self.shown:
+            self.call_after_refresh(self._move_to, len(self.shown) - 1)
+
     def resume_follow(self) -> None:
         self.follow = True
         self._move_to(len(self.shown) - 1)

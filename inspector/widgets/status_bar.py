@@ -49,8 +49,8 @@ class StatusBar(Static):
         self._render_line()
 
     def set_session(self, text: str, short: str | None = None) -> None:
-        """`text`: the session's path and state; `short`: the same with the file's name alone, shown where the
-        bar is narrower than NARROW (a whole path would push the name off an 80-column line)."""
+        """`text`: the session's path and state; `short`: the same with the file's name alone, shown where the bar is
+        narrower than NARROW (a whole path would push the name off an 80-column line)."""
         self.session, self.session_short = text, short or text
         self._render_line()
 
@@ -60,20 +60,25 @@ class StatusBar(Static):
     def _render_line(self) -> None:
         # Device and model name first, then what runs: on a narrow terminal the long parts (the activity, the
         # session's path, the model's details) are what gets cut, never which model on which device.
+        # Under NARROW columns the banner goes and the separators narrow, so that an idle bar still names the
+        # session's file at 80 columns (an autosaved session-YYYYMMDD-HHMMSS.toml included).
+        narrow = self.size.width < NARROW
+        bar = " │ " if narrow else "  │  "
         line = Text()
-        line.append(" moe-inspector ", style="bold reverse")
-        line.append("  ")
+        if not narrow:
+            line.append(" moe-inspector ", style="bold reverse")
+            line.append("  ")
         line.append(device_text(self.engine), style="bold")
-        line.append("  │  ")
+        line.append(bar)
         line.append(self.engine.config.name, style="bold")
-        line.append("  │  ")
+        line.append(bar)
         if not self.alert:
             line.append(("● " if self.running else "○ ") + self.activity, style="bold" if self.running else "")
         else:
             line.append("○ see below", style="bold")
         if self.session:
-            line.append(f"  │  session {self.session if self.size.width >= NARROW else self.session_short}")
-        line.append(f"  │  {model_details(self.engine)}")
+            line.append(f"{bar}session {self.session_short if narrow else self.session}")
+        line.append(f"{bar}{model_details(self.engine)}")
         line.no_wrap, line.overflow = True, "ellipsis"
         # an alert: the first line as ever, then the whole reason, wrapped
         self.update(Group(line, Text(self.activity, style="bold")) if self.alert else line)
