@@ -88,12 +88,22 @@ def latent_dims(latent) -> dict[str, int]:
             "nope_dim": latent.qk_nope_head_dim, "v_dim": latent.v_head_dim}
 
 
-def check_request(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, device, where: str) -> None:
-    """The reference's memory for a check at this shape, bounded before anything is allocated (engine.limits:
-    the latent scores [heads, T, T + 1], as for attention over one kv head of kv_lora_rank + rope_dim)."""
-    from engine.limits import check_attention_request
+def check_request(seq_len: int, heads: int, kv_lora_rank: int, rope_dim: int, device, where: str,
+                  nope_dim: int = 0, v_dim: int = 0) -> None:
+    """The check's memory at this shape, bounded before anything is allocated (engine.limits): the latent scores
+    [heads, T, T + 1], as for attention over one kv head of kv_lora_rank + rope_dim, and, given nope_dim and v_dim,
+    the projections around them."""
+    from engine.limits import check_attention_request, require_fits
 
     check_attention_request(seq_len, heads, 1, kv_lora_rank + rope_dim, device, where)
+    if min(seq_len, heads, nope_dim, v_dim, kv_lora_rank) < 1:
+        return  # the config's validation names the bad value
+    # the projections in fp32 and their working copies: q [T, H, n + r], W_UK [H, n, R], W_UV [H, v, R], the
+    # absorbed query and latent output [T, H, R] and the outputs [T, H, v], about three of each alive
+    floats = (seq_len * heads * (nope_dim + rope_dim + 2 * kv_lora_rank + v_dim)
+              + heads * (nope_dim + v_dim) * kv_lora_rank)
+    require_fits(3 * 4 * floats, device, f"{where}: the latent projections at seq_len {seq_len}, {heads} heads, "
+                 f"latent {kv_lora_rank}, no-RoPE {nope_dim}, value {v_dim} dims", "lower seq_len, heads or the dims")
 
 
 def _kernel(device: str):

@@ -82,6 +82,8 @@ def _parse_choice(choices: tuple, cast: Callable[[Any], Any] = str) -> Callable[
             raise ValueError
         if cast is int and isinstance(value, float):  # 16.7 is not 16: a wrong type, not a rounding
             raise ValueError
+        if cast is int and isinstance(value, str) and not re.fullmatch(r"\s*[+]?[0-9]+\s*", value):
+            raise ValueError  # int() takes "1_6" and "٣٢" too
         try:
             value = cast(value.strip() if isinstance(value, str) else value)
         except (TypeError, ValueError, OverflowError):
@@ -133,7 +135,7 @@ def _parse_gate(value: Any) -> str:
     value = value.strip()
     if value in GATE_NAMES:
         return value
-    match = re.fullmatch(r"threshold:(\d+)", value)
+    match = re.fullmatch(r"threshold:([0-9]+)", value)  # ASCII digits: \d takes "٣" too
     if match and 1 <= int(match.group(1)) <= MAX_TOKENS:
         return f"threshold:{int(match.group(1))}"
     raise ValueError

@@ -42,6 +42,11 @@ _DTYPES = {"U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "B
 _ID_DTYPES = ("U8", "I16", "I32")
 
 
+# (layer, expert) loads one summary holds: DeepSeek-V3 has 58 x 256; a header claiming 1000 layers of 2**20
+# experts (a few KB of file) would take gigabytes
+MAX_LOAD_CELLS = 1 << 24
+
+
 def _id_dtype(experts: int) -> str:
     return "U8" if experts <= 256 else "I16" if experts <= 32768 else "I32"
 
@@ -147,9 +152,40 @@ def _metadata(header: dict, path: Path) -> dict:
     if not 1 <= moe["top_k"] <= moe["experts"] <= 1 << 20 or not moe["layers"]:
         raise _refuse(path, f"metadata \"moe\" has {len(moe['layers'])} layers, {moe['experts']} experts, "
                             f"top-{moe['top_k']}: not a routing shape")
+    if len(moe["layers"]) * moe["experts"] > MAX_LOAD_CELLS:  # the summary keeps a load per layer and expert
+        raise _refuse(path, f"metadata \"moe\" has {len(moe['layers'])} layers of {moe['experts']} experts, more "
+                            f"than the {MAX_LOAD_CELLS} (layer, expert) loads a summary holds: not a model's routing")
     if not isinstance(parsed["header"], dict):
         raise _refuse(path, "metadata \"header\" is not a JSON object")
+    problem = _notes_problem(parsed)
+    if problem is not None:
+        raise _refuse(path, f"metadata {problem}: a hand-made or damaged file")
     return parsed
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _notes_problem(parsed: dict) -> str | None:
+    """What in the run's notes the summary could not print (None: nothing): the prompt (count, tokens, text),
+    the cap (truncated: its counts) and the unrecorded steps ([first, steps, why] each), as routing_record writes
+    them."""
+    prompt = parsed["header"].get("prompt", {})
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("tokens", []), list) \
+            or not all(_count(token) for token in prompt.get("tokens", [])) \
+            or not isinstance(prompt.get("text", ""), (str, type(None))):
+        return "\"header\".prompt is not {count, tokens: [ids], text}"
+    truncated = parsed["truncated"]
+    if truncated is not None and not (isinstance(truncated, dict) and all(
+            _count(truncated.get(key, 0)) for key in ("cap_bytes", "at_step", "dropped_steps", "dropped_tokens"))):
+        return "\"truncated\" is not the cap's counts"
+    unrecorded = parsed["unrecorded"]
+    if not isinstance(unrecorded, list) or not all(
+            isinstance(entry, list) and len(entry) == 3 and _count(entry[0]) and _count(entry[1])
+            and isinstance(entry[2], str) for entry in unrecorded):
+        return "\"unrecorded\" is not a list of [first step, steps, why]"
+    return None
 
 
 def _entry(header: dict, name: str, path: Path, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:

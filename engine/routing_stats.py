@@ -30,7 +30,6 @@ from engine.errors import UserError
 from engine.routing_record import RoutingRecording
 
 HEAT = " ▁▂▃▄▅▆▇█"
-_STEP_CHUNK = 4096  # steps per pass of the per-step woken count (a [steps, E] mask at a time)
 
 
 @dataclass(frozen=True)
@@ -115,21 +114,12 @@ class Summary:
 
 
 def _woken_per_step(ids: np.ndarray, offsets: np.ndarray, experts: int) -> np.ndarray:
-    """ids [T, k] of one layer, offsets [S + 1] into it -> [S] distinct experts per step."""
+    """ids [T, k] of one layer, offsets [S + 1] into it -> [S] distinct experts per step: the distinct (step,
+    expert) keys, counted per step, in memory of the ids' size (a [steps, E] mask took gigabytes at E = 2**20)."""
     steps = len(offsets) - 1
-    counts = np.zeros(steps, np.int64)
-    for first in range(0, steps, _STEP_CHUNK):
-        end = min(steps, first + _STEP_CHUNK)
-        begin_row, end_row = int(offsets[first]), int(offsets[end])
-        if end_row == begin_row:
-            continue
-        lengths = np.diff(offsets[first:end + 1])
-        step_of_row = np.repeat(np.arange(end - first), lengths)  # [rows]
-        seen = np.zeros((end - first, experts), bool)
-        rows = ids[begin_row:end_row]
-        seen[np.repeat(step_of_row, rows.shape[1]), rows.reshape(-1)] = True
-        counts[first:end] = seen.sum(axis=1)
-    return counts
+    step_of_row = np.repeat(np.arange(steps, dtype=np.int64), np.diff(offsets))  # [T]
+    keys = np.repeat(step_of_row, ids.shape[1]) * experts + ids.reshape(-1).astype(np.int64)
+    return np.bincount(np.unique(keys) // experts, minlength=steps).astype(np.int64)
 
 
 def summarize(recording: RoutingRecording, scope: Scope = RUN, top: int = 3) -> Summary:

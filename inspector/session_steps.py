@@ -543,7 +543,8 @@ class CheckAttentionAction(Action):
         declined = mla_kernel_declines(shape["kv_lora_rank"], shape["rope_dim"])
         if declined:
             raise UserError(f"{here}: the fused MLA kernel declines this latent shape ({declined}): nothing to check")
-        check_request(shape["seq_len"], shape["heads"], shape["kv_lora_rank"], shape["rope_dim"], device, here)
+        check_request(shape["seq_len"], shape["heads"], shape["kv_lora_rank"], shape["rope_dim"], device, here,
+                      shape["nope_dim"], shape["v_dim"])
 
     def dtype(self, context, step):
         import torch

@@ -412,7 +412,9 @@ def test_a_blank_path_is_refused_not_taken_as_not_given(argv, option, capsys):
     assert capsys.readouterr().err == f"moe-inspector: error: {option}: an empty path; give a file name\n"
 
 
-@pytest.mark.parametrize("argv", [["--max-tokens", "\u0663"], ["--max-tokens", "1_0"], ["--set", "decode_floor=\u0663"]])
+@pytest.mark.parametrize("argv", [["--max-tokens", "\u0663"], ["--max-tokens", "1_0"], ["--set", "decode_floor=\u0663"],
+                                  ["--set", "tile_m=1_6"], ["--set", "grouped_variant=\u0661"],
+                                  ["--set", "moe_gate=threshold:\u0663"]])
 def test_integers_are_ascii_digits(argv, capsys):
     """int() takes an Arabic-Indic three and 1_0; an option or a flag takes the digits a user types."""
     try:
@@ -421,3 +423,15 @@ def test_integers_are_ascii_digits(argv, capsys):
         code = usage.code
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and ("invalid int value" in err or "is not allowed" in err), err
+
+
+@pytest.mark.parametrize("argv, piece", [
+    (["--nope-dim", "99999999"], "the latent projections at seq_len"),
+    (["--v-dim", "99999999"], "the latent projections at seq_len"),
+    (["--kv-lora-rank", "99999999"], "the fused MLA kernel takes no such shape"),
+])
+def test_the_latent_checks_dims_are_bounded_and_named_before_anything_runs(argv, piece, capsys):
+    """--nope-dim 99999999 was an allocator traceback; --kv-lora-rank 99999999 blamed seq_len and heads."""
+    assert main(["check-attention", "--mla", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert piece in err and err.count("\n") == 1, err

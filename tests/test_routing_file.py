@@ -179,3 +179,31 @@ def test_any_damage_is_a_user_error_or_a_valid_recording(recorded, tmp_path, cut
         assert "\n" not in str(error) and str(error).startswith(str(damaged))
         return
     assert recording.ids.max() < recording.experts and recording.tokens == recording.offsets[-1]
+
+
+@pytest.mark.parametrize("key, value, piece", [
+    ("moe", {"layers": list(range(400)), "experts": 1 << 20, "top_k": 1}, "(layer, expert) loads a summary holds"),
+    ("header", {"prompt": "x"}, "\"header\".prompt is not"),
+    ("header", {"prompt": {"tokens": 5}}, "\"header\".prompt is not"),
+    ("header", {"prompt": {"text": 7}}, "\"header\".prompt is not"),
+    ("truncated", {"cap_bytes": "x"}, "\"truncated\" is not the cap's counts"),
+    ("unrecorded", [1], "\"unrecorded\" is not a list of"),
+    ("unrecorded", [[0, 2, 3]], "\"unrecorded\" is not a list of"),
+])
+def test_metadata_the_summary_cannot_use_is_refused_before_it_is_built(recorded, tmp_path, key, value, piece):
+    """A few KB claiming 400 layers of 2**20 experts took 3.5 GB; a prompt of "x" was an AttributeError."""
+    _, path = recorded
+    _, _, header = _tensors(path)
+    header["__metadata__"][key] = json.dumps(value)
+    _refused(_rewrite(path, tmp_path / "hostile.safetensors", header), piece)
+
+
+def test_the_woken_count_per_step_needs_no_step_by_expert_mask():
+    """4096 steps of 2**20 experts made a [steps, E] mask of 4 GB; the count is the distinct (step, expert) keys."""
+    import numpy as np
+
+    from engine.routing_stats import _woken_per_step
+
+    ids = np.array([[0, 5], [5, 9], [1 << 19, 3], [3, 1 << 19]], dtype=np.int32)  # rows 0-1 step 0, rows 2-3 step 2
+    offsets = np.array([0, 2, 2, 4])
+    assert _woken_per_step(ids, offsets, 1 << 20).tolist() == [3, 0, 2]

@@ -109,11 +109,12 @@ def run(args: argparse.Namespace) -> int:
         for name, default in defaults.items()
     }
     dtype = None if args.dtype == "auto" else args.dtype
-    CheckConfig(**{**options, "kv_heads": options["kv_heads"] or options["heads"]}, mode=args.mode, device=device,
+    kv_heads = options["heads"] if options["kv_heads"] is None else options["kv_heads"]  # 0 is refused, not "unset"
+    CheckConfig(**{**options, "kv_heads": kv_heads}, mode=args.mode, device=device,
                 dtype=dtype or ("bf16" if device == "cuda" else "fp32"), seed=getattr(args, "seed", 0))  # bad options: now
     from engine.limits import check_attention_request  # before any allocation of its size
 
-    check_attention_request(options["seq_len"], options["heads"], options["kv_heads"] or options["heads"],
+    check_attention_request(options["seq_len"], options["heads"], kv_heads,
                             options["head_dim"], device, "check-attention")
     # One call of tens of seconds under the interpreter: say what runs, on stderr (stdout stays the result).
     print(f"check-attention: the fused kernel and its references at seq {options['seq_len']}, head_dim "
@@ -157,8 +158,14 @@ def _run_mla(args: argparse.Namespace, device: str, fmt: str) -> int:
         defaults.update(_latent_defaults(model_name))
     options = {name: getattr(args, name) if getattr(args, name) is not None else default
                for name, default in defaults.items()}
+    from engine.compare import resolve_device
+    from engine.compare_mla import MlaCheckConfig
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    MlaCheckConfig(**options, mode=args.mode, device=resolve_device(device),
+                   dtype=dtype or ("bf16" if resolve_device(device) == "cuda" else "fp32"), seed=0)  # bad options first
     check_request(options["seq_len"], options["heads"], options["kv_lora_rank"], options["rope_dim"], device,
-                  "check-attention --mla")
+                  "check-attention --mla", options["nope_dim"], options["v_dim"])
     result = check_mla(**options, mode=args.mode, device=device, dtype=None if args.dtype == "auto" else args.dtype,
                        seed=getattr(args, "seed", 0))
     return print_result(result, fmt, format_mla_result)

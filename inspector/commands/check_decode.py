@@ -76,6 +76,10 @@ def decode_options(args: argparse.Namespace, device: str) -> dict:
     options["window"] = options["window"] or None  # --window 0: plain causal
     if args.seq_len is None:
         options["seq_len"] = compare_decode.default_seq_len(device, options["window"], max_seq_len)
+        if options["seq_len"] > compare_decode.MAX_SEQ_LEN:  # the cache 2 W + 2 a --window asked for, not a --seq-len
+            raise UserError(f"--window {options['window']}: the cache the check gives it (2 W + 2 = "
+                            f"{options['seq_len']} keys) is more than {compare_decode.MAX_SEQ_LEN} keys per sequence; "
+                            f"give a smaller --window, or --seq-len")
     return options
 
 

@@ -85,7 +85,8 @@ def check_request(kind: str | None, parameters: dict[str, Any], where: str = "th
     if kind == MLA:
         from engine.compare_mla import check_request as mla_request
 
-        mla_request(p["seq_len"], p["heads"], p["kv_lora_rank"], p["rope_dim"], device, where)
+        mla_request(p["seq_len"], p["heads"], p["kv_lora_rank"], p["rope_dim"], device, where, p["nope_dim"],
+                    p["v_dim"])
     elif kind == DECODE:
         from engine.compare_decode import check_request as decode_request
 
