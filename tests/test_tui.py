@@ -735,6 +735,14 @@ async def test_escape_closes_the_narrow_flags_overlay_before_it_cancels_a_run(en
         await pilot.pause()
         assert not flags.display and app.focused.id == "prompt" and footer_says("escape") is None
         assert footer_says("f6") == "Flags"
+        put = main.queue.put
+
+        def slow_put(event):  # a run that outlasts the keys below however fast the machine generates
+            if isinstance(event, events.StepEvent):
+                time.sleep(0.02)
+            put(event)
+
+        main.queue.put = slow_put
         assert main.start_run("hello", "400")
         await wait_until(pilot, lambda: len(main.current_run.tokens[events.A]) >= 2)
         await pilot.press("f6")
