@@ -62,12 +62,16 @@ MAX_ROUTING_CAP_MB = 65536
 MAX_TOKENS = 2**31 - 1
 
 
+# A count as a user types one: ASCII digits (\d and int() also take "٣", and int() takes "1_6")
+_ASCII_COUNT = re.compile(r"\s*[+]?[0-9]+\s*")
+
+
 def _parse_int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool):
             raise ValueError
         if isinstance(value, str):
-            if not re.fullmatch(r"\s*[+]?[0-9]+\s*", value):  # ASCII digits: \d takes "٣" too
+            if not _ASCII_COUNT.fullmatch(value):
                 raise ValueError
             value = int(value)
         if not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
@@ -82,8 +86,8 @@ def _parse_choice(choices: tuple, cast: Callable[[Any], Any] = str) -> Callable[
             raise ValueError
         if cast is int and isinstance(value, float):  # 16.7 is not 16: a wrong type, not a rounding
             raise ValueError
-        if cast is int and isinstance(value, str) and not re.fullmatch(r"\s*[+]?[0-9]+\s*", value):
-            raise ValueError  # int() takes "1_6" and "٣٢" too
+        if cast is int and isinstance(value, str) and not _ASCII_COUNT.fullmatch(value):
+            raise ValueError
         try:
             value = cast(value.strip() if isinstance(value, str) else value)
         except (TypeError, ValueError, OverflowError):

@@ -27,17 +27,15 @@ kernels, about 20 per step (tests/test_trace.py checks a proxy against the 20 MB
 Also the NVTX ranges of the same names (`nvtx`), pushed only where the host walks layers (eager and capture
 steps) and around a profiled step; never on a replayed step's timed path.
 
-Knows nothing of argument parsing; the commands call `Trace.add_*` and `Trace.write`.
+Knows nothing of argument parsing; the commands call `Trace.add_*`, then write `Trace.dumps()` as they write
+every output (inspector.output_paths.write_output).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-
-from engine.atomic_file import atomic_write_bytes
 
 HOST, DEVICE = 1, 2
 ATTENTION, MOE, OTHER = "attention", "moe", "other"
@@ -413,13 +411,6 @@ class Trace:
         if problems:
             raise ValueError(f"the trace does not follow the trace-event format: {problems[0]}")
         return json.dumps(payload, separators=(",", ":"), default=str).encode("utf-8")
-
-    def write(self, path: str | os.PathLike) -> int:
-        """Write the trace atomically (engine.atomic_file: on a failure, an OSError, the file is as it was and no
-        temporary is left); returns its size in bytes."""
-        data = self.dumps()
-        atomic_write_bytes(path, data)
-        return len(data)
 
 
 def _moe_args(record: dict) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 from engine import trace
 from engine.trace import Trace, attribute, validate
+from inspector.output_paths import write_output
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {"_flash_decode_split_kernel": "attention", "_flash_decode_combine_kernel": "attention",
@@ -143,7 +144,9 @@ def test_bench_on_the_cpu_traces_every_step_and_layer(tmp_path):
     specs = bench.row_specs([], [4], [2], 6)
     report = bench.run_bench(engine, registry.resolve([]), specs, 1, trace=recorder)
     path = tmp_path / "bench.json"
-    size = recorder.write(path)
+    data = recorder.dumps()
+    write_output(path, data, "--trace")  # as the commands write it
+    size = len(data)
     payload = json.loads(path.read_text())
     assert validate(payload) == [] and size == path.stat().st_size
     events = [event for event in payload["traceEvents"] if event["ph"] == "X"]

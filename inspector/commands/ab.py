@@ -247,8 +247,7 @@ _BLANK_ADVICE = {
     "model": "a preset (tiny, demo, v4-shape) or a checkpoint directory, or drop it for demo",
     "device": "auto, cpu or cuda, or drop it", "graphs": "on or off, or drop it for the bench's default",
     "sweep_arms": "arms, comma separated, or drop it to time the arm each side's flags decide",
-    "session": "a session TOML file", "report": "a file name, or drop it", "json_out": "a file name, or drop it",
-}
+}  # a blank --session, --report or --json-out: inspector.cli refuses every blank path option before a command
 
 
 def _option(dest: str) -> str:

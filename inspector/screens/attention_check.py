@@ -294,6 +294,7 @@ class AttentionCheckScreen(Screen):
         self.cancel = threading.Event()
         self.running = False
         self.started = 0.0  # perf_counter when the running check was asked for
+        self.running_line = ""  # what the output says while it runs: the check and its arguments
         self.result: dict | None = None
         self._action: dict | None = None  # the session's record of the running check, saved when it finishes
 
